@@ -1,0 +1,226 @@
+"""Frozen engine configuration: model shape, parallel layout, KV cache and speculative decoding.
+
+Every field is validated once in ``__post_init__``; derived runtime values (KV pool size after
+profiling, stage layer ranges) live on the runner, never written back here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field in one line."""
+
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHS:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, eos_token_ids: tuple[int, ...] | None = None) -> "ModelConfig":
+        """Normalise a Hugging Face ``config.json`` dict.
+
+        Raises:
+            ConfigError: unknown architecture or missing shape field.
+        """
+        archs = cfg.get("architectures") or [cfg.get("architecture", "")]
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHS:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            if eos_token_ids is None:
+                eos_token_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rs = cfg.get("rope_scaling") or None
+            if rs is None and isinstance(cfg.get("rope_parameters"), dict):
+                rp = cfg["rope_parameters"]
+                if rp.get("rope_type", "default") != "default":
+                    rs = rp
+            rope_theta = cfg.get("rope_theta")
+            if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+                rope_theta = cfg["rope_parameters"].get("rope_theta")
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(rope_theta or 10000.0),
+                rope_scaling=tuple(sorted(rs.items())) if rs else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_token_ids),
+            )
+        except KeyError as e:
+            raise ConfigError(f"model config is missing field {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        """Inverse of :meth:`from_hf` (used to save random-weight models and draft configs)."""
+        d = {
+            "architectures": [self.architecture],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "hidden_act": "silu",
+            "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(self.architecture, "llama"),
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        return d
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE speculative decoding shape (SGLang naming: num_steps S, topk k, num_draft_tokens n incl. root)."""
+
+    algorithm: str | None = None          # None or "eagle"
+    draft: str | None = None              # path to an EAGLE-1/2 checkpoint directory
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+    pp_spec: bool = False                 # gate for PP x spec
+    draft_after_prefill: bool = True      # tail-draft right after prefill (False = reference degenerate first round)
+    adaptive: bool = False                # adaptive n is refused under PP
+    token_map: str | None = None          # draft vocabulary map (FR-Spec) is refused under PP
+    eagle_version: int = 2
+
+    def __post_init__(self) -> None:
+        if self.algorithm is None:
+            return
+        if self.algorithm != "eagle":
+            raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle)")
+        S, k, n = self.num_steps, self.topk, self.num_draft_tokens
+        if S < 1 or k < 1 or n < 2:
+            raise ConfigError("spec: num_steps >= 1, topk >= 1 and num_draft_tokens >= 2 are required")
+        if n - 1 > k + (S - 1) * k * k:
+            raise ConfigError(
+                f"spec: num_draft_tokens-1={n - 1} exceeds the candidate count topk+(num_steps-1)*topk^2="
+                f"{k + (S - 1) * k * k}")
+        if k == 1 and n != S + 1:
+            raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
+        if self.eagle_version not in (1, 2, 3):
+            raise ConfigError(f"spec.eagle_version: {self.eagle_version} (supported: 1, 2, 3)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+    @property
+    def reserve_per_req(self) -> int:
+        """KV slots reserved past seq_len per request: verify (n) plus tail-draft scratch (k*S)."""
+        return self.num_draft_tokens + self.topk * self.num_steps
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine instance needs; one frozen value shared by all ranks."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp: int = 1
+    pp: int = 1
+    attention_backend: str = "auto"       # auto | torch | flashinfer
+    load_format: str = "auto"             # auto | dummy (random weights from config.json only)
+    max_num_tokens: int | None = None     # KV pool capacity in tokens (None: sized from memory)
+    mem_fraction: float = 0.8
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048        # chunked-prefill token budget per step
+    max_model_len: int | None = None      # context length (None: the model's)
+    seed: int = 0
+    dist_timeout_s: float = 300.0
+    debug_hash_rebuild: bool = False
+    fault: str | None = None              # fault injection: "drop_tree"
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16)")
+        if self.tp < 1 or self.pp < 1:
+            raise ConfigError("tp and pp must be >= 1")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, torch, flashinfer)")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
+        if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
+            raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
+        if self.fault not in (None, "drop_tree"):
+            raise ConfigError(f"fault: {self.fault!r} (supported: drop_tree)")
+        if self.spec.enabled and self.pp > 1:
+            if not (self.spec.pp_spec or os.environ.get("PPSPEC_ENABLE_PP_SPEC") == "1"):
+                raise ConfigError(
+                    "pipeline parallelism with speculative decoding is off by default: set [spec] pp_spec = true "
+                    "or PPSPEC_ENABLE_PP_SPEC=1")
+            if self.spec.adaptive:
+                raise ConfigError("spec.adaptive: an adaptive number of draft tokens cannot be relayed under PP "
+                                  "(every stage slices the relay by a fixed num_draft_tokens)")
+            if self.spec.token_map:
+                raise ConfigError("spec.token_map: a draft vocabulary map is not supported under PP "
+                                  "(the relayed tree must use target token ids)")
+            if self.spec.eagle_version == 3:
+                raise ConfigError("spec.eagle_version=3 is refused under PP until its auxiliary features "
+                                  "are relayed between stages")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def replace(self, **kw) -> "EngineConfig":
+        """Return a copy with fields replaced (``spec`` may be a dict of SpecConfig fields)."""
+        spec = kw.pop("spec", None)
+        if isinstance(spec, dict):
+            kw["spec"] = dataclasses.replace(self.spec, **spec)
+        elif spec is not None:
+            kw["spec"] = spec
+        return dataclasses.replace(self, **kw)
+
+    def with_fault_from_env(self) -> "EngineConfig":
+        f = os.environ.get("PPSPEC_FAULT")
+        return self.replace(fault=f) if f and f != self.fault else self

@@ -1,0 +1,86 @@
+"""Slot-granular KV cache: one allocator, a page table ``req_to_token`` and per-stage K/V pools.
+
+Target and draft pools are addressed by the same slot id (page_size = 1, so committing an
+accepted tree path is an index rewrite, never a KV copy). Slot 0 is a padding slot, never handed out.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCacheError(RuntimeError):
+    """An allocator invariant was broken (double free, slot owned twice, leak)."""
+
+
+class KVPool:
+    """K/V tensors of one stage's layers: k_cache[layer] / v_cache[layer] are [num_slots, Hk, D]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
+        self.k_cache = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                        for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                        for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free list of KV slots 1..capacity. Deterministic: identical call sequences give identical slots."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free_slots: list[int] = list(range(1, capacity + 1))
+        self.owned = bytearray(capacity + 1)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self.free_slots)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take ``n`` slots, or None (nothing taken) when fewer are free."""
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        for s in out:
+            if self.owned[s]:
+                raise KVCacheError(f"slot {s} handed out twice")
+            self.owned[s] = 1
+        return out
+
+    def free(self, slots) -> None:
+        for s in slots:
+            s = int(s)
+            if not self.owned[s]:
+                raise KVCacheError(f"slot {s} freed but not owned")
+            self.owned[s] = 0
+        self.free_slots.extend(int(s) for s in slots)
+
+    def check(self) -> None:
+        """Invariant: every slot is either free or owned, never both; no duplicates in the free list."""
+        if len(set(self.free_slots)) != len(self.free_slots):
+            raise KVCacheError("duplicate slot in the free list")
+        if sum(self.owned) != self.num_used or any(self.owned[s] for s in self.free_slots):
+            raise KVCacheError("free list and ownership disagree")
+
+
+class ReqToTokenPool:
+    """Page table: ``req_to_token[row, pos]`` = KV slot of logical position ``pos`` of the request in ``row``."""
+
+    def __init__(self, max_reqs: int, max_len: int):
+        self.req_to_token = torch.zeros(max_reqs, max_len, dtype=torch.int64)
+        self.free_rows = list(range(max_reqs))
+
+    def alloc(self) -> int:
+        if not self.free_rows:
+            raise KVCacheError("no free request rows")
+        return self.free_rows.pop(0)
+
+    def free(self, row: int) -> None:
+        self.free_rows.append(row)
+        self.free_rows.sort()

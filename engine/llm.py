@@ -1,0 +1,248 @@
+"""User-facing engine: ``LLM(config).generate(prompts, SamplingParams)``.
+
+One rank runs in-process; tp*pp > 1 spawns one process per rank (gloo on CPU, NCCL across GPUs)
+connected over loopback. Multi-node runs use ``torchrun`` with :func:`engine.launch.torchrun_main`.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import resource
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from .config import ConfigError, EngineConfig
+from .dist import ParallelState, init_distributed, set_ps
+from .runner import check_topology, model_source
+from .sampling import SamplingParams
+from .scheduler import Req
+
+
+class EngineError(RuntimeError):
+    """A rank failed; the message names the rank and its error in one line."""
+
+
+@dataclass
+class RequestOutput:
+    rid: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    arrival_time: float                    # time.perf_counter() seconds when generate() received it
+    token_times: list[float] = field(default_factory=list)   # per output token, as seen by rank 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
+    num_retractions: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _rank_info(worker) -> dict:
+    r = worker.runner
+    nbytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    nparams = sum(p.numel() for p in r.model.parameters())
+    return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity}
+
+
+def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
+    try:
+        torch.set_num_threads(threads)
+        from .worker import Worker
+        dev = torch.device(config.device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(dev)
+        init_distributed(rank, config.world_size, config.tp, config.pp, dev, f"tcp://127.0.0.1:{port}",
+                         config.dist_timeout_s)
+        worker = Worker(config.replace(device=str(dev)), record_times=rank == 0)
+        res_q.put(("ready", rank, _rank_info(worker)))
+        while True:
+            cmd = cmd_q.get()
+            if cmd[0] == "stop":
+                break
+            _, reqs, max_conc = cmd
+            prog = (lambda d, t: res_q.put(("progress", d, t))) if rank == 0 else None
+            worker.run(reqs, max_conc, prog)
+            if rank == 0:
+                res_q.put(("result", reqs, _peak_memory(dev)))
+    except BaseException as e:                               # report, then let the front end stop the group
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        res_q.put(("error", rank, f"{type(e).__name__}: {msg}", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+class LLM:
+    """The engine front end. Raises ConfigError (one line) on bad config, model path or topology."""
+
+    def __init__(self, config: EngineConfig):
+        config = config.with_fault_from_env()
+        self.config = config
+        self.path, self.model_config = model_source(config)
+        check_topology(self.model_config, config.tp, config.pp)
+        self._next_rid = 0
+        self._procs = []
+        self.last_peak_memory = 0
+        if config.world_size == 1:
+            from .worker import Worker
+            set_ps(ParallelState(device=torch.device(config.device)))
+            self._worker = Worker(config, record_times=True)
+            self._infos = [_rank_info(self._worker)]
+            self.tokenizer = self._worker.runner.tokenizer
+        else:
+            self._start_ranks()
+            from .loader import load_tokenizer
+            self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
+
+    def _start_ranks(self) -> None:
+        cfg = self.config
+        ctx = mp.get_context("spawn")
+        W = cfg.world_size
+        self._cmd_qs = [ctx.Queue() for _ in range(W)]
+        self._res_q = ctx.Queue()
+        threads = max(1, (os.cpu_count() or 1) // W)
+        port = _free_port()
+        for rank in range(W):
+            p = ctx.Process(target=_rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
+                            daemon=True)
+            p.start()
+            self._procs.append(p)
+        infos = {}
+        while len(infos) < W:
+            msg = self._get()
+            if msg[0] == "ready":
+                infos[msg[1]] = msg[2]
+        self._infos = [infos[r] for r in range(W)]
+
+    def _get(self):
+        while True:
+            try:
+                msg = self._res_q.get(timeout=0.5)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    self.shutdown()
+                    raise EngineError(f"rank {dead[0]} exited without reporting (exit code "
+                                      f"{self._procs[dead[0]].exitcode})")
+                continue
+            if msg[0] == "error":
+                self.shutdown()
+                if os.environ.get("PPSPEC_DEBUG"):
+                    print(msg[3])
+                if msg[2].startswith("ConfigError: "):
+                    raise ConfigError(msg[2][len("ConfigError: "):])
+                raise EngineError(f"rank {msg[1]} failed: {msg[2]}")
+            return msg
+
+    @property
+    def info(self) -> dict:
+        c = self.config
+        return {"model": c.model, "device": c.device, "dtype": c.dtype, "tp": c.tp, "pp": c.pp,
+                "load_format": c.load_format,
+                "weight_bytes": sum(i["weight_bytes"] for i in self._infos),
+                "num_params": sum(i["num_params"] for i in self._infos),
+                "kv_pool_tokens": self._infos[0]["kv_pool_tokens"],
+                "spec": c.spec.__dict__ if c.spec.enabled else None,
+                "peak_memory_bytes": self.last_peak_memory}
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 max_concurrency: int | None = None, progress=None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids). Outputs come back in input order.
+
+        Raises ConfigError for an empty prompt, a prompt longer than the context, or bad params;
+        EngineError when a rank fails (the whole group is stopped).
+        """
+        if params is None:
+            params = SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ConfigError("params must be one SamplingParams or one per prompt")
+        reqs, now = [], time.perf_counter()
+        for p, sp in zip(prompts, plist):
+            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise ConfigError("empty prompt")
+            if len(ids) >= self._max_len():
+                raise ConfigError(f"prompt of {len(ids)} tokens is longer than the context ({self._max_len()} tokens)")
+            reqs.append(Req(self._next_rid, ids, sp, arrival_time=now))
+            self._next_rid += 1
+        if not reqs:
+            return []
+        if self.config.world_size == 1:
+            done = self._worker.run(reqs, max_concurrency, progress)
+            self.last_peak_memory = _peak_memory(torch.device(self.config.device))
+        else:
+            for q in self._cmd_qs:
+                q.put(("generate", reqs, max_concurrency))
+            while True:
+                msg = self._get()
+                if msg[0] == "progress" and progress is not None:
+                    progress(msg[1], msg[2])
+                elif msg[0] == "result":
+                    done, self.last_peak_memory = msg[1], msg[2]
+                    break
+        return [self._output(r) for r in done]
+
+    def _max_len(self) -> int:
+        mc = self.model_config
+        return min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
+
+    def _output(self, r: Req) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            for s in r.params.stop:
+                if s in text:
+                    text = text[:text.index(s)]
+        return RequestOutput(r.rid, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "length",
+                             r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions)
+
+    def shutdown(self) -> None:
+        for q in getattr(self, "_cmd_qs", []):
+            try:
+                q.put(("stop",))
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

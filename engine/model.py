@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5 attention bias, Qwen3 q/k norm, SmolLM2 tied embeddings).
+
+PP-aware: a stage owns the contiguous layers [start, end); the embedding lives on the first stage,
+the final norm and LM head on the last. Non-last stages return (hidden, residual) proxies.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import get_backend
+from .config import ModelConfig
+from .dist import ps
+from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                     VocabParallelEmbedding, silu_and_mul)
+
+
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Contiguous split; the first ``num_layers % pp_size`` stages get one extra layer."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, qkv_in: int | None = None):
+        super().__init__()
+        tp = ps().tp_size
+        self.layer_id = layer_id          # index into the KV pool of this module's owner
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp)
+        hq, hk = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            qkv_in or cfg.hidden_size,
+            [("q", hq, 0), ("k", hk, cfg.num_key_value_heads), ("v", hk, cfg.num_key_value_heads)],
+            bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(hq, cfg.hidden_size, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = None                 # shared RotaryEmbedding, set by the owner
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = get_backend().forward(q, k, v.contiguous(), self.layer_id, self.scale)
+        return self.o_proj(o.reshape(T, q_sz))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [("gate", i, 0), ("up", i, 0)], False, dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, input_norm: bool = True):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual):
+        if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
+            if residual is not None:
+                hidden = hidden + residual
+            x = residual = hidden
+        elif residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def load_layer_weight(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:
+    """Load one HF tensor ``rest`` (name below ``layers.{i}.``) into ``layer``; False if unknown."""
+    a = layer.self_attn
+    for sec in ("q", "k", "v"):
+        for p in ("weight", "bias"):
+            if rest == f"self_attn.{sec}_proj.{p}":
+                a.qkv_proj.load(sec, p, t)
+                return True
+    if rest == "self_attn.o_proj.weight":
+        a.o_proj.load(t)
+    elif rest == "mlp.gate_proj.weight":
+        layer.mlp.gate_up_proj.load("gate", "weight", t)
+    elif rest == "mlp.up_proj.weight":
+        layer.mlp.gate_up_proj.load("up", "weight", t)
+    elif rest == "mlp.down_proj.weight":
+        layer.mlp.down_proj.load(t)
+    elif rest == "input_layernorm.weight" and layer.input_layernorm is not None:
+        layer.input_layernorm.weight.data.copy_(t)
+    elif rest == "post_attention_layernorm.weight":
+        layer.post_attention_layernorm.weight.data.copy_(t)
+    elif rest == "self_attn.q_norm.weight" and a.q_norm is not None:
+        a.q_norm.weight.data.copy_(t)
+    elif rest == "self_attn.k_norm.weight" and a.k_norm is not None:
+        a.k_norm.weight.data.copy_(t)
+    else:
+        return False
+    return True
+
+
+class LlamaForCausalLM(nn.Module):
+    """One PP stage of the target model.
+
+    forward(input_ids [T] int64, positions [T] int64, hidden/residual [T, H] from the previous stage)
+      -> non-last stage: (hidden, residual) proxies [T, H];
+         last stage: (feature [T, H], None) where feature = final-norm output (the EAGLE feature).
+    ``compute_logits(feature [R, H]) -> [R, V]`` on the last stage.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_pos: int):
+        super().__init__()
+        s = ps()
+        self.cfg = cfg
+        self.start, self.end = stage_layer_range(cfg.num_hidden_layers, s.pp_size, s.pp_rank)
+        self.is_first, self.is_last = s.is_first_stage, s.is_last_stage
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i - self.start, dtype) for i in range(self.start, self.end))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.is_last else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype) if self.is_last else None
+        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        for layer in self.layers:
+            layer.self_attn.rotary = self.rotary
+
+    def forward(self, input_ids, positions, hidden=None, residual=None):
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last:
+            return hidden, residual
+        if residual is None:
+            return self.norm(hidden), None
+        return self.norm(hidden, residual)[0], None
+
+    def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(feature).float()
+
+    def load_weights(self, weights) -> None:
+        """Consume (hf_name, tensor) pairs; keeps only this stage's and this TP rank's part."""
+        for name, t in weights:
+            if name == "model.embed_tokens.weight":
+                if self.embed_tokens is not None:
+                    self.embed_tokens.load(t)
+                if self.lm_head is not None and self.cfg.tie_word_embeddings:
+                    self.lm_head.load(t)
+            elif name == "lm_head.weight":
+                if self.lm_head is not None:
+                    self.lm_head.load(t)
+            elif name == "model.norm.weight":
+                if self.norm is not None:
+                    self.norm.weight.data.copy_(t)
+            elif name.startswith("model.layers."):
+                idx, rest = name[len("model.layers."):].split(".", 1)
+                i = int(idx)
+                if self.start <= i < self.end:
+                    load_layer_weight(self.layers[i - self.start], rest, t)

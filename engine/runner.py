@@ -1,0 +1,205 @@
+"""Per-rank model runner: builds this rank's stage (and the draft on the last stage), owns the KV
+pools, turns a scheduled batch into tensors, runs the forward and, on the last stage, samples.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .attention import ForwardContext, TorchBackend, set_backend, set_context
+from .config import ConfigError, EngineConfig, ModelConfig
+from .dist import all_reduce_min_int, ps
+from .kv_cache import KVPool
+from .loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from .model import LlamaForCausalLM, stage_layer_range
+from .sampling import processed_probs, request_coins, sample_from_probs
+from .scheduler import Req, ScheduledBatch, Scheduler
+
+
+def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Raise ConfigError when the model cannot be split as asked."""
+    if cfg.num_attention_heads % tp:
+        raise ConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}")
+    kv = cfg.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tp={tp} and num_key_value_heads={kv}: one must divide the other")
+    if pp > cfg.num_hidden_layers:
+        raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
+
+
+def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
+    """Resolve the checkpoint and its shape (dummy load format: config.json only)."""
+    if config.load_format == "dummy":
+        p = Path(config.model)
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.exists():
+            raise ConfigError(f"model path not found: {config.model}")
+        return p, ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    path = resolve_model_path(config.model)
+    return path, load_model_config(path)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, record_times: bool = False):
+        s = ps()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.path, self.model_config = model_source(config)
+        mc = self.model_config
+        check_topology(mc, s.tp_size, s.pp_size)
+        self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
+        spec = config.spec
+        self.spec = spec if spec.enabled else None
+        self.reserve = spec.reserve_per_req if self.spec else 1
+        self._init_backend()
+        self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
+        torch.manual_seed(config.seed)
+        max_pos = self.max_model_len + self.reserve + 8
+        self.model = LlamaForCausalLM(mc, self.dtype, max_pos)
+        self.draft = None
+        start, end = stage_layer_range(mc.num_hidden_layers, s.pp_size, s.pp_rank)
+        if config.load_format == "dummy":
+            weights = dummy_weights(mc, seed=config.seed, dtype=self.dtype, layer_range=(start, end))
+        else:
+            weights = iter_weights(self.path, dtype=self.dtype, layer_range=(start, end))
+        if self.spec and s.is_last_stage:
+            weights = self._build_draft(weights, max_pos)
+        self.model.load_weights(weights)
+        self.model.to(self.device)
+        if self.draft is not None:
+            self.draft.to(self.device)
+        self._init_kv()
+        eos = tuple(mc.eos_token_ids)
+        detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
+                               bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
+
+    # ------------------------------------------------------------------------------------ setup
+    def _init_backend(self) -> None:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "flashinfer" if self.device.type == "cuda" else "torch"
+        if name == "flashinfer":
+            if self.device.type != "cuda":
+                raise ConfigError("attention_backend=flashinfer needs device=cuda")
+            from .flashinfer_backend import FlashInferBackend
+            set_backend(FlashInferBackend(self.device))
+        else:
+            set_backend(TorchBackend())
+
+    def _build_draft(self, weights, max_pos):
+        from .spec.eagle import EagleDraft, draft_config, iter_draft_weights
+        if not self.spec.draft:
+            raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
+        dcfg = draft_config(self.model_config, self.spec.draft)
+        self.draft = EagleDraft(dcfg, self.dtype, max_pos)
+        self.draft.load_draft_weights(iter_draft_weights(self.spec.draft, self.dtype))
+        for name, t in weights:               # the draft keeps its own copy of the target embedding
+            if name == "model.embed_tokens.weight":
+                self.draft.embed_tokens.load(t)
+            yield name, t
+
+    def _init_kv(self) -> None:
+        mc, s = self.model_config, ps()
+        kv_heads = max(1, mc.num_key_value_heads // s.tp_size)
+        n_layers = len(self.model.layers) + (1 if self.draft is not None else 0)
+        per_tok = KVPool.bytes_per_token(max(n_layers, 1), kv_heads, mc.head_dim, self.dtype)
+        if self.config.max_num_tokens:
+            cap = self.config.max_num_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = int(free * self.config.mem_fraction / per_tok / max(1, torch.cuda.device_count() and s.tp_size * s.pp_size if s.staged else 1))
+        else:
+            cap = int(os.environ.get("PPSPEC_CPU_KV_TOKENS", 16384))
+        self.capacity = all_reduce_min_int(cap)
+        self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
+        self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
+                           if self.draft is not None else None)
+
+    # ------------------------------------------------------------------------------------ forward
+    def batch_inputs(self, batch: ScheduledBatch, tree=None):
+        """Flat input_ids/positions/out_cache_loc [T] and per-request kv_indices/masks for ``batch``."""
+        rt = self.sched.req_to_token
+        ids, pos, locs, kv, masks, qo = [], [], [], [], [], [0]
+        for i, r in enumerate(batch.reqs):
+            if batch.kind == "prefill":
+                st, en, _ = batch.chunks[i]
+                ids.append(torch.tensor(r.fill_ids[st:en]))
+                pos.append(torch.arange(st, en))
+                locs.append(rt[r.row, st:en])
+                kv.append(rt[r.row, :en])
+                masks.append(None)
+            elif batch.kind == "decode":
+                L = r.seq_len
+                ids.append(torch.tensor([r.root_token]))
+                pos.append(torch.tensor([L]))
+                locs.append(rt[r.row, L:L + 1])
+                kv.append(rt[r.row, :L + 1])
+                masks.append(None)
+            else:
+                L, n = r.seq_len, tree.candidates.shape[1]
+                ids.append(tree.candidates[i])
+                pos.append(tree.positions[i])
+                locs.append(rt[r.row, L:L + n])
+                kv.append(rt[r.row, :L + n])
+                masks.append(torch.cat([torch.ones(n, L, dtype=torch.bool), tree.tree_mask[i].cpu()], 1))
+            qo.append(qo[-1] + ids[-1].numel())
+        d = self.device
+        ctx = ForwardContext(qo, [k.to(d) for k in kv], [m if m is None else m.to(d) for m in masks],
+                             torch.cat(locs).to(d), self.kv_pool, batch.kind)
+        return torch.cat(ids).to(d), torch.cat(pos).to(d), ctx
+
+    @torch.inference_mode()
+    def forward(self, ids, pos, ctx, hidden=None, residual=None):
+        from .attention import get_backend
+        get_backend().prepare(ctx)
+        set_context(ctx)
+        try:
+            if hidden is not None:
+                hidden = hidden.to(self.device, self.dtype)
+                residual = residual.to(self.device, self.dtype) if residual is not None else None
+            return self.model(ids, pos, hidden, residual)
+        finally:
+            set_context(None)
+
+    @torch.inference_mode()
+    def draft_forward(self, ids, features, pos, ctx):
+        from .attention import get_backend
+        ctx.pool = self.draft_pool
+        get_backend().prepare(ctx)
+        set_context(ctx)
+        try:
+            return self.draft(ids, features, pos)
+        finally:
+            set_context(None)
+
+    # ------------------------------------------------------------------------------------ sampling
+    def sampling_tensors(self, reqs: list[Req], repeat: int = 1):
+        p = [r.params for r in reqs]
+        t = torch.tensor([x.temperature for x in p], dtype=torch.float32).repeat_interleave(repeat)
+        k = torch.tensor([x.top_k for x in p], dtype=torch.int64).repeat_interleave(repeat)
+        tp = torch.tensor([x.top_p for x in p], dtype=torch.float32).repeat_interleave(repeat)
+        return t.to(self.device), k.to(self.device), tp.to(self.device)
+
+    def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
+        """Per-row target distribution; greedy rows become one-hot on the argmax (exact greedy verify)."""
+        t, k, tp = self.sampling_tensors(reqs, repeat)
+        probs = processed_probs(logits, t, k, tp)
+        greedy = (t == 0).unsqueeze(1)
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.where(greedy, onehot, probs)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(-1)
+        probs = self.target_probs(logits, reqs)
+        coins = torch.stack([request_coins(self._seed(r), r.rid, len(r.output_ids), 1)[0] for r in reqs])
+        return sample_from_probs(probs, coins.to(probs.device))
+
+    def _seed(self, r: Req) -> int:
+        return r.params.seed if r.params.seed is not None else self.config.seed

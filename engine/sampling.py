@@ -1,0 +1,71 @@
+"""Sampling parameters and the sampler (greedy, seeded temperature / top-k / top-p)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation controls. temperature 0 = greedy."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T), then top-k and top-p renormalisation (SGLang's order).
+
+    logits: [R, V] float32; temperature/top_p: [R] float32; top_k: [R] int64 (<= 0: off) -> probs [R, V].
+    """
+    probs = torch.softmax(logits / temperature.clamp_min(1e-5).unsqueeze(1), dim=-1)
+    V = probs.shape[1]
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=probs.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).unsqueeze(1)
+    keep = ranks < k
+    cum = sorted_p.cumsum(-1)
+    keep &= (cum - sorted_p) < top_p.unsqueeze(1)
+    sorted_p = sorted_p * keep
+    out = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [R, V], coins [R] in [0, 1) -> token ids [R] int64."""
+    cdf = probs.cumsum(-1)
+    tok = torch.searchsorted(cdf, (coins * cdf[:, -1]).unsqueeze(1).to(cdf.dtype), right=True).squeeze(1)
+    return tok.clamp_max(probs.shape[1] - 1)
+
+
+def request_coins(seed: int, rid: int, step: int, count: int) -> torch.Tensor:
+    """Deterministic uniform coins for (request, step): identical on every rank for the same inputs."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + rid * 7919 + step * 104_729) % (2 ** 63))
+    return torch.rand(count, generator=g)

@@ -1,0 +1,239 @@
+"""Continuous-batching scheduler, replicated identically on every rank.
+
+Every stage runs the same scheduler over the same request stream and the same relayed results, so
+admission, chunked prefill, KV allocation, retraction and finish decisions agree on all stages
+(SGLang's PP design). Requests stay in one micro-batch slot from admission to finish.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ConfigError
+from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator
+from .sampling import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: str = "waiting"               # waiting | prefilling | running | finished
+    slot: int = -1                        # micro-batch slot
+    row: int = -1                         # req_to_token row
+    seq_len: int = 0                      # tokens whose target KV is committed (the next root excluded)
+    allocated_len: int = 0                # slots held in the row (committed + reserve)
+    fill_ids: list[int] = field(default_factory=list)   # tokens to prefill (prompt + outputs after retraction)
+    prefilled: int = 0
+    tree: dict | None = None              # next verify tree: tokens [n] (col 0 = root), parent_list, top_scores_index
+    accept_lengths: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_retractions: int = 0
+    trees_seeded: int = 0                 # verify trees seeded by a completed prefill (placeholder guard)
+
+    @property
+    def root_token(self) -> int:
+        return self.output_ids[-1]
+
+
+@dataclass
+class ScheduledBatch:
+    kind: str                             # prefill | decode | verify
+    slot: int
+    reqs: list[Req]
+    chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
+
+    @property
+    def rids(self) -> list[int]:
+        return [r.rid for r in self.reqs]
+
+
+class Scheduler:
+    """Waiting queue + per-slot running sets over one slot allocator.
+
+    ``reserve`` is the number of slots kept past seq_len per running request: 1 for plain decoding,
+    n + k*S under speculation (verify rows plus tail-draft scratch; pp-spec-notes section 3.4).
+    """
+
+    def __init__(self, capacity: int, max_reqs: int, max_model_len: int, reserve: int, spec: bool,
+                 max_prefill_tokens: int, num_slots: int, eos_ids: tuple[int, ...], detok=None,
+                 record_times: bool = False):
+        self.allocator = SlotAllocator(capacity)
+        self.rows = ReqToTokenPool(max_reqs, max_model_len + reserve + 1)
+        self.max_reqs, self.max_model_len, self.reserve, self.spec = max_reqs, max_model_len, reserve, spec
+        self.max_prefill_tokens, self.num_slots = max_prefill_tokens, num_slots
+        self.eos_ids, self.detok, self.record_times = set(eos_ids), detok, record_times
+        self.reqs: dict[int, Req] = {}
+        self.waiting: list[Req] = []
+        self.max_concurrency = max_reqs
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.rows.req_to_token
+
+    # ----------------------------------------------------------------------------------- intake
+    def add(self, req: Req) -> None:
+        """Queue a request. Raises ConfigError for an empty or too long prompt."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ConfigError(f"request {req.rid}: empty prompt")
+        if n >= self.max_model_len:
+            raise ConfigError(f"request {req.rid}: prompt of {n} tokens is longer than the context "
+                              f"({self.max_model_len} tokens)")
+        need = min(n + req.params.max_new_tokens, self.max_model_len) + self.reserve
+        if need > self.allocator.capacity:
+            raise ConfigError(f"request {req.rid}: prompt + max_new_tokens + reserve = {need} tokens exceeds the "
+                              f"KV pool ({self.allocator.capacity} tokens)")
+        req.fill_ids = list(req.prompt_ids)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def all_finished(self) -> bool:
+        return all(r.status == "finished" for r in self.reqs.values())
+
+    def num_active(self) -> int:
+        return sum(r.status in ("prefilling", "running") for r in self.reqs.values())
+
+    # ----------------------------------------------------------------------------------- schedule
+    def schedule(self, slot: int) -> ScheduledBatch | None:
+        """Pick the next batch for micro-batch ``slot``: prefill first (chunked), else decode/verify."""
+        batch = self._schedule_prefill(slot)
+        if batch is not None:
+            return batch
+        running = [r for r in self.reqs.values() if r.slot == slot and r.status == "running"]
+        if not running:
+            return None
+        running.sort(key=lambda r: r.rid)
+        while running and not self._reserve_decode(running):
+            self._retract(running.pop())
+        if not running:
+            return None
+        return ScheduledBatch("verify" if self.spec else "decode", slot, running)
+
+    def _schedule_prefill(self, slot: int) -> ScheduledBatch | None:
+        budget = self.max_prefill_tokens
+        reqs, chunks = [], []
+        cands = [r for r in self.reqs.values() if r.status == "prefilling" and r.slot == slot]
+        cands.sort(key=lambda r: r.rid)
+        for r in cands + list(self.waiting):
+            if budget <= 0:
+                break
+            if r.status == "waiting" and self.num_active() >= min(self.max_concurrency, self.max_reqs):
+                break
+            start = r.prefilled
+            end = min(len(r.fill_ids), start + budget)
+            is_last = end == len(r.fill_ids)
+            need = (end + (self.reserve if is_last else 0)) - r.allocated_len
+            if r.status == "waiting":
+                if not self.rows.free_rows:
+                    break
+                slots = self.allocator.alloc(need)
+                if slots is None:
+                    break
+                self.waiting.remove(r)
+                r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
+            else:
+                slots = self.allocator.alloc(max(need, 0))
+                if slots is None:
+                    continue
+            self._append_slots(r, slots)
+            reqs.append(r)
+            chunks.append((start, end, is_last))
+            budget -= end - start
+        if not reqs:
+            if self.waiting and self.num_active() == 0 and not any(
+                    r.status == "prefilling" for r in self.reqs.values()):
+                raise KVCacheError("KV pool too small to admit any waiting request")
+            return None
+        return ScheduledBatch("prefill", slot, reqs, chunks)
+
+    def _append_slots(self, r: Req, slots: list[int]) -> None:
+        if slots:
+            self.req_to_token[r.row, r.allocated_len:r.allocated_len + len(slots)] = torch.tensor(slots)
+            r.allocated_len += len(slots)
+
+    def _reserve_decode(self, running: list[Req]) -> bool:
+        need = [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]
+        if sum(need) > self.allocator.num_free:
+            return False
+        for r, n in zip(running, need):
+            self._append_slots(r, self.allocator.alloc(n))
+        return True
+
+    def _release(self, r: Req) -> None:
+        self.allocator.free(self.req_to_token[r.row, :r.allocated_len].tolist())
+        self.rows.free(r.row)
+        r.row, r.allocated_len, r.seq_len = -1, 0, 0
+
+    def _retract(self, r: Req) -> None:
+        """Preempt by recompute: free everything, requeue at the front with prompt + outputs as the new fill."""
+        self._release(r)
+        r.status, r.slot, r.prefilled, r.tree = "waiting", -1, 0, None
+        r.fill_ids = r.prompt_ids + r.output_ids
+        r.num_retractions += 1
+        self.waiting.insert(0, r)
+
+    # ----------------------------------------------------------------------------------- results
+    def process_output(self, out: dict) -> None:
+        """Apply one relayed result (identical on every stage). Rows are matched by request id."""
+        kind = out["kind"]
+        for i, rid in enumerate(out["rids"]):
+            r = self.reqs[rid]
+            if r.status == "finished":
+                continue
+            if kind == "prefill":
+                start, end, is_last = out["chunks"][i]
+                r.prefilled = r.seq_len = end
+                if not is_last:
+                    continue                      # a middle chunk's token is a placeholder: no token, no tree
+                r.status = "running"
+                if self.spec:
+                    r.tree = _tree_row(out, i)
+                    r.trees_seeded += 1
+                self._emit(r, [int(out["tokens"][i][0])], accept_length=None)
+            elif kind == "decode":
+                r.seq_len += 1
+                self._emit(r, [int(out["tokens"][i][0])], accept_length=1)
+            else:
+                L, n = r.seq_len, out["next_tokens"].shape[1]
+                nodes = out["accept_nodes"][i]
+                alen = int(out["accept_lens"][i])
+                seg = self.req_to_token[r.row, L:L + n].clone()
+                acc = nodes[:alen]
+                rest = [j for j in range(n) if j not in set(acc.tolist())]
+                self.req_to_token[r.row, L:L + n] = seg[torch.cat([acc, torch.tensor(rest, dtype=torch.int64)])]
+                r.seq_len = L + alen
+                r.tree = _tree_row(out, i)
+                self._emit(r, [int(t) for t in out["tokens"][i][:alen]], accept_length=alen)
+
+    def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
+        now = time.perf_counter() if self.record_times else 0.0
+        if accept_length is not None:
+            r.accept_lengths.append(accept_length)
+        p = r.params
+        for t in toks:
+            r.output_ids.append(t)
+            r.token_times.append(now)
+            if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
+                return self._finish(r, "stop")
+            if p.stop and self.detok is not None:
+                text = self.detok(r.output_ids[-16:])
+                if any(s in text for s in p.stop):
+                    return self._finish(r, "stop")
+            if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
+                return self._finish(r, "length")
+
+    def _finish(self, r: Req, reason: str) -> None:
+        r.status, r.finish_reason = "finished", reason
+        self._release(r)
+
+
+def _tree_row(out: dict, i: int) -> dict:
+    return {"tokens": out["next_tokens"][i].clone(), "parent_list": out["next_parents"][i].clone(),
+            "top_scores_index": out["next_top_scores"][i].clone()}

@@ -1,0 +1,133 @@
+"""EAGLE-1/2 draft module (Li et al., "EAGLE", ICML 2024; layout of SGLang's LlamaForCausalLMEagle).
+
+u = fc([embed(x_{p+1}) ; f_p]) (2H -> H, with bias); one Llama decoder layer whose input norm is the
+identity; output = hidden + residual with no final norm; logits = the target's LM head (shared).
+The feature f_p is the target's final-norm output (what feeds its LM head).
+
+Checkpoint format (published EAGLE layout): ``config.json`` (the target's shape, one layer,
+``architectures: ["LlamaForCausalLMEagle"]``) and ``model.safetensors`` with keys ``fc.weight``,
+``fc.bias`` and ``layers.0.*`` (HF decoder-layer names). ``embed_tokens`` is not stored: the draft
+takes a copy of the target's embedding.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..layers import RotaryEmbedding, VocabParallelEmbedding
+from ..model import DecoderLayer, load_layer_weight
+
+
+class EagleDraft(nn.Module):
+    """forward(input_ids [T] int64, features [T, H], positions [T] int64) -> hidden [T, H] (pre-head)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_pos: int):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, dtype)
+        self.fc = nn.Linear(2 * H, H, bias=True, dtype=dtype)
+        self.layer = DecoderLayer(cfg, 0, dtype, input_norm=False)
+        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        self.layer.self_attn.rotary = self.rotary
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if features.shape[-1] * 2 != self.fc.in_features:
+            raise ValueError(f"draft fc expects features of width {self.fc.in_features // 2}, got {features.shape[-1]}")
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        h, residual = self.layer(positions, x, None)
+        return h + residual
+
+    def load_draft_weights(self, weights) -> None:
+        """Load (name, tensor) pairs in the published layout (``fc.*``, ``layers.0.*``)."""
+        seen = set()
+        for name, t in weights:
+            if name.startswith("fc."):
+                getattr(self.fc, name[3:]).data.copy_(t)
+            elif name.startswith("layers.0.") or name.startswith("model.layers.0."):
+                rest = name.split("layers.0.", 1)[1]
+                if not load_layer_weight(self.layer, rest, t):
+                    continue
+            else:
+                continue
+            seen.add(name)
+        if "fc.weight" not in seen:
+            raise ConfigError("draft checkpoint has no fc.weight: not an EAGLE-1/2 checkpoint")
+
+
+def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
+    """Read the draft's config.json and check it matches the target (hidden size = feature width)."""
+    p = Path(draft_dir) / "config.json"
+    if not p.exists():
+        raise ConfigError(f"draft checkpoint not found: {p}")
+    d = json.loads(p.read_text())
+    if int(d.get("hidden_size", -1)) != target.hidden_size:
+        raise ConfigError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {target.hidden_size}")
+    if d.get("eagle_version", 2) == 3 or "d2t" in d:
+        raise ConfigError("EAGLE-3 checkpoints are not supported by the EAGLE-1/2 draft module")
+    fields = target.to_hf()
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "attention_bias"):
+        if key in d:
+            fields[key] = d[key]
+    fields["num_hidden_layers"] = 1
+    fields["architectures"] = [target.architecture]
+    return ModelConfig.from_hf(fields, eos_token_ids=target.eos_token_ids)
+
+
+def iter_draft_weights(draft_dir: str | Path, dtype=torch.float32):
+    from safetensors import safe_open
+    files = sorted(Path(draft_dir).glob("*.safetensors"))
+    if files:
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    yield k, fh.get_tensor(k).to(dtype)
+        return
+    binf = Path(draft_dir) / "pytorch_model.bin"
+    if not binf.exists():
+        raise ConfigError(f"no draft weights (*.safetensors or pytorch_model.bin) in {draft_dir}")
+    for k, v in torch.load(binf, map_location="cpu", weights_only=True).items():
+        yield k, v.to(dtype)
+
+
+def save_draft(out_dir: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.bfloat16,
+               extra: dict | None = None) -> None:
+    """Write a draft in the published EAGLE layout: config.json + model.safetensors (``fc.*``, ``layers.0.*``)."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    d = cfg.to_hf()
+    d.update({"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1, "eagle_version": 2})
+    d.update(extra or {})
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+
+
+def draft_state_dict(draft: EagleDraft) -> dict[str, torch.Tensor]:
+    """Published-layout state dict of a single-rank draft (unfuses qkv and gate_up)."""
+    L = draft.layer
+    a, m = L.self_attn, L.mlp
+    q_sz = a.num_heads * a.head_dim
+    kv_sz = a.num_kv_heads * a.head_dim
+    w = a.qkv_proj.weight
+    out = {"fc.weight": draft.fc.weight, "fc.bias": draft.fc.bias,
+           "layers.0.self_attn.q_proj.weight": w[:q_sz], "layers.0.self_attn.k_proj.weight": w[q_sz:q_sz + kv_sz],
+           "layers.0.self_attn.v_proj.weight": w[q_sz + kv_sz:],
+           "layers.0.self_attn.o_proj.weight": a.o_proj.weight,
+           "layers.0.mlp.gate_proj.weight": m.gate_up_proj.weight[:m.gate_up_proj.weight.shape[0] // 2],
+           "layers.0.mlp.up_proj.weight": m.gate_up_proj.weight[m.gate_up_proj.weight.shape[0] // 2:],
+           "layers.0.mlp.down_proj.weight": m.down_proj.weight,
+           "layers.0.post_attention_layernorm.weight": L.post_attention_layernorm.weight}
+    if a.qkv_proj.bias is not None:
+        b = a.qkv_proj.bias
+        out.update({"layers.0.self_attn.q_proj.bias": b[:q_sz], "layers.0.self_attn.k_proj.bias": b[q_sz:q_sz + kv_sz],
+                    "layers.0.self_attn.v_proj.bias": b[q_sz + kv_sz:]})
+    return out

@@ -1,0 +1,169 @@
+"""EAGLE on the last stage: verify -> commit -> draft extend -> tail draft (one flow for every topology).
+
+Tail drafting (SGLang #30775): the tree for round r+1 is drafted at the end of round r (and right
+after prefill), so every stage can rebuild and verify it as soon as the relay arrives.
+KV: the committed row segment is the verify segment permuted so the accepted nodes come first in
+path order (page_size 1: an index rewrite). The permutation is applied to ``req_to_token`` by every
+stage's scheduler when it processes the relay; here it is computed locally for the draft's KV slots.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import ForwardContext
+from ..sampling import request_coins
+from .tree import (build_tree, chain_fallback, draft_step_select, organize_draft_results,
+                   verify_tree_greedy, verify_tree_sampling)
+
+
+def committed_row(rt_row: torch.Tensor, L: int, n: int, accept_nodes: torch.Tensor, alen: int) -> torch.Tensor:
+    """Row after commit: [0, L) unchanged, then the accepted nodes' slots in path order, then the rest."""
+    seg = rt_row[L:L + n]
+    acc = accept_nodes[:alen].cpu()
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[acc] = False
+    return torch.cat([rt_row[:L], seg[acc], seg[mask], rt_row[L + n:]])
+
+
+def build_batch_tree(runner, reqs):
+    spec = runner.spec
+    tokens = torch.stack([r.tree["tokens"] for r in reqs])
+    parents = torch.stack([r.tree["parent_list"] for r in reqs])
+    tsi = torch.stack([r.tree["top_scores_index"] for r in reqs])
+    for r, t in zip(reqs, tokens[:, 0].tolist()):
+        if t != r.root_token:
+            raise RuntimeError(f"request {r.rid}: relayed tree root {t} != last emitted token {r.root_token}")
+    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
+    return build_tree(tokens[:, 0], parents, tsi, tokens[:, 1:], seq_lens, spec.topk)
+
+
+def _topk_probs(runner, hidden: torch.Tensor):
+    probs = torch.softmax(runner.model.compute_logits(hidden), dim=-1)
+    return probs.topk(runner.spec.topk, dim=-1)
+
+
+def tail_draft(runner, reqs, rows: list[torch.Tensor], L_new: list[int], root: torch.Tensor,
+               last_hidden: torch.Tensor):
+    """Draft the next tree for each request (EAGLE-2 beam search, SGLang ``draft_forward``).
+
+    rows: committed req_to_token row per request (slots valid up to L_new + k*(S-1));
+    root [B] int64 (the bonus token), last_hidden [B, H] (draft output of the last extend row).
+    Returns (tokens [B, n] with column 0 = root, parent_list [B, k(S-1)+1], top_scores_index [B, n-1]).
+    Beam lanes keep their own ancestry of scratch slots, so attention is exact for trees too.
+    """
+    spec, dev = runner.spec, runner.device
+    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+    B, H = last_hidden.shape
+    p, t = _topk_probs(runner, last_hidden)
+    beam_scores, beam_tok, _, s_rec, t_rec, p_rec = draft_step_select(0, k, None, p.unsqueeze(1), t.unsqueeze(1))
+    scores, tokens, parents = [s_rec], [t_rec], [p_rec]
+    beam_hid = last_hidden.unsqueeze(1).expand(B, k, H)
+    hist = torch.zeros(B, k, 0, dtype=torch.int64)
+    for s in range(1, S):
+        scratch = torch.stack([rows[b][L_new[b] + (s - 1) * k: L_new[b] + s * k] for b in range(B)])
+        hist_s = torch.cat([hist, scratch.unsqueeze(2)], dim=2)
+        kv = [torch.cat([rows[b][:L_new[b]], hist_s[b, j]]).to(dev) for b in range(B) for j in range(k)]
+        pos = torch.tensor([L_new[b] + s - 1 for b in range(B) for _ in range(k)], device=dev)
+        ctx = ForwardContext(list(range(B * k + 1)), kv, None, scratch.reshape(-1).to(dev), None, "decode")
+        out = runner.draft_forward(beam_tok.reshape(-1), beam_hid.reshape(B * k, H), pos, ctx)
+        p, t = _topk_probs(runner, out)
+        beam_scores, beam_tok, parent_beam, s_rec, t_rec, p_rec = draft_step_select(
+            s, k, beam_scores, p.view(B, k, k), t.view(B, k, k))
+        scores.append(s_rec), tokens.append(t_rec), parents.append(p_rec)
+        beam_hid = out.view(B, k, H).gather(1, parent_beam.unsqueeze(2).expand(B, k, H))
+        hist = hist_s.gather(1, parent_beam.cpu().unsqueeze(2).expand(B, k, s))
+    parent_list, tsi, drafts = organize_draft_results(scores, tokens, parents, n)
+    return torch.cat([root.view(B, 1).to(drafts.device), drafts], 1), parent_list, tsi
+
+
+def draft_extend(runner, ids: torch.Tensor, features: torch.Tensor, pos: torch.Tensor, locs: torch.Tensor,
+                 kv: list[torch.Tensor], qo: list[int]) -> torch.Tensor:
+    """Run the draft over (token x_{p+1}, feature f_p) pairs, writing draft KV at ``locs``; -> hidden [T, H]."""
+    dev = runner.device
+    ctx = ForwardContext(qo, [x.to(dev) for x in kv], None, locs.to(dev), None, "extend")
+    return runner.draft_forward(ids.to(dev), features, pos.to(dev), ctx)
+
+
+def empty_tree(runner, B: int):
+    spec = runner.spec
+    return chain_fallback(torch.zeros(B, dtype=torch.int64), spec.num_steps, spec.topk, spec.num_draft_tokens)
+
+
+def maybe_fault(runner, tree, root: torch.Tensor):
+    """PPSPEC_FAULT=drop_tree: relay a degenerate chain with zero drafts (harness sensitivity check)."""
+    if runner.config.fault == "drop_tree":
+        spec = runner.spec
+        return chain_fallback(root.cpu(), spec.num_steps, spec.topk, spec.num_draft_tokens)
+    return tree
+
+
+def prefill_draft(runner, batch, feature: torch.Tensor, sampled: dict[int, int], qo: list[int]):
+    """Draft extend over every prefill chunk, then tail-draft the first tree of prompts that completed.
+
+    sampled: batch index -> token sampled at the end of a completed prompt. A middle chunk's shifted
+    input ends with the next real prompt token (SGLang #26329), never a placeholder.
+    """
+    rt = runner.sched.req_to_token
+    ids, kv, locs, pos = [], [], [], []
+    for i, r in enumerate(batch.reqs):
+        st, en, last = batch.chunks[i]
+        nxt = sampled[i] if last else r.fill_ids[en]
+        ids.append(torch.tensor(r.fill_ids[st + 1:en] + [nxt]))
+        kv.append(rt[r.row, :en])
+        locs.append(rt[r.row, st:en])
+        pos.append(torch.arange(st, en))
+    hid = draft_extend(runner, torch.cat(ids), feature, torch.cat(pos), torch.cat(locs), kv, qo)
+    B = len(batch.reqs)
+    tokens, parents, tsi = [t.clone() for t in empty_tree(runner, B)]
+    done = [i for i in range(B) if batch.chunks[i][2]]
+    if done:
+        root = torch.tensor([sampled[i] for i in done])
+        if runner.spec.draft_after_prefill:
+            rows = [rt[batch.reqs[i].row] for i in done]
+            L_new = [batch.chunks[i][1] for i in done]
+            last_h = hid[torch.tensor([qo[i + 1] - 1 for i in done], device=hid.device)]
+            tree = tail_draft(runner, [batch.reqs[i] for i in done], rows, L_new, root, last_h)
+        else:
+            spec = runner.spec
+            tree = chain_fallback(root, spec.num_steps, spec.topk, spec.num_draft_tokens)
+        tree = maybe_fault(runner, tree, root)
+        idx = torch.tensor(done)
+        tokens[idx], parents[idx], tsi[idx] = (x.cpu() for x in tree)
+    return tokens, parents, tsi
+
+
+def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> dict:
+    """Verify the batch's trees, draft-extend the accepted path and tail-draft the next trees."""
+    spec, reqs = runner.spec, batch.reqs
+    S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
+    logits = runner.model.compute_logits(feature)                           # [B*n, V]
+    dev_tree = type(tree)(*[getattr(tree, f).to(logits.device) for f in tree.__dataclass_fields__])
+    if all(r.params.greedy for r in reqs):
+        res = verify_tree_greedy(dev_tree, logits.argmax(-1).view(B, n), S)
+    else:
+        probs = runner.target_probs(logits, reqs, repeat=n).view(B, n, -1)
+        c = torch.stack([request_coins(runner._seed(r), r.rid, len(r.output_ids), n + 1) for r in reqs])
+        c = c.to(logits.device)
+        res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
+    accept_nodes, alen, emitted = res.accept_nodes.cpu(), res.accept_length.cpu(), res.emitted.cpu()
+    rt = runner.sched.req_to_token
+    rows, ids, feats, kv, locs, pos, qo2, L_new = [], [], [], [], [], [], [0], []
+    for b, r in enumerate(reqs):
+        L, a1 = r.seq_len, int(alen[b])
+        row = committed_row(rt[r.row, :r.allocated_len], L, n, accept_nodes[b], a1)
+        rows.append(row)
+        ids.append(emitted[b, :a1])
+        feats.append(b * n + accept_nodes[b, :a1])
+        kv.append(row[:L + a1])
+        locs.append(row[L:L + a1])
+        pos.append(torch.arange(L, L + a1))
+        qo2.append(qo2[-1] + a1)
+        L_new.append(L + a1)
+    fidx = torch.cat(feats).to(feature.device)
+    hid = draft_extend(runner, torch.cat(ids), feature[fidx], torch.cat(pos), torch.cat(locs), kv, qo2)
+    last_h = hid[torch.tensor(qo2[1:], device=hid.device) - 1]
+    bonus = res.bonus.cpu()
+    nxt = maybe_fault(runner, tail_draft(runner, reqs, rows, L_new, bonus, last_h), bonus)
+    return {"tokens": emitted, "accept_nodes": accept_nodes, "accept_lens": alen,
+            "new_seq_lens": torch.tensor(L_new), "bonus": bonus,
+            "next_tokens": nxt[0].cpu(), "next_parents": nxt[1].cpu(), "next_top_scores": nxt[2].cpu()}
