@@ -1,0 +1,319 @@
+"""``ppspec``: the Typer CLI. Every command is a thin wrapper over a plain function in harness/.
+
+Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the engine failed,
+2 a user error (bad config, flag or path): one ``Error: ...`` line, no traceback.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from engine.config import ConfigError
+from harness import __version__
+from harness.config import HarnessConfigError, RunConfig, merge, resolve
+from harness.sweep import dotted
+
+app = typer.Typer(name="ppspec", rich_markup_mode="rich", no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="[bold]ppspec[/bold]: pipeline parallelism x EAGLE speculative decoding, measured.")
+console = Console()
+err = Console(stderr=True, soft_wrap=True)   # one-line messages stay one line
+
+E = "Engine"
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Run config: [cyan]suites/NAME.yaml[/cyan] or a path.")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="Model name or checkpoint path.", rich_help_panel=E)]
+DraftOpt = Annotated[Optional[str], typer.Option(help="EAGLE draft checkpoint directory.", rich_help_panel=E)]
+TpOpt = Annotated[Optional[int], typer.Option(help="Tensor-parallel size.", rich_help_panel=E)]
+PpOpt = Annotated[Optional[int], typer.Option(help="Pipeline-parallel size.", rich_help_panel=E)]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16.", rich_help_panel=E)]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu | cuda.", rich_help_panel=E)]
+SpecOpt = Annotated[Optional[bool], typer.Option("--spec/--no-spec", help="Speculative decoding on/off.", rich_help_panel=E)]
+PpSpecOpt = Annotated[Optional[bool], typer.Option("--pp-spec/--no-pp-spec", help="Allow PP x spec (or PPSPEC_ENABLE_PP_SPEC=1).", rich_help_panel=E)]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Any field: [cyan]KEY=VALUE[/cyan], e.g. spec.num_steps=4, load_format=dummy.")]
+OutOpt = Annotated[Optional[Path], typer.Option(help="Result directory (default results/<suite>/<timestamp>-<kind>).")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn user errors into ``Error: <one line>`` + exit 2, engine failures into exit 1."""
+    try:
+        yield
+    except (HarnessConfigError, ConfigError, FileNotFoundError) as e:
+        err.print(f"Error: {e}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "EngineError":
+            err.print(f"Error: {e} (PPSPEC_DEBUG=1 shows the rank's traceback)", markup=False, highlight=False)
+            raise typer.Exit(1) from None
+        raise
+
+
+def parse_sets(sets: list[str] | None) -> dict:
+    """``["a.b=1", "tp=2"]`` -> ``{"a": {"b": 1}, "tp": 2}`` (values parsed as YAML)."""
+    out: dict = {}
+    for s in sets or []:
+        key, eq, val = s.partition("=")
+        if not eq or not key.strip():
+            raise HarnessConfigError(f"--set expects KEY=VALUE, got {s!r}")
+        out = merge(out, dotted(key.strip(), yaml.safe_load(val) if val.strip() else None))
+    return out
+
+
+def overrides(model=None, draft=None, tp=None, pp=None, dtype=None, device=None, spec=None, pp_spec=None,
+              sets=None, **sections: dict) -> dict:
+    """Collect the given (non-None) flags into a nested override dict (flags beat ``--set``)."""
+    flat = {k: v for k, v in dict(model=model, tp=tp, pp=pp, dtype=dtype, device=device).items() if v is not None}
+    sp = {k: v for k, v in dict(draft=draft, pp_spec=pp_spec).items() if v is not None}
+    if spec is not None:
+        sp["algorithm"] = "eagle" if spec else None
+    out = merge(parse_sets(sets), flat)
+    for name, sec in ({"spec": sp} | sections).items():
+        sec = {k: v for k, v in sec.items() if v is not None}
+        if sec:
+            out = merge(out, {name: sec})
+    return out
+
+
+def load(config: str | None, ov: dict) -> RunConfig:
+    """Resolve and print any resolution warnings to stderr."""
+    cfg = resolve(config, ov)
+    for n in cfg.notes:
+        err.print(n, markup=False, highlight=False)
+    return cfg
+
+
+@contextmanager
+def progress_bars(enabled: bool = True) -> Iterator:
+    """Yield ``cb(label, finished, total)`` drawing one rich bar per label (no-op when disabled)."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=False) as prog:
+        tasks: dict[str, int] = {}
+
+        def cb(label: str, finished: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = prog.add_task(label, total=total)
+            prog.update(tasks[label], completed=finished, total=total)
+        yield cb
+
+
+def show(renderables: list) -> None:
+    for r in renderables:
+        console.print(r)
+
+
+def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: Path | None) -> Path:
+    """Write the result files with metadata + config; returns the run directory."""
+    from harness.results import make_run_dir, run_metadata, write_run
+    d = make_run_dir(cfg, kind, out)
+    title = f"# {kind}: {cfg.name}" + (f" ({cfg.label})" if cfg.label else "")
+    write_run(d, {"kind": kind, "meta": run_metadata(cfg, kind), "config": cfg.to_dict(), **summary},
+              f"{title}\n\n{md}", records)
+    err.print(f"results: {d}", markup=False, highlight=False)
+    return d
+
+
+def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
+    if s is None:
+        return None
+    try:
+        return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise HarnessConfigError(f"{name}: expected comma-separated integers, got {s!r}") from None
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"ppspec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_callback(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO level.")] = False,
+) -> None:
+    """[bold]ppspec[/bold]: pipeline parallelism x EAGLE speculative decoding: GSM8K, latency, sweeps, gate."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+          dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+          limit: Annotated[Optional[int], typer.Option(help="First N test questions (default 200).")] = None,
+          runs: Annotated[Optional[int], typer.Option(help="Repeat the eval, varying arrival order and seed.")] = None,
+          num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
+          max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
+          max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
+          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy."""
+    from harness.gsm8k import render, run_gsm8k
+    with user_errors():
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
+            limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
+        with progress_bars(progress) as cb:
+            summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None)
+        rend, md = render(summary, f"GSM8K {cfg.name}")
+        show(rend)
+        save(cfg, "gsm8k", summary, records, md, out)
+
+
+@app.command()
+def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+          dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+          batch_sizes: Annotated[Optional[str], typer.Option(help="Concurrency levels, e.g. [cyan]1,8,32[/cyan].")] = None,
+          input_lens: Annotated[Optional[str], typer.Option(help="Prompt lengths in tokens, e.g. [cyan]512,2048[/cyan].")] = None,
+          output_len: Annotated[Optional[int], typer.Option(help="Output tokens per request (ignore_eos).")] = None,
+          num_prompts: Annotated[Optional[int], typer.Option(help="Requests per cell and run (default: batch size).")] = None,
+          runs: Annotated[Optional[int], typer.Option(help="Timed repetitions per cell.")] = None,
+          warmup: Annotated[Optional[int], typer.Option(help="Warmup generations per cell.")] = None,
+          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
+    from harness.bench import render, run_bench
+    with user_errors():
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
+            batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
+            output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup)))
+        with progress_bars(progress) as cb:
+            summary, records = run_bench(cfg, progress=cb)
+        rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
+        show(rend)
+        save(cfg, "bench", summary, records, md, out)
+
+
+@app.command()
+def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
+         dtype: DtypeOpt = None, device: DeviceOpt = None,
+         limit: Annotated[Optional[int], typer.Option(help="GSM8K questions in the slice.")] = None,
+         accuracy_margin: Annotated[Optional[float], typer.Option(help="Allowed accuracy drop (0-1).")] = None,
+         accept_length_margin: Annotated[Optional[float], typer.Option(help="Allowed accept-length drop.")] = None,
+         set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops."""
+    from harness.gate import render, run_gate
+    with user_errors():
+        cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
+            limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
+        with progress_bars(progress) as cb:
+            summary, records = run_gate(cfg, progress=cb)
+        rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
+        show(rend)
+        save(cfg, "gate", summary, records, md, out)
+    if not summary["verdict"]["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix file, e.g. [cyan]suites/matrix_cpu.yaml[/cyan].")],
+          out: Annotated[Optional[Path], typer.Option(help="Sweep directory (default results/<matrix name>).")] = None,
+          only: Annotated[Optional[list[str]], typer.Option(help="Run only these cells (repeatable).")] = None,
+          dry_run: Annotated[bool, typer.Option(help="List the cells and exit.")] = False) -> None:
+    """Run a TP x PP x spec matrix, one fresh process per cell, resumable; render the comparison table."""
+    from harness.compare import run_compare
+    from harness.config import find_toml
+    from harness.sweep import finished_cells, load_matrix, run_sweep
+    with user_errors():
+        toml = find_toml()
+        root = toml.parent if toml else Path.cwd()
+        m = load_matrix(matrix, root)
+        base = resolve(None, {})
+        d = out or Path(base.paths.results) / m["name"]
+        if dry_run:
+            for c in m["cells"]:
+                console.print(f"{c['name']}: {m['commands']}", markup=False)
+            return
+        def event(cell: str, cmd: str, status: str) -> None:
+            err.print(f"[{status}] {cell} {cmd}", markup=False, highlight=False)
+        rows = run_sweep(m, d, Path(base.paths.results) / "raw" / m["name"], only, event)
+        cells = finished_cells(m, d)
+        if cells:
+            summary, rend, md = run_compare([str(c) for c in cells], d)
+            show(rend)
+            import json
+            (d / "summary.md").write_text(f"# sweep {m['name']}\n\n{md}")
+            (d / "summary.json").write_text(json.dumps({**summary, "kind": "sweep", "status": rows}, indent=1))
+            err.print(f"results: {d}", markup=False, highlight=False)
+    if any(r["status"] == "failed" for r in rows):
+        err.print("failed cells: " + ", ".join(f"{r['cell']}/{r['command']} (log {r['log']})"
+                                               for r in rows if r["status"] == "failed"), markup=False)
+        raise typer.Exit(1)
+
+
+@app.command()
+def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (run, sweep cell or suite dirs).")],
+            out: Annotated[Optional[Path], typer.Option(help="Where to write compare.md/json and PNGs.")] = None,
+            plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots.")] = True) -> None:
+    """Side-by-side tables, paired McNemar/bootstrap tests with the minimum detectable difference, plots."""
+    import json
+
+    from harness.compare import run_compare
+    with user_errors():
+        d = out or Path(resolve(None, {}).paths.results) / "compare" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        d.mkdir(parents=True, exist_ok=True)
+        summary, rend, md = run_compare(dirs, d, plots=plots)
+        show(rend)
+        (d / "compare.md").write_text(f"# compare\n\n{md}")
+        (d / "compare.json").write_text(json.dumps(summary, indent=1, default=str))
+        err.print(f"results: {d}", markup=False, highlight=False)
+
+
+@app.command()
+def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config: ConfigOpt = None,
+             model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+             dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+             max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 128,
+             temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+             set_: SetOpt = None) -> None:
+    """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --tp 1 --pp 2[/cyan]."""
+    with user_errors():
+        from engine import LLM, SamplingParams
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
+        with LLM(cfg.engine) as llm:
+            o = llm.generate([prompt], SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))[0]
+        console.print(o.text, markup=False, highlight=False)
+        acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if o.accept_lengths else ""
+        err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{acc}]", markup=False, highlight=False)
+
+
+@app.command("train-draft")
+def train_draft(config: ConfigOpt = "train_smollm2_draft",
+                model: Annotated[Optional[str], typer.Option(help="Target model to distil from.")] = None,
+                data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
+                out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
+                set_: SetOpt = None) -> None:
+    """Train an EAGLE draft head ([cyan]engine.spec.train.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
+    with user_errors():
+        flags = {k: v for k, v in dict(model=model, data=data, out=out).items() if v is not None}
+        cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}))
+        try:
+            from engine.spec.train import train_draft as _train
+        except ImportError as e:
+            raise HarnessConfigError(f"train-draft: engine.spec.train is not available ({e})") from None
+        kwargs = dict(cfg.train)
+        for k in ("model", "data", "out"):
+            if k not in kwargs:
+                raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
+        result = _train(**kwargs)
+        if result is not None:
+            console.print(result)
+
+
+def main() -> None:
+    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``)."""
+    app(prog_name="ppspec")
+
+
+if __name__ == "__main__":
+    main()

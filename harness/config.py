@@ -1,0 +1,317 @@
+"""Run configuration: ppspec.toml defaults < run YAML < CLI flags, resolved into one frozen RunConfig.
+
+Every layer is checked on its own (unknown keys, wrong types) so an error names the file and the
+field in one line; the merged result is validated by the dataclasses (and by EngineConfig).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig, SpecConfig
+
+
+class HarnessConfigError(ValueError):
+    """A run configuration file or flag is invalid; the message is one line naming the field."""
+
+
+@dataclass(frozen=True)
+class GSM8KConfig:
+    """GSM8K workload: lm-eval's ``gsm8k`` task on the bundled data."""
+
+    limit: int | None = 200               # first N test questions (None: all 1319)
+    num_fewshot: int = 8
+    max_new_tokens: int = 256             # max_gen_toks when the task sets none
+    runs: int = 1                         # repeats, varying arrival order and seed
+    max_concurrency: int | None = None    # None: engine default
+
+    def __post_init__(self) -> None:
+        _positive("gsm8k", limit=self.limit, max_new_tokens=self.max_new_tokens, runs=self.runs,
+                  max_concurrency=self.max_concurrency)
+        if self.num_fewshot < 0:
+            raise HarnessConfigError("gsm8k.num_fewshot: must be >= 0")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Latency/throughput workload: concurrency x prompt length, fixed output length."""
+
+    batch_sizes: tuple[int, ...] = (1, 8)
+    input_lens: tuple[int, ...] = (512,)
+    output_len: int = 128
+    num_prompts: int | None = None        # per cell and run; None: equal to the batch size
+    runs: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or not self.input_lens:
+            raise HarnessConfigError("bench.batch_sizes and bench.input_lens must not be empty")
+        for name, vals in (("batch_sizes", self.batch_sizes), ("input_lens", self.input_lens)):
+            if any(v < 1 for v in vals):
+                raise HarnessConfigError(f"bench.{name}: every value must be >= 1, got {list(vals)}")
+        _positive("bench", output_len=self.output_len, num_prompts=self.num_prompts, runs=self.runs)
+        if self.warmup < 0:
+            raise HarnessConfigError("bench.warmup: must be >= 0")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Accept-length parity gate: baseline PP vs candidate PP on one GSM8K slice, both with spec."""
+
+    accuracy_margin: float = 0.02
+    accept_length_margin: float = 0.2
+    limit: int | None = 16
+    baseline_pp: int = 1
+    candidate_pp: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("gate", limit=self.limit, baseline_pp=self.baseline_pp, candidate_pp=self.candidate_pp)
+        if self.accuracy_margin < 0 or self.accept_length_margin < 0:
+            raise HarnessConfigError("gate margins must be >= 0")
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    """Data, results and suite directories (absolute after resolution)."""
+
+    data: str = "harness/data/gsm8k"
+    results: str = "results"
+    suites: str = "suites"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One validated run: engine config + workloads + where results go."""
+
+    name: str
+    engine: EngineConfig
+    gsm8k: GSM8KConfig = field(default_factory=GSM8KConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    description: str = ""
+    label: str = ""                       # shown next to results (e.g. "DUMMY WEIGHTS")
+    train: dict = field(default_factory=dict)
+    sources: tuple[str, ...] = ()         # files that contributed, lowest precedence first
+    notes: tuple[str, ...] = ()           # warnings raised while resolving (printed by the CLI)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of the whole configuration."""
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """12 hex digits of sha256 over the configuration (sources and notes excluded)."""
+        d = self.to_dict()
+        d.pop("sources"), d.pop("notes")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+SECTIONS = {"spec": SpecConfig, "gsm8k": GSM8KConfig, "bench": BenchConfig, "gate": GateConfig,
+            "paths": PathsConfig}
+ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"spec"}
+META_KEYS = {"name": str, "description": str, "label": str, "train": dict}
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _positive(section: str, **vals: int | None) -> None:
+    for k, v in vals.items():
+        if v is not None and v < 1:
+            raise HarnessConfigError(f"{section}.{k}: must be >= 1, got {v}")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Return ``value`` converted to ``hint`` (list -> tuple, int -> float) or raise naming ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = HarnessConfigError(f"{where}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _check(value, a, where)
+                except HarnessConfigError:
+                    pass
+        raise bad
+    if origin is tuple:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        raise bad
+    if not isinstance(value, hint):
+        raise bad
+    return value
+
+
+def _unknown(key: str, allowed: set[str], where: str) -> HarnessConfigError:
+    close = difflib.get_close_matches(key, sorted(allowed), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(sorted(allowed))})"
+    return HarnessConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def check_layer(data: Any, source: str) -> dict:
+    """Validate one layer (toml, YAML or flags): known keys, right types. Returns a normalised copy."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise HarnessConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+    engine_hints = typing.get_type_hints(EngineConfig)
+    out: dict = {}
+    for key, val in data.items():
+        if key in ENGINE_KEYS:
+            out[key] = _check(val, engine_hints[key], f"{source}: field {key!r}")
+        elif key in META_KEYS:
+            out[key] = _check(val, META_KEYS[key], f"{source}: field {key!r}")
+        elif key in SECTIONS:
+            if val is None or val is False:
+                val = {"algorithm": None} if key == "spec" else {}
+            if not isinstance(val, dict):
+                raise HarnessConfigError(f"{source}: field {key!r}: expected a mapping, got {type(val).__name__}")
+            cls = SECTIONS[key]
+            hints = typing.get_type_hints(cls)
+            names = {f.name for f in dataclasses.fields(cls)}
+            sec = {}
+            for k, v in val.items():
+                if k not in names:
+                    raise _unknown(k, names, f"{source}: [{key}]")
+                sec[k] = _check(v, hints[k], f"{source}: field '{key}.{k}'")
+            out[key] = sec
+        else:
+            raise _unknown(str(key), ENGINE_KEYS | set(SECTIONS) | set(META_KEYS), source)
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep merge: ``over`` wins; nested dicts merge key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def find_toml(explicit: str | Path | None = None) -> Path | None:
+    """ppspec.toml: explicit path > $PPSPEC_TOML > cwd and its parents > the package checkout."""
+    if explicit or os.environ.get("PPSPEC_TOML"):
+        p = Path(explicit or os.environ["PPSPEC_TOML"])
+        if not p.is_file():
+            raise FileNotFoundError(f"ppspec.toml not found at {p}")
+        return p.resolve()
+    for d in (Path.cwd(), *Path.cwd().parents, PACKAGE_ROOT):
+        if (d / "ppspec.toml").is_file():
+            return (d / "ppspec.toml").resolve()
+    return None
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file; a syntax error becomes one line with the position."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        pos = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HarnessConfigError(f"{path}:{pos} invalid YAML: {getattr(e, 'problem', None) or e}") from None
+
+
+def find_config(name: str | Path, root: Path) -> Path:
+    """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml)."""
+    p = Path(name)
+    cands = [p, root / "suites" / p, root / "suites" / f"{p}.yaml", root / "suites" / f"{p}.yml"]
+    for c in cands:
+        if c.is_file():
+            return c.resolve()
+    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})")
+
+
+def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str | None:
+    """Absolute path if ``value`` exists relative to cwd, root or ``extra`` dirs; else None."""
+    p = Path(value).expanduser()
+    for base in (Path.cwd(), root, *extra):
+        c = p if p.is_absolute() else base / p
+        if c.exists():
+            return str(c.resolve())
+    return None
+
+
+def resolve(config: str | Path | None = None, overrides: dict | None = None,
+            toml: str | Path | None = None) -> RunConfig:
+    """Resolve ppspec.toml < YAML ``config`` < ``overrides`` (nested dict, CLI flags) into a RunConfig.
+
+    Raises:
+        HarnessConfigError: unknown key, wrong type or bad value (one line naming the field).
+        engine.config.ConfigError: the engine rejects the combination.
+        FileNotFoundError: the config or toml file does not exist.
+    """
+    toml_path = find_toml(toml)
+    root = toml_path.parent if toml_path else PACKAGE_ROOT
+    layers: list[tuple[str, dict]] = []
+    if toml_path:
+        try:
+            raw = tomllib.loads(toml_path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise HarnessConfigError(f"{toml_path}: invalid TOML: {e}") from None
+        layers.append((str(toml_path), check_layer(raw, str(toml_path))))
+    yaml_dir: tuple[Path, ...] = ()
+    if config is not None:
+        path = find_config(config, root)
+        layers.append((str(path), check_layer(load_yaml(path), str(path))))
+        yaml_dir = (path.parent,)
+    if overrides:
+        layers.append(("command line", check_layer(overrides, "command line")))
+    merged: dict = {}
+    for _, layer in layers:
+        merged = merge(merged, layer)
+
+    notes: list[str] = []
+    spec = dict(merged.pop("spec", {}))
+    if spec.get("algorithm"):
+        draft = spec.get("draft")
+        found = _resolve_path(draft, root, yaml_dir) if draft else None
+        if found is None:
+            notes.append(f"warning: draft {draft!r} not found; speculative decoding off")
+            spec["algorithm"] = None
+        else:
+            spec["draft"] = found
+    if isinstance(merged.get("model"), str):
+        merged["model"] = _resolve_path(merged["model"], root, yaml_dir) or merged["model"]
+    paths = {k: str((root / v).resolve()) for k, v in merged.pop("paths", {}).items()}
+    sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
+    meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
+    engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
+    default_name = Path(str(config)).stem if config is not None else "default"
+    return RunConfig(
+        name=meta.get("name") or default_name, engine=engine,
+        gsm8k=GSM8KConfig(**sections["gsm8k"]), bench=BenchConfig(**sections["bench"]),
+        gate=GateConfig(**sections["gate"]), paths=PathsConfig(**{**_default_paths(root), **paths}),
+        description=meta.get("description", ""), label=meta.get("label", ""), train=meta.get("train", {}),
+        sources=tuple(s for s, _ in layers), notes=tuple(notes))
+
+
+def _default_paths(root: Path) -> dict:
+    return {f.name: str((root / f.default).resolve()) for f in dataclasses.fields(PathsConfig)}

@@ -1,0 +1,93 @@
+"""``ppspec gate``: the accept-length parity gate (CI).
+
+Runs the same GSM8K slice under the baseline PP size and the candidate PP size, both with
+speculative decoding, and fails when the candidate's accuracy (either filter) drops by more than
+``accuracy_margin`` or its mean accept length by more than ``accept_length_margin``. Accuracy
+alone cannot catch a lost tree (the bonus token keeps the text right); acceptance collapses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from harness import stats
+from harness.config import HarnessConfigError, RunConfig
+from harness.gsm8k import FILTERS, run_gsm8k
+from harness.tables import both, fmt
+
+
+def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
+    """(baseline, candidate) run configs: one run on ``gate.limit`` questions, PP sizes from ``gate``.
+
+    Raises:
+        HarnessConfigError: speculative decoding is off (nothing to gate).
+        engine.config.ConfigError: the engine refuses the candidate (e.g. PP x spec not enabled).
+    """
+    if not cfg.engine.spec.enabled:
+        raise HarnessConfigError("gate: speculative decoding is off (is the draft missing?); the gate compares "
+                                 "PP runs with spec")
+    g = cfg.gate
+    work = dataclasses.replace(cfg.gsm8k, limit=g.limit, runs=1)
+    base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp))
+    cand = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.candidate_pp))
+    return base, cand
+
+
+def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records: list[dict],
+                  accuracy_margin: float, accept_length_margin: float) -> dict:
+    """Compare two gsm8k summaries; returns checks, verdict and the count of differing questions."""
+    checks = []
+    for f in FILTERS:
+        a, b = base["runs"][0]["accuracy"][f], cand["runs"][0]["accuracy"][f]
+        checks.append({"metric": f"accuracy ({f})", "baseline": a, "candidate": b, "delta": b - a,
+                       "margin": accuracy_margin, "ok": b >= a - accuracy_margin - 1e-12})
+    a, b = base["runs"][0]["accept_length"]["mean"], cand["runs"][0]["accept_length"]["mean"]
+    ok = a is not None and b is not None and b >= a - accept_length_margin - 1e-12
+    checks.append({"metric": "accept length", "baseline": a, "candidate": b,
+                   "delta": (b - a) if a is not None and b is not None else None,
+                   "margin": accept_length_margin, "ok": ok})
+    rb = {r["doc_id"]: r for r in base_records}
+    rc = {r["doc_id"]: r for r in cand_records}
+    common = sorted(set(rb) & set(rc))
+    differ = [q for q in common if rb[q]["response"] != rc[q]["response"]]
+    mc = stats.mcnemar_exact([rb[q]["flexible-extract"]["exact_match"] for q in common],
+                             [rc[q]["flexible-extract"]["exact_match"] for q in common])
+    failed = [c["metric"] for c in checks if not c["ok"]]
+    return {"passed": not failed, "failed": failed, "checks": checks, "n_questions": len(common),
+            "differing_outputs": len(differ), "differing_doc_ids": differ, "mcnemar_flexible": mc}
+
+
+def run_gate(cfg: RunConfig, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
+    """Run baseline then candidate; returns (summary with ``verdict``, records tagged by ``side``)."""
+    base_cfg, cand_cfg = gate_configs(cfg)
+    out, records = {}, []
+    for side, c in (("baseline", base_cfg), ("candidate", cand_cfg)):
+        cb = (lambda r, f, t, s=f"{side} pp={c.engine.pp}": progress(s, f, t)) if progress else None
+        summary, recs = run_gsm8k(c, progress=cb)
+        out[side] = {"summary": summary, "records": recs, "pp": c.engine.pp}
+        records.extend({"side": side, "pp": c.engine.pp, **r} for r in recs)
+    verdict = evaluate_gate(out["baseline"]["summary"], out["candidate"]["summary"], out["baseline"]["records"],
+                            out["candidate"]["records"], cfg.gate.accuracy_margin, cfg.gate.accept_length_margin)
+    return {"kind": "gate", "fault": cfg.engine.fault, "gate": dataclasses.asdict(cfg.gate), "verdict": verdict,
+            "baseline": out["baseline"]["summary"], "candidate": out["candidate"]["summary"]}, records
+
+
+def render(summary: dict, title: str = "gate") -> tuple[list, str]:
+    """Rich table + markdown of the gate checks, and the verdict line with its reason."""
+    v, g = summary["verdict"], summary["gate"]
+    headers = ["metric", f"baseline PP{g['baseline_pp']}", f"candidate PP{g['candidate_pp']}", "delta",
+               "allowed drop", "result"]
+    rows = []
+    for c in v["checks"]:
+        kind = "pct" if c["metric"].startswith("accuracy") else "num"
+        rows.append([c["metric"], fmt(c["baseline"], kind), fmt(c["candidate"], kind),
+                     fmt(c["delta"], kind), fmt(c["margin"], kind), "ok" if c["ok"] else "FAIL"])
+    t, md = both(f"{title}: {v['n_questions']} GSM8K questions, spec on both sides"
+                 + (f", fault={summary['fault']}" if summary.get("fault") else ""), headers, rows)
+    mc = v["mcnemar_flexible"]
+    line = (f"questions with different output: {v['differing_outputs']} of {v['n_questions']}; "
+            f"McNemar (flexible-extract) discordant {mc['discordant']}, p={mc['p_value']:.3g}")
+    verdict = "PASS" if v["passed"] else "FAIL: " + "; ".join(
+        f"{c['metric']} dropped {abs(c['delta']) if c['delta'] is not None else float('nan'):.3g} "
+        f"(allowed {c['margin']:.3g})" for c in v["checks"] if not c["ok"])
+    return [t, line, verdict], f"{md}\n{line}\n\n**{verdict}**\n"

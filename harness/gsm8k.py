@@ -1,0 +1,214 @@
+"""GSM8K scored exactly as lm-eval's ``gsm8k`` task, by running lm-eval's own task machinery.
+
+The bundled data (harness/data/gsm8k) is wired into lm-eval through a task YAML that includes
+lm-eval's gsm8k.yaml; our engine answers as the lm-eval model ``ppspec``. ``score_response`` is
+an independent re-implementation of the two filter pipelines + exact_match, used to cross-check
+lm-eval's per-question verdicts (``scorer_mismatches`` in the summary must be 0).
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from harness import stats
+from harness.config import RunConfig
+from harness.tables import both, fmt
+
+TASK = "gsm8k_local"
+FILTERS = ("strict-match", "flexible-extract")
+INVALID = "[invalid]"
+_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_FLEX = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+
+
+def _extract(regex: re.Pattern, group_select: int, response: str) -> str:
+    found = regex.findall(response)
+    if not found:
+        return INVALID
+    m = found[group_select]
+    if isinstance(m, tuple):
+        m = next((g for g in m if g), INVALID)
+    return m.strip()
+
+
+def _normalize(s: str) -> str:
+    for pat in _IGNORE:
+        s = re.sub(pat, "", s)
+    return s.lower()
+
+
+def score_response(response: str, target: str) -> dict:
+    """Score one response like lm-eval's gsm8k: ``{filter: {"extracted": str, "exact_match": 0|1}}``.
+
+    strict-match: first ``#### N``; flexible-extract: last number-like token; both then compared
+    to the reference after deleting ``,`` ``$``, everything up to the last ``#### `` and one
+    trailing ``.``, case-insensitively. ``[invalid]`` (no match) never scores.
+    """
+    out = {}
+    for name, regex, sel in (("strict-match", _STRICT, 0), ("flexible-extract", _FLEX, -1)):
+        ext = _extract(regex, sel, response)
+        out[name] = {"extracted": ext, "exact_match": int(_normalize(ext) == _normalize(target))}
+    return out
+
+
+def materialize_task(out_dir: Path, data_dir: str | Path) -> Path:
+    """Write ``gsm8k_local.yaml`` into ``out_dir`` with absolute include and data paths."""
+    import lm_eval
+    data = Path(data_dir).resolve()
+    for split in ("train", "test"):
+        if not (data / f"{split}.jsonl").is_file():
+            raise FileNotFoundError(f"GSM8K {split}.jsonl not found in {data}")
+    template = (Path(__file__).parent / "tasks" / "gsm8k_local.yaml").read_text()
+    text = template.replace("{lm_eval_tasks}", str(Path(lm_eval.__file__).parent / "tasks"))
+    out = Path(out_dir) / f"{TASK}.yaml"
+    out.write_text(text.replace("{data_dir}", str(data)))
+    return out
+
+
+def _quiet() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import logging
+    for name in ("lm_eval", "lm-eval", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+        datasets.disable_progress_bars()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None] | None = None) -> tuple[dict, list[dict]]:
+    """Run ``cfg.gsm8k.runs`` full evaluations; returns (summary, per-question records).
+
+    Run r shuffles arrival order with seed r and samples with seed r; questions and prompts
+    never change. ``progress(run, finished, total)`` is called as requests finish.
+    ``llm`` may be a live engine (kept open); otherwise one is built from ``cfg.engine``.
+    """
+    _quiet()
+    import functools
+
+    import lm_eval
+    import lm_eval.api.task
+    from lm_eval.tasks import TaskManager
+    from tqdm import tqdm
+    lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)   # its context-building bar; we draw ours
+
+    from harness.lmeval_model import PPSpecLM
+    g = cfg.gsm8k
+    own = llm is None
+    if own:
+        from engine import LLM
+        llm = LLM(cfg.engine)
+    runs, records = [], []
+    try:
+        lm = PPSpecLM(llm=llm, max_gen_toks=g.max_new_tokens, max_concurrency=g.max_concurrency)
+        with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:
+            materialize_task(Path(tmp), cfg.paths.data)
+            tm = TaskManager(include_path=tmp, include_defaults=False)
+            for r in range(g.runs):
+                cb = (lambda f, t, r=r: progress(r, f, t)) if progress else None
+                lm.reset(order_seed=r, seed=r, progress=cb)
+                res = lm_eval.simple_evaluate(
+                    model=lm, tasks=[TASK], task_manager=tm, num_fewshot=g.num_fewshot, limit=g.limit,
+                    log_samples=True, bootstrap_iters=0)
+                run_summary, run_records = _collect_run(r, res, lm)
+                runs.append(run_summary)
+                records.extend(run_records)
+        info = dict(llm.info)
+    finally:
+        if own:
+            llm.shutdown()
+    return _overall(cfg, runs, records, info), records
+
+
+def _collect_run(r: int, res: dict, lm) -> tuple[dict, list[dict]]:
+    by_doc: dict[int, dict] = {}
+    for s in res["samples"][TASK]:
+        d = by_doc.setdefault(s["doc_id"], {
+            "run": r, "doc_id": s["doc_id"], "question": s["doc"]["question"],
+            "target": s["target"].split("#### ")[-1].strip(), "response": s["resps"][0][0]})
+        d[s["filter"]] = {"extracted": s["filtered_resps"][0], "exact_match": int(s["exact_match"])}
+    recs, mismatches = [], 0
+    for doc_id in sorted(by_doc):
+        d = by_doc[doc_id]
+        ours = score_response(d["response"], "#### " + d["target"])
+        mismatches += any(ours[f] != d[f] for f in FILTERS)
+        d.update(lm.records.get((TASK, doc_id), {}))
+        recs.append(d)
+    call = lm.calls[-1] if lm.calls else {}
+    n = len(recs)
+    summary = {
+        "run": r, "n": n,
+        "accuracy": {f: float(res["results"][TASK][f"exact_match,{f}"]) for f in FILTERS},
+        "invalid_rate": {f: sum(d[f]["extracted"] == INVALID for d in recs) / max(n, 1) for f in FILTERS},
+        "ci95": {f: stats.bootstrap_ci([d[f]["exact_match"] for d in recs], seed=r) for f in FILTERS},
+        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs]),
+        "output_tokens": call.get("output_tokens"), "wall_time_s": call.get("wall_time_s"),
+        "output_throughput": call.get("output_throughput"),
+        "ttft": call.get("ttft"), "tpot": call.get("tpot"), "scorer_mismatches": mismatches,
+    }
+    return summary, recs
+
+
+def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) -> dict:
+    docs = sorted({d["doc_id"] for d in records})
+    by = {(d["run"], d["doc_id"]): d for d in records}
+    overall: dict = {"runs": len(runs), "n_questions": len(docs)}
+    for f in FILTERS:
+        per_q = [np.mean([by[(r["run"], q)][f]["exact_match"] for r in runs]) for q in docs]
+        accs = [r["accuracy"][f] for r in runs]
+        overall[f] = {"accuracy_mean": float(np.mean(accs)) if accs else None, "per_run": accs,
+                      "ci95": stats.bootstrap_ci(per_q), "invalid_rate_mean":
+                      float(np.mean([r["invalid_rate"][f] for r in runs])) if runs else None}
+    same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs]
+    al = [r["accept_length"]["mean"] for r in runs if r["accept_length"]["mean"] is not None]
+    tps = [r["output_throughput"] for r in runs if r["output_throughput"] is not None]
+    overall.update({
+        "agreement": float(np.mean(same)) if same else None,
+        "accept_length_range": [min(al), max(al)] if al else None,
+        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in records]),
+        "output_throughput_mean": float(np.mean(tps)) if tps else None,
+        "scorer_mismatches": sum(r["scorer_mismatches"] for r in runs),
+    })
+    return {"kind": "gsm8k", "task": TASK, "num_fewshot": cfg.gsm8k.num_fewshot, "limit": cfg.gsm8k.limit,
+            "engine_info": info, "runs": runs, "overall": overall}
+
+
+def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
+    """Rich tables + markdown for a gsm8k summary."""
+    headers = ["run", "strict-match", "flexible-extract", "invalid (strict/flex)", "accept length", "tok/s"]
+    rows = []
+    for r in summary["runs"]:
+        rows.append([str(r["run"]), _acc(r["accuracy"]["strict-match"], r["ci95"]["strict-match"]),
+                     _acc(r["accuracy"]["flexible-extract"], r["ci95"]["flexible-extract"]),
+                     f'{fmt(r["invalid_rate"]["strict-match"], "pct")} / {fmt(r["invalid_rate"]["flexible-extract"], "pct")}',
+                     fmt(r["accept_length"]["mean"]), fmt(r["output_throughput"], "num")])
+    o = summary["overall"]
+    rows.append(["all", _acc(o["strict-match"]["accuracy_mean"], o["strict-match"]["ci95"]),
+                 _acc(o["flexible-extract"]["accuracy_mean"], o["flexible-extract"]["ci95"]),
+                 f'{fmt(o["strict-match"]["invalid_rate_mean"], "pct")} / {fmt(o["flexible-extract"]["invalid_rate_mean"], "pct")}',
+                 _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])])
+    t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)",
+                   headers, rows)
+    hist = o["accept_length"]["hist"]
+    total = sum(hist.values()) or 1
+    t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
+                   [[str(k), str(v), fmt(v / total, "pct")] for k, v in hist.items()])
+    notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
+             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells: mean [95% bootstrap CI]")
+    return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
+
+
+def _acc(x, ci) -> str:
+    return f"{fmt(x, 'pct')} [{fmt(ci[0], 'pct')}, {fmt(ci[1], 'pct')}]" if x is not None else "-"
+
+
+def _range(r) -> str:
+    return "-" if not r else (f"{r[0]:.2f}" if abs(r[1] - r[0]) < 5e-3 else f"{r[0]:.2f}–{r[1]:.2f}")

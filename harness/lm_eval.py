@@ -1,0 +1,34 @@
+"""lm-eval's own CLI with our model registered: ``python -m harness.lm_eval --model ppspec ...``.
+
+lm-eval has no plugin hook, so this wrapper imports the module that registers ``ppspec`` and then
+hands over to ``lm_eval``'s CLI. The bundled-data task ``gsm8k_local`` is written to a temp dir
+and added with ``--include_path`` (unless you pass your own). Example::
+
+    python -m harness.lm_eval --model ppspec --model_args config=tp1pp2 \\
+        --tasks gsm8k_local --num_fewshot 8 --limit 20
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run lm-eval's CLI with ``ppspec`` registered and ``gsm8k_local`` on the include path."""
+    from harness.gsm8k import _quiet, materialize_task
+    _quiet()
+    import harness.lmeval_model  # noqa: F401  (registers "ppspec")
+    from harness.config import resolve
+    from lm_eval.__main__ import cli_evaluate
+    args = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:
+        if "--include_path" not in args and not any(a.startswith("--include_path=") for a in args):
+            materialize_task(Path(tmp), resolve(None, {}).paths.data)
+            args += ["--include_path", tmp]
+        sys.argv = ["lm_eval", *args]
+        cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Our engine as an lm-eval model: ``@register_model("ppspec")``.
+
+``generate_until`` submits every request of the call to one ``llm.generate`` so continuous
+batching sees the whole workload; results come back in lm-eval's original order. Stop strings
+(``until`` plus the tokenizer's EOS string, as lm-eval's backends do) are also cut post hoc.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from harness import stats
+
+
+def _cut(text: str, until: list[str]) -> str:
+    """Cut ``text`` at the first occurrence of any stop string (lm-eval's post-processing)."""
+    for s in until:
+        if s:
+            text = text.split(s, 1)[0]
+    return text
+
+
+def overrides_from_args(args: dict) -> dict:
+    """Flat ``--model_args`` (tp=2,pp=2,draft=...,spec=false,limit=...) -> nested config overrides."""
+    from engine.config import SpecConfig
+    from harness.config import ENGINE_KEYS, GSM8KConfig
+    spec_keys = {f.name for f in dataclasses.fields(SpecConfig)}
+    gsm_keys = {f.name for f in dataclasses.fields(GSM8KConfig)}
+    out: dict = {}
+    for k, v in args.items():
+        if k == "spec" and v in (False, "false", "off", "none", None):
+            out.setdefault("spec", {})["algorithm"] = None
+        elif k in ENGINE_KEYS:
+            out[k] = v
+        elif k in spec_keys:
+            out.setdefault("spec", {})[k] = v
+        elif k in gsm_keys:
+            out.setdefault("gsm8k", {})[k] = v
+        else:
+            out[k] = v   # rejected with a clear message by harness.config.check_layer
+    return out
+
+
+@register_model("ppspec")
+class PPSpecLM(LM):
+    """lm-eval LM backed by ``engine.LLM``; only ``generate_until`` is supported (GSM8K needs no more).
+
+    Either pass a live ``llm`` (the harness does: it owns the engine's lifetime), or config
+    keywords (``config=tp1pp2,tp=1,pp=2,...`` from ``--model_args``) and this object builds one.
+    """
+
+    def __init__(self, llm=None, config: str | None = None, max_gen_toks: int | None = None,
+                 max_concurrency: int | None = None, order_seed: int | None = None,
+                 seed: int | None = None, batch_size=None, max_batch_size=None, device=None,
+                 **overrides) -> None:
+        super().__init__()
+        self._owns = llm is None
+        if llm is None:
+            from engine import LLM
+            from harness.config import resolve
+            ov = overrides_from_args(overrides)
+            if device is not None:
+                ov["device"] = device
+            cfg = resolve(config, ov)
+            max_gen_toks = max_gen_toks or cfg.gsm8k.max_new_tokens
+            max_concurrency = max_concurrency or cfg.gsm8k.max_concurrency
+            llm = LLM(cfg.engine)
+        self.llm = llm
+        self.max_gen_toks = int(max_gen_toks or 256)
+        self.max_concurrency = max_concurrency
+        self.reset(order_seed=order_seed, seed=seed)
+
+    def reset(self, order_seed: int | None = None, seed: int | None = None,
+              progress: Callable[[int, int], None] | None = None) -> None:
+        """Start a new run: arrival-order shuffle seed, sampling seed, progress callback; clear records."""
+        self.order_seed, self.seed, self.progress = order_seed, seed, progress
+        self.records: dict[tuple, dict] = {}
+        self.calls: list[dict] = []
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.llm.info.get("model", "ppspec"))
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a chat with the model's own template (enables ``--apply_chat_template``)."""
+        return self.llm.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt)
+
+    def _params(self, gen_kwargs: dict):
+        from engine import SamplingParams
+        gk = dict(gen_kwargs or {})
+        until = gk.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos = getattr(self.llm.tokenizer, "eos_token", None)
+        if eos and eos not in until:
+            until.append(eos)
+        temperature = float(gk.pop("temperature", 0.0)) if gk.pop("do_sample", False) else 0.0
+        params = SamplingParams(
+            temperature=temperature, top_p=float(gk.pop("top_p", 1.0) or 1.0),
+            top_k=int(gk.pop("top_k", -1) or -1),
+            max_new_tokens=int(gk.pop("max_gen_toks", self.max_gen_toks)), stop=tuple(until), seed=self.seed)
+        return params, until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """One ``llm.generate`` over all requests (arrival order shuffled by ``order_seed``)."""
+        if not requests:
+            return []
+        built = [self._params(inst.args[1]) for inst in requests]
+        order = list(range(len(requests)))
+        if self.order_seed is not None:
+            random.Random(self.order_seed).shuffle(order)
+        t0 = time.perf_counter()
+        outs = self.llm.generate([requests[i].args[0] for i in order], [built[i][0] for i in order],
+                                 max_concurrency=self.max_concurrency, progress=self.progress)
+        wall = time.perf_counter() - t0
+        self.calls.append({"wall_time_s": wall, **stats.serving_summary(outs, wall)})
+        results: list[str] = [""] * len(requests)
+        for pos, i in enumerate(order):
+            o, inst = outs[pos], requests[i]
+            results[i] = _cut(o.text, built[i][1])
+            m = stats.request_metrics(o.arrival_time, o.token_times)
+            self.records[(inst.task_name, inst.doc_id)] = {
+                "arrival_rank": pos, "prompt_tokens": len(o.prompt_token_ids),
+                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
+                "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"]}
+        return results
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError("ppspec: loglikelihood is not supported (generate_until tasks only)")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError("ppspec: loglikelihood_rolling is not supported (generate_until tasks only)")
+
+    def close(self) -> None:
+        """Shut the engine down if this object built it."""
+        if self._owns:
+            self.llm.shutdown()
+            self._owns = False

@@ -1,0 +1,130 @@
+"""Result files: ``results/<suite>/<timestamp>-<kind>/`` with summary.json, summary.md, records.jsonl.
+
+summary.json schema (every kind): ``{"schema": 1, "kind": "gsm8k"|"bench"|"gate", "meta": {...},
+"config": RunConfig.to_dict(), ...kind-specific keys}``; records.jsonl holds one JSON object per
+request (raw per-request data). Raw logs of subprocesses go under ``results/raw`` (git-ignored).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+from harness.config import PACKAGE_ROOT, RunConfig
+
+SCHEMA_VERSION = 1
+PACKAGES = ("ppspec", "torch", "transformers", "lm_eval", "datasets", "numpy", "flashinfer-python")
+
+
+def git_info(root: Path = PACKAGE_ROOT) -> dict:
+    """Commit sha and dirty flag of the checkout at ``root`` (None when not a git checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() if r.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if sha else None
+    return {"sha": sha, "dirty": bool(status) if status is not None else None}
+
+
+def package_versions() -> dict:
+    """Installed versions of the packages that shape a result (None when absent)."""
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = importlib_metadata.version(p)
+        except importlib_metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def device_name(device: str) -> str:
+    """Human name of the accelerator (``cuda``) or the CPU model."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+            if torch.cuda.is_available():
+                n = torch.cuda.device_count()
+                return f"{n} x {torch.cuda.get_device_name(0)}"
+        except Exception:  # noqa: BLE001 - metadata must never fail a run
+            pass
+        return "cuda (unavailable)"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_metadata(cfg: RunConfig, kind: str) -> dict:
+    """Metadata stamped on every result: git, versions, device, config hash, timestamps."""
+    return {
+        "kind": kind, "suite": cfg.name, "label": cfg.label,
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_info(), "versions": package_versions(), "python": sys.version.split()[0],
+        "platform": platform.platform(), "host": socket.gethostname(),
+        "device": cfg.engine.device, "device_name": device_name(cfg.engine.device),
+        "config_hash": cfg.config_hash(), "sources": list(cfg.sources), "argv": sys.argv,
+    }
+
+
+def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None) -> Path:
+    """``out`` if given, else ``<results>/<suite>/<UTC timestamp>-<kind>`` (made unique)."""
+    if out is not None:
+        d = Path(out)
+    else:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        base = Path(cfg.paths.results) / cfg.name
+        d, i = base / f"{stamp}-{kind}", 1
+        while d.exists():
+            d, i = base / f"{stamp}-{kind}-{i}", i + 1
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dict] = ()) -> Path:
+    """Write summary.json, summary.md and records.jsonl into ``run_dir``; returns summary.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.md").write_text(markdown.rstrip() + "\n")
+    with open(run_dir / "records.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=_json_default) + "\n")
+    path = run_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")      # summary.json last and atomic: it marks a finished run
+    tmp.write_text(json.dumps({"schema": SCHEMA_VERSION, **summary}, indent=1, default=_json_default))
+    tmp.replace(path)
+    return path
+
+
+def load_summary(run_dir: str | Path) -> dict:
+    """Read a run's summary.json (FileNotFoundError names the directory)."""
+    p = Path(run_dir) / "summary.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no summary.json in {run_dir}")
+    return json.loads(p.read_text())
+
+
+def load_records(run_dir: str | Path) -> list[dict]:
+    """Read a run's records.jsonl (empty list when absent)."""
+    p = Path(run_dir) / "records.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line] if p.is_file() else []
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)

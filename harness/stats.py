@@ -1,0 +1,131 @@
+"""Serving metrics and the statistics used to compare runs.
+
+Times are ``time.perf_counter`` seconds as stamped by the engine on rank 0; every latency
+returned here is in **seconds** (tables convert to ms). Definitions (ARCHITECTURE.md, Metrics):
+
+* TTFT = first output token time - arrival time.
+* TPOT = (last token time - first token time) / (output tokens - 1), per request.
+* ITL = gap between consecutive *emitted chunks*: tokens sharing one timestamp (a speculative
+  round that accepted several tokens) are one chunk, so ITL counts rounds, not tokens.
+* E2E = last token time - arrival time. Output throughput = output tokens / wall time.
+* accept_length = tokens emitted per verify round, bonus included (plain decoding: 1.0).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from scipy import stats as sps
+
+
+def request_metrics(arrival_time: float, token_times: Sequence[float]) -> dict:
+    """Per-request TTFT, TPOT, E2E (s) and ITLs (s, one per chunk after the first).
+
+    TPOT is None for requests with fewer than 2 output tokens; everything is None without tokens.
+    """
+    n = len(token_times)
+    if n == 0:
+        return {"ttft": None, "tpot": None, "e2e": None, "itl": [], "n_out": 0}
+    first, last = token_times[0], token_times[-1]
+    chunks = [token_times[0]] + [t for p, t in zip(token_times, token_times[1:]) if t != p]
+    return {
+        "ttft": first - arrival_time,
+        "tpot": (last - first) / (n - 1) if n > 1 else None,
+        "e2e": last - arrival_time,
+        "itl": [b - a for a, b in zip(chunks, chunks[1:])],
+        "n_out": n,
+    }
+
+
+def summarize(values: Sequence[float | None]) -> dict:
+    """mean / median / p99 / min / max / n of the non-None values (numpy linear interpolation)."""
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return {"mean": None, "median": None, "p99": None, "min": None, "max": None, "n": 0}
+    return {"mean": float(v.mean()), "median": float(np.percentile(v, 50, method="linear")),
+            "p99": float(np.percentile(v, 99, method="linear")), "min": float(v.min()),
+            "max": float(v.max()), "n": int(v.size)}
+
+
+def accept_stats(accept_lengths: Sequence[Sequence[int]]) -> dict:
+    """Pooled accept length over all verify rounds of all requests, and its histogram.
+
+    Returns ``{"mean", "rounds", "hist": {length: count}}``; mean is None when there were no rounds.
+    """
+    pooled = [a for req in accept_lengths for a in req]
+    hist = Counter(pooled)
+    return {"mean": float(np.mean(pooled)) if pooled else None, "rounds": len(pooled),
+            "hist": {int(k): int(hist[k]) for k in sorted(hist)}}
+
+
+def serving_summary(outputs: Sequence, wall_time: float) -> dict:
+    """Summary of one ``llm.generate`` call: TTFT/TPOT/ITL/E2E stats (s), tok/s, accept length.
+
+    ``outputs`` are engine RequestOutputs (``arrival_time``, ``token_times``, ``token_ids``,
+    ``accept_lengths``); ``wall_time`` is the wall-clock seconds of the call.
+    """
+    per = [request_metrics(o.arrival_time, o.token_times) for o in outputs]
+    n_out = sum(len(o.token_ids) for o in outputs)
+    return {
+        "num_requests": len(outputs), "output_tokens": n_out, "wall_time_s": wall_time,
+        "output_throughput": n_out / wall_time if wall_time > 0 else None,
+        "ttft": summarize([p["ttft"] for p in per]), "tpot": summarize([p["tpot"] for p in per]),
+        "itl": summarize([x for p in per for x in p["itl"]]), "e2e": summarize([p["e2e"] for p in per]),
+        "accept_length": accept_stats([o.accept_lengths for o in outputs]),
+    }
+
+
+def bootstrap_ci(values: Sequence[float], stat: Callable = np.mean, n_boot: int = 10_000,
+                 alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap (1 - alpha) CI of ``stat`` over ``values`` (resampled with replacement)."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, v.size, size=(n_boot, v.size))
+    boots = np.apply_along_axis(stat, 1, v[idx]) if stat is not np.mean else v[idx].mean(axis=1)
+    return (float(np.quantile(boots, alpha / 2)), float(np.quantile(boots, 1 - alpha / 2)))
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 10_000,
+                     alpha: float = 0.05, seed: int = 0) -> dict:
+    """Mean difference b - a on paired items, with a percentile bootstrap CI over items."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError("paired_bootstrap needs equally long, aligned samples")
+    d = b - a
+    lo, hi = bootstrap_ci(d, n_boot=n_boot, alpha=alpha, seed=seed)
+    return {"diff": float(d.mean()) if d.size else math.nan, "ci_low": lo, "ci_high": hi, "n": int(d.size)}
+
+
+def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict:
+    """Exact McNemar test on paired correctness: two-sided binomial test on the discordant pairs.
+
+    ``n01`` = a wrong, b right; ``n10`` = a right, b wrong. p = 1.0 when there is no discordant pair.
+    """
+    a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
+    if a.shape != b.shape:
+        raise ValueError("mcnemar_exact needs equally long, aligned samples")
+    n01, n10 = int((~a & b).sum()), int((a & ~b).sum())
+    p = 1.0 if n01 + n10 == 0 else float(sps.binomtest(n10, n01 + n10, 0.5).pvalue)
+    return {"n01": n01, "n10": n10, "discordant": n01 + n10, "p_value": p, "n": int(a.size)}
+
+
+def min_detectable_difference(n: int, p: float | None = None, p_discordant: float | None = None,
+                              alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest accuracy difference (absolute, 0-1) detectable with ``n`` questions at this power.
+
+    Paired (``p_discordant`` given, share of questions where the two configs disagree):
+    (z_{1-alpha/2} + z_power) * sqrt(p_discordant / n), the normal approximation to McNemar.
+    Unpaired (only ``p``, the accuracy): (z_{1-alpha/2} + z_power) * sqrt(2 p (1-p) / n).
+    """
+    if n <= 0:
+        return math.nan
+    z = sps.norm.ppf(1 - alpha / 2) + sps.norm.ppf(power)
+    if p_discordant is not None:
+        return float(z * math.sqrt(p_discordant / n))
+    if p is None:
+        p = 0.5
+    return float(z * math.sqrt(2 * p * (1 - p) / n))

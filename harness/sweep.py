@@ -1,0 +1,127 @@
+"""``ppspec sweep --matrix suites/matrix_cpu.yaml``: a matrix of configs, one fresh process per cell.
+
+Matrix file::
+
+    name: matrix_cpu
+    base: tiny_cpu                   # run config every cell starts from (suite name or path)
+    commands: [gsm8k, bench]         # what each cell runs
+    set: {gsm8k: {runs: 2}}          # overrides for every cell (optional)
+    axes: {pp: [1, 2], spec.algorithm: [eagle, null]}   # cartesian product (optional)
+    cells:                           # explicit cells (optional)
+      - {name: tp3pp1-spec, set: {tp: 3}}
+
+Each (cell, command) runs ``python -m harness.cli COMMAND --config <cell.yaml> --out <dir>`` in
+its own subprocess (a topology needs a fresh process group). A cell whose summary.json exists is
+skipped, so an interrupted sweep resumes where it stopped.
+"""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from harness.config import HarnessConfigError, check_layer, find_config, load_yaml, merge
+
+COMMANDS = ("gsm8k", "bench")
+MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
+
+
+def dotted(key: str, value) -> dict:
+    """``("a.b", 1)`` -> ``{"a": {"b": 1}}``."""
+    out: dict = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def _axis_name(key: str, value) -> str:
+    short = key.split(".")[-1]
+    if short == "algorithm":
+        return "spec" if value else "nospec"
+    return f"{short}{value}"
+
+
+def load_matrix(path: str | Path, root: Path) -> dict:
+    """Parse and check a matrix file; returns ``{name, commands, cells: [{name, config: dict}]}``."""
+    p = find_config(path, root)
+    m = load_yaml(p)
+    if not isinstance(m, dict):
+        raise HarnessConfigError(f"{p}: expected a mapping")
+    for k in m:
+        if k not in MATRIX_KEYS:
+            raise HarnessConfigError(f"{p}: unknown key {k!r} (allowed: {', '.join(sorted(MATRIX_KEYS))})")
+    commands = m.get("commands", list(COMMANDS))
+    if not isinstance(commands, list) or any(c not in COMMANDS for c in commands):
+        raise HarnessConfigError(f"{p}: field 'commands': expected a list of {', '.join(COMMANDS)}, got {commands!r}")
+    base = load_yaml(find_config(m["base"], root)) if m.get("base") else {}
+    base = merge(base or {}, m.get("set") or {})
+    specs: list[tuple[str, dict]] = []
+    axes = m.get("axes") or {}
+    if not isinstance(axes, dict) or any(not isinstance(v, list) for v in axes.values()):
+        raise HarnessConfigError(f"{p}: field 'axes': expected a mapping of key -> list of values")
+    if axes:
+        for combo in itertools.product(*axes.values()):
+            over: dict = {}
+            for k, v in zip(axes, combo):
+                over = merge(over, dotted(k, v))
+            specs.append(("-".join(_axis_name(k, v) for k, v in zip(axes, combo)), over))
+    for i, c in enumerate(m.get("cells") or []):
+        if not isinstance(c, dict) or "name" not in c or set(c) - {"name", "set"}:
+            raise HarnessConfigError(f"{p}: cells[{i}]: expected {{name: ..., set: {{...}}}}")
+        specs.append((str(c["name"]), c.get("set") or {}))
+    if not specs:
+        raise HarnessConfigError(f"{p}: no cells (give 'axes' or 'cells')")
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise HarnessConfigError(f"{p}: duplicate cell names {sorted({n for n in names if names.count(n) > 1})}")
+    cells = []
+    for name, over in specs:
+        cfg = merge(base, over)
+        cfg["name"] = name
+        check_layer(cfg, f"{p}: cell {name!r}")
+        cells.append({"name": name, "config": cfg})
+    return {"name": m.get("name") or p.stem, "path": str(p), "commands": commands, "cells": cells}
+
+
+def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None = None,
+              on_event: Callable[[str, str, str], None] | None = None, extra_args: list[str] | None = None) -> list[dict]:
+    """Run every missing (cell, command); returns one status row per pair.
+
+    ``on_event(cell, command, status)`` with status ``start`` / ``skip`` / ``ok`` / ``failed``;
+    logs of each subprocess go to ``raw_dir/<cell>-<command>.log``.
+    """
+    rows = []
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    for cell in matrix["cells"]:
+        if only and cell["name"] not in only:
+            continue
+        cdir = out_dir / "cells" / cell["name"]
+        cdir.mkdir(parents=True, exist_ok=True)
+        cfg_path = cdir / "config.yaml"
+        cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
+        for cmd in matrix["commands"]:
+            dest = cdir / cmd
+            if (dest / "summary.json").is_file():
+                rows.append({"cell": cell["name"], "command": cmd, "status": "skip"})
+                on_event and on_event(cell["name"], cmd, "skip")
+                continue
+            on_event and on_event(cell["name"], cmd, "start")
+            argv = [sys.executable, "-m", "harness.cli", cmd, "--config", str(cfg_path), "--out", str(dest),
+                    "--no-progress", *(extra_args or [])]
+            log = raw_dir / f"{cell['name']}-{cmd}.log"
+            with open(log, "w") as f:
+                rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
+            status = "ok" if rc == 0 and (dest / "summary.json").is_file() else "failed"
+            rows.append({"cell": cell["name"], "command": cmd, "status": status, "rc": rc, "log": str(log)})
+            on_event and on_event(cell["name"], cmd, status)
+    return rows
+
+
+def finished_cells(matrix: dict, out_dir: Path) -> list[Path]:
+    """Cell directories that hold at least one finished result, in matrix order."""
+    return [out_dir / "cells" / c["name"] for c in matrix["cells"]
+            if any((out_dir / "cells" / c["name"] / cmd / "summary.json").is_file() for cmd in matrix["commands"])]

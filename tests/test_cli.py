@@ -1,0 +1,248 @@
+"""The ``ppspec`` CLI through Typer's CliRunner, with a fake engine (no model is loaded here)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+import engine
+from harness.cli import app, parse_sets
+from harness.config import HarnessConfigError, resolve
+
+runner = CliRunner()
+COMMANDS = ["gsm8k", "bench", "sweep", "compare", "gate", "generate", "train-draft"]
+
+
+class FakeLLM:
+    """Engine stand-in with synthetic timestamps: spec rounds of 2 tokens; drop_tree under PP -> rounds of 1."""
+
+    instances: list = []
+
+    def __init__(self, config=None):
+        self.config = config
+        self.tokenizer = SimpleNamespace(eos_token="<|endoftext|>",
+                                         encode=lambda text, add_special_tokens=False: [ord(c) % 500 for c in text])
+        FakeLLM.instances.append(self)
+
+    @property
+    def info(self):
+        return {"model": "fake", "kv_pool_tokens": 4096, "weight_bytes": 2**20, "peak_memory_bytes": 2**30,
+                "tp": self.config.tp, "pp": self.config.pp}
+
+    def generate(self, prompts, params, max_concurrency=None, progress=None):
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        broken = self.config.fault == "drop_tree" and self.config.pp > 1
+        step = 1 if broken or not self.config.spec.enabled else 2
+        outs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            n = sp.max_new_tokens if sp.ignore_eos else min(sp.max_new_tokens, 6)
+            times = [10.0 + (j // step) * 0.1 for j in range(n)]
+            outs.append(SimpleNamespace(
+                rid=i, prompt_token_ids=list(p) if not isinstance(p, str) else [1] * 10, token_ids=list(range(n)),
+                text=" 9 * 2 = 18.\n#### 18\n\n", finish_reason="length" if sp.ignore_eos else "stop",
+                arrival_time=9.5, token_times=times, accept_lengths=[step] * (n // step)))
+            if progress:
+                progress(i + 1, len(prompts))
+        return outs
+
+    def shutdown(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    FakeLLM.instances = []
+    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    return FakeLLM
+
+
+@pytest.fixture
+def draft_dir(tmp_path):
+    d = tmp_path / "draft"
+    d.mkdir()
+    return d
+
+
+def test_top_level_help_and_version():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for c in COMMANDS:
+        assert c in r.output
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("ppspec ")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command):
+    r = runner.invoke(app, [command, "--help"])
+    assert r.exit_code == 0, r.output
+    assert "Usage" in r.output
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_precedence_toml_yaml_flags(tmp_path, monkeypatch):
+    toml = _write(tmp_path / "ppspec.toml", 'dtype = "float32"\ntp = 1\n[gsm8k]\nlimit = 50\nruns = 3\n'
+                                            '[spec]\nalgorithm = "eagle"\ndraft = "nowhere"\n')
+    run_yaml = _write(tmp_path / "run.yaml", "dtype: bfloat16\ngsm8k:\n  limit: 20\n")
+    monkeypatch.setenv("PPSPEC_TOML", str(toml))
+    assert resolve(None, {}).gsm8k.limit == 50
+    c = resolve(str(run_yaml), {})
+    assert (c.gsm8k.limit, c.gsm8k.runs, c.engine.dtype) == (20, 3, "bfloat16")
+    c = resolve(str(run_yaml), {"dtype": "float16", "gsm8k": {"limit": 7}})
+    assert (c.gsm8k.limit, c.gsm8k.runs, c.engine.dtype) == (7, 3, "float16")
+    assert c.sources == (str(toml), str(run_yaml.resolve()), "command line")
+    assert not c.engine.spec.enabled and "not found" in c.notes[0]   # missing draft -> spec off, warned
+
+
+def test_precedence_through_the_cli(tmp_path, monkeypatch):
+    toml = _write(tmp_path / "ppspec.toml", "[gsm8k]\nlimit = 50\n")
+    run_yaml = _write(tmp_path / "run.yaml", "gsm8k:\n  limit: 20\n")
+    monkeypatch.setenv("PPSPEC_TOML", str(toml))
+    seen = []
+    import harness.gsm8k as g
+
+    def fake_run(cfg, llm=None, progress=None):
+        seen.append(cfg)
+        raise HarnessConfigError("stop here")
+    monkeypatch.setattr(g, "run_gsm8k", fake_run)
+    for args, want in (([], 50), (["--config", str(run_yaml)], 20), (["--config", str(run_yaml), "--limit", "7"], 7),
+                       (["--set", "gsm8k.limit=9"], 9)):
+        r = runner.invoke(app, ["gsm8k", *args])
+        assert r.exit_code == 2 and "stop here" in r.output
+        assert seen[-1].gsm8k.limit == want
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("tpp: 2\n", "unknown key 'tpp' (did you mean 'tp'?)"),
+    ("tp: two\n", "field 'tp': expected int, got str 'two'"),
+    ("gsm8k:\n  limit: many\n", "field 'gsm8k.limit': expected int or null"),
+    ("spec:\n  num_stepz: 3\n", "[spec]: unknown key 'num_stepz'"),
+    ("bench:\n  batch_sizes: [1, x]\n", "field 'bench.batch_sizes'[1]"),
+    ("tp: [1, 2\n", "invalid YAML"),
+    ("- just a list\n", "expected a mapping"),
+    ("gsm8k:\n  runs: 0\n", "gsm8k.runs: must be >= 1"),
+    ("dtype: float8\n", "dtype: 'float8'"),
+])
+def test_bad_yaml_field_is_one_clear_line(tmp_path, body, needle):
+    bad = _write(tmp_path / "bad.yaml", body)
+    r = runner.invoke(app, ["gsm8k", "--config", str(bad)])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    err_lines = [line for line in lines if line.startswith("Error: ")]
+    assert len(err_lines) == 1 and needle in err_lines[0], r.output
+    assert "Traceback" not in r.output
+    if "bad.yaml" not in needle and "float8" not in needle and "runs" not in needle:
+        assert "bad.yaml" in err_lines[0]
+
+
+def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
+    r = runner.invoke(app, ["bench", "--config", "no_such_suite"])
+    assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
+    r = runner.invoke(app, ["gsm8k", "--pp", "2", "--spec", "--draft", str(draft_dir), "--no-pp-spec"])
+    assert r.exit_code == 2 and "Error: pipeline parallelism with speculative decoding is off" in r.output
+    r = runner.invoke(app, ["gsm8k", "--set", "oops"])
+    assert r.exit_code == 2 and "--set expects KEY=VALUE" in r.output
+    r = runner.invoke(app, ["bench", "--batch-sizes", "1,x"])
+    assert r.exit_code == 2 and "--batch-sizes" in r.output
+    r = runner.invoke(app, ["compare", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_parse_sets():
+    assert parse_sets(["spec.num_steps=4", "tp=2", "spec.draft=x", "max_model_len="]) == {
+        "spec": {"num_steps": 4, "draft": "x"}, "tp": 2, "max_model_len": None}
+
+
+def test_gsm8k_and_bench_write_results_with_fake_engine(tmp_path, fake_engine, draft_dir):
+    r = runner.invoke(app, ["gsm8k", "--limit", "3", "--runs", "2", "--draft", str(draft_dir), "--spec",
+                            "--out", str(tmp_path / "g"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "g" / "summary.json").read_text())
+    assert s["kind"] == "gsm8k" and s["overall"]["runs"] == 2 and s["meta"]["config_hash"]
+    assert s["overall"]["accept_length"]["mean"] == 2.0 and s["config"]["gsm8k"]["limit"] == 3
+    assert len((tmp_path / "g" / "records.jsonl").read_text().splitlines()) == 6
+    assert "GSM8K" in (tmp_path / "g" / "summary.md").read_text()
+    r = runner.invoke(app, ["bench", "--batch-sizes", "1,2", "--input-lens", "16", "--output-len", "4", "--runs", "2",
+                            "--draft", str(draft_dir), "--out", str(tmp_path / "b"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert [(c["batch_size"], c["input_len"]) for c in b["cells"]] == [(1, 16), (2, 16)]
+    assert all(rec["prompt_tokens"] == 16 for rec in map(json.loads, (tmp_path / "b" / "records.jsonl").open()))
+    cell = b["cells"][1]
+    assert cell["pooled"]["output_tokens"] == 2 * 2 * 4 and len(cell["runs"]) == 2
+    assert cell["pooled"]["tpot"]["mean"] == pytest.approx(0.1 / 3)      # stamps 10.0 10.0 10.1 10.1
+    # compare the two result dirs with themselves: tables, paired tests, plots
+    r = runner.invoke(app, ["compare", str(tmp_path / "g"), str(tmp_path / "b"), str(tmp_path / "g"),
+                            "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "c" / "tpot_vs_batch.png").stat().st_size > 0
+    assert (tmp_path / "c" / "accept_length_hist.png").is_file()
+    cmp = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert cmp["paired_tests"][0]["mcnemar"]["discordant"] == 0
+
+
+def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monkeypatch):
+    args = ["gate", "--draft", str(draft_dir), "--limit", "2", "--no-progress"]
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.output and [i.config.pp for i in fake_engine.instances] == [1, 2]
+    monkeypatch.setenv("PPSPEC_FAULT", "drop_tree")
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "bad")])
+    assert r.exit_code == 1, r.output
+    assert "FAIL: accept length dropped" in r.output
+    s = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert s["verdict"]["failed"] == ["accept length"] and s["fault"] == "drop_tree"
+    monkeypatch.delenv("PPSPEC_FAULT")
+    r = runner.invoke(app, ["gate", "--set", "spec.draft=/no/such/draft", "--no-progress"])
+    assert r.exit_code == 2 and "speculative decoding is off" in r.output
+
+
+def test_sweep_matrix_dry_run_and_resume(tmp_path):
+    m = _write(tmp_path / "m.yaml", "name: mini\nbase: tiny_cpu\ncommands: [bench]\naxes:\n  pp: [1, 2]\n"
+                                    "cells:\n  - {name: tp3, set: {tp: 3}}\n")
+    r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
+    assert r.exit_code == 0 and "pp1" in r.output and "pp2" in r.output and "tp3" in r.output
+    out = tmp_path / "sweep"
+    for cell in ("pp1", "pp2", "tp3"):        # pretend every cell finished: nothing may be re-run
+        d = out / "cells" / cell / "bench"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"kind": "bench", "cells": [], "engine_info": {}}))
+    r = runner.invoke(app, ["sweep", "--matrix", str(m), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("[skip]") == 3 and (out / "summary.md").is_file()
+    bad = _write(tmp_path / "bad.yaml", "base: tiny_cpu\naxes: {tpp: [1]}\n")
+    r = runner.invoke(app, ["sweep", "--matrix", str(bad)])
+    assert r.exit_code == 2 and "unknown key 'tpp'" in r.output
+
+
+def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
+    r = runner.invoke(app, ["generate", "Hello", "--tp", "1", "--pp", "2", "--no-spec", "--max-new-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    assert "#### 18" in r.output and fake_engine.instances[-1].config.pp == 2
+    got = {}
+    mod = ModuleType("engine.spec.train")
+    mod.train_draft = lambda **kw: got.update(kw) or "trained"
+    monkeypatch.setitem(sys.modules, "engine.spec.train", mod)
+    r = runner.invoke(app, ["train-draft", "--out", str(tmp_path / "d"), "--set", "train.epochs=2"])
+    assert r.exit_code == 0, r.output
+    assert got == {"model": "smollm2", "data": "gsm8k-train-selfdistill", "out": str(tmp_path / "d"), "epochs": 2}
+
+
+def test_python_dash_m_harness():
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ppspec ")
