@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness import stats
 from harness.config import RunConfig
-from harness.tables import both, fmt
+from harness.tables import both, fmt, rich_table
 
 
 def load_texts(data_dir: str | Path, split: str = "train") -> list[str]:
@@ -100,8 +100,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
 
 def render(summary: dict, title: str = "bench") -> tuple[list, str]:
     """Rich table + markdown: one row per (input_len, batch_size); latencies in ms."""
-    headers = ["input", "batch", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p50", "TPOT p99",
-               "ITL p50", "ITL p99", "E2E mean (s)", "tok/s", "accept len"]
+    headers = ["input", "batch", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "TPOT mean ms", "TPOT p50 ms",
+               "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E mean s", "tok/s", "accept len"]
     rows = []
     for c in summary["cells"]:
         p = c["pooled"]
@@ -112,10 +112,12 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                      fmt(p["itl"]["median"], "ms"), fmt(p["itl"]["p99"], "ms"), fmt(p["e2e"]["mean"]),
                      fmt(sum(tps) / len(tps)) if tps else "-", fmt(p["accept_length"]["mean"])])
     info = summary.get("engine_info", {})
-    note = (f"latencies in ms (E2E in s); output {summary['bench']['output_len']} tokens, ignore_eos, "
+    note = (f"output {summary['bench']['output_len']} tokens, ignore_eos, "
             f"{summary['bench']['runs']} run(s) after {summary['bench']['warmup']} warmup; "
             f"KV pool {fmt(info.get('kv_pool_tokens'), 'int')} tokens; "
             f"peak memory {fmt(info.get('peak_memory_bytes'), 'gib')} GiB; weights {fmt(info.get('weight_bytes'), 'gib')} GiB; "
             f"prompts: {summary.get('prompt_source')}")
-    t, md = both(title, headers, rows)
+    _, md = both(title, headers, rows)
+    cols = [f"in {r[0]} bs {r[1]}" for r in rows]                 # terminal: one column per cell
+    t = rich_table(title, ["metric", *cols], [[h, *(r[i] for r in rows)] for i, h in enumerate(headers) if i > 1])
     return [t, note], f"{md}\n{note}\n"

@@ -5,7 +5,6 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 """
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import sys
 from collections.abc import Iterator
@@ -221,30 +220,17 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
           only: Annotated[Optional[list[str]], typer.Option(help="Run only these cells (repeatable).")] = None,
           dry_run: Annotated[bool, typer.Option(help="List the cells and exit.")] = False) -> None:
     """Run a TP x PP x spec matrix, one fresh process per cell, resumable; render the comparison table."""
-    from harness.compare import run_compare
-    from harness.config import find_toml
-    from harness.sweep import finished_cells, load_matrix, run_sweep
+    from harness.sweep import load_matrix, run_matrix
     with user_errors():
-        toml = find_toml()
-        root = toml.parent if toml else Path.cwd()
-        m = load_matrix(matrix, root)
-        base = resolve(None, {})
-        d = out or Path(base.paths.results) / m["name"]
         if dry_run:
+            m = load_matrix(matrix)
             for c in m["cells"]:
                 console.print(f"{c['name']}: {m['commands']}", markup=False)
             return
-        def event(cell: str, cmd: str, status: str) -> None:
-            err.print(f"[{status}] {cell} {cmd}", markup=False, highlight=False)
-        rows = run_sweep(m, d, Path(base.paths.results) / "raw" / m["name"], only, event)
-        cells = finished_cells(m, d)
-        if cells:
-            summary, rend, md = run_compare([str(c) for c in cells], d)
-            show(rend)
-            import json
-            (d / "summary.md").write_text(f"# sweep {m['name']}\n\n{md}")
-            (d / "summary.json").write_text(json.dumps({**summary, "kind": "sweep", "status": rows}, indent=1))
-            err.print(f"results: {d}", markup=False, highlight=False)
+        rows, rend, d = run_matrix(matrix, out, only, lambda cell, cmd, status: err.print(
+            f"[{status}] {cell} {cmd}", markup=False, highlight=False))
+        show(rend)
+        err.print(f"results: {d}", markup=False, highlight=False)
     if any(r["status"] == "failed" for r in rows):
         err.print("failed cells: " + ", ".join(f"{r['cell']}/{r['command']} (log {r['log']})"
                                                for r in rows if r["status"] == "failed"), markup=False)
@@ -256,16 +242,10 @@ def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (
             out: Annotated[Optional[Path], typer.Option(help="Where to write compare.md/json and PNGs.")] = None,
             plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots.")] = True) -> None:
     """Side-by-side tables, paired McNemar/bootstrap tests with the minimum detectable difference, plots."""
-    import json
-
-    from harness.compare import run_compare
+    from harness.compare import write_compare
     with user_errors():
-        d = out or Path(resolve(None, {}).paths.results) / "compare" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        d.mkdir(parents=True, exist_ok=True)
-        summary, rend, md = run_compare(dirs, d, plots=plots)
+        rend, d = write_compare(dirs, out, plots)
         show(rend)
-        (d / "compare.md").write_text(f"# compare\n\n{md}")
-        (d / "compare.json").write_text(json.dumps(summary, indent=1, default=str))
         err.print(f"results: {d}", markup=False, highlight=False)
 
 

@@ -194,3 +194,20 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
     summary = {"kind": "compare", "dirs": [e["dir"] for e in entries], "names": [e["name"] for e in entries],
                "paired_tests": tests, "plots": [str(p) for p in pngs]}
     return summary, [t1] + ([t2] if tests else []), md
+
+
+def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) -> tuple[list, Path]:
+    """run_compare + compare.md / compare.json into ``out`` (default results/compare/<timestamp>)."""
+    import datetime as dt
+    import json
+
+    from harness.config import resolve
+    for x in dirs:
+        if not Path(x).is_dir():
+            raise FileNotFoundError(f"result directory {x} does not exist")
+    d = Path(out) if out else Path(resolve(None, {}).paths.results) / "compare" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    d.mkdir(parents=True, exist_ok=True)
+    summary, rend, md = run_compare(dirs, d, plots=plots)
+    (d / "compare.md").write_text(f"# compare\n\n{md}")
+    (d / "compare.json").write_text(json.dumps(summary, indent=1, default=str))
+    return rend, d

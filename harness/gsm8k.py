@@ -183,17 +183,17 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
 
 def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     """Rich tables + markdown for a gsm8k summary."""
-    headers = ["run", "strict-match", "flexible-extract", "invalid (strict/flex)", "accept length", "tok/s"]
+    headers = ["run", "strict-match %", "flexible-extract %", "invalid % s/f", "accept len", "tok/s"]
     rows = []
     for r in summary["runs"]:
         rows.append([str(r["run"]), _acc(r["accuracy"]["strict-match"], r["ci95"]["strict-match"]),
                      _acc(r["accuracy"]["flexible-extract"], r["ci95"]["flexible-extract"]),
-                     f'{fmt(r["invalid_rate"]["strict-match"], "pct")} / {fmt(r["invalid_rate"]["flexible-extract"], "pct")}',
+                     _pair(r["invalid_rate"]["strict-match"], r["invalid_rate"]["flexible-extract"]),
                      fmt(r["accept_length"]["mean"]), fmt(r["output_throughput"], "num")])
     o = summary["overall"]
     rows.append(["all", _acc(o["strict-match"]["accuracy_mean"], o["strict-match"]["ci95"]),
                  _acc(o["flexible-extract"]["accuracy_mean"], o["flexible-extract"]["ci95"]),
-                 f'{fmt(o["strict-match"]["invalid_rate_mean"], "pct")} / {fmt(o["flexible-extract"]["invalid_rate_mean"], "pct")}',
+                 _pair(o["strict-match"]["invalid_rate_mean"], o["flexible-extract"]["invalid_rate_mean"]),
                  _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])])
     t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)",
                    headers, rows)
@@ -202,12 +202,16 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
                    [[str(k), str(v), fmt(v / total, "pct")] for k, v in hist.items()])
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
-             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells: mean [95% bootstrap CI]")
+             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy: % [95% bootstrap CI over questions]")
     return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
 
 
 def _acc(x, ci) -> str:
-    return f"{fmt(x, 'pct')} [{fmt(ci[0], 'pct')}, {fmt(ci[1], 'pct')}]" if x is not None else "-"
+    return f"{x * 100:.1f} [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]" if x is not None else "-"
+
+
+def _pair(a, b) -> str:
+    return "-" if a is None or b is None else f"{a * 100:.1f} / {b * 100:.1f}"
 
 
 def _range(r) -> str:

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:
-        if "--include_path" not in args and not any(a.startswith("--include_path=") for a in args):
+        wants_tasks = any(a in ("--tasks", "-t") or a.startswith("--tasks=") for a in args)
+        if wants_tasks and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
             materialize_task(Path(tmp), resolve(None, {}).paths.data)
             args += ["--include_path", tmp]
         sys.argv = ["lm_eval", *args]

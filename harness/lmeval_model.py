@@ -75,6 +75,18 @@ class PPSpecLM(LM):
         self.max_concurrency = max_concurrency
         self.reset(order_seed=order_seed, seed=seed)
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PPSpecLM":
+        """Build from ``--model_args`` only: lm-eval's own ``--device``/``--batch_size`` defaults (cuda,
+        1) are not ours; put ``device=...`` / ``max_concurrency=...`` in ``--model_args`` instead."""
+        from lm_eval.utils import simple_parse_args_string
+        return cls(**simple_parse_args_string(arg_string))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "PPSpecLM":
+        """Same as :meth:`create_from_arg_string` for an already parsed ``--model_args`` dict."""
+        return cls(**arg_dict)
+
     def reset(self, order_seed: int | None = None, seed: int | None = None,
               progress: Callable[[int, int], None] | None = None) -> None:
         """Start a new run: arrival-order shuffle seed, sampling seed, progress callback; clear records."""

@@ -17,6 +17,7 @@ skipped, so an interrupted sweep resumes where it stopped.
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import HarnessConfigError, check_layer, find_config, load_yaml, merge
+from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer, find_config, find_toml, load_yaml, merge, resolve
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
@@ -45,8 +46,9 @@ def _axis_name(key: str, value) -> str:
     return f"{short}{value}"
 
 
-def load_matrix(path: str | Path, root: Path) -> dict:
+def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     """Parse and check a matrix file; returns ``{name, commands, cells: [{name, config: dict}]}``."""
+    root = root or _root()
     p = find_config(path, root)
     m = load_yaml(p)
     if not isinstance(m, dict):
@@ -95,7 +97,6 @@ def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None
     logs of each subprocess go to ``raw_dir/<cell>-<command>.log``.
     """
     rows = []
-    raw_dir.mkdir(parents=True, exist_ok=True)
     for cell in matrix["cells"]:
         if only and cell["name"] not in only:
             continue
@@ -112,6 +113,7 @@ def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None
             on_event and on_event(cell["name"], cmd, "start")
             argv = [sys.executable, "-m", "harness.cli", cmd, "--config", str(cfg_path), "--out", str(dest),
                     "--no-progress", *(extra_args or [])]
+            raw_dir.mkdir(parents=True, exist_ok=True)
             log = raw_dir / f"{cell['name']}-{cmd}.log"
             with open(log, "w") as f:
                 rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -125,3 +127,28 @@ def finished_cells(matrix: dict, out_dir: Path) -> list[Path]:
     """Cell directories that hold at least one finished result, in matrix order."""
     return [out_dir / "cells" / c["name"] for c in matrix["cells"]
             if any((out_dir / "cells" / c["name"] / cmd / "summary.json").is_file() for cmd in matrix["commands"])]
+
+
+def _root() -> Path:
+    toml = find_toml()
+    return toml.parent if toml else PACKAGE_ROOT
+
+
+def run_matrix(matrix: str | Path, out: Path | None = None, only: list[str] | None = None,
+               on_event: Callable[[str, str, str], None] | None = None) -> tuple[list[dict], list, Path]:
+    """Load, run the missing cells, then tabulate every finished cell (summary.md/json in the sweep dir).
+
+    Returns (status rows, rich renderables, sweep directory); default directory ``results/<matrix name>``.
+    """
+    from harness.compare import run_compare
+    m = load_matrix(matrix)
+    results = Path(resolve(None, {}).paths.results)
+    d = Path(out) if out else results / m["name"]
+    rows = run_sweep(m, d, results / "raw" / m["name"], only, on_event)
+    cells = finished_cells(m, d)
+    if not cells:
+        return rows, [], d
+    summary, rend, md = run_compare([str(c) for c in cells], d)
+    (d / "summary.md").write_text(f"# sweep {m['name']}\n\n{md}")
+    (d / "summary.json").write_text(json.dumps({**summary, "kind": "sweep", "status": rows}, indent=1, default=str))
+    return rows, rend, d
