@@ -44,41 +44,67 @@ def get_context() -> ForwardContext:
 
 
 class TorchBackend:
-    """Reference attention: SDPA per request over K/V gathered from the slot pool (CPU and tests)."""
+    """Reference attention: one padded SDPA over K/V gathered from the slot pool (CPU, tests, GPU fallback).
+
+    ``prepare`` builds, once per forward, the padded layout [B, max_q] x [B, max_kv] and the boolean
+    mask (causal or the request's custom tree mask); each layer then does one gather and one SDPA.
+    """
 
     name = "torch"
 
     def prepare(self, ctx: ForwardContext) -> None:
-        pass
+        qo = ctx.qo_indptr
+        B = len(qo) - 1
+        qlens = [qo[i + 1] - qo[i] for i in range(B)]
+        if ctx.pool is None:
+            kvs = [torch.arange(qo[i], qo[i + 1]) for i in range(B)]
+        else:
+            kvs = [k.cpu() for k in ctx.kv_indices]
+        T = qo[-1]
+        mq, mk = max(qlens), max(len(k) for k in kvs)
+        q_index = torch.full((B, mq), T, dtype=torch.int64)
+        kv_index = torch.zeros(B, mk, dtype=torch.int64)
+        mask = torch.zeros(B, mq, mk, dtype=torch.bool)
+        for i in range(B):
+            ql, kl = qlens[i], len(kvs[i])
+            q_index[i, :ql] = torch.arange(qo[i], qo[i + 1])
+            kv_index[i, :kl] = kvs[i]
+            m = ctx.custom_mask[i] if ctx.custom_mask is not None else None
+            mask[i, :ql, :kl] = m.cpu() if m is not None else torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+            mask[i, ql:, 0] = True                      # padded query rows: attend somewhere (ignored)
+        dev = ctx.out_cache_loc.device if ctx.out_cache_loc is not None else None
+        st = ctx.backend_state
+        st["q_index"], st["kv_index"], st["mask"] = q_index, kv_index, mask.unsqueeze(1)
+        st["valid"] = (q_index < T).reshape(-1)
+        st["dev"] = dev
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
         ctx = get_context()
+        st = ctx.backend_state
+        dev = q.device
+        if st.get("on") != dev:
+            for key in ("q_index", "kv_index", "mask", "valid"):
+                st[key] = st[key].to(dev)
+            st["on"] = dev
         pool = ctx.pool
         if pool is not None:
             pool.k_cache[layer][ctx.out_cache_loc] = k
             pool.v_cache[layer][ctx.out_cache_loc] = v
-        out = torch.empty_like(q)
-        hq, hk = q.shape[1], k.shape[1]
-        for i in range(len(ctx.qo_indptr) - 1):
-            s, e = ctx.qo_indptr[i], ctx.qo_indptr[i + 1]
-            if e == s:
-                continue
-            if pool is None:
-                kk, vv = k[s:e], v[s:e]
-            else:
-                idx = ctx.kv_indices[i]
-                kk, vv = pool.k_cache[layer][idx], pool.v_cache[layer][idx]
-            ql, kl = e - s, kk.shape[0]
-            mask = ctx.custom_mask[i] if ctx.custom_mask is not None else None
-            if mask is None:
-                mask = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
-            if hq != hk:
-                kk = kk.repeat_interleave(hq // hk, dim=1)
-                vv = vv.repeat_interleave(hq // hk, dim=1)
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                               attn_mask=mask, scale=scale)
-            out[s:e] = o.transpose(0, 1)
+            kk, vv = pool.k_cache[layer][st["kv_index"]], pool.v_cache[layer][st["kv_index"]]
+        else:
+            kk, vv = k[st["kv_index"]], v[st["kv_index"]]
+        T, hq, D = q.shape
+        hk = k.shape[1]
+        qp = torch.cat([q, q.new_zeros(1, hq, D)])[st["q_index"]]       # [B, mq, Hq, D]
+        if hq != hk:
+            kk = kk.repeat_interleave(hq // hk, dim=2)
+            vv = vv.repeat_interleave(hq // hk, dim=2)
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                           attn_mask=st["mask"], scale=scale)        # [B, Hq, mq, D]
+        o = o.transpose(1, 2).reshape(-1, hq, D)[st["valid"]]
+        out = q.new_empty(T, hq, D)
+        out[st["q_index"].reshape(-1)[st["valid"]]] = o
         return out
 
 

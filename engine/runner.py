@@ -3,7 +3,6 @@ pools, turns a scheduled batch into tensors, runs the forward and, on the last s
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -31,13 +30,7 @@ def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
 
 
 def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
-    """Resolve the checkpoint and its shape (dummy load format: config.json only)."""
-    if config.load_format == "dummy":
-        p = Path(config.model)
-        cfg_file = p / "config.json" if p.is_dir() else p
-        if not cfg_file.exists():
-            raise ConfigError(f"model path not found: {config.model}")
-        return p, ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    """Resolve the checkpoint and its shape (dummy load format needs only the config)."""
     path = resolve_model_path(config.model)
     return path, load_model_config(path)
 

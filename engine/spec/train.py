@@ -1,0 +1,223 @@
+"""Train an EAGLE-1/2 draft head for any supported target (``ppspec train-draft``).
+
+Objective (Li et al., EAGLE, ICML 2024): at position p the draft sees (x_{p+1}, f_p) and must
+predict the target's next feature f_{p+1} (smooth-L1) and the target's next-token distribution
+softmax(lm_head(f_{p+1})) (soft cross-entropy, weight ``cls_weight``). Uniform noise on the input
+features makes the head robust to its own (imperfect) features at depth >= 2.
+A second unrolled step (``unroll=2``) feeds the head its own predicted features, as at draft depth 2.
+
+Data: jsonl lines ``{"prompt": ...}`` (self-distillation: the target's own greedy continuation is
+generated with the engine and appended) or ``{"text": ...}`` (trained on as given).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import ForwardContext, TorchBackend, set_backend, set_context
+from ..config import ConfigError, EngineConfig
+from ..dist import ParallelState, set_ps
+from ..loader import iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from ..model import LlamaForCausalLM
+from .eagle import EagleDraft, draft_state_dict, save_draft
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"training data not found: {p}")
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not ({"prompt", "text"} & r.keys()):
+            raise ConfigError(f"{p}:{i + 1}: each line needs a 'prompt' or 'text' field")
+    return rows
+
+
+def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_new_tokens: int,
+                    max_len: int, progress=None) -> list[list[int]]:
+    """Token sequences to train on: text as given, prompts + the target's own greedy continuation."""
+    from .. import LLM, SamplingParams
+    tok = load_tokenizer(resolve_model_path(model))
+    seqs, prompts = [], []
+    for r in rows:
+        if "text" in r:
+            seqs.append(tok.encode(r["text"], add_special_tokens=False)[:max_len])
+        else:
+            prompts.append(tok.encode(r["prompt"], add_special_tokens=False)[-(max_len - max_new_tokens):])
+    if prompts:
+        with LLM(EngineConfig(model=model, device=device, dtype=dtype, max_running_requests=128,
+                              max_prefill_tokens=8192)) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, stop=("Question:",)),
+                                progress=progress)
+        seqs += [o.prompt_token_ids + o.token_ids for o in outs]
+    return [s for s in seqs if len(s) >= 3]
+
+
+def _dense_ctx(lens: list[int]) -> ForwardContext:
+    qo = [0]
+    for n in lens:
+        qo.append(qo[-1] + n)
+    ctx = ForwardContext(qo)
+    TorchBackend().prepare(ctx)
+    return ctx
+
+
+@torch.no_grad()
+def target_features(target: LlamaForCausalLM, seqs: list[list[int]], device) -> tuple[torch.Tensor, ForwardContext]:
+    """Final-norm features [T, H] for the packed sequences (each attends causally to itself)."""
+    ctx = _dense_ctx([len(s) for s in seqs])
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
+    set_context(ctx)
+    try:
+        feat, _ = target(ids, pos)
+    finally:
+        set_context(None)
+    return feat, ctx
+
+
+def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]], device, noise: float,
+               cls_weight: float, unroll: int):
+    feat, _ = target_features(target, seqs, device)
+    # draft rows: for each sequence positions p = 0..n-2: token x_{p+1}, feature f_p -> target f_{p+1}
+    ids, f_in, f_tgt, pos, lens, off = [], [], [], [], [], 0
+    for s in seqs:
+        n = len(s)
+        ids.append(torch.tensor(s[1:]))
+        f_in.append(feat[off:off + n - 1])
+        f_tgt.append(feat[off + 1:off + n])
+        pos.append(torch.arange(n - 1))
+        lens.append(n - 1)
+        off += n
+    ids, pos = torch.cat(ids).to(device), torch.cat(pos).to(device)
+    f_in, f_tgt = torch.cat(f_in).float(), torch.cat(f_tgt).float()
+    with torch.no_grad():
+        tgt_logp = torch.log_softmax(target.compute_logits(f_tgt.to(feat.dtype)), -1)
+        tgt_p = tgt_logp.exp()
+    ctx = _dense_ctx(lens)
+    total, stats = 0.0, {}
+    x = f_in + (torch.rand_like(f_in) - 0.5) * 2 * noise * f_in.abs().mean() if noise > 0 else f_in
+    for step in range(unroll):
+        set_context(ctx)
+        try:
+            h = draft(ids, x.to(draft.fc.weight.dtype), pos).float()
+        finally:
+            set_context(None)
+        logp = torch.log_softmax(target.compute_logits(h.to(feat.dtype)).float(), -1)
+        vloss = F.smooth_l1_loss(h, f_tgt)
+        ploss = -(tgt_p * logp).sum(-1).mean()
+        acc = (logp.argmax(-1) == tgt_p.argmax(-1)).float().mean()
+        total = total + (vloss + cls_weight * ploss) / (step + 1)
+        stats[f"acc{step + 1}"] = acc.item()
+        stats[f"ploss{step + 1}"] = ploss.item()
+        if step + 1 < unroll:           # next step: own predicted features, shifted one position right
+            x, ids, f_tgt, tgt_p, pos, lens, ctx = _shift(h, ids, f_tgt, tgt_p, pos, lens)
+    return total, stats
+
+
+def _shift(h, ids, f_tgt, tgt_p, pos, lens):
+    """Depth-2 rows: feature = own prediction at p, token x_{p+2}, target f_{p+2}, position p+1."""
+    keep_in, keep_out, new_lens, off = [], [], [], 0
+    for n in lens:
+        if n >= 2:
+            keep_in.append(torch.arange(off, off + n - 1))
+            keep_out.append(torch.arange(off + 1, off + n))
+            new_lens.append(n - 1)
+        off += n
+    a, b = torch.cat(keep_in).to(h.device), torch.cat(keep_out).to(h.device)
+    return h[a], ids[b], f_tgt[b], tgt_p[b], pos[b], new_lens, _dense_ctx(new_lens)
+
+
+def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
+                max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
+                limit: int | None = None, seed: int = 0, save_dtype: str = "bfloat16", progress=None,
+                log=print) -> dict:
+    """Train and save an EAGLE-1/2 head in the published layout; returns training stats.
+
+    Raises ConfigError for a bad model path or data file.
+    """
+    rows = read_jsonl(data)[:limit]
+    if not rows:
+        raise ConfigError(f"training data {data} is empty")
+    path = resolve_model_path(model)
+    mc = load_model_config(path)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    t0 = time.perf_counter()
+    seqs = build_sequences(model, rows, device, dtype, max_new_tokens, max_len)
+    t_gen = time.perf_counter() - t0
+    set_ps(ParallelState(device=torch.device(device)))
+    set_backend(TorchBackend())
+    tdt = getattr(torch, dtype)
+    target = LlamaForCausalLM(mc, tdt, max_len + 8)
+    target.load_weights(iter_weights(path, dtype=tdt))
+    target.to(device).eval()
+    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
+    draft = EagleDraft(dcfg, torch.float32, max_len + 8)
+    _init_from_target(draft, target, mc)
+    draft.to(device)
+    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    batches = _token_batches(seqs, batch_tokens)
+    total_steps = epochs * len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
+    step, stats = 0, {}
+    for ep in range(epochs):
+        random.shuffle(batches)
+        for b in batches:
+            loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if progress is not None:
+                progress(step, total_steps, {"loss": float(loss), **stats})
+            elif step % 50 == 0 or step == total_steps:
+                log(f"step {step}/{total_steps} loss {float(loss):.4f} " +
+                    " ".join(f"{k} {v:.3f}" for k, v in stats.items()))
+    extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
+                                 "tokens": sum(map(len, seqs)), "epochs": epochs, "lr": lr, "noise": noise,
+                                 "unroll": unroll, "final": stats}}
+    save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
+    return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "steps": step, "gen_s": t_gen,
+            "train_s": time.perf_counter() - t0 - t_gen, **stats}
+
+
+def _init_from_target(draft: EagleDraft, target: LlamaForCausalLM, mc) -> None:
+    """Embedding copied from the target; the decoder layer starts from the target's last layer; fc ~ [0 ; I]."""
+    draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.data.float())
+    src = target.layers[-1]
+    sd = {k: v.float() for k, v in src.state_dict().items() if not k.startswith("input_layernorm")}
+    draft.layer.load_state_dict(sd, strict=False)
+    H = mc.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, H:] = torch.eye(H)
+        draft.fc.weight[:, :H] = torch.randn(H, H) * 0.02
+        draft.fc.bias.zero_()
+
+
+def _token_batches(seqs: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches, cur, n = [], [], 0
+    for i in order:
+        if cur and n + len(seqs[i]) > batch_tokens:
+            batches.append(cur)
+            cur, n = [], 0
+        cur.append(seqs[i])
+        n += len(seqs[i])
+    if cur:
+        batches.append(cur)
+    return batches
