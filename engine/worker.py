@@ -14,6 +14,8 @@ forwards the result round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .dist import ps, ring_exchange
@@ -98,6 +100,8 @@ class Worker:
         """Serve ``reqs`` to completion; returns them (with outputs) in input order."""
         s, sched = ps(), self.sched
         P = s.pp_size
+        if os.environ.get("PPSPEC_TEST_FAIL_RANK") == str(s.rank):
+            raise RuntimeError("injected failure (PPSPEC_TEST_FAIL_RANK)")
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         for req in reqs:
             sched.add(req)

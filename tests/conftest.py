@@ -1,7 +1,12 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
@@ -10,3 +15,44 @@ def smollm2_path():
     from engine.loader import resolve_model_path
 
     return resolve_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama (4 layers, 4 heads, 2 KV heads) with the SmolLM2 tokenizer."""
+    from tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
+    """An EAGLE head for the tiny model, trained by ``ppspec train-draft``'s function (self-distillation)."""
+    import json
+
+    from engine.spec.train import train_draft
+    from tiny import gsm8k_prompts
+
+    d = tmp_path_factory.mktemp("tiny_draft")
+    data = d / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in gsm8k_prompts(64, 100)))
+    out = d / "draft"
+    train_draft(tiny_model_dir, data, out, epochs=4, lr=3e-3, max_new_tokens=64, batch_tokens=1024,
+                save_dtype="float32", log=lambda *_: None)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny_model_dir):
+    """Ten token-id prompts of mixed lengths (5 to ~230 tokens) from GSM8K test text."""
+    from engine.loader import load_tokenizer
+    from tiny import gsm8k_prompts
+
+    tok = load_tokenizer(tiny_model_dir)
+    texts = gsm8k_prompts(10, 0, "test")
+    lens = [5, 17, 40, 64, 90, 120, 150, 180, 200, 230]
+    ids = []
+    for t, n in zip(texts, lens):
+        x = tok.encode(t * 4, add_special_tokens=False)
+        ids.append(x[:n])
+    return ids
