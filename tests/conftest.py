@@ -37,7 +37,7 @@ def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
     data = d / "train.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in gsm8k_prompts(64, 100)))
     out = d / "draft"
-    train_draft(tiny_model_dir, data, out, epochs=4, lr=3e-3, max_new_tokens=64, batch_tokens=1024,
+    train_draft(tiny_model_dir, data, out, epochs=12, lr=1.5e-2, max_new_tokens=64, batch_tokens=512,
                 save_dtype="float32", log=lambda *_: None)
     return str(out)
 

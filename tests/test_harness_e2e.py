@@ -1,7 +1,8 @@
 """End to end through the real engine on the tiny test model + its trained draft (CPU, gloo).
 
 Needs ``engine.LLM`` and the ``tiny_model_dir`` / ``tiny_draft_dir`` fixtures from tests/conftest.py;
-skipped until both exist. No timed assertions: only that results are produced and well-formed,
+skipped until both exist. Prompts use 2 shots (about 400 tokens) so a
+tiny model with a short context fits. No timed assertions: only that results are produced and well-formed,
 and that the parity gate passes normally and fails with PPSPEC_FAULT=drop_tree.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _summary(d: Path) -> dict:
 def test_gsm8k_two_runs_write_valid_results(tiny, tmp_path):
     out = tmp_path / "gsm8k"
     r = runner.invoke(app, ["gsm8k", *_engine_args(tiny), "--spec", "--runs", "2", "--limit", "4",
-                            "--max-new-tokens", "32", "--out", str(out)])
+                            "--max-new-tokens", "32", "--num-fewshot", "2", "--out", str(out)])
     assert r.exit_code == 0, r.output
     s = _summary(out)
     o = s["overall"]
@@ -92,7 +93,8 @@ def test_bench_writes_valid_results(tiny, tmp_path):
 
 
 def test_gate_passes_then_fails_with_dropped_tree(tiny, tmp_path, monkeypatch):
-    args = ["gate", *_engine_args(tiny), "--limit", "4", "--set", "gsm8k.max_new_tokens=32"]
+    args = ["gate", *_engine_args(tiny), "--limit", "4", "--set", "gsm8k.max_new_tokens=32",
+            "--set", "gsm8k.num_fewshot=2"]
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "ok")])
     assert r.exit_code == 0, r.output
     s = _summary(tmp_path / "ok")
