@@ -74,6 +74,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                 label, runs, outs_all = f"in={L} bs={B}", [], []
                 for r in range(b.runs):
                     cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
+                    if cb:
+                        cb(0, n)
                     t0 = time.perf_counter()
                     outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
                     wall = time.perf_counter() - t0

@@ -110,6 +110,7 @@ def progress_bars(enabled: bool = True) -> Iterator:
 
 
 def show(renderables: list) -> None:
+    """Print tables and lines to stdout."""
     for r in renderables:
         console.print(r)
 

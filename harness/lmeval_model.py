@@ -96,6 +96,7 @@ class PPSpecLM(LM):
 
     @property
     def tokenizer_name(self) -> str:
+        """Name lm-eval uses to key chat-template caches."""
         return str(self.llm.info.get("model", "ppspec"))
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
@@ -127,6 +128,8 @@ class PPSpecLM(LM):
         order = list(range(len(requests)))
         if self.order_seed is not None:
             random.Random(self.order_seed).shuffle(order)
+        if self.progress:
+            self.progress(0, len(requests))
         t0 = time.perf_counter()
         outs = self.llm.generate([requests[i].args[0] for i in order], [built[i][0] for i in order],
                                  max_concurrency=self.max_concurrency, progress=self.progress)
@@ -144,9 +147,11 @@ class PPSpecLM(LM):
         return results
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """Not supported: the engine exposes no prompt log-probabilities yet."""
         raise NotImplementedError("ppspec: loglikelihood is not supported (generate_until tasks only)")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """Not supported: the engine exposes no prompt log-probabilities yet."""
         raise NotImplementedError("ppspec: loglikelihood_rolling is not supported (generate_until tasks only)")
 
     def close(self) -> None:
