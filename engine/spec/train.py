@@ -52,7 +52,7 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
             prompts.append(tok.encode(r["prompt"], add_special_tokens=False)[-(max_len - max_new_tokens):])
     if prompts:
         with LLM(EngineConfig(model=model, device=device, dtype=dtype, max_running_requests=128,
-                              max_prefill_tokens=8192)) as llm:
+                              max_prefill_tokens=16384, attention_backend="torch")) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, stop=("Question:",)),
                                 progress=progress)
         seqs += [o.prompt_token_ids + o.token_ids for o in outs]
@@ -138,6 +138,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
                 limit: int | None = None, seed: int = 0, save_dtype: str = "bfloat16", progress=None,
+                sequences_cache: str | Path | None = None,
                 log=print) -> dict:
     """Train and save an EAGLE-1/2 head in the published layout; returns training stats.
 
@@ -151,9 +152,16 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     torch.manual_seed(seed)
     random.seed(seed)
     t0 = time.perf_counter()
-    seqs = build_sequences(model, rows, device, dtype, max_new_tokens, max_len)
+    if sequences_cache and Path(sequences_cache).exists():
+        seqs = json.loads(Path(sequences_cache).read_text())
+    else:
+        seqs = build_sequences(model, rows, device, dtype, max_new_tokens, max_len)
+        if sequences_cache:
+            Path(sequences_cache).write_text(json.dumps(seqs))
     t_gen = time.perf_counter() - t0
     set_ps(ParallelState(device=torch.device(device)))
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     set_backend(TorchBackend())
     tdt = getattr(torch, dtype)
     target = LlamaForCausalLM(mc, tdt, max_len + 8)
@@ -196,16 +204,24 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
 
 
 def _init_from_target(draft: EagleDraft, target: LlamaForCausalLM, mc) -> None:
-    """Embedding copied from the target; the decoder layer starts from the target's last layer; fc ~ [0 ; I]."""
+    """Embedding copied from the target; fc = [small ; I] and zero-initialised residual branches
+    (o_proj, down_proj), so the untrained head starts as the identity on the feature."""
     draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.data.float())
-    src = target.layers[-1]
-    sd = {k: v.float() for k, v in src.state_dict().items() if not k.startswith("input_layernorm")}
-    draft.layer.load_state_dict(sd, strict=False)
+    g = torch.Generator().manual_seed(0)
+    for name, p in draft.layer.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.data.zero_()
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
     H = mc.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()
         draft.fc.weight[:, H:] = torch.eye(H)
-        draft.fc.weight[:, :H] = torch.randn(H, H) * 0.02
+        draft.fc.weight[:, :H] = torch.randn(H, H, generator=g) * 0.02
         draft.fc.bias.zero_()
 
 

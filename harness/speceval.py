@@ -1,0 +1,77 @@
+"""Accept length, accuracy and tokens/s of a target + draft on exported GSM8K prompts.
+
+Runs where lm-eval is absent (the GPU box): prompts come from ``harness.prompts.lmeval_contexts``
+(exact lm-eval contexts and stop strings), answers are scored with ``harness.gsm8k.score_response``
+(checked against lm-eval's own filters in tests). Usage:
+  python -m harness.speceval --model M --draft D --prompts test200.jsonl --shape 3,1,4 --shape 4,4,12 --out r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
+             device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
+             plain: bool = True, max_concurrency: int | None = None) -> dict:
+    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    from harness.gsm8k import score_response
+    texts = [p["prompt"] for p in prompts]
+    params = [SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(p.get("until", ["Question:"]))) for p in prompts]
+    configs = ([("plain", SpecConfig())] if plain else []) + [
+        (f"eagle S={S} k={k} n={n}", SpecConfig("eagle", draft, S, k, n)) for S, k, n in shapes]
+    results = {}
+    for name, spec in configs:
+        with LLM(EngineConfig(model=model, device=device, dtype=dtype, spec=spec, attention_backend=backend,
+                              max_running_requests=256, max_prefill_tokens=16384)) as llm:
+            llm.generate(texts[:2], params[:2])                          # warmup
+            t0 = time.perf_counter()
+            outs = llm.generate(texts, params, max_concurrency=max_concurrency)
+            wall = time.perf_counter() - t0
+        acc = [a for o in outs for a in o.accept_lengths]
+        hist = {}
+        for a in acc:
+            hist[a] = hist.get(a, 0) + 1
+        scored = [score_response(o.text, p["target"]) if "target" in p else None for o, p in zip(outs, prompts)]
+        ntok = sum(len(o.token_ids) for o in outs)
+        results[name] = {
+            "accept_length": sum(acc) / max(1, len(acc)), "accept_hist": dict(sorted(hist.items())),
+            "strict_match": _mean([s["strict-match"]["exact_match"] for s in scored if s]),
+            "flexible_extract": _mean([s["flexible-extract"]["exact_match"] for s in scored if s]),
+            "output_tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall,
+            "outputs": [o.token_ids for o in outs],
+        }
+        print(f"{name}: accept_length {results[name]['accept_length']:.3f} flex "
+              f"{results[name]['flexible_extract']} tok/s {ntok / wall:.1f}", flush=True)
+    return results
+
+
+def _mean(x):
+    return sum(x) / len(x) if x else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--draft")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--shape", action="append", default=[])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--no-plain", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][:a.limit]
+    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shape]
+    res = evaluate(a.model, a.draft, prompts, shapes, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
