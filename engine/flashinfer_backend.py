@@ -1,0 +1,178 @@
+"""FlashInfer attention backend (GPU): the semantics of :class:`engine.attention.TorchBackend`, run by
+FlashInfer's paged kernels over the slot pool (page_size 1, NHD: pool tensor ``[slots, Hk, D]`` viewed
+as ``[slots, 1, Hk, D]``).
+
+Per forward (``prepare``): the page table of the batch is flattened once (``kv_indptr`` from the
+lengths of ``ctx.kv_indices``, ``indices`` = their concatenation, ``last_page_len`` all ones) and one
+wrapper is planned:
+  * decode  (every request has q_len 1, no custom mask): ``BatchDecodeWithPagedKVCacheWrapper``
+            (tensor cores when the GQA group size has no CUDA-core kernel, i.e. not 1/2/3/4);
+  * extend  (no custom mask): ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``
+            (FlashInfer's causal mask is aligned to the end of the KV, as TorchBackend's);
+  * verify  (any custom mask): the prefill wrapper with ``custom_mask`` = the flattened per-request
+            masks (requests without a mask get the end-aligned causal mask explicitly).
+Per layer (``forward``): write the new K/V at ``ctx.out_cache_loc``, then ``wrapper.run`` (no host sync).
+
+``plan`` needs the number of query heads and the softmax scale, which a ForwardContext does not carry:
+the backend learns them per KV pool at that pool's first forward (planning lazily in layer 0 then) and
+plans in ``prepare`` from then on. Dense mode (``ctx.pool is None``: training / reference) is handed to
+TorchBackend. Supported dtypes: bfloat16 and float16 (FlashInfer has no float32 kernels: ConfigError).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from .attention import ForwardContext, TorchBackend, get_context
+from .config import ConfigError
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+WORKSPACE_BYTES = 128 * 1024 * 1024
+_CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-core decode kernel dispatches
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"attention_backend=flashinfer supports dtype bfloat16 and float16, not "
+                          f"{str(dtype).removeprefix('torch.')} (use attention_backend=torch for float32)")
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self, device, dtype=None):
+        try:
+            import flashinfer
+        except Exception as e:                        # noqa: BLE001 - any import failure is a config problem
+            raise ConfigError(f"attention_backend=flashinfer: cannot import flashinfer "
+                              f"({type(e).__name__}: {e})".splitlines()[0]) from None
+        self.fi = flashinfer
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ConfigError("attention_backend=flashinfer needs device=cuda")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if dtype is not None:
+            _check_dtype(dtype)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_backend = os.environ.get("PPSPEC_FLASHINFER_PREFILL_BACKEND", "fa2")
+        self._wrappers: dict = {}                     # (kind, variant) -> [wrapper, wrapper] (double buffer)
+        self._turn: dict = {}
+        self._events: dict = {}
+        self._heads = weakref.WeakKeyDictionary()     # pool -> (Hq, Hk, D, scale, dtype) seen at its first forward
+        self._torch = TorchBackend()
+
+    # ------------------------------------------------------------------------------------ wrappers
+    def _make(self, kind: str, tensor_cores: bool):
+        if kind == "decode":
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tensor_cores)
+        backend = "fa2" if kind == "verify" else self.prefill_backend    # custom masks: FA2 only
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+
+    def _wrapper(self, kind: str, tensor_cores: bool):
+        """Next wrapper of this kind. Two alternate, and a wrapper is re-planned only once the host->device
+        copy of its previous plan has run (plan stages its metadata in one pinned buffer per wrapper)."""
+        key = (kind, tensor_cores)
+        if key not in self._wrappers:
+            self._wrappers[key] = [self._make(kind, tensor_cores) for _ in range(2)]
+            self._turn[key] = 0
+        i = self._turn[key]
+        self._turn[key] = 1 - i
+        ev = self._events.get((key, i))
+        if ev is not None:
+            ev.synchronize()
+        return self._wrappers[key][i], (key, i)
+
+    # ------------------------------------------------------------------------------------ prepare
+    def prepare(self, ctx: ForwardContext) -> None:
+        st = ctx.backend_state
+        pool = ctx.pool
+        if pool is None:                              # dense mode: reference path
+            st["fi"] = None
+            self._torch.prepare(ctx)
+            return
+        dtype = pool.k_cache[0].dtype
+        _check_dtype(dtype)
+        dev = pool.k_cache[0].device
+        qo = [int(x) for x in ctx.qo_indptr]
+        B = len(qo) - 1
+        qlens = [qo[i + 1] - qo[i] for i in range(B)]
+        kvs = ctx.kv_indices
+        kvlens = [int(k.numel()) for k in kvs]        # shapes: no device sync
+        masks = list(ctx.custom_mask) if ctx.custom_mask is not None else [None] * B
+        for i in range(B):
+            if kvlens[i] < qlens[i]:
+                raise ValueError(f"request {i}: {kvlens[i]} KV slots for {qlens[i]} new tokens")
+            m = masks[i]
+            if m is not None and tuple(m.shape) != (qlens[i], kvlens[i]):
+                raise ValueError(f"request {i}: custom mask {tuple(m.shape)} != ({qlens[i]}, {kvlens[i]})")
+        use_mask = any(m is not None for m in masks)
+        kind = "verify" if use_mask else ("decode" if all(q == 1 for q in qlens) else "extend")
+        kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.tensor(kvlens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        indices = torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
+        plan = {"kind": kind, "qo_indptr": torch.tensor(qo, dtype=torch.int32), "kv_indptr": kv_indptr,
+                "indices": indices, "last_page_len": torch.ones(B, dtype=torch.int32), "dtype": dtype,
+                "mask": None}
+        if use_mask:
+            flat = []
+            for i in range(B):
+                m = masks[i]
+                if m is None:
+                    ql, kl = qlens[i], kvlens[i]
+                    m = torch.ones(ql, kl, dtype=torch.bool, device=dev).tril(kl - ql)
+                flat.append(m.to(dev, torch.bool).reshape(-1))
+            plan["mask"] = torch.cat(flat)
+        st["fi"] = plan
+        st["fi_planned"] = None
+        known = self._heads.get(pool)
+        if known is not None and known[4] == dtype:
+            self._plan(st, known)
+
+    def _plan(self, st: dict, key) -> None:
+        hq, hk, d, scale, dtype = key
+        p = st["fi"]
+        if p["kind"] == "decode":
+            group = hq // hk
+            w, slot = self._wrapper("decode", group not in _CUDA_CORE_GROUPS)
+            w.plan(p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
+                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        elif p["kind"] == "extend":
+            w, slot = self._wrapper("extend", False)
+            w.plan(p["qo_indptr"], p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
+                   causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        else:
+            # FlashInfer packs the bool mask on the device (segment_packbits), so its indptrs go there
+            # too; plan() then reads them back: one host sync per verify forward, here in prepare.
+            dev = p["indices"].device
+            w, slot = self._wrapper("verify", False)
+            w.plan(p["qo_indptr"].to(dev), p["kv_indptr"].to(dev), p["indices"], p["last_page_len"].to(dev),
+                   hq, hk, d, 1, custom_mask=p["mask"], q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[slot] = ev
+        st["fi_wrapper"] = w
+        st["fi_planned"] = key
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
+        ctx = get_context()
+        st = ctx.backend_state
+        if st.get("fi") is None:
+            return self._torch.forward(q, k, v, layer, scale)
+        pool = ctx.pool
+        kc, vc = pool.k_cache[layer], pool.v_cache[layer]
+        kc[ctx.out_cache_loc] = k
+        vc[ctx.out_cache_loc] = v
+        key = (q.shape[1], k.shape[1], q.shape[2], float(scale), q.dtype)
+        if st["fi_planned"] != key:
+            if q.dtype != st["fi"]["dtype"]:
+                raise ValueError(f"q dtype {q.dtype} != KV pool dtype {st['fi']['dtype']}")
+            self._plan(st, key)
+            self._heads[pool] = key
+        if not q.is_contiguous():
+            q = q.contiguous()
+        return st["fi_wrapper"].run(q, (kc.unsqueeze(1), vc.unsqueeze(1)))
