@@ -75,12 +75,13 @@ class ModelRunner:
     def _init_backend(self) -> None:
         name = self.config.attention_backend
         if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" else "torch"
+            fi = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+            name = "flashinfer" if fi else "torch"
         if name == "flashinfer":
             if self.device.type != "cuda":
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
             from .flashinfer_backend import FlashInferBackend
-            set_backend(FlashInferBackend(self.device))
+            set_backend(FlashInferBackend(self.device, self.dtype))
         else:
             set_backend(TorchBackend())
 

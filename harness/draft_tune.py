@@ -50,11 +50,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if best is None or row["chain_accept_quick"] > log[best]["chain_accept_quick"]:
             best = i
+            shutil.copytree(work / f"try{i}", out / "draft", dirs_exist_ok=True)
         (out / "tries.json").write_text(json.dumps(log, indent=1))
+    if a.full <= 0:
+        return
     final = evaluate(a.model, str(work / f"try{best}"), test[:a.full], [(3, 1, 4), (4, 4, 12)], a.device,
                      backend="torch")
     (out / "final.json").write_text(json.dumps({"best_try": best, **final}))
-    shutil.copytree(work / f"try{best}", out / "draft", dirs_exist_ok=True)
 
 
 if __name__ == "__main__":
