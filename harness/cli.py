@@ -77,11 +77,11 @@ def overrides(model=None, draft=None, tp=None, pp=None, dtype=None, device=None,
     if spec is not None:
         sp["algorithm"] = "eagle" if spec else None
     out = merge(parse_sets(sets), flat)
-    for name, sec in ({"spec": sp} | sections).items():
+    for name, sec in sections.items():
         sec = {k: v for k, v in sec.items() if v is not None}
         if sec:
             out = merge(out, {name: sec})
-    return out
+    return merge(out, {"spec": sp}) if sp else out
 
 
 def load(config: str | None, ov: dict) -> RunConfig:

@@ -7,8 +7,10 @@ alone cannot catch a lost tree (the bonus token keeps the text right); acceptanc
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 from harness import stats
 from harness.config import HarnessConfigError, RunConfig
@@ -19,6 +21,9 @@ from harness.tables import both, fmt
 def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
     """(baseline, candidate) run configs: one run on ``gate.limit`` questions, PP sizes from ``gate``.
 
+    A fault (``PPSPEC_FAULT`` / ``fault:``) is injected into the candidate only: it simulates a broken
+    PP relay, and the baseline stays the clean reference.
+
     Raises:
         HarnessConfigError: speculative decoding is off (nothing to gate).
         engine.config.ConfigError: the engine refuses the candidate (e.g. PP x spec not enabled).
@@ -28,9 +33,19 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
                                  "PP runs with spec")
     g = cfg.gate
     work = dataclasses.replace(cfg.gsm8k, limit=g.limit, runs=1)
-    base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp))
+    base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp, fault=None))
     cand = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.candidate_pp))
     return base, cand
+
+
+@contextlib.contextmanager
+def _env_without(name: str | None) -> Iterator[None]:
+    saved = os.environ.pop(name, None) if name else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
 
 
 def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records: list[dict],
@@ -63,7 +78,8 @@ def run_gate(cfg: RunConfig, progress: Callable[[str, int, int], None] | None = 
     out, records = {}, []
     for side, c in (("baseline", base_cfg), ("candidate", cand_cfg)):
         cb = (lambda r, f, t, s=f"{side} pp={c.engine.pp}": progress(s, f, t)) if progress else None
-        summary, recs = run_gsm8k(c, progress=cb)
+        with _env_without("PPSPEC_FAULT" if side == "baseline" else None):   # the engine re-reads it
+            summary, recs = run_gsm8k(c, progress=cb)
         out[side] = {"summary": summary, "records": recs, "pp": c.engine.pp}
         records.extend({"side": side, "pp": c.engine.pp, **r} for r in recs)
     verdict = evaluate_gate(out["baseline"]["summary"], out["candidate"]["summary"], out["baseline"]["records"],
@@ -83,7 +99,7 @@ def render(summary: dict, title: str = "gate") -> tuple[list, str]:
         rows.append([c["metric"], fmt(c["baseline"], kind), fmt(c["candidate"], kind),
                      fmt(c["delta"], kind), fmt(c["margin"], kind), "ok" if c["ok"] else "FAIL"])
     t, md = both(f"{title}: {v['n_questions']} GSM8K questions, spec on both sides"
-                 + (f", fault={summary['fault']}" if summary.get("fault") else ""), headers, rows)
+                 + (f", fault={summary['fault']} (candidate only)" if summary.get("fault") else ""), headers, rows)
     mc = v["mcnemar_flexible"]
     line = (f"questions with different output: {v['differing_outputs']} of {v['n_questions']}; "
             f"McNemar (flexible-extract) discordant {mc['discordant']}, p={mc['p_value']:.3g}")

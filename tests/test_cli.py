@@ -162,6 +162,13 @@ def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     assert r.exit_code == 2 and "does not exist" in r.output
 
 
+def test_overrides_from_flags():
+    from harness.cli import overrides
+    assert overrides(tp=2, spec=False, draft="d", sets=["tp=4", "spec.num_steps=2"], gsm8k={"limit": 3, "runs": None}) == {
+        "tp": 2, "spec": {"num_steps": 2, "draft": "d", "algorithm": None}, "gsm8k": {"limit": 3}}
+    assert overrides() == {}
+
+
 def test_parse_sets():
     assert parse_sets(["spec.num_steps=4", "tp=2", "spec.draft=x", "max_model_len="]) == {
         "spec": {"num_steps": 4, "draft": "x"}, "tp": 2, "max_model_len": None}
@@ -204,6 +211,7 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "bad")])
     assert r.exit_code == 1, r.output
     assert "FAIL: accept length dropped" in r.output
+    assert [(i.config.pp, i.config.fault) for i in fake_engine.instances[-2:]] == [(1, None), (2, "drop_tree")]
     s = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert s["verdict"]["failed"] == ["accept length"] and s["fault"] == "drop_tree"
     monkeypatch.delenv("PPSPEC_FAULT")

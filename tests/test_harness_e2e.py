@@ -40,9 +40,10 @@ def tiny(request) -> tuple[str, str]:
     return str(model), str(draft)
 
 
-def _engine_args(tiny: tuple[str, str]) -> list[str]:
+def _engine_args(tiny: tuple[str, str], progress: bool = False) -> list[str]:
     model, draft = tiny
-    return ["--model", model, "--draft", draft, "--device", "cpu", "--dtype", "float32", "--no-progress"]
+    return ["--model", model, "--draft", draft, "--device", "cpu", "--dtype", "float32",
+            *([] if progress else ["--no-progress"])]
 
 
 def _summary(d: Path) -> dict:
@@ -109,7 +110,7 @@ def test_gate_passes_then_fails_with_dropped_tree(tiny, tmp_path, monkeypatch):
 
 
 def test_generate_prints_a_completion_under_pp2(tiny):
-    r = runner.invoke(app, ["generate", "Question: 1+1?\nAnswer:", *_engine_args(tiny), "--no-spec", "--pp", "2",
+    r = runner.invoke(app, ["generate", "Question: 1+1?\nAnswer:", *_engine_args(tiny, progress=True), "--no-spec", "--pp", "2",
                             "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "tokens" in r.output
