@@ -138,6 +138,9 @@ def plot(entries: list[dict], out_dir: Path) -> list[Path]:
                 cs = sorted((c for c in e["bench"]["cells"] if c["input_len"] == L), key=lambda c: c["batch_size"])
                 ax.plot([c["batch_size"] for c in cs], [_y(c, key) for c in cs], marker="o", label=f"{e['name']} in={L}")
         ax.set_xscale("log", base=2)
+        bss = sorted({c["batch_size"] for e in entries for c in e.get("bench", {}).get("cells", [])})
+        if bss:
+            ax.set_xticks(bss, [str(b) for b in bss])
         ax.set(xlabel="batch size (concurrency)", ylabel=ylabel)
         ax.grid(alpha=0.3)
         if ax.lines:
