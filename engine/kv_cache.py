@@ -5,6 +5,8 @@ accepted tree path is an index rewrite, never a KV copy). Slot 0 is a padding sl
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -31,7 +33,7 @@ class SlotAllocator:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.free_slots: list[int] = list(range(1, capacity + 1))
+        self.free_slots: deque[int] = deque(range(1, capacity + 1))
         self.owned = bytearray(capacity + 1)
 
     @property
@@ -46,7 +48,8 @@ class SlotAllocator:
         """Take ``n`` slots, or None (nothing taken) when fewer are free."""
         if n > len(self.free_slots):
             return None
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        pop = self.free_slots.popleft
+        out = [pop() for _ in range(n)]
         for s in out:
             if self.owned[s]:
                 raise KVCacheError(f"slot {s} handed out twice")

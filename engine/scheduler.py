@@ -121,10 +121,12 @@ class Scheduler:
         reqs, chunks = [], []
         cands = [r for r in self.reqs.values() if r.status == "prefilling" and r.slot == slot]
         cands.sort(key=lambda r: r.rid)
-        for r in cands + list(self.waiting):
+        active = self.num_active()
+        limit = min(self.max_concurrency, self.max_reqs)
+        for r in cands + self.waiting[:max(0, limit - active)]:
             if budget <= 0:
                 break
-            if r.status == "waiting" and self.num_active() >= min(self.max_concurrency, self.max_reqs):
+            if r.status == "waiting" and active >= limit:
                 break
             start = r.prefilled
             end = min(len(r.fill_ids), start + budget)
@@ -138,6 +140,7 @@ class Scheduler:
                     break
                 self.waiting.remove(r)
                 r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
+                active += 1
             else:
                 slots = self.allocator.alloc(max(need, 0))
                 if slots is None:

@@ -51,10 +51,10 @@ def test_degenerate_first_round_switch(tiny_model_dir, tiny_draft_dir, tiny_prom
 
 
 def test_spec_with_retraction_chunking_and_mixed_finishes(tiny_model_dir, tiny_draft_dir, tiny_prompts, plain):
-    params = [SamplingParams(max_new_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(tiny_prompts))]
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(tiny_prompts))]
     outs = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, max_prefill_tokens=40,
                max_num_tokens=700)
-    assert [o.token_ids for o in outs] == [p[:8 + 4 * i] for i, p in enumerate(plain)]
+    assert [o.token_ids for o in outs] == [p[:8 + 3 * i] for i, p in enumerate(plain)]
     assert sum(o.num_retractions for o in outs) > 0
     # Worker.run raises KVCacheError if any slot is still held once idle
 
