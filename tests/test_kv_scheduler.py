@@ -1,0 +1,56 @@
+"""Slot allocator and scheduler invariants (no slot owned twice, FIFO reuse, bounded admission)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import KVCacheError, SlotAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Req, Scheduler
+
+
+def test_allocator_fifo_and_ownership():
+    a = SlotAllocator(8)
+    assert a.alloc(3) == [1, 2, 3] and a.alloc(2) == [4, 5]
+    a.free([2, 1])
+    assert a.alloc(4) == [6, 7, 8, 2] and a.num_free == 1
+    assert a.alloc(2) is None and a.num_free == 1          # nothing taken on failure
+    with pytest.raises(KVCacheError, match="freed but not owned"):
+        a.free([1, 1])
+    a.check()
+
+
+def test_allocator_large_pool_allocates_exact_slots():
+    """Regression: alloc copied the whole free list per call (O(pool)); a 2.4M-slot pool made GPU
+    decode take seconds per step. Slots handed out must still be exactly the next free ones."""
+    a = SlotAllocator(2_400_000)
+    got = [a.alloc(1)[0] for _ in range(20_000)]
+    assert got == list(range(1, 20_001)) and a.num_used == 20_000
+
+
+def test_admission_respects_concurrency_with_many_waiting():
+    """Regression: admission re-counted active requests per waiting request (O(N^2) per tick)."""
+    s = Scheduler(capacity=100_000, max_reqs=256, max_model_len=512, reserve=1, spec=False,
+                  max_prefill_tokens=100_000, num_slots=1, eos_ids=(2,))
+    s.max_concurrency = 4
+    for i in range(3000):
+        s.add(Req(i, [5, 6, 7], SamplingParams(max_new_tokens=2)))
+    b = s.schedule(0)
+    assert b.kind == "prefill" and b.rids == [0, 1, 2, 3] and len(s.waiting) == 2996
+
+
+def test_retraction_frees_everything():
+    s = Scheduler(capacity=20, max_reqs=4, max_model_len=64, reserve=1, spec=False, max_prefill_tokens=64,
+                  num_slots=1, eos_ids=(2,))
+    for i in range(2):
+        s.add(Req(i, list(range(3, 12)), SamplingParams(max_new_tokens=9)))
+    b = s.schedule(0)
+    assert b.rids == [0, 1] and s.allocator.num_used == 20
+    import torch
+    s.process_output(dict(kind="prefill", slot=0, rids=[0, 1], chunks=b.chunks, tokens=torch.tensor([[7], [8]])))
+    b = s.schedule(0)                                          # first decode fits in the prefill reserve
+    assert b.kind == "decode" and b.rids == [0, 1] and s.allocator.num_used == 20
+    s.process_output(dict(kind="decode", slot=0, rids=[0, 1], tokens=torch.tensor([[9], [10]])))
+    b = s.schedule(0)                                          # next decode needs 2 more slots: none free
+    assert b.kind == "decode" and b.rids == [0] and s.reqs[1].status == "waiting"
+    assert s.reqs[1].fill_ids == list(range(3, 12)) + [8, 10] and s.allocator.num_used == 11
+    assert s.reqs[1].num_retractions == 1 and s.reqs[1].row == -1
