@@ -1,7 +1,7 @@
 """User-facing engine: ``LLM(config).generate(prompts, SamplingParams)``.
 
 One rank runs in-process; tp*pp > 1 spawns one process per rank (gloo on CPU, NCCL across GPUs)
-connected over loopback. Multi-node runs use ``torchrun`` with :func:`engine.launch.torchrun_main`.
+connected over loopback. Multi-node runs go through ``torchrun -m engine.launch`` (engine/launch.py).
 """
 from __future__ import annotations
 
