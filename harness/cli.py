@@ -273,7 +273,7 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
                 model: Annotated[Optional[str], typer.Option(help="Target model to distil from.")] = None,
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
-                set_: SetOpt = None) -> None:
+                set_: SetOpt = None, progress: ProgressOpt = True) -> None:
     """Train an EAGLE draft head ([cyan]engine.spec.train.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
         flags = {k: v for k, v in dict(model=model, data=data, out=out).items() if v is not None}
@@ -286,7 +286,10 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
-        result = _train(**kwargs)
+        with progress_bars(progress) as cb:
+            if cb:
+                kwargs.setdefault("progress", lambda step, total, st: cb("train-draft", step, total))
+            result = _train(**kwargs)
         if result is not None:
             console.print(result)
 

@@ -247,7 +247,10 @@ def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "engine.spec.train", mod)
     r = runner.invoke(app, ["train-draft", "--out", str(tmp_path / "d"), "--set", "train.epochs=2"])
     assert r.exit_code == 0, r.output
-    assert got == {"model": "smollm2", "data": "gsm8k-train-selfdistill", "out": str(tmp_path / "d"), "epochs": 2}
+    assert callable(got.pop("progress"))
+    assert got == {"model": "smollm2", "data": "drafts/smollm2-eagle/train_prompts.jsonl", "out": str(tmp_path / "d"),
+                   "device": "cuda", "dtype": "float32", "epochs": 2, "lr": 0.002, "noise": 0.05, "unroll": 2,
+                   "batch_tokens": 16384, "max_len": 2048, "max_new_tokens": 256}
 
 
 def test_python_dash_m_harness():
