@@ -45,11 +45,12 @@ def test_composition_changes_in_flight(tiny_model_dir, tiny_draft_dir, tiny_prom
     """Requests finish at different lengths, others are retracted, new ones merge from prefill while
     results travel the ring (max 4 running out of 10, tiny pool); every output equals PP1's."""
     params = [SamplingParams(max_new_tokens=6 + 5 * (i % 4), ignore_eos=True) for i in range(len(tiny_prompts))]
-    kw = dict(max_num_tokens=700, max_prefill_tokens=40, max_running_requests=4)
+    kw = dict(max_num_tokens=450, max_prefill_tokens=40, max_running_requests=5)
     a = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, **kw)
     b = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, pp=3, **kw)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+    # accept lengths may differ here: PP1 and PP3 have different micro-batch slots, so a request can be
+    # retracted at a different round (its tree restarts after re-prefill); outputs must not differ
     assert sum(o.num_retractions for o in b) > 0
     assert [len(o.token_ids) for o in b] == [6 + 5 * (i % 4) for i in range(len(tiny_prompts))]
     # every stage's Worker.run checks that its idle engine holds zero KV slots (KVCacheError otherwise)
@@ -80,7 +81,10 @@ def test_middle_chunk_never_seeds_a_tree():
     s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[777]]), **tree))
     r = s.reqs[0]
     assert r.tree is None and r.output_ids == [] and r.trees_seeded == 0 and r.seq_len == 4
-    s.schedule(0)
+    b = s.schedule(0)        # second (middle) chunk
+    assert b.chunks == [(4, 8, False)]
+    s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[555]]), **tree))
+    assert r.tree is None and r.output_ids == [] and r.seq_len == 8
     b = s.schedule(0)        # third chunk completes the prompt
     assert b.chunks == [(8, 10, True)]
     s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[99]]), **tree))
