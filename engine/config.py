@@ -191,13 +191,24 @@ class EngineConfig:
             raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
+        dev = self.device.split(":")[0]
+        if dev not in ("cpu", "cuda"):
+            raise ConfigError(f"device: {self.device!r} (supported: cpu, cuda, cuda:N)")
+        if dev == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ConfigError("device=cuda but this torch build sees no CUDA device")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2 (or unset), got {self.max_model_len}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.fault not in (None, "drop_tree"):
             raise ConfigError(f"fault: {self.fault!r} (supported: drop_tree)")
         if self.spec.enabled and self.pp > 1:
             if not (self.spec.pp_spec or os.environ.get("PPSPEC_ENABLE_PP_SPEC") == "1"):
                 raise ConfigError(
                     "pipeline parallelism with speculative decoding is off by default: set [spec] pp_spec = true "
-                    "or PPSPEC_ENABLE_PP_SPEC=1")
+                    "or PPSPEC_ENABLE_PP_SPEC=1 (ppspec CLI: --pp-spec)")
             if self.spec.adaptive:
                 raise ConfigError("spec.adaptive: an adaptive number of draft tokens cannot be relayed under PP "
                                   "(every stage slices the relay by a fixed num_draft_tokens)")

@@ -92,6 +92,12 @@ def load(config: str | None, ov: dict) -> RunConfig:
     return cfg
 
 
+def check_out(out: Path | None) -> None:
+    """Refuse an --out that exists and is not a directory before any work starts."""
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise HarnessConfigError(f"--out {out} exists and is not a directory")
+
+
 @contextmanager
 def progress_bars(enabled: bool = True) -> Iterator:
     """Yield ``cb(label, finished, total)`` drawing one rich bar per label (no-op when disabled)."""
@@ -162,6 +168,7 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy."""
     from harness.gsm8k import render, run_gsm8k
     with user_errors():
+        check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
         with progress_bars(progress) as cb:
@@ -184,6 +191,7 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
     from harness.bench import render, run_bench
     with user_errors():
+        check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup)))
@@ -204,6 +212,7 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
     """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops."""
     from harness.gate import render, run_gate
     with user_errors():
+        check_out(out)
         cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
             limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
         with progress_bars(progress) as cb:

@@ -257,3 +257,11 @@ def test_python_dash_m_harness():
     import subprocess
     r = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ppspec ")
+
+
+def test_out_that_is_a_file_is_refused_before_running(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for cmd in ("gsm8k", "bench", "gate"):
+        r = runner.invoke(app, [cmd, "--out", str(f)])
+        assert r.exit_code == 2 and "exists and is not a directory" in r.output

@@ -218,3 +218,19 @@ def test_torchrun_launch_matches_spawn(tiny_model_dir, tiny_prompts, reference, 
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     got = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
     assert got == reference[:4]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(device="tpu"), "device: 'tpu'"),
+    (dict(max_model_len=0), "max_model_len must be >= 2"),
+    (dict(mem_fraction=5.0), "mem_fraction must be in"),
+])
+def test_bad_engine_fields(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        EngineConfig(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only build")
+def test_cuda_without_gpu_is_one_line():
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        EngineConfig(device="cuda")
