@@ -87,3 +87,13 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self.free_rows.append(row)
         self.free_rows.sort()
+
+
+def commit_segment(seg: torch.Tensor, accept_nodes: torch.Tensor, accept_length: int) -> torch.Tensor:
+    """Verify-segment slots [n] reordered for commit: the accepted nodes (accept_nodes[:accept_length],
+    path order) first, then the rejected ones in node order. Returns a new tensor (page_size 1: the
+    commit is this index rewrite of ``req_to_token``, no KV moves)."""
+    acc = accept_nodes[:accept_length].cpu()
+    rejected = torch.ones(seg.shape[0], dtype=torch.bool)
+    rejected[acc] = False
+    return torch.cat([seg[acc], seg[rejected]])

@@ -106,7 +106,8 @@ class ModelRunner:
             cap = self.config.max_num_tokens
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            cap = int(free * self.config.mem_fraction / per_tok / max(1, torch.cuda.device_count() and s.tp_size * s.pp_size if s.staged else 1))
+            ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
+            cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
         else:
             cap = int(os.environ.get("PPSPEC_CPU_KV_TOKENS", 16384))
         self.capacity = all_reduce_min_int(cap)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError
-from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator
+from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_segment
 from .sampling import SamplingParams
 
 
@@ -207,10 +207,7 @@ class Scheduler:
                 L, n = r.seq_len, out["next_tokens"].shape[1]
                 nodes = out["accept_nodes"][i]
                 alen = int(out["accept_lens"][i])
-                seg = self.req_to_token[r.row, L:L + n].clone()
-                acc = nodes[:alen]
-                rest = [j for j in range(n) if j not in set(acc.tolist())]
-                self.req_to_token[r.row, L:L + n] = seg[torch.cat([acc, torch.tensor(rest, dtype=torch.int64)])]
+                self.req_to_token[r.row, L:L + n] = commit_segment(self.req_to_token[r.row, L:L + n], nodes, alen)
                 r.seq_len = L + alen
                 r.tree = _tree_row(out, i)
                 self._emit(r, [int(t) for t in out["tokens"][i][:alen]], accept_length=alen)

@@ -19,6 +19,7 @@ import os
 import torch
 
 from .dist import ps, ring_exchange
+from .kv_cache import KVCacheError
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .spec.tree import tree_input_hash
@@ -135,7 +136,6 @@ class Worker:
                 break
             tick += 1
         if sched.allocator.num_used != 0:
-            from .kv_cache import KVCacheError
             raise KVCacheError(f"idle engine still holds {sched.allocator.num_used} KV slots (leak)")
         sched.allocator.check()
         sched.reqs.clear()

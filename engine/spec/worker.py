@@ -11,18 +11,15 @@ from __future__ import annotations
 import torch
 
 from ..attention import ForwardContext
+from ..kv_cache import commit_segment
 from ..sampling import request_coins
 from .tree import (build_tree, chain_fallback, draft_step_select, organize_draft_results,
                    verify_tree_greedy, verify_tree_sampling)
 
 
 def committed_row(rt_row: torch.Tensor, L: int, n: int, accept_nodes: torch.Tensor, alen: int) -> torch.Tensor:
-    """Row after commit: [0, L) unchanged, then the accepted nodes' slots in path order, then the rest."""
-    seg = rt_row[L:L + n]
-    acc = accept_nodes[:alen].cpu()
-    mask = torch.ones(n, dtype=torch.bool)
-    mask[acc] = False
-    return torch.cat([rt_row[:L], seg[acc], seg[mask], rt_row[L + n:]])
+    """Row after commit: [0, L) unchanged, the committed verify segment, then the rest of the reserve."""
+    return torch.cat([rt_row[:L], commit_segment(rt_row[L:L + n], accept_nodes, alen), rt_row[L + n:]])
 
 
 def build_batch_tree(runner, reqs):
