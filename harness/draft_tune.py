@@ -40,10 +40,11 @@ def main() -> None:
         st = train_draft(a.model, a.train, work / f"try{i}", device=a.device, epochs=int(hp.get("epochs", 2)),
                          lr=hp.get("lr", 1e-3), noise=hp.get("noise", 0.1), unroll=int(hp.get("unroll", 2)),
                          batch_tokens=int(hp.get("batch_tokens", 16384)), limit=a.limit, max_len=2048,
-                         sequences_cache=work / "sequences.json")
+                         sequences_cache=work / "sequences.json", prompt_weight=hp.get("prompt_weight", 1.0))
         r = evaluate(a.model, str(work / f"try{i}"), test[:a.quick], [(3, 1, 4)], a.device, plain=False,
                      backend="torch")
-        row = {"try": i, **hp, "sequences": st["sequences"], "tokens": st["tokens"], "train_s": st["train_s"],
+        row = {"try": i, **hp, "sequences": st["sequences"], "tokens": st["tokens"],
+               "generated_tokens": st["generated_tokens"], "train_s": st["train_s"],
                "gen_s": st["gen_s"], "acc1": st.get("acc1"), "acc2": st.get("acc2"),
                "chain_accept_quick": r["eagle S=3 k=1 n=4"]["accept_length"], "wall_s": time.perf_counter() - t0}
         log.append(row)

@@ -40,14 +40,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_new_tokens: int,
-                    max_len: int, progress=None) -> list[list[int]]:
-    """Token sequences to train on: text as given, prompts + the target's own greedy continuation."""
+                    max_len: int, progress=None) -> tuple[list[list[int]], list[int]]:
+    """Token sequences to train on and their prompt lengths.
+
+    ``{"text": ...}`` rows are used as given (prompt length 0: every position is trained on);
+    ``{"prompt": ...}`` rows get the target's own greedy continuation (prompt length = prompt tokens).
+    """
     from .. import LLM, SamplingParams
     tok = load_tokenizer(resolve_model_path(model))
-    seqs, prompts = [], []
+    seqs, plens, prompts = [], [], []
     for r in rows:
         if "text" in r:
             seqs.append(tok.encode(r["text"], add_special_tokens=False)[:max_len])
+            plens.append(0)
         else:
             prompts.append(tok.encode(r["prompt"], add_special_tokens=False)[-(max_len - max_new_tokens):])
     if prompts:
@@ -56,7 +61,24 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, stop=("Question:",)),
                                 progress=progress)
         seqs += [o.prompt_token_ids + o.token_ids for o in outs]
-    return [s for s in seqs if len(s) >= 3]
+        plens += [len(o.prompt_token_ids) for o in outs]
+    keep = [i for i, s in enumerate(seqs) if len(s) >= 3]
+    return [seqs[i] for i in keep], [plens[i] for i in keep]
+
+
+def row_weights(lens: list[int], prompt_lens: list[int], prompt_weight: float) -> torch.Tensor:
+    """Loss weight per draft row [sum(n - 1)] float32.
+
+    Row p of a sequence feeds (x_{p+1}, f_p) and predicts f_{p+1} / x_{p+2}. Rows p >= prompt_len - 1
+    are the ones speculative decoding meets at inference (the last prompt position onwards: the
+    target's own continuation) and get weight 1; rows inside the prompt get ``prompt_weight``.
+    """
+    out = []
+    for n, P in zip(lens, prompt_lens):
+        w = torch.full((n - 1,), float(prompt_weight))
+        w[max(P - 1, 0):] = 1.0
+        out.append(w)
+    return torch.cat(out)
 
 
 def _dense_ctx(lens: list[int]) -> ForwardContext:
@@ -83,8 +105,15 @@ def target_features(target: LlamaForCausalLM, seqs: list[list[int]], device) -> 
 
 
 def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]], device, noise: float,
-               cls_weight: float, unroll: int):
-    feat, _ = target_features(target, seqs, device)
+               cls_weight: float, unroll: int, weights: torch.Tensor | None = None,
+               feat: torch.Tensor | None = None):
+    """EAGLE loss of one packed batch.
+
+    weights [rows] float32 (see :func:`row_weights`; None = all 1): per-row weight of both terms;
+    rows of weight 0 skip the LM-head / soft-CE work. feat [T, H]: precomputed target features.
+    """
+    if feat is None:
+        feat, _ = target_features(target, seqs, device)
     # draft rows: for each sequence positions p = 0..n-2: token x_{p+1}, feature f_p -> target f_{p+1}
     ids, f_in, f_tgt, pos, lens, off = [], [], [], [], [], 0
     for s in seqs:
@@ -97,9 +126,7 @@ def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]
         off += n
     ids, pos = torch.cat(ids).to(device), torch.cat(pos).to(device)
     f_in, f_tgt = torch.cat(f_in).float(), torch.cat(f_tgt).float()
-    with torch.no_grad():
-        tgt_logp = torch.log_softmax(target.compute_logits(f_tgt.to(feat.dtype)), -1)
-        tgt_p = tgt_logp.exp()
+    w = (torch.ones(f_tgt.shape[0]) if weights is None else weights.float()).to(f_tgt.device)
     ctx = _dense_ctx(lens)
     total, stats = 0.0, {}
     x = f_in + (torch.rand_like(f_in) - 0.5) * 2 * noise * f_in.abs().mean() if noise > 0 else f_in
@@ -109,19 +136,24 @@ def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]
             h = draft(ids, x.to(draft.fc.weight.dtype), pos).float()
         finally:
             set_context(None)
-        logp = torch.log_softmax(target.compute_logits(h.to(feat.dtype)).float(), -1)
-        vloss = F.smooth_l1_loss(h, f_tgt)
-        ploss = -(tgt_p * logp).sum(-1).mean()
-        acc = (logp.argmax(-1) == tgt_p.argmax(-1)).float().mean()
+        live = (w > 0).nonzero().squeeze(1)         # rows that carry loss: only they need logits
+        wl = w[live]
+        with torch.no_grad():
+            tgt_p = torch.softmax(target.compute_logits(f_tgt[live].to(feat.dtype)).float(), -1)
+        logp = torch.log_softmax(target.compute_logits(h[live].to(feat.dtype)).float(), -1)
+        denom = wl.sum().clamp_min(1e-6)
+        vloss = (F.smooth_l1_loss(h[live], f_tgt[live], reduction="none").mean(-1) * wl).sum() / denom
+        ploss = (-(tgt_p * logp).sum(-1) * wl).sum() / denom
+        acc = ((logp.argmax(-1) == tgt_p.argmax(-1)).float() * wl).sum() / denom
         total = total + (vloss + cls_weight * ploss) / (step + 1)
         stats[f"acc{step + 1}"] = acc.item()
         stats[f"ploss{step + 1}"] = ploss.item()
         if step + 1 < unroll:           # next step: own predicted features, shifted one position right
-            x, ids, f_tgt, tgt_p, pos, lens, ctx = _shift(h, ids, f_tgt, tgt_p, pos, lens)
+            x, ids, f_tgt, w, pos, lens, ctx = _shift(h, ids, f_tgt, w, pos, lens)
     return total, stats
 
 
-def _shift(h, ids, f_tgt, tgt_p, pos, lens):
+def _shift(h, ids, f_tgt, w, pos, lens):
     """Depth-2 rows: feature = own prediction at p, token x_{p+2}, target f_{p+2}, position p+1."""
     keep_in, keep_out, new_lens, off = [], [], [], 0
     for n in lens:
@@ -131,17 +163,20 @@ def _shift(h, ids, f_tgt, tgt_p, pos, lens):
             new_lens.append(n - 1)
         off += n
     a, b = torch.cat(keep_in).to(h.device), torch.cat(keep_out).to(h.device)
-    return h[a], ids[b], f_tgt[b], tgt_p[b], pos[b], new_lens, _dense_ctx(new_lens)
+    return h[a], ids[b], f_tgt[b], w[b], pos[b], new_lens, _dense_ctx(new_lens)
 
 
 def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = "cpu", dtype: str = "float32",
                 epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
                 limit: int | None = None, seed: int = 0, save_dtype: str = "bfloat16", progress=None,
-                sequences_cache: str | Path | None = None,
-                log=print) -> dict:
+                sequences_cache: str | Path | None = None, prompt_weight: float = 1.0,
+                cache_features: bool = True, log=print) -> dict:
     """Train and save an EAGLE-1/2 head in the published layout; returns training stats.
 
+    prompt_weight: loss weight of rows inside a self-distillation prompt (the target's own
+    continuation always has weight 1; see :func:`row_weights`). cache_features: compute the frozen
+    target's features once per batch and keep them (device memory: tokens x hidden x 4 bytes).
     Raises ConfigError for a bad model path or data file.
     """
     rows = read_jsonl(data)[:limit]
@@ -153,11 +188,15 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     random.seed(seed)
     t0 = time.perf_counter()
     if sequences_cache and Path(sequences_cache).exists():
-        seqs = json.loads(Path(sequences_cache).read_text())
+        cached = json.loads(Path(sequences_cache).read_text())
+        if isinstance(cached, list):                  # older cache: sequences only, every row trained on
+            seqs, plens = cached, [0] * len(cached)
+        else:
+            seqs, plens = cached["seqs"], cached["prompt_lens"]
     else:
-        seqs = build_sequences(model, rows, device, dtype, max_new_tokens, max_len)
+        seqs, plens = build_sequences(model, rows, device, dtype, max_new_tokens, max_len)
         if sequences_cache:
-            Path(sequences_cache).write_text(json.dumps(seqs))
+            Path(sequences_cache).write_text(json.dumps({"seqs": seqs, "prompt_lens": plens}))
     t_gen = time.perf_counter() - t0
     set_ps(ParallelState(device=torch.device(device)))
     if torch.device(device).type == "cuda":
@@ -175,15 +214,24 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches = _token_batches(seqs, batch_tokens)
+    batches = _token_batches(list(zip(seqs, plens)), batch_tokens)
+    feats: dict[int, torch.Tensor] = {}
     total_steps = epochs * len(batches)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
     step, stats = 0, {}
     for ep in range(epochs):
-        random.shuffle(batches)
-        for b in batches:
-            loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll)
+        order = list(range(len(batches)))
+        random.shuffle(order)
+        for bi in order:
+            b = [s for s, _ in batches[bi]]
+            w = row_weights([len(s) for s in b], [p for _, p in batches[bi]], prompt_weight)
+            feat = feats.get(bi)
+            if feat is None:
+                feat = target_features(target, b, device)[0]
+                if cache_features:
+                    feats[bi] = feat
+            loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll, w, feat)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -195,11 +243,14 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             elif step % 50 == 0 or step == total_steps:
                 log(f"step {step}/{total_steps} loss {float(loss):.4f} " +
                     " ".join(f"{k} {v:.3f}" for k, v in stats.items()))
+    gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
     extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
-                                 "tokens": sum(map(len, seqs)), "epochs": epochs, "lr": lr, "noise": noise,
-                                 "unroll": unroll, "final": stats}}
+                                 "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens, "epochs": epochs,
+                                 "lr": lr, "noise": noise, "unroll": unroll, "prompt_weight": prompt_weight,
+                                 "final": stats}}
     save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
-    return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "steps": step, "gen_s": t_gen,
+    return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens,
+            "steps": step, "gen_s": t_gen,
             "train_s": time.perf_counter() - t0 - t_gen, **stats}
 
 
@@ -225,15 +276,16 @@ def _init_from_target(draft: EagleDraft, target: LlamaForCausalLM, mc) -> None:
         draft.fc.bias.zero_()
 
 
-def _token_batches(seqs: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+def _token_batches(items: list[tuple[list[int], int]], batch_tokens: int) -> list[list[tuple[list[int], int]]]:
+    """(sequence, prompt_len) pairs packed by length into batches of at most ``batch_tokens`` tokens."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
     batches, cur, n = [], [], 0
     for i in order:
-        if cur and n + len(seqs[i]) > batch_tokens:
+        if cur and n + len(items[i][0]) > batch_tokens:
             batches.append(cur)
             cur, n = [], 0
-        cur.append(seqs[i])
-        n += len(seqs[i])
+        cur.append(items[i])
+        n += len(items[i][0])
     if cur:
         batches.append(cur)
     return batches

@@ -1,0 +1,58 @@
+"""Draft-training objective: per-row loss weights (prompt vs the target's own continuation) and the
+cached-feature path give the same loss as the plain one."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import TorchBackend, set_backend
+from engine.dist import ParallelState, set_ps
+from engine.loader import iter_weights, load_model_config
+from engine.model import LlamaForCausalLM
+from engine.spec.eagle import EagleDraft
+from engine.spec.train import _init_from_target, _token_batches, draft_loss, row_weights, target_features
+
+
+def test_row_weights_values():
+    w = row_weights([4, 3, 5], [2, 0, 5], 0.25)
+    # seq 0: rows p=0..2, continuation from p = P-1 = 1; seq 1: text (P=0), all rows; seq 2: rows 0..3, from p=4: none
+    assert w.tolist() == [0.25, 1.0, 1.0, 1.0, 1.0, 0.25, 0.25, 0.25, 0.25]
+
+
+def test_token_batches_keep_prompt_lens():
+    items = [([1] * 5, 2), ([2] * 3, 1), ([3] * 4, 0)]
+    assert _token_batches(items, 8) == [[([2] * 3, 1), ([3] * 4, 0)], [([1] * 5, 2)]]
+
+
+def _models(tiny_model_dir):
+    set_ps(ParallelState(device=torch.device("cpu")))
+    set_backend(TorchBackend())
+    mc = load_model_config(tiny_model_dir)
+    target = LlamaForCausalLM(mc, torch.float32, 256)
+    target.load_weights(iter_weights(tiny_model_dir, dtype=torch.float32))
+    draft = EagleDraft(mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1}), torch.float32, 256)
+    _init_from_target(draft, target, mc)
+    with torch.no_grad():                        # a non-trivial head: perturb the zero-initialised branches
+        g = torch.Generator().manual_seed(1)
+        for p in draft.layer.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return target, draft
+
+
+def test_weighted_loss_matches_unweighted_and_ignores_zero_rows(tiny_model_dir):
+    torch.manual_seed(0)
+    target, draft = _models(tiny_model_dir)
+    seqs = [[5, 17, 300, 42, 99], [7, 8, 9, 10]]
+    feat, _ = target_features(target, seqs, "cpu")
+    with torch.no_grad():
+        base, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 2)
+        ones, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 2, torch.ones(7), feat.clone())
+        assert torch.allclose(base, ones, rtol=1e-5, atol=1e-6)
+        # feature at the last position of sequence 0 is only the target of row 3 (unroll=1)
+        w = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+        bent = feat.clone()
+        bent[4] += 5.0
+        a, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 1, w, feat.clone())
+        b, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 1, w, bent)
+        c, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 1, torch.ones(7), bent)
+        assert torch.allclose(a, b)
+        assert not torch.allclose(a, c)
