@@ -7,6 +7,7 @@ warmup, then ``runs`` timed repetitions. Latencies are seconds in JSON, millisec
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -48,78 +49,227 @@ def build_prompts(tokenizer, n: int, input_len: int, seed: int, texts: list[str]
     return prompts
 
 
-def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
-    """Run every (input_len, batch_size) cell of ``cfg.bench``; returns (summary, per-request records).
+RANDOM_WEIGHTS = "random weights"
 
-    ``progress(cell_label, finished, total)`` is called as timed requests finish.
+
+def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
+    """Run every cell of ``cfg.bench`` (``cells`` or input_lens x batch_sizes); returns (summary, per-request records).
+
+    ``progress(cell_label, finished, total)`` is called as timed requests finish. With ``bench.floors``
+    the device's copy bandwidth and matmul rate are measured first, in this process (harness/floors.py),
+    and the summary gets ``floors``; with ``bench.peer`` transformers ``generate`` runs the same prompts
+    after the engine (harness/peer.py) and the summary gets ``peer``. ``load_format: dummy`` results
+    carry ``weights: "random weights"``.
     """
     from engine import SamplingParams
     b = cfg.bench
+    if b.peer:
+        from harness.peer import import_transformers
+        import_transformers()                        # fail before any work when the peer cannot run
+    measured = None
+    if b.floors:
+        from harness.floors import measure
+        measured = measure(cfg.engine.device, cfg.engine.dtype)
     own = llm is None
     if own:
         from engine import LLM
         llm = LLM(cfg.engine)
-    cells, records = [], []
+    cells, records, peer_cells = [], [], []
     try:
         tok = getattr(llm, "tokenizer", None)
+        model_config = getattr(llm, "model_config", None)
         texts = load_texts(cfg.paths.data) if tok is not None else []
         params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
         warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
-        for L in b.input_lens:
-            for B in b.batch_sizes:
-                n = b.num_prompts or B
-                prompts = build_prompts(tok, n, L, b.seed + L, texts)
-                for _ in range(b.warmup):
-                    llm.generate(prompts[:B], warm, max_concurrency=B)
-                label, runs, outs_all = f"in={L} bs={B}", [], []
-                for r in range(b.runs):
-                    cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
-                    if cb:
-                        cb(0, n)
-                    t0 = time.perf_counter()
-                    outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
-                    wall = time.perf_counter() - t0
-                    runs.append(stats.serving_summary(outs, wall))
-                    outs_all.extend(outs)
-                    for o in outs:
-                        m = stats.request_metrics(o.arrival_time, o.token_times)
-                        records.append({"input_len": L, "batch_size": B, "run": r, "rid": o.rid,
-                                        "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
-                                        "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
-                                        "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
-                pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs))
-                tps = [r["output_throughput"] for r in runs]
-                pooled["output_throughput_runs"] = tps
-                cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
-                              "runs": runs, "pooled": pooled})
+        for L, B in b.cell_list():
+            n = b.num_prompts or B
+            prompts = build_prompts(tok, n, L, b.seed + L, texts)
+            for _ in range(b.warmup):
+                llm.generate(prompts[:B], warm, max_concurrency=B)
+            label, runs, outs_all = f"in={L} bs={B}", [], []
+            for r in range(b.runs):
+                cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
+                if cb:
+                    cb(0, n)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
+                wall = time.perf_counter() - t0
+                runs.append(stats.serving_summary(outs, wall))
+                outs_all.extend(outs)
+                for o in outs:
+                    m = stats.request_metrics(o.arrival_time, o.token_times)
+                    records.append({"input_len": L, "batch_size": B, "run": r, "rid": o.rid,
+                                    "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
+                                    "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
+                                    "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
+            pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs))
+            tps = [r["output_throughput"] for r in runs]
+            pooled["output_throughput_runs"] = tps
+            cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
+                          "runs": runs, "pooled": pooled})
+            if b.peer and (b.peer_batch_sizes is None or B in b.peer_batch_sizes):
+                peer_cells.append({"input_len": L, "batch_size": B, "prompts": prompts[:B],
+                                   "engine_token_ids": [list(o.token_ids) for o in outs_all[:B]]})
         info = dict(llm.info)
     finally:
         if own:
             llm.shutdown()
-    return {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
-            "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}, records
+    random_weights = cfg.engine.load_format == "dummy"
+    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+               "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
+    if measured is not None:
+        from engine.loader import load_model_config, resolve_model_path
+        from harness.floors import bench_floors, floor_dtype
+        mc = model_config or load_model_config(resolve_model_path(cfg.engine.model))
+        summary["floors"] = bench_floors(measured, mc, floor_dtype(cfg.engine.device, cfg.engine.dtype),
+                                         [(c["input_len"], c["batch_size"], c["num_prompts"]) for c in cells],
+                                         b.output_len)
+    if b.peer:
+        if own:                                      # free the engine's device memory for the peer
+            llm = None
+            gc.collect()
+            if cfg.engine.device.startswith("cuda"):
+                import torch
+                torch.cuda.empty_cache()
+        summary["peer"] = _run_peer(cfg, peer_cells, progress, random_weights)
+    return summary, records
+
+
+def _run_peer(cfg: RunConfig, peer_cells: list[dict], progress, random_weights: bool) -> dict:
+    """The ``peer`` section; a failure to load the peer is recorded (the engine's results are kept)."""
+    from harness.config import HarnessConfigError
+    from harness.peer import prefix_match, run_peer
+    b = cfg.bench
+    try:
+        peer = run_peer(cfg.engine, peer_cells, b.output_len, b.runs, b.warmup, b.peer_prompt_lookup, progress)
+    except HarnessConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0], "cells": [],
+                "weights": RANDOM_WEIGHTS if random_weights else "checkpoint"}
+    engine_tokens = {(c["input_len"], c["batch_size"]): c["engine_token_ids"] for c in peer_cells}
+    for row in peer["cells"]:
+        toks = row.pop("token_ids", None)
+        if toks is not None and not random_weights:  # different random weights: agreement means nothing
+            row["greedy_prefix_match"] = prefix_match(toks, engine_tokens[(row["input_len"], row["batch_size"])])
+    if peer["weights"] == RANDOM_WEIGHTS:
+        peer["note"] = "random weights: transformers' own random init, not the engine's values; timing only"
+    return peer
+
+
+def _ms(x: float | None) -> str:
+    """Seconds -> milliseconds with 3 significant digits (floors are often well under 1 ms)."""
+    if x is None:
+        return "-"
+    v = x * 1e3
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 1 else f"{v:.3g}"
+
+
+def _tps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.2f}"
+
+
+def vs(measured: float | None, bound: float | None, kind: str = "ms") -> str:
+    """``measured / bound (ratio x)``, ratio = measured / bound (``ms``: seconds shown in ms; ``tps``: tok/s)."""
+    f = _ms if kind == "ms" else _tps
+    if measured is None:
+        return "-"
+    if not bound:
+        return f(measured)
+    return f"{f(measured)} / {f(bound)} ({measured / bound:.3g}x)"
 
 
 def render(summary: dict, title: str = "bench") -> tuple[list, str]:
-    """Rich table + markdown: one row per (input_len, batch_size); latencies in ms."""
+    """Rich table + markdown: one row per (input_len, batch_size); latencies in ms.
+
+    With ``floors`` TTFT mean, TPOT mean/p50 and tok/s read ``measured / floor (ratio x)``; with
+    ``peer`` every peer variant adds a row per cell (markdown) or rows per metric (terminal).
+    """
+    floors = {(f["input_len"], f["batch_size"]): f for f in (summary.get("floors") or {}).get("cells", [])}
+    peer = summary.get("peer")
+    random_weights = summary.get("weights") == RANDOM_WEIGHTS or (peer or {}).get("weights") == RANDOM_WEIGHTS
+    if random_weights and RANDOM_WEIGHTS not in title.lower():
+        title = f"{title} [{RANDOM_WEIGHTS}]"
     headers = ["input", "batch", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "TPOT mean ms", "TPOT p50 ms",
                "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E mean s", "tok/s", "accept len"]
     rows = []
     for c in summary["cells"]:
         p = c["pooled"]
         tps = p["output_throughput_runs"]
+        tp = sum(tps) / len(tps) if tps else None
+        fl = floors.get((c["input_len"], c["batch_size"]))
+        if fl:
+            ttft_mean, tpot_mean = vs(p["ttft"]["mean"], fl["ttft_mean_floor_s"]), vs(p["tpot"]["mean"], fl["tpot_floor_s"])
+            tpot_p50, tok = vs(p["tpot"]["median"], fl["tpot_floor_s"]), vs(tp, fl["output_throughput_ceiling"], "tps")
+        else:
+            ttft_mean, tpot_mean = fmt(p["ttft"]["mean"], "ms"), fmt(p["tpot"]["mean"], "ms")
+            tpot_p50 = fmt(p["tpot"]["median"], "ms")
+            tok = fmt(tp) if tps else "-"
         rows.append([str(c["input_len"]), str(c["batch_size"]),
-                     fmt(p["ttft"]["mean"], "ms"), fmt(p["ttft"]["median"], "ms"), fmt(p["ttft"]["p99"], "ms"),
-                     fmt(p["tpot"]["mean"], "ms"), fmt(p["tpot"]["median"], "ms"), fmt(p["tpot"]["p99"], "ms"),
+                     ttft_mean, fmt(p["ttft"]["median"], "ms"), fmt(p["ttft"]["p99"], "ms"),
+                     tpot_mean, tpot_p50, fmt(p["tpot"]["p99"], "ms"),
                      fmt(p["itl"]["median"], "ms"), fmt(p["itl"]["p99"], "ms"), fmt(p["e2e"]["mean"]),
-                     fmt(sum(tps) / len(tps)) if tps else "-", fmt(p["accept_length"]["mean"])])
+                     tok, fmt(p["accept_length"]["mean"])])
     info = summary.get("engine_info", {})
-    note = (f"output {summary['bench']['output_len']} tokens, ignore_eos, "
-            f"{summary['bench']['runs']} run(s) after {summary['bench']['warmup']} warmup; "
-            f"KV pool {fmt(info.get('kv_pool_tokens'), 'int')} tokens; "
-            f"peak memory {fmt(info.get('peak_memory_bytes'), 'gib')} GiB; weights {fmt(info.get('weight_bytes'), 'gib')} GiB; "
-            f"prompts: {summary.get('prompt_source')}")
-    _, md = both(title, headers, rows)
-    cols = [f"in {r[0]} bs {r[1]}" for r in rows]                 # terminal: one column per cell
-    t = rich_table(title, ["metric", *cols], [[h, *(r[i] for r in rows)] for i, h in enumerate(headers) if i > 1])
-    return [t, note], f"{md}\n{note}\n"
+    notes = [f"output {summary['bench']['output_len']} tokens, ignore_eos, "
+             f"{summary['bench']['runs']} run(s) after {summary['bench']['warmup']} warmup; "
+             f"KV pool {fmt(info.get('kv_pool_tokens'), 'int')} tokens; "
+             f"peak memory {fmt(info.get('peak_memory_bytes'), 'gib')} GiB; weights {fmt(info.get('weight_bytes'), 'gib')} GiB; "
+             f"prompts: {summary.get('prompt_source')}"]
+    if random_weights:
+        notes.append(f"{RANDOM_WEIGHTS.upper()} (load_format: dummy): latency, throughput and memory are real; "
+                     "accuracy, accept length and peer agreement are not")
+    if summary.get("floors"):
+        f = summary["floors"]
+        notes.append(f"floors (measured here, {f['device']}): copy bandwidth {f['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+                     f"(read+write), {f['matmul_dtype']} matmul {f['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s; "
+                     f"weights {f['weight_bytes_per_forward'] / 2**30:.3g} GiB per forward ({f['weight_dtype']}); "
+                     "cells read measured / floor (ratio x): TTFT mean vs the mean floor of the cell's prompts "
+                     "arriving together, TPOT vs max(bytes/bandwidth, FLOPs/rate) at the mean decode context, "
+                     "tok/s vs batch / TPOT floor (ratio < 1); plain-decoding floors (speculation can beat TPOT's)")
+    peer_rows, peer_names = [], []
+    if peer is not None:
+        if peer.get("error"):
+            notes.append(f"peer failed: {peer['error']}")
+        else:
+            notes.append(f"peer: transformers {peer.get('transformers')} generate, {peer.get('dtype')} on {peer.get('device')}, "
+                         f"{peer.get('attn_implementation')} attention, default cache, greedy, exactly "
+                         f"{peer.get('output_len')} new tokens, batch = the cell's first B prompts in one call; "
+                         f"TTFT = generate(max_new_tokens=1) for the whole batch (floor: all B prefills), "
+                         f"TPOT = (E2E - TTFT) / (output - 1); weights: {peer.get('weights')} ({peer.get('source')})")
+        for r in peer.get("cells", []):
+            fl = floors.get((r["input_len"], r["batch_size"]))
+            if r["name"] not in peer_names:
+                peer_names.append(r["name"])
+            if r.get("error"):
+                notes.append(f"peer {r['name']} in={r['input_len']} bs={r['batch_size']} failed: {r['error']}")
+                cellv = {"ttft": "failed", "tpot": "failed", "tps": "failed", "e2e": "-", "match": "-"}
+            else:
+                cellv = {"ttft": vs(r["ttft_s"], fl["ttft_batch_floor_s"]) if fl else _ms(r["ttft_s"]),
+                         "tpot": vs(r["tpot_s"], fl["tpot_floor_s"]) if fl else _ms(r["tpot_s"]),
+                         "tps": vs(r["output_throughput"], fl["output_throughput_ceiling"], "tps") if fl
+                         else _tps(r["output_throughput"]),
+                         "e2e": fmt(r["e2e_s"]), "match": fmt(r.get("greedy_prefix_match"), "pct")}
+            peer_rows.append((r, cellv))
+    md_headers, md_rows = headers, rows
+    if peer_rows:
+        md_headers = ["system", *headers]
+        md_rows = [["ppspec", *r] for r in rows]
+        for r, v in peer_rows:
+            md_rows.append([r["name"], str(r["input_len"]), str(r["batch_size"]), v["ttft"], "-", "-", v["tpot"],
+                            "-", "-", "-", "-", v["e2e"], v["tps"], "-"])
+        if any(r.get("greedy_prefix_match") is not None for r, _ in peer_rows):
+            notes.append("peer greedy agreement with ppspec (mean common-prefix share of the output): " + ", ".join(
+                f"{r['name']} in={r['input_len']} bs={r['batch_size']}: {v['match']}" for r, v in peer_rows
+                if r.get("greedy_prefix_match") is not None))
+    _, md = both(title, md_headers, md_rows)
+    keys = [(c["input_len"], c["batch_size"]) for c in summary["cells"]]
+    cols = [f"in {L} bs {B}" for L, B in keys]                       # terminal: one column per cell
+    trows = [[h, *(r[i] for r in rows)] for i, h in enumerate(headers) if i > 1]
+    for name in peer_names:
+        by_cell = {(r["input_len"], r["batch_size"]): v for r, v in peer_rows if r["name"] == name}
+        for metric, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("tok/s", "tps")):
+            trows.append([f"{name} {metric}", *(by_cell[k][key] if k in by_cell else "-" for k in keys)])
+    t = rich_table(title, ["metric", *cols], trows)
+    return [t, *notes], md + "\n" + "\n\n".join(notes) + "\n"

@@ -141,6 +141,21 @@ def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
         raise HarnessConfigError(f"{name}: expected comma-separated integers, got {s!r}") from None
 
 
+def _cells(s: str | None) -> list[list[int]] | None:
+    """``"8192x1,128x32"`` -> ``[[8192, 1], [128, 32]]`` (input_len x batch_size)."""
+    if s is None:
+        return None
+    out = []
+    for part in s.replace(" ", "").split(","):
+        if not part:
+            continue
+        a, x, b = part.lower().partition("x")
+        if not x or not a.isdigit() or not b.isdigit():
+            raise HarnessConfigError(f"--cells: expected INPUTxBATCH[,INPUTxBATCH...] (e.g. 8192x1,128x32), got {s!r}")
+        out.append([int(a), int(b)])
+    return out
+
+
 def _version(value: bool) -> None:
     if value:
         console.print(f"ppspec {__version__}")
@@ -187,6 +202,10 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           num_prompts: Annotated[Optional[int], typer.Option(help="Requests per cell and run (default: batch size).")] = None,
           runs: Annotated[Optional[int], typer.Option(help="Timed repetitions per cell.")] = None,
           warmup: Annotated[Optional[int], typer.Option(help="Warmup generations per cell.")] = None,
+          cells: Annotated[Optional[str], typer.Option(help="Explicit cells INPUTxBATCH, e.g. [cyan]8192x1,128x32[/cyan] (replace input lens x batch sizes).")] = None,
+          floors: Annotated[Optional[bool], typer.Option("--floors/--no-floors", help="Measure copy bandwidth + matmul rate here; print each figure against its floor.")] = None,
+          peer: Annotated[Optional[bool], typer.Option("--peer/--no-peer", help="Also run HF transformers generate on the same model and prompts.")] = None,
+          peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
     from harness.bench import render, run_bench
@@ -194,7 +213,8 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
-            output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup)))
+            output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
+            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup)))
         with progress_bars(progress) as cb:
             summary, records = run_bench(cfg, progress=cb)
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))

@@ -54,16 +54,34 @@ class BenchConfig:
     runs: int = 3
     warmup: int = 1
     seed: int = 0
+    cells: tuple[tuple[int, ...], ...] | None = None   # [input_len, batch_size] pairs; replace input_lens x batch_sizes
+    floors: bool = False                  # measure copy bandwidth + matmul rate, print TTFT/TPOT floors (harness/floors.py)
+    peer: bool = False                    # HF transformers generate on the same model and prompts (harness/peer.py)
+    peer_prompt_lookup: bool = False      # + HF prompt-lookup speculation (batch-1 cells; only with peer)
+    peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.input_lens:
             raise HarnessConfigError("bench.batch_sizes and bench.input_lens must not be empty")
-        for name, vals in (("batch_sizes", self.batch_sizes), ("input_lens", self.input_lens)):
+        for name, vals in (("batch_sizes", self.batch_sizes), ("input_lens", self.input_lens),
+                           ("peer_batch_sizes", self.peer_batch_sizes or ())):
             if any(v < 1 for v in vals):
                 raise HarnessConfigError(f"bench.{name}: every value must be >= 1, got {list(vals)}")
+        if self.cells is not None:
+            if not self.cells:
+                raise HarnessConfigError("bench.cells must not be empty (leave it out to use input_lens x batch_sizes)")
+            for c in self.cells:
+                if len(c) != 2 or min(c) < 1:
+                    raise HarnessConfigError(f"bench.cells: every cell is [input_len, batch_size] >= 1, got {list(c)}")
         _positive("bench", output_len=self.output_len, num_prompts=self.num_prompts, runs=self.runs)
         if self.warmup < 0:
             raise HarnessConfigError("bench.warmup: must be >= 0")
+
+    def cell_list(self) -> list[tuple[int, int]]:
+        """``(input_len, batch_size)`` of every cell, in run order: ``cells`` or input_lens x batch_sizes."""
+        if self.cells is not None:
+            return [(int(c[0]), int(c[1])) for c in self.cells]
+        return [(L, B) for L in self.input_lens for B in self.batch_sizes]
 
 
 @dataclass(frozen=True)

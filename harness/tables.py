@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -26,8 +27,8 @@ def fmt(x, kind: str = "num") -> str:
 
 
 def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
-    """A rich Table (first column left-aligned, the rest right-aligned)."""
-    t = Table(title=title, title_justify="left", header_style="bold")
+    """A rich Table (first column left-aligned, the rest right-aligned); the title is not rich markup."""
+    t = Table(title=escape(title), title_justify="left", header_style="bold")
     for i, h in enumerate(headers):
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
