@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--limit", type=int)
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N prompts")
+    ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--shape", action="append", default=[])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -66,9 +68,11 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][:a.limit]
+    prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][a.offset:]
+    prompts = prompts[:a.limit]
     shapes = [tuple(int(v) for v in s.split(",")) for s in a.shape]
-    res = evaluate(a.model, a.draft, prompts, shapes, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain)
+    res = evaluate(a.model, a.draft, prompts, shapes, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
+                   a.max_concurrency)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
 

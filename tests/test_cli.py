@@ -248,8 +248,8 @@ def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
     r = runner.invoke(app, ["train-draft", "--out", str(tmp_path / "d"), "--set", "train.epochs=2"])
     assert r.exit_code == 0, r.output
     assert callable(got.pop("progress"))
-    assert got == {"model": "smollm2", "data": "drafts/smollm2-eagle/train_prompts.jsonl", "out": str(tmp_path / "d"),
-                   "device": "cuda", "dtype": "float32", "epochs": 2, "lr": 0.002, "noise": 0.05, "unroll": 2,
+    assert got == {"model": "smollm2", "data": "drafts/smollm2-eagle/train_prompts.jsonl.gz", "out": str(tmp_path / "d"),
+                   "device": "cuda", "dtype": "float32", "epochs": 2, "lr": 0.002, "noise": 0.05, "prompt_weight": 0.1, "unroll": 2,
                    "batch_tokens": 16384, "max_len": 2048, "max_new_tokens": 256}
 
 

@@ -56,3 +56,22 @@ def test_weighted_loss_matches_unweighted_and_ignores_zero_rows(tiny_model_dir):
         c, _ = draft_loss(draft, target, seqs, "cpu", 0.0, 0.1, 1, torch.ones(7), bent)
         assert torch.allclose(a, b)
         assert not torch.allclose(a, c)
+
+
+def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
+    """The shipped recipe's data file is gzip jsonl; its prompts are exactly harness.prompts.train_prompts."""
+    import gzip
+    import json
+
+    from engine.spec.train import read_jsonl
+    from harness.prompts import train_prompts
+
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    rows = read_jsonl(root / "drafts/smollm2-eagle/train_prompts.jsonl.gz")
+    assert len(rows) == 1500
+    assert [r["prompt"] for r in rows[:3]] == [r["prompt"] for r in train_prompts(root / "harness/data/gsm8k", 3)]
+    assert rows[-1]["train_index"] == 1499
+    p = tmp_path / "x.jsonl.gz"
+    p.write_bytes(gzip.compress(b'{"text": "a b"}\n\n{"prompt": "q"}\n'))
+    assert read_jsonl(p) == [{"text": "a b"}, {"prompt": "q"}]

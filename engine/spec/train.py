@@ -11,6 +11,7 @@ generated with the engine and appended) or ``{"text": ...}`` (trained on as give
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -32,7 +33,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"training data not found: {p}")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or not ({"prompt", "text"} & r.keys()):
             raise ConfigError(f"{p}:{i + 1}: each line needs a 'prompt' or 'text' field")
