@@ -174,6 +174,8 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048        # chunked-prefill token budget per step
     max_model_len: int | None = None      # context length (None: the model's)
+    cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
+    cuda_graph_max_bs: int = 32           # largest captured batch (requests)
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
@@ -189,6 +191,8 @@ class EngineConfig:
             raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, torch, flashinfer)")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
         dev = self.device.split(":")[0]

@@ -112,7 +112,10 @@ class FlashInferBackend:
         kind = "verify" if use_mask else ("decode" if all(q == 1 for q in qlens) else "extend")
         kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor(kvlens, dtype=torch.int64).cumsum(0).to(torch.int32)
-        indices = torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
+        if all(k.device.type == "cpu" for k in kvs):            # one host->device copy of the page table
+            indices = torch.cat(kvs).to(torch.int32).to(dev, non_blocking=True)
+        else:
+            indices = torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
         plan = {"kind": kind, "qo_indptr": torch.tensor(qo, dtype=torch.int32), "kv_indptr": kv_indptr,
                 "indices": indices, "last_page_len": torch.ones(B, dtype=torch.int32), "dtype": dtype,
                 "mask": None}

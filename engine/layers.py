@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .dist import ps, tp_all_gather, tp_all_reduce
 
 
@@ -116,16 +117,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [T, H] (or [T, heads, D] for q/k norm) -> normed; with ``residual``: (normed, x + residual).
+        On CUDA bf16/fp16 the FlashInfer kernel may update ``x`` and ``residual`` in place."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return kernels.rmsnorm(x, self.weight, self.eps)
+        return kernels.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
@@ -156,22 +153,14 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] int64 -> rotated (q, k), same dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    c = torch.cat([cos, cos], -1)
-    s = torch.cat([sin, sin], -1)
-    return (xf * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] int64 -> rotated (q, k), same dtype
+        (on CUDA bf16/fp16 rotated in place by FlashInfer's kernel)."""
+        return kernels.rope(positions, q, k, self.cos, self.sin, self.cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    g, u = x.chunk(2, dim=-1)
-    return F.silu(g) * u
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] [T, I]."""
+    return kernels.silu_and_mul(x)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import ForwardContext, TorchBackend, set_backend, set_context
+from .attention import ForwardContext, TorchBackend, get_backend, set_backend, set_context
 from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
@@ -66,6 +66,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.to(self.device)
         self._init_kv()
+        self._init_cuda_graphs()
         eos = tuple(mc.eos_token_ids)
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
@@ -144,13 +145,31 @@ class ModelRunner:
                 masks.append(torch.cat([torch.ones(n, L, dtype=torch.bool), tree.tree_mask[i].cpu()], 1))
             qo.append(qo[-1] + ids[-1].numel())
         d = self.device
-        ctx = ForwardContext(qo, [k.to(d) for k in kv], [m if m is None else m.to(d) for m in masks],
-                             torch.cat(locs).to(d), self.kv_pool, batch.kind)
+        # page tables and masks stay on the host: the backend moves what it needs in one copy
+        ctx = ForwardContext(qo, kv, masks, torch.cat(locs).to(d), self.kv_pool, batch.kind)
         return torch.cat(ids).to(d), torch.cat(pos).to(d), ctx
+
+    def _init_cuda_graphs(self) -> None:
+        """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""
+        self.graphs = None
+        s, cfg = ps(), self.config
+        if not cfg.cuda_graph or self.device.type != "cuda" or get_backend().name != "flashinfer":
+            return
+        if s.tp_size > 1 and s.staged:            # gloo collectives cannot be captured
+            return
+        from .cuda_graph import CudaGraphRunner
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        n = self.spec.num_draft_tokens if self.spec else None
+        self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):
-        from .attention import get_backend
+        """Run this stage on one batch: a captured graph when one fits (decode/verify), else eagerly."""
+        if self.graphs is not None and self.graphs.can_run(ctx):
+            h, res = self.graphs.run(ids, pos, ctx, hidden, residual)
+            if not ps().is_last_stage:            # proxies leave this tick: own them
+                return h.clone(), res.clone()
+            return h, res
         get_backend().prepare(ctx)
         set_context(ctx)
         try:
@@ -163,7 +182,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_forward(self, ids, features, pos, ctx):
-        from .attention import get_backend
         ctx.pool = self.draft_pool
         get_backend().prepare(ctx)
         set_context(ctx)

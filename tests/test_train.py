@@ -75,3 +75,15 @@ def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
     p = tmp_path / "x.jsonl.gz"
     p.write_bytes(gzip.compress(b'{"text": "a b"}\n\n{"prompt": "q"}\n'))
     assert read_jsonl(p) == [{"text": "a b"}, {"prompt": "q"}]
+
+
+def test_tf32_flag_restored_after_cuda_training_scope():
+    """Regression: train_draft left TF32 on for the whole process, so the quick accept-length eval run
+    after it on the GPU was not fp32 (2.780 vs 2.705 on CPU for the same 20 questions)."""
+    from engine.spec.train import tf32_matmul
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with tf32_matmul("cuda"):
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    with tf32_matmul("cpu"):
+        assert torch.backends.cuda.matmul.allow_tf32 is False

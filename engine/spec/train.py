@@ -11,6 +11,7 @@ generated with the engine and appended) or ``{"text": ...}`` (trained on as give
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
@@ -168,6 +169,19 @@ def _shift(h, ids, f_tgt, w, pos, lens):
     return h[a], ids[b], f_tgt[b], w[b], pos[b], new_lens, _dense_ctx(new_lens)
 
 
+@contextlib.contextmanager
+def tf32_matmul(device):
+    """TF32 matmuls while training on CUDA, restored afterwards: the flag is process-global, and an
+    evaluation later in the same process must run true fp32 (CPU/GPU accept lengths are compared)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = "cpu", dtype: str = "float32",
                 epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
@@ -201,59 +215,58 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             Path(sequences_cache).write_text(json.dumps({"seqs": seqs, "prompt_lens": plens}))
     t_gen = time.perf_counter() - t0
     set_ps(ParallelState(device=torch.device(device)))
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    set_backend(TorchBackend())
-    tdt = getattr(torch, dtype)
-    target = LlamaForCausalLM(mc, tdt, max_len + 8)
-    target.load_weights(iter_weights(path, dtype=tdt))
-    target.to(device).eval()
-    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
-    draft = EagleDraft(dcfg, torch.float32, max_len + 8)
-    _init_from_target(draft, target, mc)
-    draft.to(device)
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches = _token_batches(list(zip(seqs, plens)), batch_tokens)
-    feats: dict[int, torch.Tensor] = {}
-    total_steps = epochs * len(batches)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
-    step, stats = 0, {}
-    for ep in range(epochs):
-        order = list(range(len(batches)))
-        random.shuffle(order)
-        for bi in order:
-            b = [s for s, _ in batches[bi]]
-            w = row_weights([len(s) for s in b], [p for _, p in batches[bi]], prompt_weight)
-            feat = feats.get(bi)
-            if feat is None:
-                feat = target_features(target, b, device)[0]
-                if cache_features:
-                    feats[bi] = feat
-            loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll, w, feat)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            if progress is not None:
-                progress(step, total_steps, {"loss": float(loss), **stats})
-            elif step % 50 == 0 or step == total_steps:
-                log(f"step {step}/{total_steps} loss {float(loss):.4f} " +
-                    " ".join(f"{k} {v:.3f}" for k, v in stats.items()))
-    gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
-    extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
-                                 "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens, "epochs": epochs,
-                                 "lr": lr, "noise": noise, "unroll": unroll, "prompt_weight": prompt_weight,
-                                 "final": stats}}
-    save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
-    return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens,
-            "steps": step, "gen_s": t_gen,
-            "train_s": time.perf_counter() - t0 - t_gen, **stats}
+    with tf32_matmul(device):
+        set_backend(TorchBackend())
+        tdt = getattr(torch, dtype)
+        target = LlamaForCausalLM(mc, tdt, max_len + 8)
+        target.load_weights(iter_weights(path, dtype=tdt))
+        target.to(device).eval()
+        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
+        draft = EagleDraft(dcfg, torch.float32, max_len + 8)
+        _init_from_target(draft, target, mc)
+        draft.to(device)
+        params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+        batches = _token_batches(list(zip(seqs, plens)), batch_tokens)
+        feats: dict[int, torch.Tensor] = {}
+        total_steps = epochs * len(batches)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
+        step, stats = 0, {}
+        for ep in range(epochs):
+            order = list(range(len(batches)))
+            random.shuffle(order)
+            for bi in order:
+                b = [s for s, _ in batches[bi]]
+                w = row_weights([len(s) for s in b], [p for _, p in batches[bi]], prompt_weight)
+                feat = feats.get(bi)
+                if feat is None:
+                    feat = target_features(target, b, device)[0]
+                    if cache_features:
+                        feats[bi] = feat
+                loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll, w, feat)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                sched.step()
+                step += 1
+                if progress is not None:
+                    progress(step, total_steps, {"loss": float(loss), **stats})
+                elif step % 50 == 0 or step == total_steps:
+                    log(f"step {step}/{total_steps} loss {float(loss):.4f} " +
+                        " ".join(f"{k} {v:.3f}" for k, v in stats.items()))
+        gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
+        extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
+                                     "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens, "epochs": epochs,
+                                     "lr": lr, "noise": noise, "unroll": unroll, "prompt_weight": prompt_weight,
+                                     "final": stats}}
+        save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
+        return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens,
+                "steps": step, "gen_s": t_gen,
+                "train_s": time.perf_counter() - t0 - t_gen, **stats}
 
 
 def _init_from_target(draft: EagleDraft, target: LlamaForCausalLM, mc) -> None:

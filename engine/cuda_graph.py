@@ -1,0 +1,211 @@
+"""CUDA graphs for a stage's decode and verify forwards (the SGLang / vLLM "cuda graph runner").
+
+A forward of ``bs`` requests with a fixed number of new tokens per request (1 for decode, n =
+num_draft_tokens for EAGLE verify) is captured once per batch size of a ladder (1, 2, 4, 8, 12, 16,
+24, 32, ... up to ``max_bs``). At run time a batch of B requests replays the smallest captured
+``bs >= B``: its inputs are copied into stable buffers, rows B..bs are padding (token 0, position 0,
+KV written to the padding slot 0, attending to slot 0 only), and FlashInfer's graph-mode wrapper of
+that size is re-planned on the host (page table, and for verify the bit-packed tree mask) before
+``graph.replay()``. Outputs are views of the graph's stable output buffers, valid until the next
+replay of the same graph; callers that keep them (PP proxies) clone.
+
+Only the FlashInfer backend is captured (its kernels read all per-batch metadata from device
+buffers, so a replanned graph stays valid); the torch reference backend always runs eagerly.
+Collectives inside the forward must be capturable: graphs are off when TP > 1 goes through gloo.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention import ForwardContext, set_context
+
+LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def ladder(max_bs: int) -> list[int]:
+    """Captured batch sizes: the ladder entries below ``max_bs``, then ``max_bs`` itself."""
+    out = [b for b in LADDER if b < max_bs]
+    return out + [max_bs]
+
+
+def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Bit-pack per-request bool masks [q_len, kv_len] (row-major, little bit order, each request padded
+    to a whole byte) -> (packed uint8 [sum ceil(q*kv/8)], byte indptr int32 [B+1]); FlashInfer's layout."""
+    parts, indptr = [], [0]
+    for m in masks:
+        p = np.packbits(m.reshape(-1).numpy().astype(np.uint8), bitorder="little")
+        parts.append(p)
+        indptr.append(indptr[-1] + p.size)
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8), np.asarray(indptr, dtype=np.int32)
+
+
+class CudaGraphRunner:
+    """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
+
+    Args:
+      runner: the ModelRunner (its model, KV pool, device, dtype, max_model_len, reserve).
+      max_bs: largest captured batch (requests).
+      verify_n: tokens per request of a verify forward (EAGLE num_draft_tokens), or None: no verify graphs.
+      decode: capture decode graphs (plain decoding).
+    Raises RuntimeError if the attention backend is not FlashInfer.
+    """
+
+    def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True):
+        from .attention import get_backend
+        self.r = runner
+        self.backend = get_backend()
+        if getattr(self.backend, "name", "") != "flashinfer":
+            raise RuntimeError("CUDA graphs need the flashinfer attention backend")
+        self.fi = self.backend.fi
+        self.dev, self.dtype = runner.device, runner.dtype
+        model = runner.model
+        attn = model.layers[0].self_attn
+        self.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), self.dtype)
+        self.backend._heads[runner.kv_pool] = self.key
+        self.bs_list = ladder(max_bs)
+        self.max_bs = self.bs_list[-1]
+        self.q_len = {}
+        if decode:
+            self.q_len["decode"] = 1
+        if verify_n:
+            self.q_len["verify"] = verify_n
+        max_q = max(self.q_len.values())
+        max_tok = self.max_bs * max_q
+        H = model.cfg.hidden_size
+        d, i64, i32 = self.dev, torch.int64, torch.int32
+        self.ids = torch.zeros(max_tok, dtype=i64, device=d)
+        self.pos = torch.zeros(max_tok, dtype=i64, device=d)
+        self.loc = torch.zeros(max_tok, dtype=i64, device=d)
+        self.hidden = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
+        self.residual = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
+        max_kv = runner.max_model_len + runner.reserve + max_q + 8
+        self.kv_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
+        self.kv_indices = torch.zeros(self.max_bs * max_kv, dtype=i32, device=d)
+        self.last_page = torch.ones(self.max_bs, dtype=i32, device=d)
+        self.qo_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
+        self.mask_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
+        self.mask_buf = torch.zeros(self.max_bs * ((max_q * max_kv + 7) // 8 + 1), dtype=torch.uint8, device=d)
+        self.graphs: dict = {}
+        self.outputs: dict = {}
+        self.wrappers: dict = {}
+        self.pool = None
+        self.num_replays = 0
+        for kind in self.q_len:
+            for bs in reversed(self.bs_list):
+                self._capture(kind, bs)
+
+    # ------------------------------------------------------------------------------------ capture
+    def _wrapper(self, kind: str, bs: int):
+        ws = self.backend.workspace
+        if kind == "decode":
+            hq, hk = self.key[0], self.key[1]
+            from .flashinfer_backend import _CUDA_CORE_GROUPS
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=(hq // hk) not in _CUDA_CORE_GROUPS,
+                paged_kv_indptr_buffer=self.kv_indptr[:bs + 1], paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.last_page[:bs])
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr[:bs + 1],
+            paged_kv_indptr_buf=self.kv_indptr[:bs + 1], paged_kv_indices_buf=self.kv_indices,
+            paged_kv_last_page_len_buf=self.last_page[:bs], custom_mask_buf=self.mask_buf,
+            mask_indptr_buf=self.mask_indptr[:bs + 1], backend="fa2")
+
+    def _plan(self, kind: str, bs: int, kvlens: list[int], indices: torch.Tensor, masks: list[torch.Tensor] | None):
+        """Plan the graph wrapper of (kind, bs); ``indices`` int32 on the device, ``masks`` CPU bool (verify)."""
+        w = self.wrappers[(kind, bs)]
+        hq, hk, D, scale, dtype = self.key
+        indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        indptr[1:] = torch.tensor(kvlens, dtype=torch.int32).cumsum(0)
+        last = torch.ones(bs, dtype=torch.int32)
+        if kind == "decode":
+            w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            return
+        q = self.q_len[kind]
+        qo = torch.arange(bs + 1, dtype=torch.int32) * q
+        packed, byte_indptr = pack_masks(masks)
+        packed_dev = torch.from_numpy(packed).to(self.dev, non_blocking=True)
+        w.plan(qo, indptr, indices, last, hq, hk, D, 1, packed_custom_mask=packed_dev, q_data_type=dtype,
+               kv_data_type=dtype, sm_scale=scale)
+        # FlashInfer's kernel offsets the packed mask by mask_indptr in *bytes* (per-request padded
+        # segments); plan() derives a bit-count indptr when handed a packed mask, so set ours.
+        self.mask_indptr[:bs + 1].copy_(torch.from_numpy(byte_indptr), non_blocking=True)
+
+    def _ctx(self, kind: str, bs: int) -> ForwardContext:
+        q = self.q_len[kind]
+        ctx = ForwardContext(list(range(0, bs * q + 1, q)), None, None, self.loc[:bs * q], self.r.kv_pool, kind)
+        ctx.backend_state.update(fi={"kind": kind, "dtype": self.dtype}, fi_wrapper=self.wrappers[(kind, bs)],
+                                 fi_planned=self.key)
+        return ctx
+
+    def _args(self, T: int):
+        h = None if self.hidden is None else self.hidden[:T]
+        res = None if self.residual is None else self.residual[:T]
+        return self.ids[:T], self.pos[:T], h, res
+
+    @torch.inference_mode()
+    def _capture(self, kind: str, bs: int) -> None:
+        q = self.q_len[kind]
+        T = bs * q
+        self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
+        dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
+        self._plan(kind, bs, [q] * bs, torch.zeros(T, dtype=torch.int32, device=self.dev), dummy_masks)
+        ctx = self._ctx(kind, bs)
+        set_context(ctx)
+        try:
+            stream = torch.cuda.Stream(self.dev)
+            stream.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.r.model(*self._args(T))
+            torch.cuda.current_stream(self.dev).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.r.model(*self._args(T))
+            if self.pool is None:
+                self.pool = g.pool()
+        finally:
+            set_context(None)
+        self.graphs[(kind, bs)] = g
+        self.outputs[(kind, bs)] = out
+
+    # ------------------------------------------------------------------------------------ replay
+    def can_run(self, ctx: ForwardContext) -> bool:
+        q = self.q_len.get(ctx.mode)
+        if q is None:
+            return False
+        qo = ctx.qo_indptr
+        B = len(qo) - 1
+        return 0 < B <= self.max_bs and all(qo[i + 1] - qo[i] == q for i in range(B))
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None):
+        """Replay the graph for ``ctx`` (see :meth:`can_run`); returns the stage outputs for the B real
+        rows (views of the graph's output buffers: valid until this graph's next replay)."""
+        kind = ctx.mode
+        q = self.q_len[kind]
+        B = len(ctx.qo_indptr) - 1
+        bs = next(b for b in self.bs_list if b >= B)
+        t, T = B * q, bs * q
+        self.ids[:t].copy_(ids, non_blocking=True)
+        self.pos[:t].copy_(pos, non_blocking=True)
+        self.loc[:t].copy_(ctx.out_cache_loc, non_blocking=True)
+        if T > t:
+            self.ids[t:T].zero_()
+            self.pos[t:T].zero_()
+            self.loc[t:T].zero_()
+        if self.hidden is not None:
+            self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
+            self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
+        kvs = [k.cpu() if k.device.type != "cpu" else k for k in ctx.kv_indices]
+        pad = bs - B
+        kvlens = [k.numel() for k in kvs] + [q] * pad
+        host = torch.cat(kvs + [torch.zeros(q * pad, dtype=torch.int64)]).to(torch.int32)
+        indices = host.pin_memory().to(self.dev, non_blocking=True) if self.dev.type == "cuda" else host
+        masks = None
+        if kind != "decode":
+            masks = [m.cpu() for m in ctx.custom_mask] + [torch.ones(q, q, dtype=torch.bool)] * pad
+        self._plan(kind, bs, kvlens, indices, masks)
+        self.graphs[(kind, bs)].replay()
+        self.num_replays += 1
+        h, res = self.outputs[(kind, bs)]
+        return h[:t], (None if res is None else res[:t])

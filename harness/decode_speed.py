@@ -1,0 +1,80 @@
+"""Decode-speed probe for one GPU (issue 7 development): TPOT / tok/s of the engine per batch size,
+CUDA graphs on or off, optional EAGLE, optional torch-profiler table of one timed run.
+
+  python -m harness.decode_speed --model suites/shapes/smollm2-135m --dummy --batch 1 --batch 32 \
+      --input-len 128 --output-len 128 [--no-graph] [--draft D --shape 3,1,4] [--profile F] --out r.json
+
+Prompts are seeded random token ids (``--dummy`` = random weights: label every figure so).
+TPOT (ms) = mean over requests of (last token time - first token time) / (tokens - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dummy", action="store_true", help="random weights from config.json only")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--batch", type=int, action="append", default=[])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--draft")
+    ap.add_argument("--shape", default="3,1,4")
+    ap.add_argument("--profile")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    S, k, n = (int(x) for x in a.shape.split(","))
+    spec = SpecConfig("eagle", a.draft, S, k, n) if a.draft else SpecConfig()
+    bmax = max(a.batch or [1])
+    cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
+                       load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph,
+                       cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
+                       max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5)
+    rng = random.Random(0)
+    rows = []
+    t0 = time.perf_counter()
+    with LLM(cfg) as llm:
+        setup_s = time.perf_counter() - t0
+        params = SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)
+        for B in a.batch or [1]:
+            prompts = [[rng.randrange(1000, 30000) for _ in range(a.input_len)] for _ in range(B)]
+            llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))       # warmup
+            prof = None
+            if a.profile and B == (a.batch or [1])[0]:
+                import torch.profiler as tp
+                prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+                prof.__enter__()
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t1
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                Path(a.profile).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+                                           + "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                                row_limit=25))
+            tpots = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in outs]
+            ttft = [o.token_times[0] - o.arrival_time for o in outs]
+            acc = [x for o in outs for x in o.accept_lengths]
+            row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
+                   "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph,
+                   "spec": a.shape if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
+                   "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
+                   "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/bin/bash
+# The H200 measurements of results/gpu/ (issues 5 and 7), as run through the `device` tool on one H200
+# (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
+# Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
+# 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
+# Usage: scripts/h200_results.sh smol|llama8b|tests OUTDIR
+set -u
+export PYTHONUNBUFFERED=1
+what=$1; out=$2; mkdir -p "$out"
+case $what in
+smol)
+  # plain decoding with floors and the transformers peer (+ prompt lookup), then the shipped EAGLE chain
+  timeout 240 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-spec --no-progress \
+      --out /tmp/res/smol_plain 2>&1 | grep -v Warning | tail -40
+  timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
+      --out /tmp/res/smol_chain 2>&1 | grep -v Warning | tail -30
+  # fp32 GSM8K accept length on the same first 60 questions the CPU run covers (CPU/GPU agreement)
+  timeout 90 python3 -m harness.speceval --model /tmp/g/smollm2.gguf --draft drafts/smollm2-eagle \
+      --prompts /tmp/g/test.jsonl --limit 60 --shape 3,1,4 --no-plain --device cuda --backend torch \
+      --out /tmp/res/gsm8k60_fp32.json 2>&1 | grep -v Warning | tail -3
+  tar czf "$out/smol.tgz" -C /tmp/res . ;;
+llama8b)
+  timeout 330 python3 -m harness bench --config h200_llama3_8b --no-progress --out /tmp/res8/l8b 2>&1 \
+      | grep -v Warning | tail -40
+  tar czf "$out/llama8b.tgz" -C /tmp/res8 . ;;
+tests)
+  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -15 ;;
+esac
