@@ -160,6 +160,12 @@ def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     assert r.exit_code == 2 and "--batch-sizes" in r.output
     r = runner.invoke(app, ["compare", str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "does not exist" in r.output
+    # regression: an explicitly given draft that does not exist used to warn and run without spec
+    r = runner.invoke(app, ["gsm8k", "--draft", str(tmp_path / "no_draft")])
+    assert r.exit_code == 2 and r.output.startswith("Error: command line: spec.draft ") and "not found" in r.output
+    bad = _write(tmp_path / "d.yaml", "spec:\n  draft: nowhere/at/all\n")
+    r = runner.invoke(app, ["bench", "--config", str(bad)])
+    assert r.exit_code == 2 and "d.yaml: spec.draft 'nowhere/at/all' not found" in r.output
 
 
 def test_overrides_from_flags():
@@ -216,6 +222,8 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
     assert s["verdict"]["failed"] == ["accept length"] and s["fault"] == "drop_tree"
     monkeypatch.delenv("PPSPEC_FAULT")
     r = runner.invoke(app, ["gate", "--set", "spec.draft=/no/such/draft", "--no-progress"])
+    assert r.exit_code == 2 and "spec.draft '/no/such/draft' not found" in r.output
+    r = runner.invoke(app, ["gate", "--set", "spec.algorithm=null", "--no-progress"])
     assert r.exit_code == 2 and "speculative decoding is off" in r.output
 
 
