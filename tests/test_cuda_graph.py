@@ -86,24 +86,10 @@ def setup(tmp_path_factory):
 
 
 def divergences(name, prompts, ref, got, logits):
-    """First differing position per prompt; accepted only as a bf16 near-tie: both tokens' float32 logits
-    lie within twice the bf16 logit error (+0.05) of float32's best at that context. (Padded graph
-    batches split attention differently, so a 3-way near-tie may resolve either way.)"""
-    from test_flashinfer import report
-    rows = []
-    for i, (r, g) in enumerate(zip(ref, got)):
-        assert len(r) == len(g)
-        j = next((j for j, (s, t) in enumerate(zip(r, g)) if s != t), None)
-        if j is None:
-            continue
-        l32, l16 = logits(prompts[i] + r[:j])
-        err, best = (l16 - l32).abs().max().item(), l32.max().item()
-        rows.append(dict(prompt=i, position=j, ref_gap=best - l32[r[j]].item(), got_gap=best - l32[g[j]].item(),
-                         bf16_logit_err=err))
-    report(case=name, prompts=len(ref), tokens=sum(map(len, ref)), identical=not rows, divergences=rows)
-    for d in rows:
-        lim = 2 * d["bf16_logit_err"] + 0.05
-        assert d["ref_gap"] <= lim and d["got_gap"] <= lim, f"{name}: divergence that is not a near-tie: {d}"
+    """Graph vs eager: bf16 near-ties only (tests/test_flashinfer.divergences, near-best criterion) and
+    at most half the prompts diverging at all."""
+    from test_flashinfer import divergences as fi_divergences
+    rows = fi_divergences(name, prompts, ref, got, logits, near_best=True)
     assert len(rows) <= len(ref) // 2 + 1, f"{name}: {len(rows)} of {len(ref)} prompts diverge"
     return rows
 

@@ -296,11 +296,13 @@ def reference_logits(model_dir, device=DEV):
     return f
 
 
-def divergences(name, prompts, ref, got, logits):
+def divergences(name, prompts, ref, got, logits, near_best: bool = False):
     """First differing position per prompt, with the float32 logit gap between the two tokens there.
 
     A divergence is accepted only as a bfloat16 near-tie: both tokens are float32's top two and their
-    float32 gap is within twice the bf16 logit error measured at that very context (+0.05).
+    float32 gap is within twice the bf16 logit error measured at that very context (+0.05). With
+    ``near_best`` (padded CUDA-graph batches, where a 3-way near-tie may resolve either way) both
+    tokens must instead lie within that margin of float32's best logit.
     Everything is reported (PPSPEC_FI_REPORT / stdout), accepted or not."""
     rows = []
     for i, (r, g) in enumerate(zip(ref, got)):
@@ -309,16 +311,19 @@ def divergences(name, prompts, ref, got, logits):
         if j is None:
             continue
         l32, l16 = logits(prompts[i] + r[:j])
-        err = (l16 - l32).abs().max().item()
+        err, best = (l16 - l32).abs().max().item(), l32.max().item()
         rows.append(dict(prompt=i, position=j, ref_token=r[j], got_token=g[j],
                          fp32_gap=(l32[r[j]] - l32[g[j]]).item(), fp32_top2=l32.topk(2).indices.tolist(),
-                         bf16_logit_err=err))
+                         ref_gap=best - l32[r[j]].item(), got_gap=best - l32[g[j]].item(), bf16_logit_err=err))
     same = sum(len(r) for r in ref) if not rows else None
     report(case=name, tokens_per_prompt=len(ref[0]), prompts=len(ref), identical=not rows,
            identical_tokens=same, divergences=rows)
     for d in rows:
-        tie = {d["ref_token"], d["got_token"]} == set(d["fp32_top2"]) and \
-            abs(d["fp32_gap"]) <= 2 * d["bf16_logit_err"] + 0.05
+        lim = 2 * d["bf16_logit_err"] + 0.05
+        if near_best:
+            tie = d["ref_gap"] <= lim and d["got_gap"] <= lim
+        else:
+            tie = {d["ref_token"], d["got_token"]} == set(d["fp32_top2"]) and abs(d["fp32_gap"]) <= lim
         assert tie, f"{name}: divergence that is not a bf16 near-tie: {d}"
     return rows
 
