@@ -134,10 +134,12 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     spec, reqs = runner.spec, batch.reqs
     S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
     logits = runner.model.compute_logits(feature)                           # [B*n, V]
-    dev_tree = type(tree)(*[getattr(tree, f).to(logits.device) for f in tree.__dataclass_fields__])
     if all(r.params.greedy for r in reqs):
-        res = verify_tree_greedy(dev_tree, logits.argmax(-1).view(B, n), S)
+        # The tree is host data (rebuilt from the relay on every stage): one device->host copy of the
+        # target's argmax [B, n], then the walk runs on the host instead of ~S*n*8 tiny device kernels.
+        res = verify_tree_greedy(tree, logits.argmax(-1).view(B, n).cpu(), S)
     else:
+        dev_tree = type(tree)(*[getattr(tree, f).to(logits.device) for f in tree.__dataclass_fields__])
         probs = runner.target_probs(logits, reqs, repeat=n).view(B, n, -1)
         c = torch.stack([request_coins(runner._seed(r), r.rid, len(r.output_ids), n + 1) for r in reqs])
         c = c.to(logits.device)
