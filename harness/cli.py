@@ -315,12 +315,33 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
+        check_train_kwargs(_train, kwargs)
         with progress_bars(progress) as cb:
             if cb:
                 kwargs.setdefault("progress", lambda step, total, st: cb("train-draft", step, total))
             result = _train(**kwargs)
         if result is not None:
             console.print(result)
+
+
+def check_train_kwargs(fn, kwargs: dict) -> None:
+    """Validate the ``train:`` section against ``fn``'s keyword parameters before any work starts:
+    unknown keys and values whose type does not match the parameter's default raise HarnessConfigError."""
+    import inspect
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for k, v in kwargs.items():
+        if k not in params or k in ("progress", "log"):
+            raise HarnessConfigError(f"train-draft: unknown key train.{k} (known: "
+                                     f"{', '.join(p for p in params if p not in ('progress', 'log'))})")
+        d = params[k].default
+        if d is inspect.Parameter.empty or d is None or v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if isinstance(d, float) else \
+            isinstance(v, type(d)) and not (isinstance(v, bool) and not isinstance(d, bool))
+        if not ok:
+            raise HarnessConfigError(f"train-draft: train.{k} = {v!r} should be {type(d).__name__}")
 
 
 def main() -> None:

@@ -273,3 +273,19 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path):
     for cmd in ("gsm8k", "bench", "gate"):
         r = runner.invoke(app, [cmd, "--out", str(f)])
         assert r.exit_code == 2 and "exists and is not a directory" in r.output
+
+
+def test_train_section_checked_before_training():
+    """Regression: an unknown train.* key gave a traceback, a mistyped one failed only after the
+    (minutes-long) self-distillation generation."""
+    from engine.spec.train import train_draft as real
+    from harness.cli import check_train_kwargs
+    base = {"model": "m", "data": "d", "out": "o"}
+    check_train_kwargs(real, {**base, "epochs": 2, "lr": 2e-3, "device": "cuda", "prompt_weight": 0.1})
+    with pytest.raises(HarnessConfigError, match=r"unknown key train.nonsense"):
+        check_train_kwargs(real, {**base, "nonsense": 1})
+    with pytest.raises(HarnessConfigError, match=r"train.epochs = 'abc' should be int"):
+        check_train_kwargs(real, {**base, "epochs": "abc"})
+    with pytest.raises(HarnessConfigError, match=r"train.epochs = 2.5 should be int"):
+        check_train_kwargs(real, {**base, "epochs": 2.5})
+    check_train_kwargs(real, {**base, "lr": 1})                     # an int where a float is expected is fine
