@@ -254,9 +254,9 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 sched.step()
                 step += 1
                 if progress is not None:
-                    progress(step, total_steps, {"loss": float(loss), **stats})
+                    progress(step, total_steps, {"loss": float(loss.detach()), **stats})
                 elif step % 50 == 0 or step == total_steps:
-                    log(f"step {step}/{total_steps} loss {float(loss):.4f} " +
+                    log(f"step {step}/{total_steps} loss {float(loss.detach()):.4f} " +
                         " ".join(f"{k} {v:.3f}" for k, v in stats.items()))
         gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
         extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
