@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .attention import ForwardContext, set_context
+from .flashinfer_backend import decode_tensor_cores, page_table
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -99,10 +100,8 @@ class CudaGraphRunner:
     def _wrapper(self, kind: str, bs: int):
         ws = self.backend.workspace
         if kind == "decode":
-            hq, hk = self.key[0], self.key[1]
-            from .flashinfer_backend import _CUDA_CORE_GROUPS
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True, use_tensor_cores=(hq // hk) not in _CUDA_CORE_GROUPS,
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=decode_tensor_cores(self.key[0], self.key[1]),
                 paged_kv_indptr_buffer=self.kv_indptr[:bs + 1], paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.last_page[:bs])
         return self.fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -111,12 +110,12 @@ class CudaGraphRunner:
             paged_kv_last_page_len_buf=self.last_page[:bs], custom_mask_buf=self.mask_buf,
             mask_indptr_buf=self.mask_indptr[:bs + 1], backend="fa2")
 
-    def _plan(self, kind: str, bs: int, kvlens: list[int], indices: torch.Tensor, masks: list[torch.Tensor] | None):
-        """Plan the graph wrapper of (kind, bs); ``indices`` int32 on the device, ``masks`` CPU bool (verify)."""
+    def _plan(self, kind: str, bs: int, kvs: list[torch.Tensor], masks: list[torch.Tensor] | None):
+        """Plan the graph wrapper of (kind, bs) for the per-request KV slot lists ``kvs`` (``bs`` of
+        them, padding included); ``masks``: CPU bool [q_len, kv_len] per request (verify)."""
         w = self.wrappers[(kind, bs)]
         hq, hk, D, scale, dtype = self.key
-        indptr = torch.zeros(bs + 1, dtype=torch.int32)
-        indptr[1:] = torch.tensor(kvlens, dtype=torch.int32).cumsum(0)
+        indptr, indices = page_table(kvs, self.dev)
         last = torch.ones(bs, dtype=torch.int32)
         if kind == "decode":
             w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
@@ -149,7 +148,7 @@ class CudaGraphRunner:
         T = bs * q
         self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
         dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
-        self._plan(kind, bs, [q] * bs, torch.zeros(T, dtype=torch.int32, device=self.dev), dummy_masks)
+        self._plan(kind, bs, [torch.zeros(q, dtype=torch.int64)] * bs, dummy_masks)
         ctx = self._ctx(kind, bs)
         set_context(ctx)
         try:
@@ -196,15 +195,12 @@ class CudaGraphRunner:
         if self.hidden is not None:
             self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
-        kvs = [k.cpu() if k.device.type != "cpu" else k for k in ctx.kv_indices]
-        pad = bs - B
-        kvlens = [k.numel() for k in kvs] + [q] * pad
-        host = torch.cat(kvs + [torch.zeros(q * pad, dtype=torch.int64)]).to(torch.int32)
-        indices = host.pin_memory().to(self.dev, non_blocking=True) if self.dev.type == "cuda" else host
+        pad = bs - B                      # padding requests: q tokens attending to slot 0 only
+        kvs = list(ctx.kv_indices) + [torch.zeros(q, dtype=torch.int64)] * pad
         masks = None
         if kind != "decode":
             masks = [m.cpu() for m in ctx.custom_mask] + [torch.ones(q, q, dtype=torch.bool)] * pad
-        self._plan(kind, bs, kvlens, indices, masks)
+        self._plan(kind, bs, kvs, masks)
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
         h, res = self.outputs[(kind, bs)]

@@ -33,6 +33,26 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-core decode kernel dispatches
 
 
+def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """Whether a decode wrapper must use tensor cores: FlashInfer's CUDA-core decode kernel only
+    dispatches GQA group sizes 1/2/3/4."""
+    return num_qo_heads // num_kv_heads not in _CUDA_CORE_GROUPS
+
+
+def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten per-request KV slot lists (page_size 1) into FlashInfer's page table:
+    (kv_indptr int32 [B+1] on the host, indices int32 [sum len] on ``dev``). Host lists are
+    concatenated first, so the table costs one (pinned, asynchronous) host->device copy."""
+    kv_indptr = torch.zeros(len(kvs) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.tensor([int(k.numel()) for k in kvs], dtype=torch.int64).cumsum(0).to(torch.int32)
+    if all(k.device.type == "cpu" for k in kvs):
+        host = torch.cat(kvs).to(torch.int32)
+        if torch.device(dev).type == "cuda":
+            host = host.pin_memory()                  # truly asynchronous copy
+        return kv_indptr, host.to(dev, non_blocking=True)
+    return kv_indptr, torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
+
+
 def _check_dtype(dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"attention_backend=flashinfer supports dtype bfloat16 and float16, not "
@@ -110,12 +130,7 @@ class FlashInferBackend:
                 raise ValueError(f"request {i}: custom mask {tuple(m.shape)} != ({qlens[i]}, {kvlens[i]})")
         use_mask = any(m is not None for m in masks)
         kind = "verify" if use_mask else ("decode" if all(q == 1 for q in qlens) else "extend")
-        kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.tensor(kvlens, dtype=torch.int64).cumsum(0).to(torch.int32)
-        if all(k.device.type == "cpu" for k in kvs):            # one host->device copy of the page table
-            indices = torch.cat(kvs).to(torch.int32).to(dev, non_blocking=True)
-        else:
-            indices = torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
+        kv_indptr, indices = page_table(kvs, dev)
         plan = {"kind": kind, "qo_indptr": torch.tensor(qo, dtype=torch.int32), "kv_indptr": kv_indptr,
                 "indices": indices, "last_page_len": torch.ones(B, dtype=torch.int32), "dtype": dtype,
                 "mask": None}
@@ -138,8 +153,7 @@ class FlashInferBackend:
         hq, hk, d, scale, dtype = key
         p = st["fi"]
         if p["kind"] == "decode":
-            group = hq // hk
-            w, slot = self._wrapper("decode", group not in _CUDA_CORE_GROUPS)
+            w, slot = self._wrapper("decode", decode_tensor_cores(hq, hk))
             w.plan(p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
                    q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         elif p["kind"] == "extend":

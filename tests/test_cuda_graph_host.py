@@ -30,3 +30,35 @@ def test_pack_masks_layout():
                 assert (packed[indptr[r] + off // 8] >> (off % 8)) & 1 == int(m[q, k])
     empty, ind = pack_masks([])
     assert empty.size == 0 and ind.tolist() == [0] and ind.dtype == np.int32
+
+
+def test_page_table_flattens_host_lists():
+    from engine.flashinfer_backend import decode_tensor_cores, page_table
+    indptr, indices = page_table([torch.tensor([5, 6, 7]), torch.tensor([9]), torch.zeros(2, dtype=torch.int64)], "cpu")
+    assert indptr.tolist() == [0, 3, 4, 6] and indptr.dtype == torch.int32
+    assert indices.tolist() == [5, 6, 7, 9, 0, 0] and indices.dtype == torch.int32
+    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, False, True]
+
+
+def test_graph_plan_arguments_with_padding():
+    """The graph runner's re-plan hands FlashInfer the flattened page table (padding requests on slot 0)
+    and, for verify, the packed masks with a byte indptr written into its own buffer."""
+    from engine.cuda_graph import CudaGraphRunner
+
+    class Wrapper:
+        def plan(self, *args, **kw):
+            self.args, self.kw = args, kw
+
+    g = CudaGraphRunner.__new__(CudaGraphRunner)            # host-side state only, no capture
+    g.dev, g.key, g.q_len = torch.device("cpu"), (4, 2, 64, 0.125, torch.bfloat16), {"decode": 1, "verify": 3}
+    g.wrappers = {("decode", 2): Wrapper(), ("verify", 2): Wrapper()}
+    g.mask_indptr = torch.zeros(3, dtype=torch.int32)
+    g._plan("decode", 2, [torch.tensor([3, 4, 5]), torch.zeros(1, dtype=torch.int64)], None)
+    a = g.wrappers[("decode", 2)].args
+    assert (a[0].tolist(), a[1].tolist(), a[2].tolist(), a[3:7]) == ([0, 3, 4], [3, 4, 5, 0], [1, 1], (4, 2, 64, 1))
+    g._plan("verify", 2, [torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.int64)],
+            [torch.ones(3, 3, dtype=torch.bool)] * 2)
+    w = g.wrappers[("verify", 2)]
+    assert w.args[0].tolist() == [0, 3, 6] and w.args[1].tolist() == [0, 3, 6]
+    assert w.args[2].tolist() == [3, 4, 5, 0, 0, 0]
+    assert w.kw["packed_custom_mask"].tolist() == [255, 1, 255, 1] and g.mask_indptr.tolist() == [0, 2, 4]
