@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    from harness.stats import request_metrics
     S, k, n = (int(x) for x in a.shape.split(","))
     spec = SpecConfig("eagle", a.draft, S, k, n) if a.draft else SpecConfig()
     bmax = max(a.batch or [1])
@@ -62,8 +63,8 @@ def main() -> None:
                 Path(a.profile).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
                                            + "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
                                                                                 row_limit=25))
-            tpots = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in outs]
-            ttft = [o.token_times[0] - o.arrival_time for o in outs]
+            m = [request_metrics(o.arrival_time, o.token_times) for o in outs]
+            tpots, ttft = [x["tpot"] for x in m], [x["ttft"] for x in m]
             acc = [x for o in outs for x in o.accept_lengths]
             row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
                    "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph,

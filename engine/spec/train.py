@@ -231,6 +231,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
         batches = _token_batches(list(zip(seqs, plens)), batch_tokens)
         feats: dict[int, torch.Tensor] = {}
+        weights = [row_weights([len(x) for x, _ in b], [p for _, p in b], prompt_weight) for b in batches]
         total_steps = epochs * len(batches)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
@@ -240,13 +241,12 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             random.shuffle(order)
             for bi in order:
                 b = [s for s, _ in batches[bi]]
-                w = row_weights([len(s) for s in b], [p for _, p in batches[bi]], prompt_weight)
                 feat = feats.get(bi)
                 if feat is None:
                     feat = target_features(target, b, device)[0]
                     if cache_features:
                         feats[bi] = feat
-                loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll, w, feat)
+                loss, stats = draft_loss(draft, target, b, device, noise, cls_weight, unroll, weights[bi], feat)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
