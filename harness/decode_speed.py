@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--shape", default="3,1,4")
     ap.add_argument("--profile")
+    ap.add_argument("--cprofile", help="write a cProfile (host time, cumulative) of the first batch's run here")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -55,9 +56,22 @@ def main() -> None:
                 import torch.profiler as tp
                 prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
                 prof.__enter__()
+            cprof = None
+            if a.cprofile and B == (a.batch or [1])[0]:
+                import cProfile
+                cprof = cProfile.Profile()
+                cprof.enable()
             t1 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t1
+            if cprof is not None:
+                import io
+                import pstats
+                cprof.disable()
+                buf = io.StringIO()
+                pstats.Stats(cprof, stream=buf).sort_stats("cumulative").print_stats(60)
+                pstats.Stats(cprof, stream=buf).sort_stats("tottime").print_stats(40)
+                Path(a.cprofile).write_text(buf.getvalue())
             if prof is not None:
                 prof.__exit__(None, None, None)
                 Path(a.profile).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
