@@ -33,6 +33,22 @@ class ForwardContext:
 _CTX: ForwardContext | None = None
 
 
+def h2d(t: torch.Tensor, dev) -> torch.Tensor:
+    """Host tensor -> ``dev`` without a stream sync: on CUDA the copy goes from pinned memory with
+    ``non_blocking`` (a blocking copy from pageable memory waits for every queued kernel first)."""
+    dev = torch.device(dev)
+    if dev.type != "cuda" or t.device.type != "cpu":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def tree_to_host(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B,n], parent_list [B,P], top_scores_index [B,n-1]) -> host tensors in ONE device->host copy."""
+    widths = [int(x.shape[1]) for x in tree]
+    host = torch.cat([x.long() for x in tree], 1).cpu()
+    return tuple(torch.split(host, widths, dim=1))
+
+
 def set_context(ctx: ForwardContext | None) -> None:
     global _CTX
     _CTX = ctx

@@ -205,3 +205,154 @@ class CudaGraphRunner:
         self.num_replays += 1
         h, res = self.outputs[(kind, bs)]
         return h[:t], (None if res is None else res[:t])
+
+
+class DraftGraphRunner:
+    """The EAGLE tail-draft beam search (``spec.worker.draft_beam_search``: step-0 top-k, S-1 draft
+    decode steps over B*k lanes, beam selection, ``organize_draft_results``) captured as ONE CUDA graph
+    per batch size of the ladder, so a round's drafting is one replay with no host sync.
+
+    Each draft step s has its own graph-mode FlashInfer decode wrapper (own int workspace and plan) and
+    page-table buffers. Before a replay the host plans every step from what it knows: lane (b, j) at step
+    s attends to ``rows[b][:L_new[b]]`` followed by s slots of its beam ancestry; the ancestry depends on
+    the beam choices, so the graph itself writes it (``hist``) into the page table at host-computed
+    positions (``hist_pos``) before that step's attention. Padding requests (B..bs) attend to slot 0.
+
+    Args: runner (ModelRunner with ``draft``, ``draft_pool``, ``spec``), max_bs (largest captured batch).
+    Raises RuntimeError if the attention backend is not FlashInfer.
+    """
+
+    def __init__(self, runner, max_bs: int):
+        from .attention import get_backend
+        self.r = runner
+        self.backend = get_backend()
+        if getattr(self.backend, "name", "") != "flashinfer":
+            raise RuntimeError("CUDA graphs need the flashinfer attention backend")
+        self.fi = self.backend.fi
+        self.dev, self.dtype = runner.device, runner.dtype
+        spec = runner.spec
+        self.S, self.k = spec.num_steps, spec.topk
+        attn = runner.draft.layer.self_attn
+        self.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), self.dtype)
+        self.bs_list = ladder(max_bs)
+        self.max_bs = self.bs_list[-1]
+        d, i64, i32 = self.dev, torch.int64, torch.int32
+        H = runner.draft.cfg.hidden_size
+        lanes = self.max_bs * self.k
+        self.max_kv = runner.max_model_len + runner.reserve + self.S + 8
+        self.last_h = torch.zeros(self.max_bs, H, dtype=self.dtype, device=d)
+        self.scratch = torch.zeros(self.max_bs, self.k, max(self.S - 1, 0), dtype=i64, device=d)
+        self.steps = {s: {"kv_indptr": torch.zeros(lanes + 1, dtype=i32, device=d),
+                          "kv_indices": torch.zeros(lanes * self.max_kv, dtype=i32, device=d),
+                          "last_page": torch.ones(lanes, dtype=i32, device=d),
+                          "hist_pos": torch.zeros(lanes * s, dtype=i64, device=d),
+                          "pos": torch.zeros(lanes, dtype=i64, device=d)} for s in range(1, self.S)}
+        self.graphs: dict = {}
+        self.outputs: dict = {}
+        self.wrappers: dict = {}
+        self.pool = None
+        self.num_replays = 0
+        for bs in reversed(self.bs_list):
+            self._capture(bs)
+
+    def can_run(self, B: int) -> bool:
+        return 0 < B <= self.max_bs
+
+    # ------------------------------------------------------------------------------------ plan
+    def _host_layout(self, bs: int, rows: list[torch.Tensor], L_new: list[int]):
+        """Per step s: (kv_indptr [lanes+1] int32, kv_indices [sum] int32 with zeros where the graph writes
+        the ancestry, hist_pos [lanes*s] int64, positions [lanes] int64), host numpy; scratch [bs,k,S-1]."""
+        from .spec.worker import scratch_slots
+        k, S, B = self.k, self.S, len(rows)
+        lanes = bs * k
+        pad = (bs - B) * k
+        prefixes = [r[:L].numpy() for r, L in zip(rows, L_new)]
+        scratch = torch.zeros(bs, k, max(S - 1, 0), dtype=torch.int64)
+        scratch[:B] = scratch_slots(rows, L_new, k, S)
+        out = {}
+        for s in range(1, S):
+            lens = np.array([L + s for L in L_new for _ in range(k)] + [1 + s] * pad, dtype=np.int64)
+            indptr = np.zeros(lanes + 1, dtype=np.int64)
+            np.cumsum(lens, out=indptr[1:])
+            if indptr[-1] > lanes * self.max_kv:
+                raise RuntimeError(f"draft page table of {indptr[-1]} slots exceeds the captured buffer")
+            z = np.zeros(s, dtype=np.int64)
+            parts = []
+            for pre in prefixes:
+                parts += [pre, z] * k
+            parts += [np.zeros(1 + s, dtype=np.int64)] * pad
+            indices = np.concatenate(parts).astype(np.int32)
+            hist_pos = (indptr[1:, None] - s + np.arange(s)).reshape(-1)
+            pos = np.array([L + s - 1 for L in L_new for _ in range(k)] + [0] * pad, dtype=np.int64)
+            out[s] = (indptr.astype(np.int32), indices, hist_pos, pos)
+        return out, scratch
+
+    def _plan(self, bs: int, rows: list[torch.Tensor], L_new: list[int]) -> None:
+        hq, hk, D, scale, dtype = self.key
+        layout, scratch = self._host_layout(bs, rows, L_new)
+        if self.S > 1:
+            self.scratch[:bs].copy_(scratch.pin_memory(), non_blocking=True)
+        for s, (indptr, indices, hist_pos, pos) in layout.items():
+            st = self.steps[s]
+            lanes = bs * self.k
+            idx = torch.from_numpy(indices).pin_memory().to(self.dev, non_blocking=True)
+            self.wrappers[(s, bs)].plan(torch.from_numpy(indptr), idx, torch.ones(lanes, dtype=torch.int32),
+                                        hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            st["hist_pos"][:lanes * s].copy_(torch.from_numpy(hist_pos).pin_memory(), non_blocking=True)
+            st["pos"][:lanes].copy_(torch.from_numpy(pos).pin_memory(), non_blocking=True)
+
+    # ------------------------------------------------------------------------------------ capture
+    def _step_inputs(self, bs: int):
+        lanes = bs * self.k
+
+        def step_inputs(s, hist_s):
+            st = self.steps[s]
+            st["kv_indices"][st["hist_pos"][:lanes * s]] = hist_s.reshape(-1).to(torch.int32)
+            ctx = ForwardContext(list(range(lanes + 1)), None, None, hist_s[:, :, -1].reshape(-1),
+                                 self.r.draft_pool, "decode")
+            ctx.backend_state.update(fi={"kind": "decode", "dtype": self.dtype},
+                                     fi_wrapper=self.wrappers[(s, bs)], fi_planned=self.key)
+            return st["pos"][:lanes], ctx, True
+        return step_inputs
+
+    @torch.inference_mode()
+    def _capture(self, bs: int) -> None:
+        from .spec.worker import draft_beam_search
+        lanes = bs * self.k
+        for s, st in self.steps.items():
+            self.wrappers[(s, bs)] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.backend.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=decode_tensor_cores(self.key[0], self.key[1]),
+                paged_kv_indptr_buffer=st["kv_indptr"][:lanes + 1], paged_kv_indices_buffer=st["kv_indices"],
+                paged_kv_last_page_len_buffer=st["last_page"][:lanes])
+        rows = [torch.zeros(self.S * self.k + 1, dtype=torch.int64)] * bs
+        self._plan(bs, rows, [1] * bs)
+        step_inputs = self._step_inputs(bs)
+        args = (self.r, self.last_h[:bs], self.scratch[:bs], step_inputs)
+        stream = torch.cuda.Stream(self.dev)
+        stream.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                draft_beam_search(*args)
+        torch.cuda.current_stream(self.dev).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = draft_beam_search(*args)
+        if self.pool is None:
+            self.pool = g.pool()
+        self.graphs[bs] = g
+        self.outputs[bs] = out
+
+    # ------------------------------------------------------------------------------------ replay
+    def run(self, last_hidden: torch.Tensor, rows: list[torch.Tensor], L_new: list[int]):
+        """Replay for B = len(rows) requests; returns views (draft_tokens [B, n-1], parent_list [B, P],
+        top_scores_index [B, n-1]) of the graph's outputs, valid until its next replay."""
+        B = len(rows)
+        bs = next(b for b in self.bs_list if b >= B)
+        self.last_h[:B].copy_(last_hidden)
+        if bs > B:
+            self.last_h[B:bs].zero_()
+        self._plan(bs, rows, L_new)
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return tuple(x[:B] for x in self.outputs[bs])

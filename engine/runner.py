@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import ForwardContext, TorchBackend, get_backend, set_backend, set_context
+from .attention import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
@@ -146,12 +146,13 @@ class ModelRunner:
             qo.append(qo[-1] + ids[-1].numel())
         d = self.device
         # page tables and masks stay on the host: the backend moves what it needs in one copy
-        ctx = ForwardContext(qo, kv, masks, torch.cat(locs).to(d), self.kv_pool, batch.kind)
-        return torch.cat(ids).to(d), torch.cat(pos).to(d), ctx
+        ctx = ForwardContext(qo, kv, masks, h2d(torch.cat(locs), d), self.kv_pool, batch.kind)
+        return h2d(torch.cat(ids), d), h2d(torch.cat(pos), d), ctx
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""
         self.graphs = None
+        self.draft_graphs = None
         s, cfg = ps(), self.config
         if not cfg.cuda_graph or self.device.type != "cuda" or get_backend().name != "flashinfer":
             return
@@ -161,6 +162,9 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
+        if self.draft is not None:
+            from .cuda_graph import DraftGraphRunner
+            self.draft_graphs = DraftGraphRunner(self, max_bs)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):
@@ -181,9 +185,12 @@ class ModelRunner:
             set_context(None)
 
     @torch.inference_mode()
-    def draft_forward(self, ids, features, pos, ctx):
-        ctx.pool = self.draft_pool
-        get_backend().prepare(ctx)
+    def draft_forward(self, ids, features, pos, ctx, planned: bool = False):
+        """One draft forward over ``ctx`` (KV in the draft pool); ``planned``: ``ctx`` already carries a
+        planned attention layout (a captured graph's), so the backend's ``prepare`` is skipped."""
+        if not planned:
+            ctx.pool = self.draft_pool
+            get_backend().prepare(ctx)
         set_context(ctx)
         try:
             return self.draft(ids, features, pos)
@@ -196,7 +203,7 @@ class ModelRunner:
         t = torch.tensor([x.temperature for x in p], dtype=torch.float32).repeat_interleave(repeat)
         k = torch.tensor([x.top_k for x in p], dtype=torch.int64).repeat_interleave(repeat)
         tp = torch.tensor([x.top_p for x in p], dtype=torch.float32).repeat_interleave(repeat)
-        return t.to(self.device), k.to(self.device), tp.to(self.device)
+        return h2d(t, self.device), h2d(k, self.device), h2d(tp, self.device)
 
     def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
         """Per-row target distribution; greedy rows become one-hot on the argmax (exact greedy verify)."""

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from .attention import h2d
 from .dist import ps, ring_exchange
 from .kv_cache import KVCacheError
 from .runner import ModelRunner
@@ -84,7 +85,7 @@ class Worker:
             done, rows = list(range(len(batch.reqs))), [qo[i + 1] - 1 for i in range(len(batch.reqs))]
         tokens = torch.full((len(batch.reqs), 1), -1, dtype=torch.int64)
         if done:
-            logits = r.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            logits = r.model.compute_logits(hidden[h2d(torch.tensor(rows), hidden.device)])
             tokens[torch.tensor(done), 0] = r.sample(logits, [batch.reqs[i] for i in done]).cpu()
         out["tokens"] = tokens
         if self.spec is not None:

@@ -1,14 +1,15 @@
 """Tests for engine/spec/tree.py: worked examples of pp-spec-notes §2.4, SGLang's unit-test vectors,
-invalid trees (pitfall 19), the chain fallback, and exactness of tree rejection sampling."""
+invalid trees (pitfall 19), the chain fallback, exactness of tree rejection sampling, and exact
+agreement of the host (numpy) twins build_tree_host / verify_tree_greedy_host with the torch ones."""
 from __future__ import annotations
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.spec.tree import (TreeInfo, build_tree, chain_fallback, draft_step_select,
-                              organize_draft_results, tree_input_hash, verify_tree_greedy,
-                              verify_tree_sampling)
+from engine.spec.tree import (TreeInfo, VerifyResult, build_tree, build_tree_host, chain_fallback,
+                              draft_step_select, organize_draft_results, tree_input_hash,
+                              verify_tree_greedy, verify_tree_greedy_host, verify_tree_sampling)
 
 T = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
 
@@ -85,7 +86,7 @@ def test_draft_step_select_ties_lower_index():
 
 
 # ---------------------------------------------------------------- SGLang vectors
-def test_sglang_build_tree_vector():
+def _sglang_build_inputs():
     # Input values of SGLang's test_build_tree_kernel_efficient (python/sglang/srt/speculative/
     # build_eagle_tree.py): topk=4, depth=4, n=8, seq_lens=[5, 10].
     f = torch.tensor
@@ -119,7 +120,11 @@ def test_sglang_build_tree_vector():
     ]
     parents = [T([[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]]), T([[4, 8, 9, 10], [4, 5, 6, 7]]),
                T([[20, 24, 21, 28], [24, 28, 20, 21]]), T([[36, 40, 41, 44], [36, 40, 44, 45]])]
-    parent_list, top, draft = organize_draft_results(scores, tokens, parents, num_draft_tokens=8)
+    return organize_draft_results(scores, tokens, parents, num_draft_tokens=8)
+
+
+def test_sglang_build_tree_vector():
+    parent_list, top, draft = _sglang_build_inputs()
     assert parent_list.shape == (2, 4 * 3 + 1)
     tree = build_tree(T([29974, 13]), parent_list, top, draft, T([5, 10]), topk=4)
     assert tree.positions.flatten().tolist() == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
@@ -134,7 +139,7 @@ def test_sglang_build_tree_vector():
     assert torch.equal(tree.tree_mask.sum(-1), tree.depth + 1)
 
 
-def test_sglang_verify_greedy_vector():
+def _sglang_verify_inputs():
     # Input values of SGLang's sgl-kernel test_verify_tree_greedy (links given directly).
     cand = T([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
     nt = T([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]])
@@ -144,6 +149,11 @@ def test_sglang_verify_greedy_vector():
                     torch.arange(12).view(2, 6), torch.ones(2, 6, dtype=torch.bool))
     pred = torch.full((2, 6), 18, dtype=torch.long)
     pred[0, 0], pred[0, 3], pred[0, 4], pred[1, 0], pred[1, 4] = 3, 4, 5, 11, 12
+    return tree, pred
+
+
+def test_sglang_verify_greedy_vector():
+    tree, pred = _sglang_verify_inputs()
     res = verify_tree_greedy(tree, pred, num_steps=3)
     assert res.accept_nodes.tolist() == [[0, 3, 4, 5], [0, 4, 5, -1]]
     assert res.num_accepted.tolist() == [3, 2] and res.accept_length.tolist() == [4, 3]
@@ -313,3 +323,149 @@ def test_tree_input_hash():
     assert tree_input_hash(t1) != tree_input_hash(t2)
     t3 = build_tree(T([R]), parent_list, top, draft, T([11]), 2)
     assert tree_input_hash(t1) != tree_input_hash(t3)
+
+
+# ---------------------------------------------------------------- host (numpy) twins
+def _assert_same(ref, got):
+    """Every field of two TreeInfo / VerifyResult equal: dtype, shape, values."""
+    assert type(ref) is type(got)
+    for name in ref.__dataclass_fields__:
+        a, b = getattr(ref, name), getattr(got, name)
+        assert b.device.type == "cpu", name
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), (name, a, b)
+
+
+def _check_build(args, topk) -> TreeInfo:
+    ref = build_tree(*args, topk)
+    _assert_same(ref, build_tree_host(*args, topk))
+    return ref
+
+
+def _check_verify(tree, pred, num_steps) -> VerifyResult:
+    ref = verify_tree_greedy(tree, pred, num_steps)
+    _assert_same(ref, verify_tree_greedy_host(tree, pred, num_steps))
+    return ref
+
+
+def _follow_pred(tree, V, rng, p_follow=0.85):
+    """target_predict that, per node, names a random child's token with prob ``p_follow``
+    (else a random token in [0, V)), so long acceptance paths occur."""
+    B, n = tree.candidates.shape
+    par, cand = tree.parent_node.tolist(), tree.candidates.tolist()
+    pred = []
+    for b in range(B):
+        kids = [[] for _ in range(n)]
+        for r in range(1, n):
+            if 0 <= par[b][r] < n:
+                kids[par[b][r]].append(r)
+        pred.append([cand[b][rng.choice(kids[r])] if kids[r] and rng.random() < p_follow
+                     else rng.randrange(V) for r in range(n)])
+    return T(pred)
+
+
+def test_host_matches_worked_examples():
+    import random
+    rng = random.Random(0)
+    pl_b, top_b, draft_b = _example_b()
+    pl_s, top_s, draft_s = _sglang_build_inputs()
+    nan = float("nan")
+    pl_n, top_n, draft_n = organize_draft_results(
+        [torch.tensor([[nan, .3]]), torch.tensor([[.9, .8, .1, .05]])], [T([[1, 2]]), T([[3, 4, 5, 6]])],
+        [T([[-1, 0, 1]]), T([[2, 3]])], 4)
+    cases = [  # (build_tree args, topk, target_predict, num_steps)
+        ((T([100]), T([[-1, 0, 1]]), T([[0, 1, 2]]), T([[11, 12, 13]]), T([10])), 1, T([[11, 12, 99, 5]]), 3),
+        ((T([R]), pl_b, top_b, draft_b, T([10])), 2, T([[B_, 0, E, 0, 42, 0]]), 3),
+        ((T([29974, 13]), pl_s, top_s, draft_s, T([5, 10])), 4, None, 4),
+        ((T([50]), T([[-1, 0, 1, 4, 6, 9, 9]]), T([[0, 1, 2, 3, 6, 8]]), T([[1, 2, 3, 4, 77, 78]]), T([20])),
+         2, torch.full((1, 7), 77), 4),
+        ((T([5, 5]), T([[-1, 0, -7], [-1, 99, 1]]), T([[0, -3, 2, 4, 1000], [0, 1, 2, 4, 5]]),
+          T([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]), T([0, 0])), 2, torch.arange(1, 7).repeat(2, 1), 3),
+        ((T([9]), pl_n, top_n, draft_n, T([3])), 2, T([[3, 3, 3, 3]]), 2),
+        ((torch.full((3,), 4), T([[-1, 0, 1]]).expand(3, 3), T([[0, 1, 2, 4]]).expand(3, 4),
+          T([[1, 2, 3, 0]]).expand(3, 4), torch.zeros(3, dtype=torch.long)), 2, None, 2),
+    ]
+    for S, k, n in [(3, 1, 4), (3, 2, 6), (2, 2, 4), (1, 3, 3)]:
+        toks, pl, top = chain_fallback(T([7, 8, 9]), S, k, n)
+        pred = torch.full((3, n), 5)
+        pred[2, 0] = 0
+        cases.append(((toks[:, 0], pl, top, toks[:, 1:], T([4, 5, 6])), k, pred, S))
+    lens = set()
+    for args, k, pred, S in cases:
+        tree = _check_build(args, k)
+        for p in ([pred] if pred is not None else []) + [_follow_pred(tree, 100, rng, 1.0)]:
+            lens.update(_check_verify(tree, p, S).accept_length.tolist())
+    tree, pred = _sglang_verify_inputs()
+    lens.update(_check_verify(tree, pred, 3).accept_length.tolist())
+    assert {1, 3, 4} <= lens
+
+
+SHAPES = [(3, 1, 4), (4, 4, 12), (5, 8, 64), (2, 2, 3), (1, 1, 1), (3, 2, 6), (2, 2, 4), (1, 3, 3),
+          (4, 4, 8), (4, 3, 12), (2, 2, 5)]
+
+
+def _random_draft(B, S, k, n, V, g, ties):
+    """Real draft pipeline (draft_step_select + organize_draft_results) on random top-k
+    probabilities over a vocabulary of V tokens; ``ties`` quantises them (ties, zeros)."""
+    scores, tokens, parents, beam = [], [], [], None
+    for step in range(S):
+        probs = torch.softmax(2 * torch.randn(B, 1 if step == 0 else k, V, generator=g), -1)
+        if ties:
+            probs = (probs * 4).round() / 4
+        top_p, top_t = probs.topk(k, dim=-1)
+        beam, _, _, sc, tk, pa = draft_step_select(step, k, beam, top_p, top_t)
+        scores.append(sc), tokens.append(tk), parents.append(pa)
+    return organize_draft_results(scores, tokens, parents, n)
+
+
+@pytest.mark.parametrize("S,k,n", SHAPES)
+def test_host_matches_random_pipeline(S, k, n):
+    import random
+    seed0 = S * 1000 + k * 100 + n
+    rng, g = random.Random(seed0), torch.Generator().manual_seed(seed0)
+    V, lens = k + 2, []
+    for B in (1, 3, 8):
+        for seed in range(12):
+            pl, top, draft = _random_draft(B, S, k, n, V, g, ties=seed % 3 == 2)
+            args = (torch.randint(0, V, (B,), generator=g), pl, top, draft,
+                    torch.randint(0, 50, (B,), generator=g))
+            tree = _check_build(args, k)
+            assert tree.valid.all()  # the real pipeline never yields a dropped node
+            for pred in (torch.randint(0, V, (B, n), generator=g), _follow_pred(tree, V, rng)):
+                lens += _check_verify(tree, pred, S).accept_length.tolist()
+    assert 1 in lens and max(lens) >= min(3, S + 1, n)  # not vacuous: short and long accepts
+
+
+@pytest.mark.parametrize("S,k,n", SHAPES)
+def test_host_matches_random_garbage(S, k, n):
+    import random
+    rng, g = random.Random(7 + n), torch.Generator().manual_seed(S * 1000 + k * 100 + n + 1)
+    P, V, lens, dropped = k * (S - 1) + 1, 3, [], 0
+    for B in (1, 3, 8):
+        for seed in range(12):
+            dt = torch.int32 if seed % 4 == 3 else torch.long
+            pl = torch.randint(-3, P * k + 6, (B, P), generator=g)
+            top = torch.randint(-3, P * k + 6, (B, n - 1), generator=g)
+            if seed % 2:
+                top = top.sort(1).values  # ascending as documented, still invalid
+            if seed % 3 == 0:  # mostly-valid ids with duplicates, so deep trees occur too
+                top = torch.sort(torch.randint(0, min(P * k, n + 2), (B, n - 1), generator=g), 1).values
+                pl = torch.arange(-1, P - 1).repeat(B, 1)
+            args = tuple(x.to(dt) for x in (torch.randint(0, V, (B,), generator=g), pl, top,
+                                            torch.randint(0, V, (B, n - 1), generator=g),
+                                            torch.randint(0, 50, (B,), generator=g)))
+            tree = _check_build(args, k)
+            dropped += int((~tree.valid).sum())
+            for pred in (torch.randint(0, V, (B, n), generator=g).to(dt), _follow_pred(tree, V, rng)):
+                lens += _check_verify(tree, pred, S).accept_length.tolist()
+            # garbage links: out of range, cycles, dropped nodes, sibling chains longer than n
+            bad = TreeInfo(tree.candidates, tree.positions, tree.tree_mask, tree.parent_node, tree.depth,
+                           torch.randint(-2, n + 2, (B, n), generator=g),
+                           torch.randint(-2, n + 2, (B, n), generator=g), tree.retrive_index,
+                           torch.rand(B, n, generator=g) < 0.8)
+            pred = torch.randint(0, V, (B, n), generator=g)
+            lens += _check_verify(bad, pred, S).accept_length.tolist()
+            _check_verify(bad, pred, S + 2)
+    assert 1 in lens and max(lens) >= min(3, S + 1, n)
+    if n > 1:
+        assert dropped > 0  # the invalid-tree paths were hit

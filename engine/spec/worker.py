@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import ForwardContext
+from ..attention import ForwardContext, h2d, tree_to_host
 from ..kv_cache import commit_segment
 from ..sampling import request_coins
 from .tree import (build_tree, chain_fallback, draft_step_select, organize_draft_results,
@@ -39,37 +39,73 @@ def _topk_probs(runner, hidden: torch.Tensor):
     return probs.topk(runner.spec.topk, dim=-1)
 
 
-def tail_draft(runner, reqs, rows: list[torch.Tensor], L_new: list[int], root: torch.Tensor,
-               last_hidden: torch.Tensor):
-    """Draft the next tree for each request (EAGLE-2 beam search, SGLang ``draft_forward``).
+def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+    """EAGLE-2 beam search of the draft (SGLang ``draft_forward``; notes §1.3), free of host syncs.
 
-    rows: committed req_to_token row per request (slots valid up to L_new + k*(S-1));
-    root [B] int64 (the bonus token), last_hidden [B, H] (draft output of the last extend row).
-    Returns (tokens [B, n] with column 0 = root, parent_list [B, k(S-1)+1], top_scores_index [B, n-1]).
-    Beam lanes keep their own ancestry of scratch slots, so attention is exact for trees too.
+    last_hidden [B, H] (draft output of the last extend row), scratch [B, k, S-1] int64 on the same
+    device: the KV slot of lane j's token at step s is ``scratch[b, j, s-1]``. Beam lanes keep their own
+    ancestry of scratch slots (``hist``, gathered by parent beam on the device), so attention is exact
+    for trees too. ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)``
+    lays out step s's attention (eagerly from host page tables, or from a captured graph's buffers).
+    Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
+    Captured as one CUDA graph by :class:`engine.cuda_graph.DraftGraphRunner`.
     """
-    spec, dev = runner.spec, runner.device
+    spec = runner.spec
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, H = last_hidden.shape
     p, t = _topk_probs(runner, last_hidden)
     beam_scores, beam_tok, _, s_rec, t_rec, p_rec = draft_step_select(0, k, None, p.unsqueeze(1), t.unsqueeze(1))
     scores, tokens, parents = [s_rec], [t_rec], [p_rec]
     beam_hid = last_hidden.unsqueeze(1).expand(B, k, H)
-    hist = torch.zeros(B, k, 0, dtype=torch.int64)
+    hist = scratch[:, :, :0]
     for s in range(1, S):
-        scratch = torch.stack([rows[b][L_new[b] + (s - 1) * k: L_new[b] + s * k] for b in range(B)])
-        hist_s = torch.cat([hist, scratch.unsqueeze(2)], dim=2)
-        kv = [torch.cat([rows[b][:L_new[b]], hist_s[b, j]]).to(dev) for b in range(B) for j in range(k)]
-        pos = torch.tensor([L_new[b] + s - 1 for b in range(B) for _ in range(k)], device=dev)
-        ctx = ForwardContext(list(range(B * k + 1)), kv, None, scratch.reshape(-1).to(dev), None, "decode")
-        out = runner.draft_forward(beam_tok.reshape(-1), beam_hid.reshape(B * k, H), pos, ctx)
+        hist_s = torch.cat([hist, scratch[:, :, s - 1:s]], dim=2)
+        pos, ctx, planned = step_inputs(s, hist_s)
+        out = runner.draft_forward(beam_tok.reshape(-1), beam_hid.reshape(B * k, H), pos, ctx, planned=planned)
         p, t = _topk_probs(runner, out)
         beam_scores, beam_tok, parent_beam, s_rec, t_rec, p_rec = draft_step_select(
             s, k, beam_scores, p.view(B, k, k), t.view(B, k, k))
         scores.append(s_rec), tokens.append(t_rec), parents.append(p_rec)
         beam_hid = out.view(B, k, H).gather(1, parent_beam.unsqueeze(2).expand(B, k, H))
-        hist = hist_s.gather(1, parent_beam.cpu().unsqueeze(2).expand(B, k, s))
+        hist = hist_s.gather(1, parent_beam.unsqueeze(2).expand(B, k, s))
     parent_list, tsi, drafts = organize_draft_results(scores, tokens, parents, n)
+    return drafts, parent_list, tsi
+
+
+def scratch_slots(rows: list[torch.Tensor], L_new: list[int], k: int, S: int) -> torch.Tensor:
+    """Host [B, k, S-1] int64: ``rows[b][L_new[b] + (s-1)k + j]`` (the reserve after the committed tokens)."""
+    w = k * (S - 1)
+    if w == 0:
+        return torch.zeros(len(rows), k, 0, dtype=torch.int64)
+    return torch.stack([r[L:L + w] for r, L in zip(rows, L_new)]).view(len(rows), S - 1, k).transpose(1, 2)
+
+
+def tail_draft(runner, reqs, rows: list[torch.Tensor], L_new: list[int], root: torch.Tensor,
+               last_hidden: torch.Tensor):
+    """Draft the next tree for each request (EAGLE-2 beam search, SGLang ``draft_forward``).
+
+    rows: committed req_to_token row per request (host; slots valid up to L_new + k*(S-1));
+    root [B] int64 (the bonus token), last_hidden [B, H] (draft output of the last extend row).
+    Returns device tensors (tokens [B, n] with column 0 = root, parent_list [B, k(S-1)+1],
+    top_scores_index [B, n-1]). On CUDA with graphs the whole search is one graph replay.
+    """
+    spec, dev = runner.spec, runner.device
+    S, k = spec.num_steps, spec.topk
+    B = last_hidden.shape[0]
+    graphs = getattr(runner, "draft_graphs", None)
+    if graphs is not None and graphs.can_run(B):
+        drafts, parent_list, tsi = graphs.run(last_hidden, rows, L_new)
+    else:
+        scratch = scratch_slots(rows, L_new, k, S)
+
+        def step_inputs(s, hist_s):
+            hs = hist_s.cpu()
+            kv = [torch.cat([rows[b][:L_new[b]], hs[b, j]]) for b in range(B) for j in range(k)]
+            pos = h2d(torch.tensor([L_new[b] + s - 1 for b in range(B) for _ in range(k)]), dev)
+            return pos, ForwardContext(list(range(B * k + 1)), kv, None, hist_s[:, :, -1].reshape(-1), None,
+                                       "decode"), False
+
+        drafts, parent_list, tsi = draft_beam_search(runner, last_hidden, h2d(scratch, dev), step_inputs)
     return torch.cat([root.view(B, 1).to(drafts.device), drafts], 1), parent_list, tsi
 
 
@@ -77,8 +113,8 @@ def draft_extend(runner, ids: torch.Tensor, features: torch.Tensor, pos: torch.T
                  kv: list[torch.Tensor], qo: list[int]) -> torch.Tensor:
     """Run the draft over (token x_{p+1}, feature f_p) pairs, writing draft KV at ``locs``; -> hidden [T, H]."""
     dev = runner.device
-    ctx = ForwardContext(qo, [x.to(dev) for x in kv], None, locs.to(dev), None, "extend")
-    return runner.draft_forward(ids.to(dev), features, pos.to(dev), ctx)
+    ctx = ForwardContext(qo, list(kv), None, h2d(locs, dev), None, "extend")     # page tables stay on the host
+    return runner.draft_forward(h2d(ids, dev), features, h2d(pos, dev), ctx)
 
 
 def empty_tree(runner, B: int):
@@ -118,14 +154,14 @@ def prefill_draft(runner, batch, feature: torch.Tensor, sampled: dict[int, int],
         if runner.spec.draft_after_prefill:
             rows = [rt[batch.reqs[i].row] for i in done]
             L_new = [batch.chunks[i][1] for i in done]
-            last_h = hid[torch.tensor([qo[i + 1] - 1 for i in done], device=hid.device)]
+            last_h = hid[h2d(torch.tensor([qo[i + 1] - 1 for i in done]), hid.device)]
             tree = tail_draft(runner, [batch.reqs[i] for i in done], rows, L_new, root, last_h)
         else:
             spec = runner.spec
             tree = chain_fallback(root, spec.num_steps, spec.topk, spec.num_draft_tokens)
         tree = maybe_fault(runner, tree, root)
         idx = torch.tensor(done)
-        tokens[idx], parents[idx], tsi[idx] = (x.cpu() for x in tree)
+        tokens[idx], parents[idx], tsi[idx] = tree_to_host(tree)
     return tokens, parents, tsi
 
 
@@ -144,7 +180,10 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         c = torch.stack([request_coins(runner._seed(r), r.rid, len(r.output_ids), n + 1) for r in reqs])
         c = c.to(logits.device)
         res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
-    accept_nodes, alen, emitted = res.accept_nodes.cpu(), res.accept_length.cpu(), res.emitted.cpu()
+    # one device->host copy of the result (a no-op when the walk ran on the host)
+    W = S + 1
+    host = torch.cat([res.accept_nodes, res.accept_length.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1).cpu()
+    accept_nodes, alen, emitted, bonus = host[:, :W], host[:, W], host[:, W + 1:2 * W + 1], host[:, 2 * W + 1]
     rt = runner.sched.req_to_token
     rows, ids, feats, kv, locs, pos, qo2, L_new = [], [], [], [], [], [], [0], []
     for b, r in enumerate(reqs):
@@ -158,11 +197,10 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         pos.append(torch.arange(L, L + a1))
         qo2.append(qo2[-1] + a1)
         L_new.append(L + a1)
-    fidx = torch.cat(feats).to(feature.device)
+    fidx = h2d(torch.cat(feats), feature.device)
     hid = draft_extend(runner, torch.cat(ids), feature[fidx], torch.cat(pos), torch.cat(locs), kv, qo2)
-    last_h = hid[torch.tensor(qo2[1:], device=hid.device) - 1]
-    bonus = res.bonus.cpu()
-    nxt = maybe_fault(runner, tail_draft(runner, reqs, rows, L_new, bonus, last_h), bonus)
+    last_h = hid[h2d(torch.tensor(qo2[1:]) - 1, hid.device)]
+    nxt = tree_to_host(maybe_fault(runner, tail_draft(runner, reqs, rows, L_new, bonus, last_h), bonus))
     return {"tokens": emitted, "accept_nodes": accept_nodes, "accept_lens": alen,
             "new_seq_lens": torch.tensor(L_new), "bonus": bonus,
-            "next_tokens": nxt[0].cpu(), "next_parents": nxt[1].cpu(), "next_top_scores": nxt[2].cpu()}
+            "next_tokens": nxt[0], "next_parents": nxt[1], "next_top_scores": nxt[2]}
