@@ -64,8 +64,10 @@ def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40):
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-            graphs = llm._worker.runner.graphs
-            replays = graphs.num_replays if graphs is not None else 0
+            runner = llm._worker.runner
+            replays = runner.graphs.num_replays if runner.graphs is not None else 0
+            if draft and graph:                    # EAGLE: every tail draft after a verify replays its graph
+                assert runner.draft_graphs is not None and runner.draft_graphs.num_replays > 0
     finally:
         set_backend(TorchBackend())
     return [o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths], replays
@@ -100,6 +102,39 @@ def test_graph_plain_matches_eager(setup):
     graph, _, r1 = _generate(model, prompts, True)
     assert r0 == 0 and r1 >= 39                  # every decode step after the first token replayed a graph
     divergences("plain: graph vs eager", prompts, eager, graph, logits)
+
+
+def test_spec_round_host_syncs(setup):
+    """Issue 7: the spec loop copies device->host once for the verify result and once for the next tree;
+    the draft and tree code add none. Counted with torch's sync debug mode over whole rounds."""
+    import warnings
+    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    model, draft, prompts, _ = setup
+    spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6)
+    cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                       spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=True, cuda_graph_max_bs=8)
+    try:
+        with LLM(cfg) as llm:
+            llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+            r = llm._worker.runner
+            v0 = r.graphs.num_replays
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    llm.generate(prompts[:1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            rounds = r.graphs.num_replays - v0
+    finally:
+        set_backend(TorchBackend())
+    syncs = [f"{x.filename.split('/')[-1]}:{x.lineno}" for x in w
+             if "synchronizing CUDA operation" in str(x.message)]
+    from collections import Counter
+    print(f"spec rounds {rounds}, synchronizing calls {len(syncs)}: {Counter(syncs).most_common(8)}")
+    assert rounds >= 5
+    # prefill (one sampled token + its first tree) and the end-of-run checks may sync a few times more
+    assert len(syncs) <= 2 * rounds + 6, (len(syncs), rounds, syncs[:12])
 
 
 def test_graph_eagle_matches_eager(setup):

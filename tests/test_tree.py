@@ -398,6 +398,11 @@ def test_host_matches_worked_examples():
     tree, pred = _sglang_verify_inputs()
     lens.update(_check_verify(tree, pred, 3).accept_length.tolist())
     assert {1, 3, 4} <= lens
+    # numpy inputs are accepted as well
+    args, k, pred, S = cases[1]
+    tree = build_tree(*args, k)
+    _assert_same(tree, build_tree_host(*(a.numpy() for a in args), k))
+    _assert_same(verify_tree_greedy(tree, pred, S), verify_tree_greedy_host(tree, pred.numpy(), S))
 
 
 SHAPES = [(3, 1, 4), (4, 4, 12), (5, 8, 64), (2, 2, 3), (1, 1, 1), (3, 2, 6), (2, 2, 4), (1, 3, 3),

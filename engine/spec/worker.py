@@ -13,8 +13,8 @@ import torch
 from ..attention import ForwardContext, h2d, tree_to_host
 from ..kv_cache import commit_segment
 from ..sampling import request_coins
-from .tree import (build_tree, chain_fallback, draft_step_select, organize_draft_results,
-                   verify_tree_greedy, verify_tree_sampling)
+from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results,
+                   verify_tree_greedy_host, verify_tree_sampling)
 
 
 def committed_row(rt_row: torch.Tensor, L: int, n: int, accept_nodes: torch.Tensor, alen: int) -> torch.Tensor:
@@ -31,7 +31,8 @@ def build_batch_tree(runner, reqs):
         if t != r.root_token:
             raise RuntimeError(f"request {r.rid}: relayed tree root {t} != last emitted token {r.root_token}")
     seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
-    return build_tree(tokens[:, 0], parents, tsi, tokens[:, 1:], seq_lens, spec.topk)
+    # host data from the relay: the numpy twin of build_tree (identical output, ~10x fewer host us)
+    return build_tree_host(tokens[:, 0], parents, tsi, tokens[:, 1:], seq_lens, spec.topk)
 
 
 def _topk_probs(runner, hidden: torch.Tensor):
@@ -172,8 +173,8 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     logits = runner.model.compute_logits(feature)                           # [B*n, V]
     if all(r.params.greedy for r in reqs):
         # The tree is host data (rebuilt from the relay on every stage): one device->host copy of the
-        # target's argmax [B, n], then the walk runs on the host instead of ~S*n*8 tiny device kernels.
-        res = verify_tree_greedy(tree, logits.argmax(-1).view(B, n).cpu(), S)
+        # target's argmax [B, n], then the walk runs on the host (numpy) instead of ~S*n*8 tiny device kernels.
+        res = verify_tree_greedy_host(tree, logits.argmax(-1).view(B, n).cpu(), S)
     else:
         dev_tree = type(tree)(*[getattr(tree, f).to(logits.device) for f in tree.__dataclass_fields__])
         probs = runner.target_probs(logits, reqs, repeat=n).view(B, n, -1)
