@@ -146,8 +146,10 @@ class ModelRunner:
             qo.append(qo[-1] + ids[-1].numel())
         d = self.device
         # page tables and masks stay on the host: the backend moves what it needs in one copy
-        ctx = ForwardContext(qo, kv, masks, h2d(torch.cat(locs), d), self.kv_pool, batch.kind)
-        return h2d(torch.cat(ids), d), h2d(torch.cat(pos), d), ctx
+        # ids, positions and out_cache_loc travel together: one pinned host->device copy
+        ids_d, pos_d, loc_d = h2d(torch.stack([torch.cat(ids).long(), torch.cat(pos).long(), torch.cat(locs).long()]), d)
+        ctx = ForwardContext(qo, kv, masks, loc_d, self.kv_pool, batch.kind)
+        return ids_d, pos_d, ctx
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""

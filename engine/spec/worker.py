@@ -107,7 +107,7 @@ def tail_draft(runner, reqs, rows: list[torch.Tensor], L_new: list[int], root: t
                                        "decode"), False
 
         drafts, parent_list, tsi = draft_beam_search(runner, last_hidden, h2d(scratch, dev), step_inputs)
-    return torch.cat([root.view(B, 1).to(drafts.device), drafts], 1), parent_list, tsi
+    return torch.cat([h2d(root.view(B, 1), drafts.device), drafts], 1), parent_list, tsi
 
 
 def draft_extend(runner, ids: torch.Tensor, features: torch.Tensor, pos: torch.Tensor, locs: torch.Tensor,
