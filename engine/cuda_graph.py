@@ -41,6 +41,19 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8), np.asarray(indptr, dtype=np.int32)
 
 
+def _bind_flashinfer(obj, runner, attn) -> None:
+    """Common setup of a graph runner: the FlashInfer backend (RuntimeError for any other), device,
+    dtype and the plan key (Hq, Hk, D, softmax scale, dtype) of the attention module ``attn``."""
+    from .attention import get_backend
+    obj.r = runner
+    obj.backend = get_backend()
+    if getattr(obj.backend, "name", "") != "flashinfer":
+        raise RuntimeError("CUDA graphs need the flashinfer attention backend")
+    obj.fi = obj.backend.fi
+    obj.dev, obj.dtype = runner.device, runner.dtype
+    obj.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), obj.dtype)
+
+
 class CudaGraphRunner:
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
 
@@ -53,16 +66,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True):
-        from .attention import get_backend
-        self.r = runner
-        self.backend = get_backend()
-        if getattr(self.backend, "name", "") != "flashinfer":
-            raise RuntimeError("CUDA graphs need the flashinfer attention backend")
-        self.fi = self.backend.fi
-        self.dev, self.dtype = runner.device, runner.dtype
         model = runner.model
-        attn = model.layers[0].self_attn
-        self.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), self.dtype)
+        _bind_flashinfer(self, runner, model.layers[0].self_attn)
         self.backend._heads[runner.kv_pool] = self.key
         self.bs_list = ladder(max_bs)
         self.max_bs = self.bs_list[-1]
@@ -223,17 +228,9 @@ class DraftGraphRunner:
     """
 
     def __init__(self, runner, max_bs: int):
-        from .attention import get_backend
-        self.r = runner
-        self.backend = get_backend()
-        if getattr(self.backend, "name", "") != "flashinfer":
-            raise RuntimeError("CUDA graphs need the flashinfer attention backend")
-        self.fi = self.backend.fi
-        self.dev, self.dtype = runner.device, runner.dtype
+        _bind_flashinfer(self, runner, runner.draft.layer.self_attn)
         spec = runner.spec
         self.S, self.k = spec.num_steps, spec.topk
-        attn = runner.draft.layer.self_attn
-        self.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), self.dtype)
         self.bs_list = ladder(max_bs)
         self.max_bs = self.bs_list[-1]
         d, i64, i32 = self.dev, torch.int64, torch.int32

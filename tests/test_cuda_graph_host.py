@@ -62,3 +62,31 @@ def test_graph_plan_arguments_with_padding():
     assert w.args[0].tolist() == [0, 3, 6] and w.args[1].tolist() == [0, 3, 6]
     assert w.args[2].tolist() == [3, 4, 5, 0, 0, 0]
     assert w.kw["packed_custom_mask"].tolist() == [255, 1, 255, 1] and g.mask_indptr.tolist() == [0, 2, 4]
+
+
+def test_draft_graph_host_layout():
+    """DraftGraphRunner's host page tables: lane (b, j) at step s attends to rows[b][:L_new[b]] then s
+    ancestry slots, which the graph writes at ``hist_pos``; padding requests attend to slot 0 only."""
+    import numpy as np
+    from engine.cuda_graph import DraftGraphRunner
+    g = DraftGraphRunner.__new__(DraftGraphRunner)          # host-side state only, no capture
+    g.k, g.S, g.max_kv = 2, 3, 64
+    rows = [torch.arange(100, 120), torch.arange(200, 220)]
+    L_new = [5, 7]
+    layout, scratch = g._host_layout(4, rows, L_new)
+    assert scratch.tolist() == [[[105, 107], [106, 108]], [[207, 209], [208, 210]], [[0, 0], [0, 0]], [[0, 0], [0, 0]]]
+    assert sorted(layout) == [1, 2]
+    indptr, indices, hist_pos, pos = layout[2]
+    assert indptr.tolist() == [0, 7, 14, 23, 32, 35, 38, 41, 44]
+    assert pos.tolist() == [6, 6, 8, 8, 0, 0, 0, 0]
+    hist = np.arange(1000, 1016)                            # what the graph writes: [lanes, s] ancestry
+    filled = indices.astype(np.int64).copy()
+    filled[hist_pos] = hist
+    for lane in range(8):
+        seg = filled[indptr[lane]:indptr[lane + 1]].tolist()
+        b = lane // 2
+        prefix = rows[b][:L_new[b]].tolist() if b < 2 else [0]
+        assert seg == prefix + hist[2 * lane:2 * lane + 2].tolist(), lane
+    indptr1, _, hist_pos1, pos1 = layout[1]
+    assert indptr1.tolist() == [0, 6, 12, 20, 28, 30, 32, 34, 36]
+    assert hist_pos1.tolist() == [5, 11, 19, 27, 29, 31, 33, 35] and pos1.tolist() == [5, 5, 7, 7, 0, 0, 0, 0]
