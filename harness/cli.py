@@ -293,7 +293,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         with LLM(cfg.engine) as llm:
             o = llm.generate([prompt], SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))[0]
         console.print(o.text, markup=False, highlight=False)
-        acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if o.accept_lengths else ""
+        spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
+        acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
         err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{acc}]", markup=False, highlight=False)
 
 

@@ -249,6 +249,7 @@ def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
     r = runner.invoke(app, ["generate", "Hello", "--tp", "1", "--pp", "2", "--no-spec", "--max-new-tokens", "5"])
     assert r.exit_code == 0, r.output
     assert "#### 18" in r.output and fake_engine.instances[-1].config.pp == 2
+    assert "accept length" not in r.output          # regression: plain decoding printed "accept length 1.00"
     got = {}
     mod = ModuleType("engine.spec.train")
     mod.train_draft = lambda **kw: got.update(kw) or "trained"
