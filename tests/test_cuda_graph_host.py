@@ -3,6 +3,7 @@ tree masks handed to FlashInfer's graph-mode verify wrapper (byte-offset indptr,
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engine.cuda_graph import ladder, pack_masks
@@ -90,3 +91,22 @@ def test_draft_graph_host_layout():
     indptr1, _, hist_pos1, pos1 = layout[1]
     assert indptr1.tolist() == [0, 6, 12, 20, 28, 30, 32, 34, 36]
     assert hist_pos1.tolist() == [5, 11, 19, 27, 29, 31, 33, 35] and pos1.tolist() == [5, 5, 7, 7, 0, 0, 0, 0]
+
+
+def test_graph_runners_need_flashinfer_and_take_its_plan_key():
+    from types import SimpleNamespace
+
+    import engine.attention as A
+    from engine.cuda_graph import _bind_flashinfer
+    attn = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, scale=0.125)
+    runner = SimpleNamespace(device="cuda:0", dtype=torch.bfloat16)
+    o = SimpleNamespace()
+    try:
+        A.set_backend(SimpleNamespace(name="flashinfer", fi="fi-module"))
+        _bind_flashinfer(o, runner, attn)
+        assert o.key == (9, 3, 64, 0.125, torch.bfloat16) and o.fi == "fi-module" and o.r is runner
+        A.set_backend(A.TorchBackend())
+        with pytest.raises(RuntimeError, match="need the flashinfer attention backend"):
+            _bind_flashinfer(SimpleNamespace(), runner, attn)
+    finally:
+        A.set_backend(A.TorchBackend())
