@@ -176,6 +176,7 @@ class EngineConfig:
     max_model_len: int | None = None      # context length (None: the model's)
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
+    overlap_schedule: bool = False        # plain greedy decoding on one stage: launch step t+1 before reading step t
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False

@@ -95,6 +95,7 @@ class CudaGraphRunner:
         self.graphs: dict = {}
         self.outputs: dict = {}
         self.wrappers: dict = {}
+        self.plan_events: dict = {}
         self.pool = None
         self.num_replays = 0
         for kind in self.q_len:
@@ -120,10 +121,16 @@ class CudaGraphRunner:
         them, padding included); ``masks``: CPU bool [q_len, kv_len] per request (verify)."""
         w = self.wrappers[(kind, bs)]
         hq, hk, D, scale, dtype = self.key
+        # plan() stages its metadata in the wrapper's pinned buffer and copies it asynchronously: with the
+        # overlap schedule the previous plan's copy may still be queued behind the step in flight.
+        ev = self.plan_events.get((kind, bs))
+        if ev is not None:
+            ev.synchronize()
         indptr, indices = page_table(kvs, self.dev)
         last = torch.ones(bs, dtype=torch.int32)
         if kind == "decode":
             w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            self._record_plan(kind, bs)
             return
         q = self.q_len[kind]
         qo = torch.arange(bs + 1, dtype=torch.int32) * q
@@ -134,6 +141,14 @@ class CudaGraphRunner:
         # FlashInfer's kernel offsets the packed mask by mask_indptr in *bytes* (per-request padded
         # segments); plan() derives a bit-count indptr when handed a packed mask, so set ours.
         self.mask_indptr[:bs + 1].copy_(torch.from_numpy(byte_indptr), non_blocking=True)
+        self._record_plan(kind, bs)
+
+    def _record_plan(self, kind: str, bs: int) -> None:
+        if torch.device(self.dev).type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self.plan_events[(kind, bs)] = ev
 
     def _ctx(self, kind: str, bs: int) -> ForwardContext:
         q = self.q_len[kind]

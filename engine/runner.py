@@ -47,7 +47,8 @@ class ModelRunner:
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
         spec = config.spec
         self.spec = spec if spec.enabled else None
-        self.reserve = spec.reserve_per_req if self.spec else 1
+        # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
+        self.reserve = spec.reserve_per_req if self.spec else (2 if config.overlap_schedule and s.pp_size == 1 else 1)
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
@@ -117,8 +118,10 @@ class ModelRunner:
                            if self.draft is not None else None)
 
     # ------------------------------------------------------------------------------------ forward
-    def batch_inputs(self, batch: ScheduledBatch, tree=None):
-        """Flat input_ids/positions/out_cache_loc [T] and per-request kv_indices/masks for ``batch``."""
+    def batch_inputs(self, batch: ScheduledBatch, tree=None, lookahead: bool = False):
+        """Flat input_ids/positions/out_cache_loc [T] and per-request kv_indices/masks for ``batch``.
+        ``lookahead`` (decode, overlap schedule): one step past the step in flight, whose token is not on
+        the host yet (position seq_len + 1; the caller supplies the input ids from the device)."""
         rt = self.sched.req_to_token
         ids, pos, locs, kv, masks, qo = [], [], [], [], [], [0]
         for i, r in enumerate(batch.reqs):
@@ -130,7 +133,7 @@ class ModelRunner:
                 kv.append(rt[r.row, :en])
                 masks.append(None)
             elif batch.kind == "decode":
-                L = r.seq_len
+                L = r.seq_len + (1 if lookahead else 0)
                 ids.append(torch.tensor([r.root_token]))
                 pos.append(torch.tensor([L]))
                 locs.append(rt[r.row, L:L + 1])

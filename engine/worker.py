@@ -15,6 +15,7 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -51,12 +52,24 @@ def check_relay(out: dict, spec) -> None:
                 raise RelayError(f"relay {key} has shape {tuple(out[key].shape)}, expected {shp}")
 
 
+@dataclass
+class InFlight:
+    """A decode step launched but not yet read back (overlap schedule): its requests, the sampled tokens
+    on the device [B] int64, their host copy (pinned, filled asynchronously) and the copy's event."""
+
+    reqs: list[Req]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: object = None
+
+
 class Worker:
     def __init__(self, config, record_times: bool = False):
         self.runner = ModelRunner(config, record_times)
         self.sched = self.runner.sched
         self.spec = self.runner.spec
         self.config = config
+        self.num_lookahead = 0                # decode steps launched before the previous step was read back
 
     # ------------------------------------------------------------------------------------ one batch
     def forward_batch(self, batch: ScheduledBatch, inbox: dict):
@@ -107,6 +120,8 @@ class Worker:
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         for req in reqs:
             sched.add(req)
+        if self.config.overlap_schedule and P == 1 and self.spec is None:
+            return self._run_overlap(reqs, progress)
         inbox: dict = {}
         tick, end_tick, finished = 0, None, 0
         while True:
@@ -136,8 +151,96 @@ class Worker:
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
+        return self._finish_run(reqs)
+
+    def _finish_run(self, reqs: list[Req]) -> list[Req]:
+        sched = self.sched
         if sched.allocator.num_used != 0:
             raise KVCacheError(f"idle engine still holds {sched.allocator.num_used} KV slots (leak)")
         sched.allocator.check()
         sched.reqs.clear()
         return reqs
+
+    # ------------------------------------------------------------------------------------ overlap schedule
+    def _run_overlap(self, reqs: list[Req], progress=None) -> list[Req]:
+        """One-stage plain decoding with the CPU one step ahead of the GPU (SGLang's overlap scheduler,
+        simplified): while step t runs, step t+1 of the same requests is prepared and launched with step
+        t's tokens still on the device (positions seq_len+1, a second reserved KV slot), and only then is
+        step t read back and processed. A request found finished at step t wastes its step-t+1 row (its KV
+        slot is freed afterwards, stream-ordered); requests sure to finish at step t (length) are left out.
+        Lookahead stops whenever the batch must change shape (admission, retraction, sampling): the step
+        in flight is read back first and the scheduler decides as in :meth:`run`. Greedy outputs are
+        identical to :meth:`run`'s."""
+        sched, finished = self.sched, [0]
+        inflight: InFlight | None = None
+
+        def complete(f: InFlight) -> None:
+            if f.event is not None:
+                f.event.synchronize()
+            sched.process_output({"kind": "decode", "slot": 0, "rids": [r.rid for r in f.reqs],
+                                  "tokens": f.host.view(-1, 1)})
+            if progress is not None:
+                now = sum(rq.status == "finished" for rq in reqs)
+                if now != finished[0]:
+                    finished[0] = now
+                    progress(now, len(reqs))
+
+        while True:
+            if inflight is not None:
+                nxt = self._look_ahead(inflight)
+                complete(inflight)
+                inflight = nxt
+                continue
+            if sched.all_finished():
+                break
+            batch = sched.schedule(0)
+            if batch is None:
+                raise RuntimeError("scheduler has unfinished requests but nothing to run")
+            if batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
+                inflight = self._launch_decode(batch.reqs, None)
+                continue
+            out = self.forward_batch(batch, {})
+            sched.process_output(out)
+            if progress is not None:
+                progress(sum(rq.status == "finished" for rq in reqs), len(reqs))
+        return self._finish_run(reqs)
+
+    def _look_ahead(self, f: InFlight) -> InFlight | None:
+        """Launch the step after ``f`` for its requests that stay running, or None when the batch must change."""
+        sched = self.sched
+        limit = min(sched.max_concurrency, sched.max_reqs)
+        if sched.waiting and sched.num_active() < limit:
+            return None                                        # admit first
+        keep = []
+        for i, r in enumerate(f.reqs):
+            if r.status != "running":
+                continue                                       # finished when an earlier step was read back
+            n_out = len(r.output_ids) + 1                      # + the token in flight
+            if n_out >= r.params.max_new_tokens or len(r.prompt_ids) + n_out >= sched.max_model_len:
+                continue                                       # finishes with the token in flight
+            keep.append(i)
+        if not keep or not all(f.reqs[i].params.greedy for i in keep):
+            return None
+        reqs = [f.reqs[i] for i in keep]
+        if not sched._reserve_decode(reqs):                    # the lookahead slot (seq_len + 1)
+            return None
+        ids = f.tokens if len(keep) == len(f.reqs) else f.tokens[h2d(torch.tensor(keep), f.tokens.device)]
+        self.num_lookahead += 1
+        return self._launch_decode(reqs, ids)
+
+    def _launch_decode(self, reqs: list[Req], ids_dev) -> InFlight:
+        """Launch one greedy decode step (no host sync); ``ids_dev``: input tokens on the device (lookahead)."""
+        r = self.runner
+        ids, pos, ctx = r.batch_inputs(ScheduledBatch("decode", 0, reqs), lookahead=ids_dev is not None)
+        if ids_dev is not None:
+            ids = ids_dev
+        hidden, _ = r.forward(ids, pos, ctx)
+        tokens = r.model.compute_logits(hidden).argmax(-1)    # one row per request
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return InFlight(reqs, tokens, host, event)

@@ -55,12 +55,12 @@ def test_fused_kernels_match_reference():
         _close(fk, rk)
 
 
-def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40):
+def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
-                       cuda_graph_max_bs=8)
+                       cuda_graph_max_bs=8, overlap_schedule=overlap)
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
@@ -102,6 +102,15 @@ def test_graph_plain_matches_eager(setup):
     graph, _, r1 = _generate(model, prompts, True)
     assert r0 == 0 and r1 >= 39                  # every decode step after the first token replayed a graph
     divergences("plain: graph vs eager", prompts, eager, graph, logits)
+
+
+def test_graph_overlap_schedule_matches_plain(setup):
+    """Overlap schedule on the GPU (step t+1 replayed before step t is read back): same greedy tokens as the
+    plain loop with the same graphs (identical kernels and inputs, so no near-tie allowance)."""
+    model, _, prompts, _ = setup
+    plain, _, _ = _generate(model, prompts, True)
+    over, _, r1 = _generate(model, prompts, True, overlap=True)
+    assert r1 >= 39 and over == plain
 
 
 def test_spec_round_host_syncs(setup):

@@ -54,6 +54,7 @@ def test_graph_plan_arguments_with_padding():
     g.dev, g.key, g.q_len = torch.device("cpu"), (4, 2, 64, 0.125, torch.bfloat16), {"decode": 1, "verify": 3}
     g.wrappers = {("decode", 2): Wrapper(), ("verify", 2): Wrapper()}
     g.mask_indptr = torch.zeros(3, dtype=torch.int32)
+    g.plan_events = {}
     g._plan("decode", 2, [torch.tensor([3, 4, 5]), torch.zeros(1, dtype=torch.int64)], None)
     a = g.wrappers[("decode", 2)].args
     assert (a[0].tolist(), a[1].tolist(), a[2].tolist(), a[3:7]) == ([0, 3, 4], [3, 4, 5, 0], [1, 1], (4, 2, 64, 1))

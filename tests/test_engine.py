@@ -234,3 +234,38 @@ def test_bad_engine_fields(kw, msg):
 def test_cuda_without_gpu_is_one_line():
     with pytest.raises(ConfigError, match="no CUDA device"):
         EngineConfig(device="cuda")
+
+
+# ------------------------------------------------------------------------------------------ overlap schedule
+def test_overlap_schedule_equals_plain_loop(tiny_model_dir, tiny_prompts, reference):
+    """Decode steps launched one ahead (device tokens as inputs, a second reserved slot) give the same
+    greedy tokens under chunked prefill, retraction and admission limits, and leak no KV slot."""
+    with LLM(EngineConfig(model=tiny_model_dir, overlap_schedule=True, **STRESS)) as llm:
+        assert llm._worker.runner.reserve == 2
+        outs = llm.generate(tiny_prompts, GREEDY)
+        ahead = llm._worker.num_lookahead
+        assert [o.token_ids for o in outs] == reference
+        assert sum(o.num_retractions for o in outs) > 0 and ahead > 10     # ran ahead, under KV pressure
+        outs = llm.generate(tiny_prompts, GREEDY, max_concurrency=3)   # admission waits for finishes
+        assert [o.token_ids for o in outs] == reference
+        assert llm._worker.num_lookahead - ahead > 24
+
+
+def test_overlap_schedule_mixed_requests(tiny_model_dir, tiny_prompts, reference):
+    """Stops found one step late (the wasted lookahead row is dropped), length finishes left out of the
+    lookahead, and a sampled request (no lookahead while it runs): all equal to the plain loop."""
+    stop_tok = reference[1][6]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 5, 1, 17, 24, 9, 24, 2, 12, 24)]
+    params[1] = SamplingParams(max_new_tokens=24, stop_token_ids=(stop_tok,))
+    params[4] = SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, ignore_eos=True, seed=3)
+    prompts = tiny_prompts[:len(params)]
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        plain = llm.generate(prompts, params)
+    with LLM(EngineConfig(model=tiny_model_dir, overlap_schedule=True)) as llm:
+        over = llm.generate(prompts, params)
+        ahead = llm._worker.num_lookahead
+    assert [o.token_ids for o in over] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in over] == [o.finish_reason for o in plain]
+    assert over[1].finish_reason == "stop" and over[1].token_ids[-1] == stop_tok
+    assert [len(o.token_ids) for o in over] == [len(o.token_ids) for o in plain] and ahead > 0
+    assert all(len(o.token_times) == len(o.token_ids) for o in over)
