@@ -176,6 +176,7 @@ class EngineConfig:
     max_model_len: int | None = None      # context length (None: the model's)
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
+    cuda_graph_draft_extend: bool = False # EAGLE: capture the draft extend with the tail draft (one graph per round)
     overlap_schedule: bool = False        # plain greedy decoding on one stage: launch step t+1 before reading step t
     seed: int = 0
     dist_timeout_s: float = 300.0

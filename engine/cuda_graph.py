@@ -41,6 +41,12 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8), np.asarray(indptr, dtype=np.int32)
 
 
+def _pin(t: torch.Tensor, dev) -> torch.Tensor:
+    """Pinned copy of a host tensor when ``dev`` is CUDA (so ``copy_(..., non_blocking=True)`` is truly
+    asynchronous); the tensor itself otherwise."""
+    return t.pin_memory() if torch.device(dev).type == "cuda" else t
+
+
 def _bind_flashinfer(obj, runner, attn) -> None:
     """Common setup of a graph runner: the FlashInfer backend (RuntimeError for any other), device,
     dtype and the plan key (Hq, Hk, D, softmax scale, dtype) of the attention module ``attn``."""
@@ -242,10 +248,12 @@ class DraftGraphRunner:
     Raises RuntimeError if the attention backend is not FlashInfer.
     """
 
-    def __init__(self, runner, max_bs: int):
+    def __init__(self, runner, max_bs: int, extend: bool = False):
         _bind_flashinfer(self, runner, runner.draft.layer.self_attn)
         spec = runner.spec
         self.S, self.k = spec.num_steps, spec.topk
+        self.W = min(self.S + 1, spec.num_draft_tokens)     # draft-extend rows per request after a verify
+        self.extend = extend
         self.bs_list = ladder(max_bs)
         self.max_bs = self.bs_list[-1]
         d, i64, i32 = self.dev, torch.int64, torch.int32
@@ -259,13 +267,25 @@ class DraftGraphRunner:
                           "last_page": torch.ones(lanes, dtype=i32, device=d),
                           "hist_pos": torch.zeros(lanes * s, dtype=i64, device=d),
                           "pos": torch.zeros(lanes, dtype=i64, device=d)} for s in range(1, self.S)}
+        if extend:                                      # the draft extend after a verify, W rows per request
+            Te = self.max_bs * self.W
+            self.e_in = torch.zeros(3, Te, dtype=i64, device=d)      # ids, positions, out_cache_loc
+            self.e_feat = torch.zeros(Te, H, dtype=self.dtype, device=d)
+            self.e_last = torch.zeros(self.max_bs, dtype=i64, device=d)
+            self.e_qo = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
+            self.e_kv_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
+            self.e_kv_indices = torch.zeros(self.max_bs * self.max_kv, dtype=i32, device=d)
+            self.e_last_page = torch.ones(self.max_bs, dtype=i32, device=d)
         self.graphs: dict = {}
         self.outputs: dict = {}
         self.wrappers: dict = {}
         self.pool = None
         self.num_replays = 0
+        self.num_round_replays = 0
         for bs in reversed(self.bs_list):
             self._capture(bs)
+            if extend:
+                self._capture(bs, with_extend=True)
 
     def can_run(self, B: int) -> bool:
         return 0 < B <= self.max_bs
@@ -303,15 +323,25 @@ class DraftGraphRunner:
         hq, hk, D, scale, dtype = self.key
         layout, scratch = self._host_layout(bs, rows, L_new)
         if self.S > 1:
-            self.scratch[:bs].copy_(scratch.pin_memory(), non_blocking=True)
+            self.scratch[:bs].copy_(_pin(scratch, self.dev), non_blocking=True)
         for s, (indptr, indices, hist_pos, pos) in layout.items():
             st = self.steps[s]
             lanes = bs * self.k
-            idx = torch.from_numpy(indices).pin_memory().to(self.dev, non_blocking=True)
+            idx = _pin(torch.from_numpy(indices), self.dev).to(self.dev, non_blocking=True)
             self.wrappers[(s, bs)].plan(torch.from_numpy(indptr), idx, torch.ones(lanes, dtype=torch.int32),
                                         hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-            st["hist_pos"][:lanes * s].copy_(torch.from_numpy(hist_pos).pin_memory(), non_blocking=True)
-            st["pos"][:lanes].copy_(torch.from_numpy(pos).pin_memory(), non_blocking=True)
+            st["hist_pos"][:lanes * s].copy_(_pin(torch.from_numpy(hist_pos), self.dev), non_blocking=True)
+            st["pos"][:lanes].copy_(_pin(torch.from_numpy(pos), self.dev), non_blocking=True)
+
+    def _plan_extend(self, bs: int, kvs: list[torch.Tensor]) -> None:
+        """Plan the causal draft extend of ``bs`` requests x W rows over the per-request KV lists (host)."""
+        hq, hk, D, scale, dtype = self.key
+        W = self.W
+        kvs = list(kvs) + [torch.zeros(W, dtype=torch.int64)] * (bs - len(kvs))
+        indptr, indices = page_table(kvs, self.dev)
+        qo = torch.arange(bs + 1, dtype=torch.int32) * W
+        self.wrappers[("extend", bs)].plan(qo, indptr, indices, torch.ones(bs, dtype=torch.int32), hq, hk, D, 1,
+                                           causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
 
     # ------------------------------------------------------------------------------------ capture
     def _step_inputs(self, bs: int):
@@ -327,33 +357,57 @@ class DraftGraphRunner:
             return st["pos"][:lanes], ctx, True
         return step_inputs
 
+    def _round_body(self, bs: int, step_inputs):
+        """Draft extend (W rows per request, causal) -> hidden of each request's last accepted row -> beam search."""
+        from .spec.worker import draft_beam_search
+        T = bs * self.W
+        ctx = ForwardContext(list(range(0, T + 1, self.W)), None, None, self.e_in[2, :T], self.r.draft_pool, "extend")
+        ctx.backend_state.update(fi={"kind": "extend", "dtype": self.dtype},
+                                 fi_wrapper=self.wrappers[("extend", bs)], fi_planned=self.key)
+        hid = self.r.draft_forward(self.e_in[0, :T], self.e_feat[:T], self.e_in[1, :T], ctx, planned=True)
+        return draft_beam_search(self.r, hid[self.e_last[:bs]], self.scratch[:bs], step_inputs)
+
     @torch.inference_mode()
-    def _capture(self, bs: int) -> None:
+    def _capture(self, bs: int, with_extend: bool = False) -> None:
         from .spec.worker import draft_beam_search
         lanes = bs * self.k
         for s, st in self.steps.items():
-            self.wrappers[(s, bs)] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.backend.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=decode_tensor_cores(self.key[0], self.key[1]),
-                paged_kv_indptr_buffer=st["kv_indptr"][:lanes + 1], paged_kv_indices_buffer=st["kv_indices"],
-                paged_kv_last_page_len_buffer=st["last_page"][:lanes])
-        rows = [torch.zeros(self.S * self.k + 1, dtype=torch.int64)] * bs
+            if (s, bs) not in self.wrappers:
+                self.wrappers[(s, bs)] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.backend.workspace, "NHD", use_cuda_graph=True,
+                    use_tensor_cores=decode_tensor_cores(self.key[0], self.key[1]),
+                    paged_kv_indptr_buffer=st["kv_indptr"][:lanes + 1], paged_kv_indices_buffer=st["kv_indices"],
+                    paged_kv_last_page_len_buffer=st["last_page"][:lanes])
+        rows = [torch.zeros(self.S * self.k + self.W + 1, dtype=torch.int64)] * bs
         self._plan(bs, rows, [1] * bs)
         step_inputs = self._step_inputs(bs)
-        args = (self.r, self.last_h[:bs], self.scratch[:bs], step_inputs)
+        if with_extend:
+            self.wrappers[("extend", bs)] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.e_qo[:bs + 1],
+                paged_kv_indptr_buf=self.e_kv_indptr[:bs + 1], paged_kv_indices_buf=self.e_kv_indices,
+                paged_kv_last_page_len_buf=self.e_last_page[:bs], backend="fa2")
+            self._plan_extend(bs, [torch.zeros(self.W, dtype=torch.int64)] * bs)
+            self.e_last[:bs].copy_(torch.arange(bs, device=self.dev) * self.W)
+
+            def body():
+                return self._round_body(bs, step_inputs)
+        else:
+            def body():
+                return draft_beam_search(self.r, self.last_h[:bs], self.scratch[:bs], step_inputs)
         stream = torch.cuda.Stream(self.dev)
         stream.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                draft_beam_search(*args)
+                body()
         torch.cuda.current_stream(self.dev).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = draft_beam_search(*args)
+            out = body()
         if self.pool is None:
             self.pool = g.pool()
-        self.graphs[bs] = g
-        self.outputs[bs] = out
+        key = ("round" if with_extend else "beam", bs)
+        self.graphs[key] = g
+        self.outputs[key] = out
 
     # ------------------------------------------------------------------------------------ replay
     def run(self, last_hidden: torch.Tensor, rows: list[torch.Tensor], L_new: list[int]):
@@ -365,6 +419,32 @@ class DraftGraphRunner:
         if bs > B:
             self.last_h[B:bs].zero_()
         self._plan(bs, rows, L_new)
-        self.graphs[bs].replay()
+        self.graphs[("beam", bs)].replay()
         self.num_replays += 1
-        return tuple(x[:B] for x in self.outputs[bs])
+        return tuple(x[:B] for x in self.outputs[("beam", bs)])
+
+    def run_round(self, feature: torch.Tensor, fidx: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+                  locs: torch.Tensor, kv: list[torch.Tensor], last: torch.Tensor, rows: list[torch.Tensor],
+                  L_new: list[int]):
+        """Replay draft extend + beam search after a verify (``extend=True``). Host inputs, W rows per request:
+        ``fidx`` [B*W] rows of ``feature`` (the verify hidden states, device), ``ids``/``pos``/``locs`` [B*W]
+        int64, ``kv`` per-request KV lists (``L + W`` slots), ``last`` [B] the row of each request's last
+        accepted token; ``rows``/``L_new`` as for :meth:`run`. Returns views (draft_tokens [B, n-1],
+        parent_list [B, P], top_scores_index [B, n-1])."""
+        B = len(rows)
+        bs = next(b for b in self.bs_list if b >= B)
+        T, Tp = B * self.W, bs * self.W
+        host = torch.zeros(3, Tp, dtype=torch.int64)
+        host[0, :T], host[1, :T], host[2, :T] = ids, pos, locs
+        self.e_in[:, :Tp].copy_(_pin(host, self.dev), non_blocking=True)
+        lasts = torch.cat([last, torch.arange(B, bs) * self.W])
+        self.e_last[:bs].copy_(_pin(lasts, self.dev), non_blocking=True)
+        fidx_dev = _pin(fidx, self.dev).to(self.dev, non_blocking=True)
+        torch.index_select(feature, 0, fidx_dev, out=self.e_feat[:T])
+        if Tp > T:
+            self.e_feat[T:Tp].zero_()
+        self._plan_extend(bs, kv)
+        self._plan(bs, rows, L_new)
+        self.graphs[("round", bs)].replay()
+        self.num_round_replays += 1
+        return tuple(x[:B] for x in self.outputs[("round", bs)])

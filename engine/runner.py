@@ -169,7 +169,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         if self.draft is not None:
             from .cuda_graph import DraftGraphRunner
-            self.draft_graphs = DraftGraphRunner(self, max_bs)
+            self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.cuda_graph_draft_extend)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):

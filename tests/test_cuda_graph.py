@@ -55,19 +55,20 @@ def test_fused_kernels_match_reference():
         _close(fk, rk)
 
 
-def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False):
+def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False, draft_extend=False):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
-                       cuda_graph_max_bs=8, overlap_schedule=overlap)
+                       cuda_graph_max_bs=8, overlap_schedule=overlap, cuda_graph_draft_extend=draft_extend)
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
             runner = llm._worker.runner
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
             if draft and graph:                    # EAGLE: every tail draft after a verify replays its graph
-                assert runner.draft_graphs is not None and runner.draft_graphs.num_replays > 0
+                dg = runner.draft_graphs
+                assert dg is not None and (dg.num_round_replays if draft_extend else dg.num_replays) > 0
     finally:
         set_backend(TorchBackend())
     return [o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths], replays
@@ -102,6 +103,15 @@ def test_graph_plain_matches_eager(setup):
     graph, _, r1 = _generate(model, prompts, True)
     assert r0 == 0 and r1 >= 39                  # every decode step after the first token replayed a graph
     divergences("plain: graph vs eager", prompts, eager, graph, logits)
+
+
+def test_graph_eagle_draft_extend_graph_matches_eager(setup):
+    """cuda_graph_draft_extend: draft extend + tail draft replayed as one graph per round."""
+    model, draft, prompts, logits = setup
+    eager, _, _ = _generate(model, prompts, False, draft)
+    graph, acc1, r1 = _generate(model, prompts, True, draft, draft_extend=True)
+    assert r1 > 0 and sum(acc1) / len(acc1) > 1.5
+    divergences("eagle round graph vs eager", prompts, eager, graph, logits)
 
 
 def test_graph_overlap_schedule_matches_plain(setup):

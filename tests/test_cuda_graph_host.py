@@ -111,3 +111,52 @@ def test_graph_runners_need_flashinfer_and_take_its_plan_key():
             _bind_flashinfer(SimpleNamespace(), runner, attn)
     finally:
         A.set_backend(A.TorchBackend())
+
+
+def test_draft_round_host_inputs():
+    """DraftGraphRunner.run_round (draft extend + tail draft in one graph): the W rows per request, the
+    verify-hidden rows gathered, padding requests, and the causal extend plan (graph replay mocked)."""
+    from engine.cuda_graph import DraftGraphRunner
+
+    class Wrapper:
+        def plan(self, *args, **kw):
+            self.args, self.kw = args, kw
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    g = DraftGraphRunner.__new__(DraftGraphRunner)
+    g.k, g.S, g.W, g.max_kv, g.dev, g.dtype = 1, 3, 4, 64, torch.device("cpu"), torch.float32
+    g.key, g.bs_list, g.max_bs, H = (4, 2, 16, 0.25, torch.float32), [1, 2, 4], 4, 8
+    g.e_in, g.e_feat = torch.full((3, 16), 7, dtype=torch.int64), torch.ones(16, H)
+    g.e_last, g.scratch = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 1, 2, dtype=torch.int64)
+    g.steps = {s: {"hist_pos": torch.zeros(4 * s, dtype=torch.int64), "pos": torch.zeros(4, dtype=torch.int64)}
+               for s in (1, 2)}
+    g.wrappers = {("extend", 4): Wrapper(), (1, 4): Wrapper(), (2, 4): Wrapper()}
+    g.graphs = {("round", 4): Graph()}
+    g.outputs = {("round", 4): (torch.arange(12).view(4, 3),) * 3}
+    g.num_round_replays = 0
+    feature = torch.randn(12, H)                                   # B=3 requests x n=4 verify rows
+    rows = [torch.arange(100, 130), torch.arange(200, 230), torch.arange(300, 330)]
+    L, alen = [5, 7, 9], [1, 4, 2]
+    ids = torch.arange(12) + 1000
+    pos = torch.cat([torch.arange(x, x + 4) for x in L])
+    locs = torch.cat([r[x:x + 4] for r, x in zip(rows, L)])
+    fidx = torch.tensor([0, 0, 0, 0, 4, 6, 5, 7, 8, 9, 8, 8])
+    last = torch.tensor([0, 7, 9])
+    kv = [r[:x + 4] for r, x in zip(rows, L)]
+    out = g.run_round(feature, fidx, ids, pos, locs, kv, last, rows, [x + a for x, a in zip(L, alen)])
+    assert g.num_round_replays == 1 and Graph.replays == 1 and out[0].shape == (3, 3)
+    assert g.e_in[0, :12].tolist() == ids.tolist() and g.e_in[:, 12:].eq(0).all()        # padding request
+    assert g.e_in[1, :12].tolist() == pos.tolist() and g.e_in[2, :12].tolist() == locs.tolist()
+    assert torch.equal(g.e_feat[:12], feature[fidx]) and g.e_feat[12:].eq(0).all()
+    assert g.e_last.tolist() == [0, 7, 9, 12]
+    a, kw = g.wrappers[("extend", 4)].args, g.wrappers[("extend", 4)].kw
+    assert a[0].tolist() == [0, 4, 8, 12, 16] and a[1].tolist() == [0, 9, 20, 33, 37] and kw["causal"] is True
+    assert a[2].tolist() == torch.cat(kv + [torch.zeros(4, dtype=torch.int64)]).tolist()
+    # the tail-draft steps are planned from the committed lengths L + accept_length
+    assert g.wrappers[(1, 4)].args[0].tolist() == [0, 7, 19, 31, 33]
+    assert g.scratch[:3, 0, :].tolist() == [[106, 107], [211, 212], [311, 312]]

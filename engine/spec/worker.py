@@ -182,26 +182,37 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         c = c.to(logits.device)
         res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
     # one device->host copy of the result (a no-op when the walk ran on the host)
-    W = S + 1
+    c = S + 1
     host = torch.cat([res.accept_nodes, res.accept_length.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1).cpu()
-    accept_nodes, alen, emitted, bonus = host[:, :W], host[:, W], host[:, W + 1:2 * W + 1], host[:, 2 * W + 1]
+    accept_nodes, alen, emitted, bonus = host[:, :c], host[:, c], host[:, c + 1:2 * c + 1], host[:, 2 * c + 1]
     rt = runner.sched.req_to_token
-    rows, ids, feats, kv, locs, pos, qo2, L_new = [], [], [], [], [], [], [0], []
+    # Draft extend over W = min(S+1, n) rows per request (the a accepted tokens + bonus, then padding):
+    # every request has the same shape, so the extend is one fixed-size causal forward (capturable).
+    # Padding rows write draft KV at committed positions >= L + a, i.e. tail-draft scratch slots that
+    # the draft steps overwrite before reading, and their hidden states are never used.
+    W = min(S + 1, n)
+    rows, kv, L_new = [], [], []
     for b, r in enumerate(reqs):
         L, a1 = r.seq_len, int(alen[b])
         row = committed_row(rt[r.row, :r.allocated_len], L, n, accept_nodes[b], a1)
         rows.append(row)
-        ids.append(emitted[b, :a1])
-        feats.append(b * n + accept_nodes[b, :a1])
-        kv.append(row[:L + a1])
-        locs.append(row[L:L + a1])
-        pos.append(torch.arange(L, L + a1))
-        qo2.append(qo2[-1] + a1)
+        kv.append(row[:L + W])
         L_new.append(L + a1)
-    fidx = h2d(torch.cat(feats), feature.device)
-    hid = draft_extend(runner, torch.cat(ids), feature[fidx], torch.cat(pos), torch.cat(locs), kv, qo2)
-    last_h = hid[h2d(torch.tensor(qo2[1:]) - 1, hid.device)]
-    nxt = tree_to_host(maybe_fault(runner, tail_draft(runner, reqs, rows, L_new, bonus, last_h), bonus))
+    Ls = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
+    ids = emitted[:, :W].clamp(min=0).reshape(-1)
+    fidx = (torch.arange(B).unsqueeze(1) * n + accept_nodes[:, :W].clamp(min=0)).reshape(-1)
+    pos = (Ls.unsqueeze(1) + torch.arange(W)).reshape(-1)
+    locs = torch.stack([row[L:L + W] for row, L in zip(rows, Ls.tolist())]).reshape(-1)
+    last = torch.arange(B) * W + alen - 1
+    graphs = getattr(runner, "draft_graphs", None)
+    if graphs is not None and graphs.extend and graphs.can_run(B):
+        drafts, parents, tsi = graphs.run_round(feature, fidx, ids, pos, locs, kv, last, rows, L_new)
+        nxt_dev = (torch.cat([h2d(bonus.view(B, 1), drafts.device), drafts], 1), parents, tsi)
+    else:
+        hid = draft_extend(runner, ids, feature[h2d(fidx, feature.device)], pos, locs, kv,
+                           list(range(0, B * W + 1, W)))
+        nxt_dev = tail_draft(runner, reqs, rows, L_new, bonus, hid[h2d(last, hid.device)])
+    nxt = tree_to_host(maybe_fault(runner, nxt_dev, bonus))
     return {"tokens": emitted, "accept_nodes": accept_nodes, "accept_lens": alen,
             "new_seq_lens": torch.tensor(L_new), "bonus": bonus,
             "next_tokens": nxt[0], "next_parents": nxt[1], "next_top_scores": nxt[2]}
