@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="overlap schedule (plain greedy decoding, one stage)")
+    ap.add_argument("--extend-graph", action="store_true", help="EAGLE: draft extend + tail draft as one graph")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default="3,1,4")
     ap.add_argument("--profile")
@@ -41,6 +42,7 @@ def main() -> None:
     bmax = max(a.batch or [1])
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,
+                       cuda_graph_draft_extend=a.extend_graph,
                        cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
                        max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5)
     rng = random.Random(0)
@@ -82,7 +84,7 @@ def main() -> None:
             tpots, ttft = [x["tpot"] for x in m], [x["ttft"] for x in m]
             acc = [x for o in outs for x in o.accept_lengths]
             row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
-                   "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": a.overlap,
+                   "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": a.overlap, "extend_graph": a.extend_graph,
                    "spec": a.shape if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}

@@ -3,7 +3,9 @@
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
 # Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
 # 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
-# Usage: scripts/h200_results.sh smol|llama8b|tests OUTDIR
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab OUTDIR
+# ab: A/B of the two GPU options written without device time (overlap_schedule, cuda_graph_draft_extend),
+#     SmolLM2 shape with random weights (no GGUF needed), after the GPU tests that validate them.
 set -u
 export PYTHONUNBUFFERED=1
 what=$1; out=$2; mkdir -p "$out"
@@ -23,6 +25,18 @@ llama8b)
   timeout 330 python3 -m harness bench --config h200_llama3_8b --no-progress --out /tmp/res8/l8b 2>&1 \
       | grep -v Warning | tail -40
   tar czf "$out/llama8b.tgz" -C /tmp/res8 . ;;
+ab)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
+      | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  for o in "" --overlap; do
+    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
+        --out "$out/plain$o.json" 2>&1 | grep '^{'
+  done
+  for o in "" --extend-graph; do
+    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --draft drafts/smollm2-eagle --shape 3,1,4 \
+        $o --label "chain$o" --out "$out/chain$o.json" 2>&1 | grep '^{'
+  done ;;
 tests)
   timeout 260 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;

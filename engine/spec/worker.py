@@ -176,10 +176,10 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         # target's argmax [B, n], then the walk runs on the host (numpy) instead of ~S*n*8 tiny device kernels.
         res = verify_tree_greedy_host(tree, logits.argmax(-1).view(B, n).cpu(), S)
     else:
-        dev_tree = type(tree)(*[getattr(tree, f).to(logits.device) for f in tree.__dataclass_fields__])
+        dev_tree = type(tree)(*[h2d(getattr(tree, f), logits.device) for f in tree.__dataclass_fields__])
         probs = runner.target_probs(logits, reqs, repeat=n).view(B, n, -1)
         c = torch.stack([request_coins(runner._seed(r), r.rid, len(r.output_ids), n + 1) for r in reqs])
-        c = c.to(logits.device)
+        c = h2d(c, logits.device)
         res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
     # one device->host copy of the result (a no-op when the walk ran on the host)
     c = S + 1
