@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError
-from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_segment
+from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
 from .sampling import SamplingParams
 
 
@@ -186,6 +186,12 @@ class Scheduler:
     def process_output(self, out: dict) -> None:
         """Apply one relayed result (identical on every stage). Rows are matched by request id."""
         kind = out["kind"]
+        toks = out["tokens"].tolist()
+        if kind == "verify":
+            n = out["next_tokens"].shape[1]
+            perm = commit_order(out["accept_nodes"], out["accept_lens"], n)     # all rows at once (numpy)
+            alens = out["accept_lens"].tolist()
+            rt = self.req_to_token.numpy()                                       # shares memory
         for i, rid in enumerate(out["rids"]):
             r = self.reqs[rid]
             if r.status == "finished":
@@ -199,18 +205,16 @@ class Scheduler:
                 if self.spec:
                     r.tree = _tree_row(out, i)
                     r.trees_seeded += 1
-                self._emit(r, [int(out["tokens"][i][0])], accept_length=None)
+                self._emit(r, toks[i][:1], accept_length=None)
             elif kind == "decode":
                 r.seq_len += 1
-                self._emit(r, [int(out["tokens"][i][0])], accept_length=1)
+                self._emit(r, toks[i][:1], accept_length=1)
             else:
-                L, n = r.seq_len, out["next_tokens"].shape[1]
-                nodes = out["accept_nodes"][i]
-                alen = int(out["accept_lens"][i])
-                self.req_to_token[r.row, L:L + n] = commit_segment(self.req_to_token[r.row, L:L + n], nodes, alen)
+                L, alen = r.seq_len, alens[i]
+                rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
                 r.tree = _tree_row(out, i)
-                self._emit(r, [int(t) for t in out["tokens"][i][:alen]], accept_length=alen)
+                self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
         now = time.perf_counter() if self.record_times else 0.0

@@ -74,3 +74,23 @@ def test_allocator_check_large_pool_detects_corruption():
     a.owned[5] = 0                                          # owned count no longer matches num_used
     with pytest.raises(KVCacheError, match="disagree"):
         a.check()
+
+
+def test_commit_order_accepted_first_then_rejected_in_node_order():
+    """Batched commit permutation (numpy) against its definition, on random accepted paths (-1 padding)."""
+    import torch
+
+    from engine.kv_cache import commit_order
+    assert commit_order([[0, 2, 3, -1], [0, -1, -1, -1]], [3, 1], 5).tolist() == [[0, 2, 3, 1, 4], [0, 1, 2, 3, 4]]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        B, S, n = 4, int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
+        nodes = torch.full((B, S + 1), -1, dtype=torch.int64)
+        alen = torch.randint(1, min(S + 1, n) + 1, (B,), generator=g)
+        for b in range(B):
+            path = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(n - 1, generator=g)])
+            nodes[b, :alen[b]] = path[:alen[b]]
+        perm = commit_order(nodes, alen, n)
+        for b in range(B):
+            acc = nodes[b, :alen[b]].tolist()
+            assert perm[b].tolist() == acc + [j for j in range(n) if j not in acc]

@@ -11,15 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..attention import ForwardContext, h2d, tree_to_host
-from ..kv_cache import commit_segment
+from ..kv_cache import commit_order
 from ..sampling import request_coins
 from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results,
                    verify_tree_greedy_host, verify_tree_sampling)
-
-
-def committed_row(rt_row: torch.Tensor, L: int, n: int, accept_nodes: torch.Tensor, alen: int) -> torch.Tensor:
-    """Row after commit: [0, L) unchanged, the committed verify segment, then the rest of the reserve."""
-    return torch.cat([rt_row[:L], commit_segment(rt_row[L:L + n], accept_nodes, alen), rt_row[L + n:]])
 
 
 def build_batch_tree(runner, reqs):
@@ -191,10 +186,16 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     # Padding rows write draft KV at committed positions >= L + a, i.e. tail-draft scratch slots that
     # the draft steps overwrite before reading, and their hidden states are never used.
     W = min(S + 1, n)
+    # committed rows: [0, L) unchanged, the verify segment permuted (accepted nodes first, as every
+    # stage's scheduler will apply it), then the rest of the reserve (tail-draft scratch)
+    perm = commit_order(accept_nodes, alen, n)
+    rt_np = rt.numpy()
     rows, kv, L_new = [], [], []
-    for b, r in enumerate(reqs):
-        L, a1 = r.seq_len, int(alen[b])
-        row = committed_row(rt[r.row, :r.allocated_len], L, n, accept_nodes[b], a1)
+    for b, (r, a1) in enumerate(zip(reqs, alen.tolist())):
+        L = r.seq_len
+        row = rt_np[r.row, :r.allocated_len].copy()
+        row[L:L + n] = row[L:L + n][perm[b]]
+        row = torch.from_numpy(row)
         rows.append(row)
         kv.append(row[:L + W])
         L_new.append(L + a1)
