@@ -185,8 +185,11 @@ class LLM:
             ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
             if not ids:
                 raise ConfigError("empty prompt")
-            if len(ids) >= self._max_len():
+            if len(ids) > self._max_len():
                 raise ConfigError(f"prompt of {len(ids)} tokens is longer than the context ({self._max_len()} tokens)")
+            if len(ids) == self._max_len():
+                raise ConfigError(f"prompt of {len(ids)} tokens fills the whole context ({self._max_len()} tokens): "
+                                  f"no room to generate")
             reqs.append(Req(self._next_rid, ids, sp, arrival_time=now))
             self._next_rid += 1
         if not reqs:

@@ -84,8 +84,9 @@ class Scheduler:
         if n == 0:
             raise ConfigError(f"request {req.rid}: empty prompt")
         if n >= self.max_model_len:
-            raise ConfigError(f"request {req.rid}: prompt of {n} tokens is longer than the context "
-                              f"({self.max_model_len} tokens)")
+            what = "fills the whole context" if n == self.max_model_len else "is longer than the context"
+            raise ConfigError(f"request {req.rid}: prompt of {n} tokens {what} ({self.max_model_len} tokens)"
+                              f"{': no room to generate' if n == self.max_model_len else ''}")
         need = min(n + req.params.max_new_tokens, self.max_model_len) + self.reserve
         if need > self.allocator.capacity:
             raise ConfigError(f"request {req.rid}: prompt + max_new_tokens + reserve = {need} tokens exceeds the "

@@ -295,7 +295,9 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         console.print(o.text, markup=False, highlight=False)
         spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
-        err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{acc}]", markup=False, highlight=False)
+        cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
+               else "")
+        err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{cut}{acc}]", markup=False, highlight=False)
 
 
 @app.command("train-draft")

@@ -260,7 +260,10 @@ def load_yaml(path: Path) -> Any:
 def find_config(name: str | Path, root: Path) -> Path:
     """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml)."""
     p = Path(name)
-    cands = [p, root / "suites" / p, root / "suites" / f"{p}.yaml", root / "suites" / f"{p}.yml"]
+    if p.is_absolute():                       # an absolute NAME is looked for where it says only
+        cands = [p] + ([] if p.suffix in (".yaml", ".yml") else [p.with_name(p.name + ".yaml")])
+    else:
+        cands = [p, root / "suites" / p, root / "suites" / f"{p}.yaml", root / "suites" / f"{p}.yml"]
     for c in cands:
         if c.is_file():
             return c.resolve()

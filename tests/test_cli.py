@@ -152,6 +152,8 @@ def test_bad_yaml_field_is_one_clear_line(tmp_path, body, needle):
 def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     r = runner.invoke(app, ["bench", "--config", "no_such_suite"])
     assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
+    r = runner.invoke(app, ["sweep", "--matrix", "/no/such.yaml"])      # regression: listed /no/such.yaml 3 times
+    assert r.exit_code == 2 and "(looked for /no/such.yaml)" in r.output
     r = runner.invoke(app, ["gsm8k", "--pp", "2", "--spec", "--draft", str(draft_dir), "--no-pp-spec"])
     assert r.exit_code == 2 and "Error: pipeline parallelism with speculative decoding is off" in r.output
     r = runner.invoke(app, ["gsm8k", "--set", "oops"])

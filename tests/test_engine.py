@@ -191,6 +191,8 @@ def test_bad_requests(tiny_model_dir):
             llm.generate([""])
         with pytest.raises(ConfigError, match="longer than the context"):
             llm.generate([list(range(100))])
+        with pytest.raises(ConfigError, match="prompt of 64 tokens fills the whole context .* no room to generate"):
+            llm.generate([list(range(3, 67))])            # regression: said "longer than" at exactly the context
         with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
             llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=0))
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].token_ids) >= 1  # still usable
