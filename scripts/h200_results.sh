@@ -36,7 +36,11 @@ ab)
   for o in "" --extend-graph; do
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --draft drafts/smollm2-eagle --shape 3,1,4 \
         $o --label "chain$o" --out "$out/chain$o.json" 2>&1 | grep '^{'
-  done ;;
+  done
+  # where a b=32 EAGLE round goes (~25 ms against 8 ms at b=1 in the session-3 run)
+  timeout 120 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+      --profile "$out/chain_b32_prof.txt" --cprofile "$out/chain_b32_cprof.txt" --out "$out/chain_b32.json" \
+      2>&1 | grep '^{' ;;
 tests)
   timeout 260 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;
