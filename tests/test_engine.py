@@ -271,3 +271,9 @@ def test_overlap_schedule_mixed_requests(tiny_model_dir, tiny_prompts, reference
     assert over[1].finish_reason == "stop" and over[1].token_ids[-1] == stop_tok
     assert [len(o.token_ids) for o in over] == [len(o.token_ids) for o in plain] and ahead > 0
     assert all(len(o.token_times) == len(o.token_ids) for o in over)
+
+
+def test_overlap_schedule_tp2_ranks_stay_in_step(tiny_model_dir, tiny_prompts, reference):
+    """TP ranks run the overlap schedule's lookahead decisions independently: they must agree (same tokens)."""
+    outs = run(tiny_model_dir, tiny_prompts[:4], tp=2, overlap_schedule=True)
+    assert [o.token_ids for o in outs] == reference[:4]
