@@ -16,6 +16,17 @@ import time
 from pathlib import Path
 
 
+def emit(rows: list[dict], row: dict) -> None:
+    """Keep a probe row and print it as one JSON line (the device tool's log is grepped for them)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def save_rows(out: str, rows: list[dict]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -88,10 +99,8 @@ def main() -> None:
                    "spec": a.shape if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
+            emit(rows, row)
+    save_rows(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ random logits over a 512-token vocabulary, so acceptance is meaningless; the att
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from pathlib import Path
 
 import torch
 
@@ -41,7 +39,7 @@ def _stub_runner(max_tokens: int, hidden: int) -> None:
 
     R.ModelRunner.forward = forward
     R.ModelRunner.draft_forward = draft_forward
-    M.LlamaForCausalLM.compute_logits = lambda self, h: logits[(h[:, 0].abs() * 1e4).long() % 4096]
+    M.LlamaForCausalLM.compute_logits = lambda self, h: logits[(h[:, 0].abs() * 1e4).long() % logits.shape[0]]
 
 
 def main() -> None:
@@ -56,6 +54,7 @@ def main() -> None:
     torch.set_num_threads(1)
     _stub_runner(max(a.batch or [1]) * a.input_len + 64, 576)
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    from harness.decode_speed import emit, save_rows
     S, k, n = (int(x) for x in a.shape.split(","))
     spec = SpecConfig() if a.no_spec else SpecConfig("eagle", "drafts/smollm2-eagle", S, k, n)
     cfg = EngineConfig(model="suites/shapes/smollm2-135m", load_format="dummy", device="cpu", dtype="float32",
@@ -72,10 +71,8 @@ def main() -> None:
             per = [(o.token_times[-1] - o.token_times[0]) / max(1, len(o.accept_lengths) - 1) for o in outs]
             row = {"batch": B, "spec": None if a.no_spec else a.shape, "steps": max(len(o.accept_lengths) for o in outs),
                    "host_ms_per_step": 1e3 * sum(per) / len(per), "note": "model forwards stubbed (host work only)"}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
+            emit(rows, row)
+    save_rows(a.out, rows)
 
 
 if __name__ == "__main__":
