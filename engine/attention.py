@@ -33,13 +33,18 @@ class ForwardContext:
 _CTX: ForwardContext | None = None
 
 
+def pinned(t: torch.Tensor, dev) -> torch.Tensor:
+    """``t`` in pinned memory when it is a host tensor bound for a CUDA ``dev`` (so a ``non_blocking``
+    copy is truly asynchronous); ``t`` itself otherwise."""
+    return t.pin_memory() if torch.device(dev).type == "cuda" and t.device.type == "cpu" else t
+
+
 def h2d(t: torch.Tensor, dev) -> torch.Tensor:
     """Host tensor -> ``dev`` without a stream sync: on CUDA the copy goes from pinned memory with
     ``non_blocking`` (a blocking copy from pageable memory waits for every queued kernel first)."""
-    dev = torch.device(dev)
-    if dev.type != "cuda" or t.device.type != "cpu":
+    if torch.device(dev).type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+    return pinned(t, dev).to(dev, non_blocking=True)
 
 
 def tree_to_host(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

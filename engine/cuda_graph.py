@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import ForwardContext, set_context
+from .attention import ForwardContext, h2d, pinned, set_context
 from .flashinfer_backend import decode_tensor_cores, page_table
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -39,12 +39,6 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         parts.append(p)
         indptr.append(indptr[-1] + p.size)
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8), np.asarray(indptr, dtype=np.int32)
-
-
-def _pin(t: torch.Tensor, dev) -> torch.Tensor:
-    """Pinned copy of a host tensor when ``dev`` is CUDA (so ``copy_(..., non_blocking=True)`` is truly
-    asynchronous); the tensor itself otherwise."""
-    return t.pin_memory() if torch.device(dev).type == "cuda" else t
 
 
 def _bind_flashinfer(obj, runner, attn) -> None:
@@ -323,15 +317,15 @@ class DraftGraphRunner:
         hq, hk, D, scale, dtype = self.key
         layout, scratch = self._host_layout(bs, rows, L_new)
         if self.S > 1:
-            self.scratch[:bs].copy_(_pin(scratch, self.dev), non_blocking=True)
+            self.scratch[:bs].copy_(pinned(scratch, self.dev), non_blocking=True)
         for s, (indptr, indices, hist_pos, pos) in layout.items():
             st = self.steps[s]
             lanes = bs * self.k
-            idx = _pin(torch.from_numpy(indices), self.dev).to(self.dev, non_blocking=True)
+            idx = h2d(torch.from_numpy(indices), self.dev)
             self.wrappers[(s, bs)].plan(torch.from_numpy(indptr), idx, torch.ones(lanes, dtype=torch.int32),
                                         hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-            st["hist_pos"][:lanes * s].copy_(_pin(torch.from_numpy(hist_pos), self.dev), non_blocking=True)
-            st["pos"][:lanes].copy_(_pin(torch.from_numpy(pos), self.dev), non_blocking=True)
+            st["hist_pos"][:lanes * s].copy_(pinned(torch.from_numpy(hist_pos), self.dev), non_blocking=True)
+            st["pos"][:lanes].copy_(pinned(torch.from_numpy(pos), self.dev), non_blocking=True)
 
     def _plan_extend(self, bs: int, kvs: list[torch.Tensor]) -> None:
         """Plan the causal draft extend of ``bs`` requests x W rows over the per-request KV lists (host)."""
@@ -436,10 +430,10 @@ class DraftGraphRunner:
         T, Tp = B * self.W, bs * self.W
         host = torch.zeros(3, Tp, dtype=torch.int64)
         host[0, :T], host[1, :T], host[2, :T] = ids, pos, locs
-        self.e_in[:, :Tp].copy_(_pin(host, self.dev), non_blocking=True)
+        self.e_in[:, :Tp].copy_(pinned(host, self.dev), non_blocking=True)
         lasts = torch.cat([last, torch.arange(B, bs) * self.W])
-        self.e_last[:bs].copy_(_pin(lasts, self.dev), non_blocking=True)
-        fidx_dev = _pin(fidx, self.dev).to(self.dev, non_blocking=True)
+        self.e_last[:bs].copy_(pinned(lasts, self.dev), non_blocking=True)
+        fidx_dev = h2d(fidx, self.dev)
         torch.index_select(feature, 0, fidx_dev, out=self.e_feat[:T])
         if Tp > T:
             self.e_feat[T:Tp].zero_()

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from .attention import ForwardContext, TorchBackend, get_context
+from .attention import ForwardContext, TorchBackend, get_context, h2d
 from .config import ConfigError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -46,10 +46,7 @@ def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor
     kv_indptr = torch.zeros(len(kvs) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.tensor([int(k.numel()) for k in kvs], dtype=torch.int64).cumsum(0).to(torch.int32)
     if all(k.device.type == "cpu" for k in kvs):
-        host = torch.cat(kvs).to(torch.int32)
-        if torch.device(dev).type == "cuda":
-            host = host.pin_memory()                  # truly asynchronous copy
-        return kv_indptr, host.to(dev, non_blocking=True)
+        return kv_indptr, h2d(torch.cat(kvs).to(torch.int32), dev)
     return kv_indptr, torch.cat([k.to(dev, non_blocking=True) for k in kvs]).to(torch.int32)
 
 

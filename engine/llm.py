@@ -20,7 +20,7 @@ from .config import ConfigError, EngineConfig
 from .dist import ParallelState, init_distributed, set_ps
 from .runner import check_topology, model_source
 from .sampling import SamplingParams
-from .scheduler import Req
+from .scheduler import Req, prompt_length_error
 
 
 class EngineError(RuntimeError):
@@ -185,11 +185,9 @@ class LLM:
             ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
             if not ids:
                 raise ConfigError("empty prompt")
-            if len(ids) > self._max_len():
-                raise ConfigError(f"prompt of {len(ids)} tokens is longer than the context ({self._max_len()} tokens)")
-            if len(ids) == self._max_len():
-                raise ConfigError(f"prompt of {len(ids)} tokens fills the whole context ({self._max_len()} tokens): "
-                                  f"no room to generate")
+            too_long = prompt_length_error(len(ids), self._max_len())
+            if too_long:
+                raise ConfigError(too_long)
             reqs.append(Req(self._next_rid, ids, sp, arrival_time=now))
             self._next_rid += 1
         if not reqs:

@@ -16,6 +16,15 @@ from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
 from .sampling import SamplingParams
 
 
+def prompt_length_error(n: int, max_model_len: int) -> str | None:
+    """Why a prompt of ``n`` tokens cannot be served in a context of ``max_model_len``, or None."""
+    if n > max_model_len:
+        return f"prompt of {n} tokens is longer than the context ({max_model_len} tokens)"
+    if n == max_model_len:
+        return f"prompt of {n} tokens fills the whole context ({max_model_len} tokens): no room to generate"
+    return None
+
+
 @dataclass
 class Req:
     rid: int
@@ -83,10 +92,9 @@ class Scheduler:
         n = len(req.prompt_ids)
         if n == 0:
             raise ConfigError(f"request {req.rid}: empty prompt")
-        if n >= self.max_model_len:
-            what = "fills the whole context" if n == self.max_model_len else "is longer than the context"
-            raise ConfigError(f"request {req.rid}: prompt of {n} tokens {what} ({self.max_model_len} tokens)"
-                              f"{': no room to generate' if n == self.max_model_len else ''}")
+        too_long = prompt_length_error(n, self.max_model_len)
+        if too_long:
+            raise ConfigError(f"request {req.rid}: {too_long}")
         need = min(n + req.params.max_new_tokens, self.max_model_len) + self.reserve
         if need > self.allocator.capacity:
             raise ConfigError(f"request {req.rid}: prompt + max_new_tokens + reserve = {need} tokens exceeds the "

@@ -52,6 +52,16 @@ def check_relay(out: dict, spec) -> None:
                 raise RelayError(f"relay {key} has shape {tuple(out[key].shape)}, expected {shp}")
 
 
+def _report(reqs: list[Req], progress, finished: int) -> int:
+    """Call ``progress(done, total)`` when the number of finished requests changed; returns it."""
+    if progress is None:
+        return finished
+    now = sum(r.status == "finished" for r in reqs)
+    if now != finished:
+        progress(now, len(reqs))
+    return now
+
+
 @dataclass
 class InFlight:
     """A decode step launched but not yet read back (overlap schedule): its requests, the sampled tokens
@@ -129,11 +139,7 @@ class Worker:
             if relay is not None:
                 check_relay(relay, self.spec)
                 sched.process_output(relay)
-                if progress is not None:
-                    now = sum(rq.status == "finished" for rq in reqs)
-                    if now != finished:
-                        finished = now
-                        progress(finished, len(reqs))
+                finished = _report(reqs, progress, finished)
             if end_tick is None and sched.all_finished():
                 end_tick = tick - s.pp_rank + P - 1
             batch = sched.schedule((tick - s.pp_rank) % P) if end_tick is None and tick >= s.pp_rank else None
@@ -171,24 +177,16 @@ class Worker:
         Lookahead stops whenever the batch must change shape (admission, retraction, sampling): the step
         in flight is read back first and the scheduler decides as in :meth:`run`. Greedy outputs are
         identical to :meth:`run`'s."""
-        sched, finished = self.sched, [0]
+        sched, finished = self.sched, 0
         inflight: InFlight | None = None
-
-        def complete(f: InFlight) -> None:
-            if f.event is not None:
-                f.event.synchronize()
-            sched.process_output({"kind": "decode", "slot": 0, "rids": [r.rid for r in f.reqs],
-                                  "tokens": f.host.view(-1, 1)})
-            if progress is not None:
-                now = sum(rq.status == "finished" for rq in reqs)
-                if now != finished[0]:
-                    finished[0] = now
-                    progress(now, len(reqs))
-
         while True:
             if inflight is not None:
                 nxt = self._look_ahead(inflight)
-                complete(inflight)
+                if inflight.event is not None:
+                    inflight.event.synchronize()
+                sched.process_output({"kind": "decode", "slot": 0, "rids": [r.rid for r in inflight.reqs],
+                                      "tokens": inflight.host.view(-1, 1)})
+                finished = _report(reqs, progress, finished)
                 inflight = nxt
                 continue
             if sched.all_finished():
@@ -199,10 +197,8 @@ class Worker:
             if batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
                 inflight = self._launch_decode(batch.reqs, None)
                 continue
-            out = self.forward_batch(batch, {})
-            sched.process_output(out)
-            if progress is not None:
-                progress(sum(rq.status == "finished" for rq in reqs), len(reqs))
+            sched.process_output(self.forward_batch(batch, {}))
+            finished = _report(reqs, progress, finished)
         return self._finish_run(reqs)
 
     def _look_ahead(self, f: InFlight) -> InFlight | None:

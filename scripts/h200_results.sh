@@ -26,8 +26,7 @@ llama8b)
       | grep -v Warning | tail -40
   tar czf "$out/llama8b.tgz" -C /tmp/res8 . ;;
 ab)
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
-      | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15
+  bash "$0" tests "$out"
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for o in "" --overlap; do
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
@@ -42,6 +41,6 @@ ab)
       --profile "$out/chain_b32_prof.txt" --cprofile "$out/chain_b32_cprof.txt" --out "$out/chain_b32.json" \
       2>&1 | grep '^{' ;;
 tests)
-  timeout 260 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;
 esac

@@ -341,9 +341,7 @@ def verify_tree_greedy_host(tree: TreeInfo, target_predict: Tensor, num_steps: i
     """
     cand = _host(tree.candidates)
     B, n = cand.shape
-    tp = _host(target_predict)
-    c_dtype, tp_dtype = torch.from_numpy(cand[:0]).dtype, torch.from_numpy(tp[:0]).dtype
-    tpn = _host_width(tp, n)
+    tpn = _host_width(_host(target_predict), n)
     nt = _host_width(_host(tree.next_token), n)
     nt = np.where(nt.astype(np.uint64) >= n, n, nt)  # negatives wrap to huge: out of range
     ns = np.full((B, n + 1), n, dtype=np.int64)  # column n: the -1 sentinel
@@ -372,18 +370,8 @@ def verify_tree_greedy_host(tree: TreeInfo, target_predict: Tensor, num_steps: i
         active = found
         if not found.any():
             break  # later columns stay -1
-    bonus = tpn[rows, last]
-    drafts = cand[rows[:, None], np.maximum(accept_nodes[:, 1:], 0)]
-    drafts = np.concatenate([drafts, drafts[:, :1]], axis=1)
-    cols = np.arange(num_steps + 1)
-    emitted = np.where(cols < num[:, None], drafts, -1)
-    emitted = np.where(cols == num[:, None], bonus[:, None], emitted)
     f = torch.from_numpy
-    emitted, bonus = f(emitted), f(bonus)
-    e_dtype = torch.promote_types(c_dtype, tp_dtype)
-    if emitted.dtype != e_dtype or bonus.dtype != tp_dtype:
-        emitted, bonus = emitted.to(e_dtype), bonus.to(tp_dtype)
-    return VerifyResult(f(accept_nodes), f(num), f(num + 1), emitted, bonus)
+    return _finish(tree, f(accept_nodes), f(num), f(tpn[rows, last]))
 
 
 def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, coins: Tensor,

@@ -102,7 +102,12 @@ def tail_draft(runner, reqs, rows: list[torch.Tensor], L_new: list[int], root: t
                                        "decode"), False
 
         drafts, parent_list, tsi = draft_beam_search(runner, last_hidden, h2d(scratch, dev), step_inputs)
-    return torch.cat([h2d(root.view(B, 1), drafts.device), drafts], 1), parent_list, tsi
+    return with_root(root, drafts, parent_list, tsi)
+
+
+def with_root(root: torch.Tensor, drafts: torch.Tensor, parent_list: torch.Tensor, tsi: torch.Tensor):
+    """(tokens [B, n] = root [B] then draft_tokens [B, n-1], parent_list, top_scores_index) on the drafts' device."""
+    return torch.cat([h2d(root.view(-1, 1), drafts.device), drafts], 1), parent_list, tsi
 
 
 def draft_extend(runner, ids: torch.Tensor, features: torch.Tensor, pos: torch.Tensor, locs: torch.Tensor,
@@ -190,7 +195,7 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     # stage's scheduler will apply it), then the rest of the reserve (tail-draft scratch)
     perm = commit_order(accept_nodes, alen, n)
     rt_np = rt.numpy()
-    rows, kv, L_new = [], [], []
+    rows, kv, locs, L_new = [], [], [], []
     for b, (r, a1) in enumerate(zip(reqs, alen.tolist())):
         L = r.seq_len
         row = rt_np[r.row, :r.allocated_len].copy()
@@ -198,17 +203,17 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         row = torch.from_numpy(row)
         rows.append(row)
         kv.append(row[:L + W])
+        locs.append(row[L:L + W])
         L_new.append(L + a1)
     Ls = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
     ids = emitted[:, :W].clamp(min=0).reshape(-1)
     fidx = (torch.arange(B).unsqueeze(1) * n + accept_nodes[:, :W].clamp(min=0)).reshape(-1)
     pos = (Ls.unsqueeze(1) + torch.arange(W)).reshape(-1)
-    locs = torch.stack([row[L:L + W] for row, L in zip(rows, Ls.tolist())]).reshape(-1)
+    locs = torch.cat(locs)
     last = torch.arange(B) * W + alen - 1
     graphs = getattr(runner, "draft_graphs", None)
     if graphs is not None and graphs.extend and graphs.can_run(B):
-        drafts, parents, tsi = graphs.run_round(feature, fidx, ids, pos, locs, kv, last, rows, L_new)
-        nxt_dev = (torch.cat([h2d(bonus.view(B, 1), drafts.device), drafts], 1), parents, tsi)
+        nxt_dev = with_root(bonus, *graphs.run_round(feature, fidx, ids, pos, locs, kv, last, rows, L_new))
     else:
         hid = draft_extend(runner, ids, feature[h2d(fidx, feature.device)], pos, locs, kv,
                            list(range(0, B * W + 1, W)))
