@@ -9,6 +9,10 @@ Layout of one forward (B requests, T new tokens in total):
                     including the slots of its new tokens (written before attention).
   * ``custom_mask`` list of B bool tensors [q_len, kv_len] or None (None = causal, aligned to the end).
   * ``out_cache_loc`` [T] int64: the slot each new token's K/V is written to.
+  * ``tree_mask`` [B, n, n] bool on the device + ``prefix_lens`` (B host ints): a verify forward whose
+                    tree never left the device (``spec_device_tree``); request i's mask is then
+                    ``[n, prefix_lens[i] + n]`` = all committed tokens, then its tree block
+                    (see :func:`request_masks`). ``custom_mask`` is None in that case.
 With ``pool=None`` (training / reference) each request attends causally to its own new tokens only.
 """
 from __future__ import annotations
@@ -28,6 +32,20 @@ class ForwardContext:
     pool: object = None                    # KVPool (k_cache/v_cache [layers, slots, Hk, D]) or None
     mode: str = "extend"                   # extend | decode | verify
     backend_state: dict = field(default_factory=dict)
+    tree_mask: torch.Tensor | None = None  # [B, n, n] bool (device-resident verify tree), with prefix_lens
+    prefix_lens: list[int] | None = None
+
+
+def request_masks(ctx: ForwardContext) -> list[torch.Tensor | None]:
+    """Per-request custom masks ``[q_len, kv_len]`` bool (None = causal): ``ctx.custom_mask``, or for a
+    device-resident tree ``cat(ones(n, L_i), tree_mask[i])`` built on ``tree_mask``'s device."""
+    B = len(ctx.qo_indptr) - 1
+    if ctx.tree_mask is not None:
+        tm = ctx.tree_mask
+        n = tm.shape[1]
+        return [torch.cat([torch.ones(n, int(L), dtype=torch.bool, device=tm.device), tm[i]], 1)
+                for i, L in enumerate(ctx.prefix_lens)]
+    return list(ctx.custom_mask) if ctx.custom_mask is not None else [None] * B
 
 
 _CTX: ForwardContext | None = None
@@ -47,11 +65,13 @@ def h2d(t: torch.Tensor, dev) -> torch.Tensor:
     return pinned(t, dev).to(dev, non_blocking=True)
 
 
-def tree_to_host(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B,n], parent_list [B,P], top_scores_index [B,n-1]) -> host tensors in ONE device->host copy."""
+def tree_to_host(tree, to_host: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B,n], parent_list [B,P], top_scores_index [B,n-1]) -> column views of one fresh int64
+    tensor: on the host in ONE device->host copy, or (``to_host=False``) an owned copy on the same
+    device (a captured graph's output buffers are overwritten by its next replay)."""
     widths = [int(x.shape[1]) for x in tree]
-    host = torch.cat([x.long() for x in tree], 1).cpu()
-    return tuple(torch.split(host, widths, dim=1))
+    packed = torch.cat([x.long() for x in tree], 1)
+    return tuple(torch.split(packed.cpu() if to_host else packed, widths, dim=1))
 
 
 def set_context(ctx: ForwardContext | None) -> None:
@@ -86,11 +106,12 @@ class TorchBackend:
         q_index = torch.full((B, mq), T, dtype=torch.int64)
         kv_index = torch.zeros(B, mk, dtype=torch.int64)
         mask = torch.zeros(B, mq, mk, dtype=torch.bool)
+        masks = request_masks(ctx)
         for i in range(B):
             ql, kl = qlens[i], len(kvs[i])
             q_index[i, :ql] = torch.arange(qo[i], qo[i + 1])
             kv_index[i, :kl] = kvs[i]
-            m = ctx.custom_mask[i] if ctx.custom_mask is not None else None
+            m = masks[i]
             mask[i, :ql, :kl] = m.cpu() if m is not None else torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
             mask[i, ql:, 0] = True                      # padded query rows: attend somewhere (ignored)
         dev = ctx.out_cache_loc.device if ctx.out_cache_loc is not None else None

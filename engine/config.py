@@ -178,6 +178,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
     cuda_graph_draft_extend: bool = False # EAGLE: capture the draft extend with the tail draft (one graph per round)
     overlap_schedule: bool = False        # plain greedy decoding on one stage: launch step t+1 before reading step t
+    spec_device_tree: bool = False        # EAGLE on one stage (pp=1; ignored under PP, whose relay is host data):
+                                          # the draft tree stays on the device (Triton tree build / verify walk /
+                                          # mask packing on CUDA), one device->host copy per round
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False

@@ -20,6 +20,7 @@ import torch
 
 from .attention import ForwardContext, h2d, pinned, set_context
 from .flashinfer_backend import decode_tensor_cores, page_table
+from .spec.tree_kernels import pack_verify_mask
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -116,9 +117,11 @@ class CudaGraphRunner:
             paged_kv_last_page_len_buf=self.last_page[:bs], custom_mask_buf=self.mask_buf,
             mask_indptr_buf=self.mask_indptr[:bs + 1], backend="fa2")
 
-    def _plan(self, kind: str, bs: int, kvs: list[torch.Tensor], masks: list[torch.Tensor] | None):
+    def _plan(self, kind: str, bs: int, kvs: list[torch.Tensor], masks: list[torch.Tensor] | None,
+              packed: tuple[torch.Tensor, np.ndarray] | None = None):
         """Plan the graph wrapper of (kind, bs) for the per-request KV slot lists ``kvs`` (``bs`` of
-        them, padding included); ``masks``: CPU bool [q_len, kv_len] per request (verify)."""
+        them, padding included); verify: ``masks`` (CPU bool [q_len, kv_len] per request, packed here)
+        or ``packed`` = (bit-packed masks already on the device, byte indptr [bs+1] int32 numpy)."""
         w = self.wrappers[(kind, bs)]
         hq, hk, D, scale, dtype = self.key
         # plan() stages its metadata in the wrapper's pinned buffer and copies it asynchronously: with the
@@ -134,8 +137,11 @@ class CudaGraphRunner:
             return
         q = self.q_len[kind]
         qo = torch.arange(bs + 1, dtype=torch.int32) * q
-        packed, byte_indptr = pack_masks(masks)
-        packed_dev = torch.from_numpy(packed).to(self.dev, non_blocking=True)
+        if packed is None:
+            bits, byte_indptr = pack_masks(masks)
+            packed_dev = torch.from_numpy(bits).to(self.dev, non_blocking=True)
+        else:
+            packed_dev, byte_indptr = packed
         w.plan(qo, indptr, indices, last, hq, hk, D, 1, packed_custom_mask=packed_dev, q_data_type=dtype,
                kv_data_type=dtype, sm_scale=scale)
         # FlashInfer's kernel offsets the packed mask by mask_indptr in *bytes* (per-request padded
@@ -217,10 +223,16 @@ class CudaGraphRunner:
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
         pad = bs - B                      # padding requests: q tokens attending to slot 0 only
         kvs = list(ctx.kv_indices) + [torch.zeros(q, dtype=torch.int64)] * pad
-        masks = None
-        if kind != "decode":
+        masks = packed = None
+        if kind != "decode" and ctx.tree_mask is not None:
+            # the tree never left the device: pack its masks there (padding: prefix 0, all-ones block)
+            tm = ctx.tree_mask
+            if pad:
+                tm = torch.cat([tm, tm.new_ones(pad, q, q)])
+            packed = pack_verify_mask(tm, list(ctx.prefix_lens) + [0] * pad)
+        elif kind != "decode":
             masks = [m.cpu() for m in ctx.custom_mask] + [torch.ones(q, q, dtype=torch.bool)] * pad
-        self._plan(kind, bs, kvs, masks)
+        self._plan(kind, bs, kvs, masks, packed)
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
         h, res = self.outputs[(kind, bs)]

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from .attention import ForwardContext, TorchBackend, get_context, h2d
+from .attention import ForwardContext, TorchBackend, get_context, h2d, request_masks
 from .config import ConfigError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -118,7 +118,7 @@ class FlashInferBackend:
         qlens = [qo[i + 1] - qo[i] for i in range(B)]
         kvs = ctx.kv_indices
         kvlens = [int(k.numel()) for k in kvs]        # shapes: no device sync
-        masks = list(ctx.custom_mask) if ctx.custom_mask is not None else [None] * B
+        masks = request_masks(ctx)
         for i in range(B):
             if kvlens[i] < qlens[i]:
                 raise ValueError(f"request {i}: {kvlens[i]} KV slots for {qlens[i]} new tokens")

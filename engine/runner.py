@@ -47,6 +47,8 @@ class ModelRunner:
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
         spec = config.spec
         self.spec = spec if spec.enabled else None
+        # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
+        self.device_tree = bool(self.spec) and config.spec_device_tree and s.pp_size == 1
         # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
         self.reserve = spec.reserve_per_req if self.spec else (2 if config.overlap_schedule and s.pp_size == 1 else 1)
         self._init_backend()
@@ -123,6 +125,8 @@ class ModelRunner:
         ``lookahead`` (decode, overlap schedule): one step past the step in flight, whose token is not on
         the host yet (position seq_len + 1; the caller supplies the input ids from the device)."""
         rt = self.sched.req_to_token
+        if batch.kind == "verify" and self.device_tree:
+            return self._verify_inputs_device(batch, tree)
         ids, pos, locs, kv, masks, qo = [], [], [], [], [], [0]
         for i, r in enumerate(batch.reqs):
             if batch.kind == "prefill":
@@ -153,6 +157,20 @@ class ModelRunner:
         ids_d, pos_d, loc_d = h2d(torch.stack([torch.cat(ids).long(), torch.cat(pos).long(), torch.cat(locs).long()]), d)
         ctx = ForwardContext(qo, kv, masks, loc_d, self.kv_pool, batch.kind)
         return ids_d, pos_d, ctx
+
+    def _verify_inputs_device(self, batch: ScheduledBatch, tree):
+        """Verify inputs for a tree that lives on the device (``spec_device_tree``): ids and positions
+        are the tree's own tensors, only out_cache_loc and the page tables come from the host, and the
+        masks stay as ``tree_mask`` [B, n, n] + prefix lengths (packed on the device by the backend)."""
+        rt = self.sched.req_to_token
+        n = tree.candidates.shape[1]
+        Ls = [r.seq_len for r in batch.reqs]
+        locs = [rt[r.row, L:L + n] for r, L in zip(batch.reqs, Ls)]
+        kv = [rt[r.row, :L + n] for r, L in zip(batch.reqs, Ls)]
+        loc_d = h2d(torch.cat(locs).long(), self.device)
+        ctx = ForwardContext(list(range(0, len(Ls) * n + 1, n)), kv, None, loc_d, self.kv_pool, "verify",
+                             tree_mask=tree.tree_mask, prefix_lens=Ls)
+        return tree.candidates.reshape(-1), tree.positions.reshape(-1), ctx
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""

@@ -248,5 +248,8 @@ class Scheduler:
 
 
 def _tree_row(out: dict, i: int) -> dict:
-    return {"tokens": out["next_tokens"][i].clone(), "parent_list": out["next_parents"][i].clone(),
-            "top_scores_index": out["next_top_scores"][i].clone()}
+    """Request i's next tree: row views of the result's tensors (every producer hands over fresh tensors
+    it no longer writes: relay messages, ``tree_to_host``, ``prefill_draft``), so no per-row copies,
+    which for device-resident trees would be three kernel launches per request and round."""
+    return {"tokens": out["next_tokens"][i], "parent_list": out["next_parents"][i],
+            "top_scores_index": out["next_top_scores"][i]}

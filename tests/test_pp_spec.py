@@ -162,3 +162,31 @@ def test_smollm2_pp2_spec_equals_pp1():
     b = gen("smollm2", prompts, str(draft), CHAIN, p, pp=2)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+
+
+@pytest.mark.parametrize("name,shape", [("chain", CHAIN), ("tree", TREE)])
+def test_device_tree_equals_host_tree(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp1, name, shape):
+    """spec_device_tree (one stage: the tree is built, masked and walked where it was drafted, never
+    read back) gives the host-tree path's tokens and accept lengths."""
+    outs = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, shape, spec_device_tree=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in pp1[name]]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in pp1[name]]
+
+
+def test_device_tree_composition_sampling_and_fault(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Requests join (first tree from prefill, on the host) next to requests whose trees are on the
+    device, finish and are retracted; seeded sampling; the drop_tree fault: all as the host-tree path."""
+    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 4), ignore_eos=True,
+                             temperature=0.8 if i % 3 == 0 else 0.0, seed=i) for i in range(len(tiny_prompts))]
+    kw = dict(max_num_tokens=450, max_prefill_tokens=40, max_running_requests=5)
+    a = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, **kw)
+    b = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, spec_device_tree=True, **kw)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+    assert sum(o.num_retractions for o in b) > 0
+    f = gen(tiny_model_dir, tiny_prompts[:3], tiny_draft_dir, CHAIN, spec_device_tree=True, fault="drop_tree")
+    assert all(set(o.accept_lengths) == {1} for o in f)
+    # PP relays host data: the option is ignored there (same outputs as without it)
+    pp2 = gen(tiny_model_dir, tiny_prompts[:3], tiny_draft_dir, CHAIN, pp=2, spec_device_tree=True)
+    ref = gen(tiny_model_dir, tiny_prompts[:3], tiny_draft_dir, CHAIN)
+    assert [o.token_ids for o in pp2] == [o.token_ids for o in ref]

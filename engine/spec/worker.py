@@ -15,19 +15,54 @@ from ..kv_cache import commit_order
 from ..sampling import request_coins
 from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results,
                    verify_tree_greedy_host, verify_tree_sampling)
+from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 
-def build_batch_tree(runner, reqs):
-    spec = runner.spec
-    tokens = torch.stack([r.tree["tokens"] for r in reqs])
-    parents = torch.stack([r.tree["parent_list"] for r in reqs])
-    tsi = torch.stack([r.tree["top_scores_index"] for r in reqs])
+def _check_roots(reqs, tokens: torch.Tensor) -> None:
     for r, t in zip(reqs, tokens[:, 0].tolist()):
         if t != r.root_token:
             raise RuntimeError(f"request {r.rid}: relayed tree root {t} != last emitted token {r.root_token}")
+
+
+def build_batch_tree(runner, reqs):
+    """The verify ``TreeInfo`` of ``reqs`` from their stored tree rows (``r.tree``).
+
+    PP / default: the rows are host data from the relay; roots are checked and the tree is built with
+    numpy (``build_tree_host``). ``runner.device_tree`` (one stage): rows drafted by the last round are
+    device tensors, so the tree is built on the device (``build_tree_any``: one Triton launch on CUDA)
+    and nothing is read back; rows still on the host (a request's first tree, from its prefill) are
+    root-checked and joined in one pinned copy.
+    """
+    spec = runner.spec
     seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
+    if runner.device_tree:
+        dev = runner.device
+        host = [i for i, r in enumerate(reqs) if r.tree["tokens"].device.type == "cpu"]
+        tokens, parents, tsi = (_stack_rows([r.tree[f] for r in reqs], host, dev)
+                                for f in ("tokens", "parent_list", "top_scores_index"))
+        if host:
+            _check_roots([reqs[i] for i in host], torch.stack([reqs[i].tree["tokens"] for i in host]))
+        return build_tree_any(tokens[:, 0], parents, tsi, tokens[:, 1:], h2d(seq_lens, dev), spec.topk)
+    tokens = torch.stack([r.tree["tokens"] for r in reqs])
+    parents = torch.stack([r.tree["parent_list"] for r in reqs])
+    tsi = torch.stack([r.tree["top_scores_index"] for r in reqs])
+    _check_roots(reqs, tokens)
     # host data from the relay: the numpy twin of build_tree (identical output, ~10x fewer host us)
     return build_tree_host(tokens[:, 0], parents, tsi, tokens[:, 1:], seq_lens, spec.topk)
+
+
+def _stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
+    """[B, w] on ``dev`` from per-request rows; ``host``: indices of the rows that are host tensors
+    (stacked and copied in one pinned copy; the device rows are stacked on the device)."""
+    if len(host) == len(rows):
+        return h2d(torch.stack(rows), dev)
+    if not host:
+        return torch.stack(rows)
+    on_dev = [i for i in range(len(rows)) if i not in set(host)]
+    out = torch.empty(len(rows), rows[0].shape[0], dtype=torch.int64, device=dev)
+    out[h2d(torch.tensor(host), dev)] = h2d(torch.stack([rows[i] for i in host]), dev)
+    out[h2d(torch.tensor(on_dev), dev)] = torch.stack([rows[i] for i in on_dev])
+    return out
 
 
 def _topk_probs(runner, hidden: torch.Tensor):
@@ -171,7 +206,10 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     spec, reqs = runner.spec, batch.reqs
     S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
     logits = runner.model.compute_logits(feature)                           # [B*n, V]
-    if all(r.params.greedy for r in reqs):
+    if all(r.params.greedy for r in reqs) and runner.device_tree:
+        # the tree lives on the device: walk it there (one Triton launch on CUDA), nothing read back yet
+        res = verify_tree_greedy_any(tree, logits.argmax(-1).view(B, n), S)
+    elif all(r.params.greedy for r in reqs):
         # The tree is host data (rebuilt from the relay on every stage): one device->host copy of the
         # target's argmax [B, n], then the walk runs on the host (numpy) instead of ~S*n*8 tiny device kernels.
         res = verify_tree_greedy_host(tree, logits.argmax(-1).view(B, n).cpu(), S)
@@ -218,7 +256,8 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
         hid = draft_extend(runner, ids, feature[h2d(fidx, feature.device)], pos, locs, kv,
                            list(range(0, B * W + 1, W)))
         nxt_dev = tail_draft(runner, reqs, rows, L_new, bonus, hid[h2d(last, hid.device)])
-    nxt = tree_to_host(maybe_fault(runner, nxt_dev, bonus))
+    # PP: the next trees are relay data (host); one stage with device_tree: they stay on the device
+    nxt = tree_to_host(maybe_fault(runner, nxt_dev, bonus), to_host=not runner.device_tree)
     return {"tokens": emitted, "accept_nodes": accept_nodes, "accept_lens": alen,
             "new_seq_lens": torch.tensor(L_new), "bonus": bonus,
             "next_tokens": nxt[0], "next_parents": nxt[1], "next_top_scores": nxt[2]}
