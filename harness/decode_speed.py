@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="overlap schedule (plain greedy decoding, one stage)")
     ap.add_argument("--extend-graph", action="store_true", help="EAGLE: draft extend + tail draft as one graph")
+    ap.add_argument("--device-tree", action="store_true", help="EAGLE, one stage: spec_device_tree (one D2H per round)")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default="3,1,4")
     ap.add_argument("--profile")
@@ -53,7 +54,7 @@ def main() -> None:
     bmax = max(a.batch or [1])
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,
-                       cuda_graph_draft_extend=a.extend_graph,
+                       cuda_graph_draft_extend=a.extend_graph, spec_device_tree=a.device_tree,
                        cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
                        max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5)
     rng = random.Random(0)

@@ -4,7 +4,8 @@
 # Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
 # 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
 # Usage: scripts/h200_results.sh smol|llama8b|tests|ab OUTDIR
-# ab: A/B of the two GPU options written without device time (overlap_schedule, cuda_graph_draft_extend),
+# ab: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
+#     spec_device_tree),
 #     SmolLM2 shape with random weights (no GGUF needed), after the GPU tests that validate them.
 set -u
 export PYTHONUNBUFFERED=1
@@ -32,9 +33,10 @@ ab)
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
         --out "$out/plain$o.json" 2>&1 | grep '^{'
   done
-  for o in "" --extend-graph; do
-    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --draft drafts/smollm2-eagle --shape 3,1,4 \
-        $o --label "chain$o" --out "$out/chain$o.json" 2>&1 | grep '^{'
+  for o in "" --extend-graph --device-tree "--device-tree --extend-graph"; do
+    f=$(echo "chain$o" | tr -d ' ')
+    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
+        --shape 3,1,4 $o --label "$f" --out "$out/$f.json" 2>&1 | grep '^{'
   done
   # where a b=32 EAGLE round goes (~25 ms against 8 ms at b=1 in the session-3 run)
   timeout 120 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \

@@ -56,16 +56,17 @@ def test_fused_kernels_match_reference():
 
 
 def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False, draft_extend=False,
-              device_tree=False):
+              device_tree=False, max_running=64, lens=None):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
                        cuda_graph_max_bs=8, overlap_schedule=overlap, cuda_graph_draft_extend=draft_extend,
-                       spec_device_tree=device_tree)
+                       spec_device_tree=device_tree, max_running_requests=max_running)
+    lens = lens or [max_new_tokens] * len(prompts)
     try:
         with LLM(cfg) as llm:
-            outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+            outs = llm.generate(prompts, [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lens])
             runner = llm._worker.runner
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
             if draft and graph:                    # EAGLE: every tail draft after a verify replays its graph
@@ -163,11 +164,12 @@ def test_spec_round_host_syncs(setup, device_tree):
 
 def test_graph_eagle_device_tree_matches_host_tree(setup):
     """spec_device_tree on the GPU (Triton tree build / walk / mask packing, graphs): the same greedy tokens
-    and accept lengths as the host-tree path, prompts joining mid-run included (5 prompts, 2 running)."""
-    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    and accept lengths as the host-tree path. At most 2 requests run and they finish at different lengths,
+    so requests join with their first tree on the host next to trees on the device (mixed rows)."""
     model, draft, prompts, _ = setup
-    host, acc0, _ = _generate(model, prompts, True, draft)
-    dev, acc1, r1 = _generate(model, prompts, True, draft, device_tree=True)
+    kw = dict(max_running=2, lens=[12, 30, 20, 41, 25])
+    host, acc0, _ = _generate(model, prompts, True, draft, **kw)
+    dev, acc1, r1 = _generate(model, prompts, True, draft, device_tree=True, **kw)
     assert r1 > 0 and dev == host and acc1 == acc0
 
 

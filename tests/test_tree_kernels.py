@@ -65,7 +65,8 @@ CHECK = textwrap.dedent('''
 
 
 def run_check(dev: str, extra_env: dict) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PPSPEC_TRITON": "1", **extra_env}
+    path = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {**os.environ, "PYTHONPATH": path, "PPSPEC_TRITON": "1", **extra_env}
     p = subprocess.run([sys.executable, "-c", CHECK, dev], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..attention import h2d
 from .tree import TreeInfo, VerifyResult, build_tree, verify_tree_greedy
 
 try:                                              # optional: CPU-only installs have no Triton
@@ -233,9 +234,11 @@ def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tens
     total = int(indptr[-1])
     packed = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=dev)
     if triton_enabled(tree_mask):
-        if prefix_dev is None:
-            prefix_dev = torch.tensor(prefix_lens, dtype=torch.int64).to(dev, non_blocking=True)
-        ind_dev = torch.from_numpy(indptr).to(dev, non_blocking=True)
+        if prefix_dev is None:                    # one pinned, asynchronous copy for both
+            meta = h2d(torch.from_numpy(np.concatenate([np.asarray(prefix_lens, np.int64), indptr])), dev)
+            prefix_dev, ind_dev = meta[:B], meta[B:]
+        else:
+            ind_dev = h2d(torch.from_numpy(indptr.astype(np.int64)), dev)
         block = 256
         most = int(np.max(np.diff(indptr))) if B else 0
         _pack_mask_kernel[(B, max(1, -(-most // block)))](tree_mask.contiguous().view(torch.int8), prefix_dev,
