@@ -29,7 +29,7 @@ class ForwardContext:
     kv_indices: list[torch.Tensor] | None = None
     custom_mask: list[torch.Tensor | None] | None = None
     out_cache_loc: torch.Tensor | None = None
-    pool: object = None                    # KVPool (k_cache/v_cache [layers, slots, Hk, D]) or None
+    pool: object = None                    # KVPool (kv_cache [layers][slots, 2, Hk, D]) or None
     mode: str = "extend"                   # extend | decode | verify
     backend_state: dict = field(default_factory=dict)
     tree_mask: torch.Tensor | None = None  # [B, n, n] bool (device-resident verify tree), with prefix_lens
@@ -131,8 +131,7 @@ class TorchBackend:
             st["on"] = dev
         pool = ctx.pool
         if pool is not None:
-            pool.k_cache[layer][ctx.out_cache_loc] = k
-            pool.v_cache[layer][ctx.out_cache_loc] = v
+            pool.store(layer, ctx.out_cache_loc, k, v)
             kk, vv = pool.k_cache[layer][st["kv_index"]], pool.v_cache[layer][st["kv_index"]]
         else:
             kk, vv = k[st["kv_index"]], v[st["kv_index"]]

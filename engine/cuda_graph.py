@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .attention import ForwardContext, h2d, pinned, set_context
-from .flashinfer_backend import decode_tensor_cores, page_table
+from .flashinfer_backend import decode_plan_options, decode_tensor_cores, page_table
 from .spec.tree_kernels import pack_verify_mask
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -132,7 +132,8 @@ class CudaGraphRunner:
         indptr, indices = page_table(kvs, self.dev)
         last = torch.ones(bs, dtype=torch.int32)
         if kind == "decode":
-            w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
+                   **decode_plan_options())
             self._record_plan(kind, bs)
             return
         q = self.q_len[kind]

@@ -1,6 +1,6 @@
 """FlashInfer attention backend (GPU): the semantics of :class:`engine.attention.TorchBackend`, run by
-FlashInfer's paged kernels over the slot pool (page_size 1, NHD: pool tensor ``[slots, Hk, D]`` viewed
-as ``[slots, 1, Hk, D]``).
+FlashInfer's paged kernels over the slot pool (page_size 1, NHD: the pool's ``[slots, 2, Hk, D]`` tensor
+viewed as FlashInfer's single-tensor layout ``[slots, 2, 1, Hk, D]``).
 
 Per forward (``prepare``): the page table of the batch is flattened once (``kv_indptr`` from the
 lengths of ``ctx.kv_indices``, ``indices`` = their concatenation, ``last_page_len`` all ones) and one
@@ -11,7 +11,8 @@ wrapper is planned:
             (FlashInfer's causal mask is aligned to the end of the KV, as TorchBackend's);
   * verify  (any custom mask): the prefill wrapper with ``custom_mask`` = the flattened per-request
             masks (requests without a mask get the end-aligned causal mask explicitly).
-Per layer (``forward``): write the new K/V at ``ctx.out_cache_loc``, then ``wrapper.run`` (no host sync).
+Per layer (``forward``): write the new K/V at ``ctx.out_cache_loc`` (one indexed copy when they are adjacent
+views of the QKV output), then ``wrapper.run`` (no host sync).
 
 ``plan`` needs the number of query heads and the softmax scale, which a ForwardContext does not carry:
 the backend learns them per KV pool at that pool's first forward (planning lazily in layer 0 then) and
@@ -37,6 +38,13 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper must use tensor cores: FlashInfer's CUDA-core decode kernel only
     dispatches GQA group sizes 1/2/3/4."""
     return num_qo_heads // num_kv_heads not in _CUDA_CORE_GROUPS
+
+
+def decode_plan_options() -> dict:
+    """Extra decode ``plan`` options: ``PPSPEC_FI_DISABLE_SPLIT_KV=1`` passes ``disable_split_kv=True`` (one CTA
+    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read at each plan, so
+    set it before the engine starts: captured graphs keep the kernel sequence of their capture)."""
+    return {"disable_split_kv": True} if os.environ.get("PPSPEC_FI_DISABLE_SPLIT_KV") == "1" else {}
 
 
 def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +160,7 @@ class FlashInferBackend:
         if p["kind"] == "decode":
             w, slot = self._wrapper("decode", decode_tensor_cores(hq, hk))
             w.plan(p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
-                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, **decode_plan_options())
         elif p["kind"] == "extend":
             w, slot = self._wrapper("extend", False)
             w.plan(p["qo_indptr"], p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
@@ -178,9 +186,7 @@ class FlashInferBackend:
         if st.get("fi") is None:
             return self._torch.forward(q, k, v, layer, scale)
         pool = ctx.pool
-        kc, vc = pool.k_cache[layer], pool.v_cache[layer]
-        kc[ctx.out_cache_loc] = k
-        vc[ctx.out_cache_loc] = v
+        pool.store(layer, ctx.out_cache_loc, k, v)           # one indexed copy for K and V (KVPool.store)
         key = (q.shape[1], k.shape[1], q.shape[2], float(scale), q.dtype)
         if st["fi_planned"] != key:
             if q.dtype != st["fi"]["dtype"]:
@@ -189,4 +195,4 @@ class FlashInferBackend:
             self._heads[pool] = key
         if not q.is_contiguous():
             q = q.contiguous()
-        return st["fi_wrapper"].run(q, (kc.unsqueeze(1), vc.unsqueeze(1)))
+        return st["fi_wrapper"].run(q, pool.kv_cache[layer].unsqueeze(2))    # [slots, 2, page 1, Hk, D]

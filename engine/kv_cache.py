@@ -16,17 +16,36 @@ class KVCacheError(RuntimeError):
 
 
 class KVPool:
-    """K/V tensors of one stage's layers: k_cache[layer] / v_cache[layer] are [num_slots, Hk, D]."""
+    """K/V of one stage's layers. ``kv_cache[layer]`` is ``[num_slots, 2, Hk, D]`` (a slot's K then its V,
+    FlashInfer's single-tensor NHD layout at page_size 1), so a token's K and V are stored by one indexed
+    copy (:meth:`store`); ``k_cache[layer]`` / ``v_cache[layer]`` are ``[num_slots, Hk, D]`` views of it."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
-        self.k_cache = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-                        for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-                        for _ in range(num_layers)]
+        self.kv_cache = [torch.zeros(num_slots, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self.k_cache = [kv[:, 0] for kv in self.kv_cache]
+        self.v_cache = [kv[:, 1] for kv in self.kv_cache]
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v ``[T, Hk, D]`` at slots ``loc [T]`` int64: one indexed copy when v directly follows k in
+        memory (both views of a fused QKV projection's output, as after in-place RoPE), else k and v are
+        stacked first."""
+        self.kv_cache[layer][loc] = kv_pair(k, v)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[T, 2, Hk, D]`` with ``[:, 0] = k`` and ``[:, 1] = v``: a strided view without a copy when v's
+    elements sit right after k's in every row (same strides, inner dims contiguous), else ``stack``."""
+    T, hk, d = k.shape
+    if (v.shape == k.shape and v.dtype == k.dtype and v.device == k.device and k.stride() == v.stride()
+            and k.stride(2) == 1 and k.stride(1) == d
+            and v.data_ptr() == k.data_ptr() + hk * d * k.element_size()):
+        return k.as_strided((T, 2, hk, d), (k.stride(0), hk * d, d, 1))
+    return torch.stack([k, v], 1)
 
 
 class SlotAllocator:

@@ -52,7 +52,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = get_backend().forward(q, k, v.contiguous(), self.layer_id, self.scale)
+        # k and v stay views of qkv (RoPE rotates in place on the GPU): the pool stores both in one copy
+        o = get_backend().forward(q, k, v, self.layer_id, self.scale)
         return self.o_proj(o.reshape(T, q_sz))
 
 

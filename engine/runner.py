@@ -59,7 +59,7 @@ class ModelRunner:
         self.draft = None
         start, end = stage_layer_range(mc.num_hidden_layers, s.pp_size, s.pp_rank)
         if config.load_format == "dummy":
-            weights = dummy_weights(mc, seed=config.seed, dtype=self.dtype, layer_range=(start, end))
+            weights = dummy_weights(mc, seed=config.seed, dtype=self.dtype, layer_range=(start, end), device=self.device)
         else:
             weights = iter_weights(self.path, dtype=self.dtype, layer_range=(start, end))
         if self.spec and s.is_last_stage:

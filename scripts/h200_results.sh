@@ -3,7 +3,7 @@
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
 # Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
 # 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab OUTDIR
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ficache OUTDIR   (wheels and GGUF chunks: scripts/gpu_prep.sh)
 # ab: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree),
 #     SmolLM2 shape with random weights (no GGUF needed), after the GPU tests that validate them.
@@ -33,6 +33,12 @@ ab)
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
         --out "$out/plain$o.json" 2>&1 | grep '^{'
   done
+  # FlashInfer decode without split-KV (no merge kernel per layer) at small batches
+  PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
+      --label "plain--overlap-nosplit" --out "$out/plain-nosplit.json" 2>&1 | grep '^{\|Error' 
+  ;;
+ab2)
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for o in "" --extend-graph --device-tree "--device-tree --extend-graph"; do
     f=$(echo "chain$o" | tr -d ' ')
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
@@ -41,7 +47,13 @@ ab)
   # where a b=32 EAGLE round goes (~25 ms against 8 ms at b=1 in the session-3 run)
   timeout 120 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
       --profile "$out/chain_b32_prof.txt" --cprofile "$out/chain_b32_cprof.txt" --out "$out/chain_b32.json" \
-      2>&1 | grep '^{' ;;
+      2>&1 | grep '^{'
+  # where a Llama-3-8B-shape decode step goes (random weights, drawn on the GPU)
+  timeout 150 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 \
+      --batch 1 --overlap --profile "$out/l8b_b1_prof.txt" --out "$out/l8b_b1.json" 2>&1 | grep '^{' ;;
+ficache)
+  # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
+  tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;
 tests)
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;

@@ -94,3 +94,25 @@ def test_commit_order_accepted_first_then_rejected_in_node_order():
         for b in range(B):
             acc = nodes[b, :alen[b]].tolist()
             assert perm[b].tolist() == acc + [j for j in range(n) if j not in acc]
+
+
+def test_kv_pool_stores_adjacent_k_v_in_one_view():
+    """Issue 7: K and V of a fused QKV output are adjacent, so the pool stores both with one indexed copy
+    of a [T, 2, Hk, D] view (no stack); other k/v pairs are stacked. Values land at the right slots."""
+    import torch
+    from engine.kv_cache import KVPool, kv_pair
+    T, hq, hk, D = 5, 4, 2, 8
+    qkv = torch.randn(T, (hq + 2 * hk) * D)
+    _, k, v = qkv.split([hq * D, hk * D, hk * D], -1)
+    k, v = k.reshape(T, hk, D), v.reshape(T, hk, D)
+    pair = kv_pair(k, v)
+    assert pair.shape == (T, 2, hk, D) and pair.data_ptr() == k.data_ptr()      # a view: no copy kernel
+    assert torch.equal(pair[:, 0], k) and torch.equal(pair[:, 1], v)
+    k2 = k * 2                                                                  # e.g. a reference RoPE's output
+    stacked = kv_pair(k2, v)
+    assert stacked.data_ptr() != k2.data_ptr() and torch.equal(stacked[:, 1], v)
+    pool = KVPool(2, 12, hk, D, torch.float32, "cpu")
+    loc = torch.tensor([3, 1, 4, 7, 9])
+    pool.store(1, loc, k, v)
+    assert torch.equal(pool.k_cache[1][loc], k) and torch.equal(pool.v_cache[1][loc], v)
+    assert pool.kv_cache[1][[0, 2, 5]].abs().sum() == 0 and pool.kv_cache[0].abs().sum() == 0
