@@ -121,8 +121,8 @@ if triton is not None:
         pred = tl.load(pred_ptr + b * N + idx, mask=inb, other=0).to(tl.int64)
         sidx = tl.arange(0, SP2).to(tl.int64)
         acc = tl.where(sidx == 0, 0, tl.full([SP2], -1, tl.int64))
-        last = tl.zeros([], tl.int64)
-        num = tl.zeros([], tl.int64)
+        last = b * 0                                                 # int64 scalars
+        num = b * 0
         active = num == 0
         for s in range(S):
             want = _pick(pred, idx, last)
