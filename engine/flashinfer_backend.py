@@ -40,6 +40,11 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     return num_qo_heads // num_kv_heads not in _CUDA_CORE_GROUPS
 
 
+# PPSPEC_FI_STRIDED_Q=1: hand FlashInfer q as the strided view of the QKV output (its batch kernels take
+# q.stride(0) / q.stride(1)), saving one copy kernel per layer; an A/B knob until checked on a GPU.
+STRIDED_Q = os.environ.get("PPSPEC_FI_STRIDED_Q") == "1"
+
+
 def decode_plan_options() -> dict:
     """Extra decode ``plan`` options: ``PPSPEC_FI_DISABLE_SPLIT_KV=1`` passes ``disable_split_kv=True`` (one CTA
     per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read at each plan, so
@@ -193,6 +198,6 @@ class FlashInferBackend:
                 raise ValueError(f"q dtype {q.dtype} != KV pool dtype {st['fi']['dtype']}")
             self._plan(st, key)
             self._heads[pool] = key
-        if not q.is_contiguous():
+        if not q.is_contiguous() and not (STRIDED_Q and q.stride(-1) == 1):
             q = q.contiguous()
         return st["fi_wrapper"].run(q, pool.kv_cache[layer].unsqueeze(2))    # [slots, 2, page 1, Hk, D]

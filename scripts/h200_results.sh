@@ -35,7 +35,11 @@ ab)
   done
   # FlashInfer decode without split-KV (no merge kernel per layer) at small batches
   PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
-      --label "plain--overlap-nosplit" --out "$out/plain-nosplit.json" 2>&1 | grep '^{\|Error' 
+      --label "plain--overlap-nosplit" --out "$out/plain-nosplit.json" 2>&1 | grep '^{\|Error'
+  # q handed to FlashInfer as a strided view (no copy per layer): GPU tests first, then speed
+  PPSPEC_FI_STRIDED_Q=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer.py 2>&1 | tail -2
+  PPSPEC_FI_STRIDED_Q=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
+      --label "plain--overlap-stridedq" --out "$out/plain-stridedq.json" 2>&1 | grep '^{\|Error' 
   ;;
 ab2)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
