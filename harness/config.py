@@ -267,6 +267,8 @@ def find_config(name: str | Path, root: Path) -> Path:
     for c in cands:
         if c.is_file():
             return c.resolve()
+    if p.is_dir():
+        raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
     raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})")
 
 
@@ -328,6 +330,8 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
     meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
     engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
+    if engine.spec_device_tree and engine.pp > 1 and engine.spec.enabled:
+        notes.append("note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host")
     default_name = Path(str(config)).stem if config is not None else "default"
     return RunConfig(
         name=meta.get("name") or default_name, engine=engine,

@@ -152,6 +152,8 @@ def test_bad_yaml_field_is_one_clear_line(tmp_path, body, needle):
 def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     r = runner.invoke(app, ["bench", "--config", "no_such_suite"])
     assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
+    r = runner.invoke(app, ["bench", "--config", str(tmp_path)])        # regression: a directory was "not found"
+    assert r.exit_code == 2 and r.output.strip() == f"Error: config '{tmp_path}' is a directory, not a YAML file"
     r = runner.invoke(app, ["sweep", "--matrix", "/no/such.yaml"])      # regression: listed /no/such.yaml 3 times
     assert r.exit_code == 2 and "(looked for /no/such.yaml)" in r.output
     r = runner.invoke(app, ["gsm8k", "--pp", "2", "--spec", "--draft", str(draft_dir), "--no-pp-spec"])
@@ -292,3 +294,12 @@ def test_train_section_checked_before_training():
     with pytest.raises(HarnessConfigError, match=r"train.epochs = 2.5 should be int"):
         check_train_kwargs(real, {**base, "epochs": 2.5})
     check_train_kwargs(real, {**base, "lr": 1})                     # an int where a float is expected is fine
+
+
+def test_device_tree_under_pp_is_noted(draft_dir):
+    """spec_device_tree is a one-stage option: under PP the resolver says it does not apply (no silent ignore)."""
+    ov = {"pp": 2, "spec_device_tree": True, "spec": {"algorithm": "eagle", "draft": str(draft_dir), "pp_spec": True}}
+    c = resolve(None, ov)
+    assert c.engine.spec.enabled and c.engine.spec_device_tree
+    assert "note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host" in c.notes
+    assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
