@@ -120,8 +120,10 @@ class TorchBackend:
         st["valid"] = (q_index < T).reshape(-1)
         st["dev"] = dev
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int,
+                scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens; None: already in the pool at out_cache_loc, e.g.
+        by ``engine.rope_store``) -> [T, Hq, D]."""
         ctx = get_context()
         st = ctx.backend_state
         dev = q.device
@@ -131,12 +133,13 @@ class TorchBackend:
             st["on"] = dev
         pool = ctx.pool
         if pool is not None:
-            pool.store(layer, ctx.out_cache_loc, k, v)
+            if k is not None:
+                pool.store(layer, ctx.out_cache_loc, k, v)
             kk, vv = pool.k_cache[layer][st["kv_index"]], pool.v_cache[layer][st["kv_index"]]
         else:
             kk, vv = k[st["kv_index"]], v[st["kv_index"]]
         T, hq, D = q.shape
-        hk = k.shape[1]
+        hk = kk.shape[2]
         qp = torch.cat([q, q.new_zeros(1, hq, D)])[st["q_index"]]       # [B, mq, Hq, D]
         if hq != hk:
             kk = kk.repeat_interleave(hq // hk, dim=2)

@@ -184,15 +184,17 @@ class FlashInferBackend:
         st["fi_planned"] = key
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int,
+                scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens; None: already stored in the pool) -> [T, Hq, D]."""
         ctx = get_context()
         st = ctx.backend_state
         if st.get("fi") is None:
             return self._torch.forward(q, k, v, layer, scale)
         pool = ctx.pool
-        pool.store(layer, ctx.out_cache_loc, k, v)           # one indexed copy for K and V (KVPool.store)
-        key = (q.shape[1], k.shape[1], q.shape[2], float(scale), q.dtype)
+        if k is not None:                                    # None: already stored (engine.rope_store)
+            pool.store(layer, ctx.out_cache_loc, k, v)       # one indexed copy for K and V (KVPool.store)
+        key = (q.shape[1], pool.kv_cache[layer].shape[2], q.shape[2], float(scale), q.dtype)
         if st["fi_planned"] != key:
             if q.dtype != st["fi"]["dtype"]:
                 raise ValueError(f"q dtype {q.dtype} != KV pool dtype {st['fi']['dtype']}")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import get_backend
+from . import rope_store
+from .attention import get_backend, get_context
 from .config import ModelConfig
 from .dist import ps
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
@@ -45,6 +46,15 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.q_norm is None and rope_store.enabled(qkv):
+            ctx = get_context()
+            if ctx.pool is not None:
+                # one kernel: q rotated in place, rotated k and v written to the pool (k=v=None: already stored)
+                rope_store.rope_store(positions, qkv, self.rotary.cos_sin, ctx.pool.kv_cache[self.layer_id],
+                                      ctx.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim)
+                q = qkv[:, :q_sz].view(T, self.num_heads, self.head_dim)
+                o = get_backend().forward(q, None, None, self.layer_id, self.scale)
+                return self.o_proj(o.reshape(T, q_sz))
         q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)

@@ -39,7 +39,11 @@ ab)
   # q handed to FlashInfer as a strided view (no copy per layer): GPU tests first, then speed
   PPSPEC_FI_STRIDED_Q=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer.py 2>&1 | tail -2
   PPSPEC_FI_STRIDED_Q=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
-      --label "plain--overlap-stridedq" --out "$out/plain-stridedq.json" 2>&1 | grep '^{\|Error' 
+      --label "plain--overlap-stridedq" --out "$out/plain-stridedq.json" 2>&1 | grep '^{\|Error'
+  # all kernel-count cuts together: fused RoPE + KV store, strided q, no split-KV (+ overlap)
+  PPSPEC_ROPE_STORE=1 PPSPEC_FI_STRIDED_Q=1 PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m harness.decode_speed $M \
+      --batch 1 --batch 8 --batch 32 --overlap --label "plain--overlap-allcuts" --out "$out/plain-allcuts.json" 2>&1 \
+      | grep '^{\|Error' 
   ;;
 ab2)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"

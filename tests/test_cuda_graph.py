@@ -186,3 +186,16 @@ def test_graph_eagle_matches_eager(setup):
     assert r1 > 0
     assert sum(acc1) / len(acc1) > 1.5
     divergences("eagle: graph vs eager", prompts, eager, graph, logits)
+
+
+def test_rope_store_matches_two_kernel_path(setup, monkeypatch):
+    """PPSPEC_ROPE_STORE=1 (engine.rope_store: RoPE + KV store in one Triton kernel per layer), graphs on:
+    the same greedy tokens as FlashInfer RoPE + indexed store, up to bf16 near-ties; plain and EAGLE."""
+    model, draft, prompts, logits = setup
+    for d in (None, draft):
+        ref, _, _ = _generate(model, prompts, True, d)
+        monkeypatch.setenv("PPSPEC_ROPE_STORE", "1")
+        got, acc, r1 = _generate(model, prompts, True, d)
+        monkeypatch.delenv("PPSPEC_ROPE_STORE")
+        assert r1 > 0
+        divergences(f"rope_store ({'eagle' if d else 'plain'})", prompts, ref, got, logits)
