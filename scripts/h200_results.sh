@@ -17,6 +17,10 @@ smol)
       --out /tmp/res/smol_plain 2>&1 | grep -v Warning | tail -40
   timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
       --out /tmp/res/smol_chain 2>&1 | grep -v Warning | tail -30
+  # a longer chain (S=5, n=6: verify cost barely grows at b=1) and the GPU options that won their A/B (GPU_SETS)
+  timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
+      --set spec.num_steps=5 --set spec.num_draft_tokens=6 ${GPU_SETS:-} --out /tmp/res/smol_chain5 2>&1 \
+      | grep -v Warning | tail -30
   # fp32 GSM8K accept length on the same first 60 questions the CPU run covers (CPU/GPU agreement)
   [ "${SPECEVAL:-1}" = 1 ] && timeout 90 python3 -m harness.speceval --model /tmp/g/smollm2.gguf --draft drafts/smollm2-eagle \
       --prompts /tmp/g/test.jsonl --limit 60 --shape 3,1,4 --no-plain --device cuda --backend torch \
