@@ -446,7 +446,8 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  layer_range: tuple[int, int] | None = None, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+                  layer_range: tuple[int, int] | None = None, device=None,
+                  layers_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Random HF-named weights for ``--load-format dummy``: normal(0, 0.02), norm weights 1.
 
     Each tensor is drawn from its own generator seeded by ``(seed, name)``, so a tensor's values do
@@ -454,10 +455,11 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.fl
     exactly the values the whole model would have. ``device``: where to draw them (default CPU); a
     CUDA device draws with its own generator (other values than CPU's, same on every rank) in a
     fraction of the time: the CPU's single-threaded draw of a Llama-3-8B shape took ~60 s.
+    ``layers_only``: decoder-layer tensors only (no embedding, final norm or LM head).
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     for name, shape in hf_weight_shapes(cfg).items():
-        if not _in_range(name, layer_range):
+        if not _in_range(name, layer_range) or (layers_only and _layer_of(name) is None):
             continue
         if "norm" in name.rsplit(".", 2)[-2]:
             yield name, torch.ones(shape, dtype=dtype, device=dev)

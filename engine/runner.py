@@ -90,12 +90,17 @@ class ModelRunner:
             set_backend(TorchBackend())
 
     def _build_draft(self, weights, max_pos):
-        from .spec.eagle import EagleDraft, draft_config, iter_draft_weights
+        from .spec.eagle import EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights
         if not self.spec.draft:
             raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
         dcfg = draft_config(self.model_config, self.spec.draft)
         self.draft = EagleDraft(dcfg, self.dtype, max_pos)
-        self.draft.load_draft_weights(iter_draft_weights(self.spec.draft, self.dtype))
+        if self.config.load_format == "dummy" and not has_draft_weights(self.spec.draft):
+            # a config-only draft next to a random target: random draft weights too (labelled random)
+            dw = dummy_draft_weights(dcfg, self.config.seed, self.dtype, self.device)
+        else:
+            dw = iter_draft_weights(self.spec.draft, self.dtype)
+        self.draft.load_draft_weights(dw)
         for name, t in weights:               # the draft keeps its own copy of the target embedding
             if name == "model.embed_tokens.weight":
                 self.draft.embed_tokens.load(t)

@@ -3,7 +3,7 @@
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
 # Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
 # 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ficache OUTDIR   (wheels and GGUF chunks: scripts/gpu_prep.sh)
+# Usage: scripts/h200_results.sh smol|llama8b|llama8b_spec|tests|ab|ab2|ficache OUTDIR   (wheels and GGUF chunks: scripts/gpu_prep.sh)
 # ab: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree),
 #     SmolLM2 shape with random weights (no GGUF needed), after the GPU tests that validate them.
@@ -30,6 +30,11 @@ llama8b)
   timeout 330 python3 -m harness bench --config h200_llama3_8b --no-progress --out /tmp/res8/l8b 2>&1 \
       | grep -v Warning | tail -40
   tar czf "$out/llama8b.tgz" -C /tmp/res8 . ;;
+llama8b_spec)
+  # spec on the 8B shape: a random EAGLE head (acceptance ~1: the spec loop's cost, batch 1 and 32)
+  timeout 400 python3 -m harness bench --config h200_llama3_8b_spec --no-progress ${GPU_SETS:-} --out /tmp/res8s/l8b_spec \
+      2>&1 | grep -v Warning | tail -20
+  tar czf "$out/llama8b_spec.tgz" -C /tmp/res8s . ;;
 ab)
   bash "$0" tests "$out"
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import json
 
 import numpy as np
@@ -327,3 +328,30 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert torch.equal(unpermute_qk(_permute_like_llama_cpp(b, 3), 3), b)
     with pytest.raises(ConfigError):
         unpermute_qk(w, 5)
+
+
+def test_config_only_draft_gets_random_weights_under_dummy(tiny_model_dir, tiny_draft_dir, tmp_path):
+    """Issue 7 (spec figures for shapes without a trained head): with load_format=dummy a draft directory
+    holding only config.json gets random EAGLE weights; generation stays lossless (same tokens as plain
+    decoding of the same random target); without dummy such a directory is a clear error."""
+    import shutil
+    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    from engine.spec.eagle import dummy_draft_weights, has_draft_weights
+    d = tmp_path / "draft_cfg"
+    d.mkdir()
+    shutil.copy(Path(tiny_draft_dir) / "config.json", d)
+    assert not has_draft_weights(d) and has_draft_weights(tiny_draft_dir)
+    prompts, params = [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_new_tokens=10, ignore_eos=True)
+    with LLM(EngineConfig(model=str(tiny_model_dir), load_format="dummy")) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = SpecConfig("eagle", str(d), num_steps=3, topk=1, num_draft_tokens=4)
+    with LLM(EngineConfig(model=str(tiny_model_dir), load_format="dummy", spec=spec)) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert all(1 <= a <= 4 for o in outs for a in o.accept_lengths)
+    from engine.spec.eagle import draft_config
+    dcfg = draft_config(load_model_config(tiny_model_dir), d)
+    names = [n for n, _ in dummy_draft_weights(dcfg)]
+    assert names[:2] == ["fc.weight", "fc.bias"] and all(n.startswith("model.layers.0.") for n in names[2:])
+    with pytest.raises(ConfigError, match="no draft weights"):
+        LLM(EngineConfig(model=str(tiny_model_dir), spec=spec))

@@ -82,6 +82,24 @@ def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(fields, eos_token_ids=target.eos_token_ids)
 
 
+def has_draft_weights(draft_dir: str | Path) -> bool:
+    d = Path(draft_dir)
+    return any(d.glob("*.safetensors")) or (d / "pytorch_model.bin").exists()
+
+
+def dummy_draft_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device=None):
+    """Random EAGLE weights for a config-only draft under ``load_format=dummy`` (speed runs of shapes
+    without a trained head; such a draft accepts almost nothing): ``fc`` normal(0, 0.02) with zero bias,
+    layer 0 as :func:`engine.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
+    from ..loader import dummy_weights
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    H = cfg.hidden_size
+    g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + 7)
+    yield "fc.weight", (torch.randn(H, 2 * H, generator=g, device=dev) * 0.02).to(dtype)
+    yield "fc.bias", torch.zeros(H, dtype=dtype, device=dev)
+    yield from dummy_weights(cfg, seed + 1, dtype, layer_range=(0, 1), device=dev, layers_only=True)
+
+
 def iter_draft_weights(draft_dir: str | Path, dtype=torch.float32):
     from safetensors import safe_open
     files = sorted(Path(draft_dir).glob("*.safetensors"))
