@@ -1,11 +1,17 @@
 #!/bin/bash
 # The H200 measurements of results/gpu/ (issues 5 and 7), as run through the `device` tool on one H200
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
-# Stage 1 (before): the SmolLM2 GGUF arrives in /tmp/g/smollm2.gguf (split in chunks: the tool carries
-# 64 MiB per call) and test prompts in /tmp/g/test.jsonl = harness.prompts.lmeval_contexts(data, 200).
-# Usage: scripts/h200_results.sh smol|llama8b|llama8b_spec|tests|ab|ab2|ficache OUTDIR   (wheels and GGUF chunks: scripts/gpu_prep.sh)
-# ab: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
-#     spec_device_tree),
+# Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2, GGUF chunks .gpu/parta?). Every call starts with
+#   mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl;
+#   export PYTHONPATH=/tmp/site:$PWD HOME=/tmp  (+ tar xzf .gpu/ficache.tgz -C /tmp once a JIT cache exists).
+# smol needs the SmolLM2 GGUF in /tmp/g/smollm2.gguf: three calls within 30 s of each other carrying
+#   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
+#   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
+#   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ficache OUTDIR   (each fits one 10-minute call)
+# tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
+# ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
+#     spec_device_tree, PPSPEC_* kernel knobs),
 #     SmolLM2 shape with random weights (no GGUF needed), after the GPU tests that validate them.
 set -u
 export PYTHONUNBUFFERED=1
@@ -29,14 +35,11 @@ smol)
 llama8b)
   timeout 330 python3 -m harness bench --config h200_llama3_8b --no-progress --out /tmp/res8/l8b 2>&1 \
       | grep -v Warning | tail -40
-  tar czf "$out/llama8b.tgz" -C /tmp/res8 . ;;
-llama8b_spec)
+  tar czf "$out/llama8b.tgz" -C /tmp/res8 .
   # spec on the 8B shape: a random EAGLE head (acceptance ~1: the spec loop's cost, batch 1 and 32)
-  timeout 400 python3 -m harness bench --config h200_llama3_8b_spec --no-progress ${GPU_SETS:-} --out /tmp/res8s/l8b_spec \
-      2>&1 | grep -v Warning | tail -20
-  tar czf "$out/llama8b_spec.tgz" -C /tmp/res8s . ;;
+  [ "${SPEC8B:-1}" = 1 ] && timeout 220 python3 -m harness bench --config h200_llama3_8b_spec --no-progress ${GPU_SETS:-} \
+      --out /tmp/res8s/l8b_spec 2>&1 | grep -v Warning | tail -20 && tar czf "$out/llama8b_spec.tgz" -C /tmp/res8s . ;;
 ab)
-  bash "$0" tests "$out"
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for o in "" --overlap; do
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
@@ -72,6 +75,6 @@ ficache)
   # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
   tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;
 tests)
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
+  timeout 450 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;
 esac
