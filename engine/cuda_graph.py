@@ -226,11 +226,12 @@ class CudaGraphRunner:
         kvs = list(ctx.kv_indices) + [torch.zeros(q, dtype=torch.int64)] * pad
         masks = packed = None
         if kind != "decode" and ctx.tree_mask is not None:
-            # the tree never left the device: pack its masks there (padding: prefix 0, all-ones block)
+            # pack tree masks where the tree is (Triton on the device, numpy on the host); padding: prefix 0, all ones
             tm = ctx.tree_mask
             if pad:
                 tm = torch.cat([tm, tm.new_ones(pad, q, q)])
-            packed = pack_verify_mask(tm, list(ctx.prefix_lens) + [0] * pad)
+            bits, byte_indptr = pack_verify_mask(tm, list(ctx.prefix_lens) + [0] * pad)
+            packed = (h2d(bits, self.dev), byte_indptr)            # host tree: one pinned copy
         elif kind != "decode":
             masks = [m.cpu() for m in ctx.custom_mask] + [torch.ones(q, q, dtype=torch.bool)] * pad
         self._plan(kind, bs, kvs, masks, packed)

@@ -130,9 +130,9 @@ class ModelRunner:
         ``lookahead`` (decode, overlap schedule): one step past the step in flight, whose token is not on
         the host yet (position seq_len + 1; the caller supplies the input ids from the device)."""
         rt = self.sched.req_to_token
-        if batch.kind == "verify" and self.device_tree:
-            return self._verify_inputs_device(batch, tree)
-        ids, pos, locs, kv, masks, qo = [], [], [], [], [], [0]
+        if batch.kind == "verify":
+            return self._verify_inputs(batch, tree)
+        ids, pos, locs, kv, qo = [], [], [], [], [0]
         for i, r in enumerate(batch.reqs):
             if batch.kind == "prefill":
                 st, en, _ = batch.chunks[i]
@@ -140,42 +140,39 @@ class ModelRunner:
                 pos.append(torch.arange(st, en))
                 locs.append(rt[r.row, st:en])
                 kv.append(rt[r.row, :en])
-                masks.append(None)
-            elif batch.kind == "decode":
+            else:                                  # decode
                 L = r.seq_len + (1 if lookahead else 0)
                 ids.append(torch.tensor([r.root_token]))
                 pos.append(torch.tensor([L]))
                 locs.append(rt[r.row, L:L + 1])
                 kv.append(rt[r.row, :L + 1])
-                masks.append(None)
-            else:
-                L, n = r.seq_len, tree.candidates.shape[1]
-                ids.append(tree.candidates[i])
-                pos.append(tree.positions[i])
-                locs.append(rt[r.row, L:L + n])
-                kv.append(rt[r.row, :L + n])
-                masks.append(torch.cat([torch.ones(n, L, dtype=torch.bool), tree.tree_mask[i].cpu()], 1))
             qo.append(qo[-1] + ids[-1].numel())
         d = self.device
-        # page tables and masks stay on the host: the backend moves what it needs in one copy
+        # page tables stay on the host: the backend moves what it needs in one copy
         # ids, positions and out_cache_loc travel together: one pinned host->device copy
         ids_d, pos_d, loc_d = h2d(torch.stack([torch.cat(ids).long(), torch.cat(pos).long(), torch.cat(locs).long()]), d)
-        ctx = ForwardContext(qo, kv, masks, loc_d, self.kv_pool, batch.kind)
+        ctx = ForwardContext(qo, kv, None, loc_d, self.kv_pool, batch.kind)
         return ids_d, pos_d, ctx
 
-    def _verify_inputs_device(self, batch: ScheduledBatch, tree):
-        """Verify inputs for a tree that lives on the device (``spec_device_tree``): ids and positions
-        are the tree's own tensors, only out_cache_loc and the page tables come from the host, and the
-        masks stay as ``tree_mask`` [B, n, n] + prefix lengths (packed on the device by the backend)."""
+    def _verify_inputs(self, batch: ScheduledBatch, tree):
+        """Verify inputs: ids/positions are the tree's (copied in one pinned copy with out_cache_loc when
+        the tree is host data; used in place when it lives on the device, ``spec_device_tree``), page tables
+        come from the host, and the masks stay as ``tree_mask`` [B, n, n] + prefix lengths: the backend
+        expands them (``request_masks``) or the graph runner bit-packs them (``pack_verify_mask``: numpy on
+        the host, Triton on the device) without building B host masks of n x (L + n)."""
         rt = self.sched.req_to_token
         n = tree.candidates.shape[1]
         Ls = [r.seq_len for r in batch.reqs]
-        locs = [rt[r.row, L:L + n] for r, L in zip(batch.reqs, Ls)]
+        locs = torch.cat([rt[r.row, L:L + n] for r, L in zip(batch.reqs, Ls)])
         kv = [rt[r.row, :L + n] for r, L in zip(batch.reqs, Ls)]
-        loc_d = h2d(torch.cat(locs).long(), self.device)
+        if tree.candidates.device.type == "cpu":
+            ids_d, pos_d, loc_d = h2d(torch.stack([tree.candidates.reshape(-1), tree.positions.reshape(-1), locs]),
+                                      self.device)
+        else:
+            ids_d, pos_d, loc_d = tree.candidates.reshape(-1), tree.positions.reshape(-1), h2d(locs, self.device)
         ctx = ForwardContext(list(range(0, len(Ls) * n + 1, n)), kv, None, loc_d, self.kv_pool, "verify",
                              tree_mask=tree.tree_mask, prefix_lens=Ls)
-        return tree.candidates.reshape(-1), tree.positions.reshape(-1), ctx
+        return ids_d, pos_d, ctx
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""

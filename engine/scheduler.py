@@ -75,6 +75,7 @@ class Scheduler:
                  record_times: bool = False):
         self.allocator = SlotAllocator(capacity)
         self.rows = ReqToTokenPool(max_reqs, max_model_len + reserve + 1)
+        self._rt_np = self.rows.req_to_token.numpy()          # shares memory with req_to_token
         self.max_reqs, self.max_model_len, self.reserve, self.spec = max_reqs, max_model_len, reserve, spec
         self.max_prefill_tokens, self.num_slots = max_prefill_tokens, num_slots
         self.eos_ids, self.detok, self.record_times = set(eos_ids), detok, record_times
@@ -166,8 +167,8 @@ class Scheduler:
         return ScheduledBatch("prefill", slot, reqs, chunks)
 
     def _append_slots(self, r: Req, slots: list[int]) -> None:
-        if slots:
-            self.req_to_token[r.row, r.allocated_len:r.allocated_len + len(slots)] = torch.tensor(slots)
+        if slots:                          # through the numpy view: ~10x cheaper than a torch slice assignment
+            self._rt_np[r.row, r.allocated_len:r.allocated_len + len(slots)] = slots
             r.allocated_len += len(slots)
 
     def _reserve_decode(self, running: list[Req]) -> bool:
@@ -201,6 +202,10 @@ class Scheduler:
             perm = commit_order(out["accept_nodes"], out["accept_lens"], n)     # all rows at once (numpy)
             alens = out["accept_lens"].tolist()
             rt = self.req_to_token.numpy()                                       # shares memory
+        trees = None
+        if self.spec and "next_tokens" in out:     # one unbind per tensor instead of 3 index ops per request
+            trees = list(zip(out["next_tokens"].unbind(0), out["next_parents"].unbind(0),
+                             out["next_top_scores"].unbind(0)))
         for i, rid in enumerate(out["rids"]):
             r = self.reqs[rid]
             if r.status == "finished":
@@ -212,7 +217,7 @@ class Scheduler:
                     continue                      # a middle chunk's token is a placeholder: no token, no tree
                 r.status = "running"
                 if self.spec:
-                    r.tree = _tree_row(out, i)
+                    r.tree = _tree_row(trees, i)
                     r.trees_seeded += 1
                 self._emit(r, toks[i][:1], accept_length=None)
             elif kind == "decode":
@@ -222,7 +227,7 @@ class Scheduler:
                 L, alen = r.seq_len, alens[i]
                 rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
-                r.tree = _tree_row(out, i)
+                r.tree = _tree_row(trees, i)
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
@@ -247,9 +252,10 @@ class Scheduler:
         self._release(r)
 
 
-def _tree_row(out: dict, i: int) -> dict:
-    """Request i's next tree: row views of the result's tensors (every producer hands over fresh tensors
-    it no longer writes: relay messages, ``tree_to_host``, ``prefill_draft``), so no per-row copies,
-    which for device-resident trees would be three kernel launches per request and round."""
-    return {"tokens": out["next_tokens"][i], "parent_list": out["next_parents"][i],
-            "top_scores_index": out["next_top_scores"][i]}
+def _tree_row(trees: list, i: int) -> dict:
+    """Request i's next tree from ``trees`` (per-request (tokens, parent_list, top_scores_index) row views of
+    the result's tensors). Every producer hands over fresh tensors it no longer writes (relay messages,
+    ``tree_to_host``, ``prefill_draft``), so rows are not copied: for device-resident trees a copy would be
+    three kernel launches per request and round."""
+    t, p, s = trees[i]
+    return {"tokens": t, "parent_list": p, "top_scores_index": s}

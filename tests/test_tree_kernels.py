@@ -79,3 +79,20 @@ def test_triton_kernels_match_torch_interpreted():
     assert counts["dropped"] > 20                        # corrupted trees did drop nodes
     acc = counts["accepted"]
     assert acc[0] > 0 and acc[1] > 0 and acc[2] > 0 and acc[3] > 0     # walks of several lengths
+
+
+def test_pack_verify_mask_host_matches_pack_masks():
+    """The host (numpy) path of pack_verify_mask, used for host trees by the verify graph: the same bytes as
+    packing each request's full [n, L + n] mask, padding requests (L = 0, all-ones block) included."""
+    import numpy as np
+    import torch
+    from engine.cuda_graph import pack_masks
+    from engine.spec.tree_kernels import pack_verify_mask
+    g = torch.Generator().manual_seed(3)
+    for B, n in ((1, 4), (5, 6), (3, 12)):
+        tm = torch.rand(B, n, n, generator=g) < 0.5
+        L = [int(x) for x in torch.randint(0, 70, (B,), generator=g)]
+        L[0] = 0
+        packed, indptr = pack_verify_mask(tm, L)
+        want, wind = pack_masks([torch.cat([torch.ones(n, L[b], dtype=torch.bool), tm[b]], 1) for b in range(B)])
+        assert packed.dtype == torch.uint8 and np.array_equal(packed.numpy(), want) and np.array_equal(indptr, wind)

@@ -244,6 +244,15 @@ def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tens
         _pack_mask_kernel[(B, max(1, -(-most // block)))](tree_mask.contiguous().view(torch.int8), prefix_dev,
                                                          ind_dev, packed, N=n, BLOCK=block)
         return packed, indptr
+    if dev.type == "cpu":                         # host tree: numpy, one packbits per request
+        tmn = tree_mask.numpy()
+        buf = np.empty(total, dtype=np.uint8)
+        for b, L in enumerate(prefix_lens):
+            m = np.ones((n, int(L) + n), dtype=bool)
+            m[:, int(L):] = tmn[b]
+            buf[indptr[b]:indptr[b + 1]] = np.packbits(m.reshape(-1), bitorder="little")
+        packed.copy_(torch.from_numpy(buf))
+        return packed, indptr
     weights = (1 << torch.arange(8, device=dev, dtype=torch.int32))
     for b, L in enumerate(prefix_lens):
         m = torch.cat([torch.ones(n, int(L), dtype=torch.bool, device=dev), tree_mask[b]], 1).reshape(-1)
