@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
