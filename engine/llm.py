@@ -60,6 +60,8 @@ def _rank_info(worker) -> dict:
 
 
 def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
+    if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
+        os._exit(3)
     try:
         torch.set_num_threads(threads)
         from .worker import Worker
@@ -139,11 +141,10 @@ class LLM:
             try:
                 msg = self._res_q.get(timeout=0.5)
             except queue.Empty:
-                dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+                dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
-                    self.shutdown()
-                    raise EngineError(f"rank {dead[0]} exited without reporting (exit code "
-                                      f"{self._procs[dead[0]].exitcode})")
+                    self.shutdown()                  # empties self._procs: read the exit code first
+                    raise EngineError(f"rank {dead[0][0]} exited without reporting (exit code {dead[0][1]})")
                 continue
             if msg[0] == "error":
                 self.shutdown()
@@ -222,9 +223,13 @@ class LLM:
                              r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions)
 
     def shutdown(self) -> None:
-        for q in getattr(self, "_cmd_qs", []):
+        # stop only live ranks, and never let a queue's feeder thread hold up interpreter exit (a front end
+        # whose ranks never started, e.g. a script without a __main__ guard re-run by spawn, must just exit)
+        for q, p in zip(getattr(self, "_cmd_qs", []), self._procs):
             try:
-                q.put(("stop",))
+                if p.is_alive():
+                    q.put(("stop",))
+                q.cancel_join_thread()
             except Exception:
                 pass
         for p in self._procs:

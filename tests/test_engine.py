@@ -206,6 +206,28 @@ def test_rank_failure_stops_group(tiny_model_dir, monkeypatch):
             llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4))
 
 
+def test_rank_dying_silently_is_reported(tiny_model_dir, monkeypatch):
+    """Regression: a rank that exits without reporting gave IndexError (the message read the process list
+    after shutdown had emptied it); now the rank and its exit code."""
+    monkeypatch.setenv("PPSPEC_TEST_EXIT_RANK", "1")
+    with pytest.raises(EngineError, match=r"^rank 1 exited without reporting \(exit code 3\)$"):
+        LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
+
+
+def test_script_without_main_guard_fails_fast(tiny_model_dir, tmp_path):
+    """Regression: a multi-rank script without an ``if __name__ == "__main__":`` guard hung for ever (each
+    spawned rank re-ran it, failed, then blocked in LLM.shutdown at exit); now the front end reports the
+    dead rank and every process exits."""
+    import subprocess
+    import sys
+    script = tmp_path / "noguard.py"
+    script.write_text("from engine import LLM, EngineConfig\n"
+                      f"llm = LLM(EngineConfig(model={str(tiny_model_dir)!r}, pp=2, dist_timeout_s=30))\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "exited without reporting" in p.stderr and "__main__" in p.stderr      # ours + multiprocessing's hint
+
+
 def test_torchrun_launch_matches_spawn(tiny_model_dir, tiny_prompts, reference, tmp_path):
     """Multi-node path: torchrun (here 2 local ranks, PP2) gives the same tokens as the spawned engine."""
     import subprocess
