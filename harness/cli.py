@@ -103,15 +103,21 @@ def progress_bars(enabled: bool = True) -> Iterator:
     if not enabled:
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=False) as prog:
-        tasks: dict[str, int] = {}
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=False)
+    tasks: dict[str, int] = {}
 
-        def cb(label: str, finished: int, total: int) -> None:
-            if label not in tasks:
-                tasks[label] = prog.add_task(label, total=total)
-            prog.update(tasks[label], completed=finished, total=total)
+    def cb(label: str, finished: int, total: int) -> None:
+        if not tasks:                     # drawn from the first report on: an early error stays one line
+            prog.start()
+        if label not in tasks:
+            tasks[label] = prog.add_task(label, total=total)
+        prog.update(tasks[label], completed=finished, total=total)
+    try:
         yield cb
+    finally:
+        if tasks:
+            prog.stop()
 
 
 def show(renderables: list) -> None:

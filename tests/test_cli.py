@@ -154,6 +154,8 @@ def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
     r = runner.invoke(app, ["bench", "--config", str(tmp_path)])        # regression: a directory was "not found"
     assert r.exit_code == 2 and r.output.strip() == f"Error: config '{tmp_path}' is a directory, not a YAML file"
+    r = runner.invoke(app, ["bench", "--config", "tiny_cpu", "--tp", "2"])  # regression: a progress bar's blank line came first
+    assert r.exit_code == 2 and r.output.startswith("Error: tp=2 does not divide") and r.output.count("\n") == 1
     r = runner.invoke(app, ["sweep", "--matrix", "/no/such.yaml"])      # regression: listed /no/such.yaml 3 times
     assert r.exit_code == 2 and "(looked for /no/such.yaml)" in r.output
     r = runner.invoke(app, ["gsm8k", "--pp", "2", "--spec", "--draft", str(draft_dir), "--no-pp-spec"])
