@@ -188,6 +188,13 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.spec, dict):           # EngineConfig(spec={...}) as .replace(spec={...}) accepts
+            try:
+                object.__setattr__(self, "spec", SpecConfig(**self.spec))
+            except TypeError as e:
+                raise ConfigError(f"spec: {e}".replace("SpecConfig.__init__() ", "")) from None
+        elif not isinstance(self.spec, SpecConfig):
+            raise ConfigError(f"spec must be a SpecConfig or a dict of its fields, not {type(self.spec).__name__}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16)")
         if self.tp < 1 or self.pp < 1:

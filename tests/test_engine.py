@@ -299,3 +299,17 @@ def test_overlap_schedule_tp2_ranks_stay_in_step(tiny_model_dir, tiny_prompts, r
     """TP ranks run the overlap schedule's lookahead decisions independently: they must agree (same tokens)."""
     outs = run(tiny_model_dir, tiny_prompts[:4], tp=2, overlap_schedule=True)
     assert [o.token_ids for o in outs] == reference[:4]
+
+
+def test_engine_config_spec_as_dict():
+    """Regression: EngineConfig(spec={...}) raised AttributeError; a dict is taken as SpecConfig fields
+    (as .replace(spec={...}) does), and a bad one is a one-line ConfigError."""
+    from engine import SpecConfig
+    c = EngineConfig(model="smollm2", spec={"algorithm": None})
+    assert isinstance(c.spec, SpecConfig) and not c.spec.enabled
+    c = EngineConfig(model="smollm2", spec={"algorithm": "eagle", "draft": "d", "num_steps": 4, "num_draft_tokens": 5})
+    assert c.spec.num_steps == 4 and c.spec.enabled
+    with pytest.raises(ConfigError, match=r"^spec: got an unexpected keyword argument 'numsteps'$"):
+        EngineConfig(spec={"numsteps": 3})
+    with pytest.raises(ConfigError, match="spec must be a SpecConfig or a dict"):
+        EngineConfig(spec=5)
