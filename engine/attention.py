@@ -9,8 +9,8 @@ Layout of one forward (B requests, T new tokens in total):
                     including the slots of its new tokens (written before attention).
   * ``custom_mask`` list of B bool tensors [q_len, kv_len] or None (None = causal, aligned to the end).
   * ``out_cache_loc`` [T] int64: the slot each new token's K/V is written to.
-  * ``tree_mask`` [B, n, n] bool on the device + ``prefix_lens`` (B host ints): a verify forward whose
-                    tree never left the device (``spec_device_tree``); request i's mask is then
+  * ``tree_mask`` [B, n, n] bool (where the tree is: host, or device with ``spec_device_tree``) +
+                    ``prefix_lens`` (B host ints): a verify forward; request i's mask is then
                     ``[n, prefix_lens[i] + n]`` = all committed tokens, then its tree block
                     (see :func:`request_masks`). ``custom_mask`` is None in that case.
 With ``pool=None`` (training / reference) each request attends causally to its own new tokens only.
@@ -32,13 +32,13 @@ class ForwardContext:
     pool: object = None                    # KVPool (kv_cache [layers][slots, 2, Hk, D]) or None
     mode: str = "extend"                   # extend | decode | verify
     backend_state: dict = field(default_factory=dict)
-    tree_mask: torch.Tensor | None = None  # [B, n, n] bool (device-resident verify tree), with prefix_lens
+    tree_mask: torch.Tensor | None = None  # [B, n, n] bool verify tree masks, with prefix_lens
     prefix_lens: list[int] | None = None
 
 
 def request_masks(ctx: ForwardContext) -> list[torch.Tensor | None]:
     """Per-request custom masks ``[q_len, kv_len]`` bool (None = causal): ``ctx.custom_mask``, or for a
-    device-resident tree ``cat(ones(n, L_i), tree_mask[i])`` built on ``tree_mask``'s device."""
+    verify tree ``cat(ones(n, L_i), tree_mask[i])`` built on ``tree_mask``'s device."""
     B = len(ctx.qo_indptr) - 1
     if ctx.tree_mask is not None:
         tm = ctx.tree_mask

@@ -198,7 +198,7 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------------------------ replay
     def can_run(self, ctx: ForwardContext) -> bool:
         q = self.q_len.get(ctx.mode)
-        if q is None:
+        if q is None or (ctx.mode == "verify" and ctx.tree_mask is None):   # verify graphs pack tree_mask
             return False
         qo = ctx.qo_indptr
         B = len(qo) - 1
@@ -224,17 +224,15 @@ class CudaGraphRunner:
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
         pad = bs - B                      # padding requests: q tokens attending to slot 0 only
         kvs = list(ctx.kv_indices) + [torch.zeros(q, dtype=torch.int64)] * pad
-        masks = packed = None
-        if kind != "decode" and ctx.tree_mask is not None:
+        packed = None
+        if kind != "decode":
             # pack tree masks where the tree is (Triton on the device, numpy on the host); padding: prefix 0, all ones
             tm = ctx.tree_mask
             if pad:
                 tm = torch.cat([tm, tm.new_ones(pad, q, q)])
             bits, byte_indptr = pack_verify_mask(tm, list(ctx.prefix_lens) + [0] * pad)
             packed = (h2d(bits, self.dev), byte_indptr)            # host tree: one pinned copy
-        elif kind != "decode":
-            masks = [m.cpu() for m in ctx.custom_mask] + [torch.ones(q, q, dtype=torch.bool)] * pad
-        self._plan(kind, bs, kvs, masks, packed)
+        self._plan(kind, bs, kvs, None, packed)
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
         h, res = self.outputs[(kind, bs)]

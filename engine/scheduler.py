@@ -201,7 +201,7 @@ class Scheduler:
             n = out["next_tokens"].shape[1]
             perm = commit_order(out["accept_nodes"], out["accept_lens"], n)     # all rows at once (numpy)
             alens = out["accept_lens"].tolist()
-            rt = self.req_to_token.numpy()                                       # shares memory
+            rt = self._rt_np
         trees = None
         if self.spec and "next_tokens" in out:     # one unbind per tensor instead of 3 index ops per request
             trees = list(zip(out["next_tokens"].unbind(0), out["next_parents"].unbind(0),

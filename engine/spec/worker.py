@@ -58,7 +58,8 @@ def _stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
         return h2d(torch.stack(rows), dev)
     if not host:
         return torch.stack(rows)
-    on_dev = [i for i in range(len(rows)) if i not in set(host)]
+    in_host = set(host)
+    on_dev = [i for i in range(len(rows)) if i not in in_host]
     out = torch.empty(len(rows), rows[0].shape[0], dtype=torch.int64, device=dev)
     out[h2d(torch.tensor(host), dev)] = h2d(torch.stack([rows[i] for i in host]), dev)
     out[h2d(torch.tensor(on_dev), dev)] = torch.stack([rows[i] for i in on_dev])
@@ -206,10 +207,11 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     spec, reqs = runner.spec, batch.reqs
     S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
     logits = runner.model.compute_logits(feature)                           # [B*n, V]
-    if all(r.params.greedy for r in reqs) and runner.device_tree:
+    greedy = all(r.params.greedy for r in reqs)
+    if greedy and runner.device_tree:
         # the tree lives on the device: walk it there (one Triton launch on CUDA), nothing read back yet
         res = verify_tree_greedy_any(tree, logits.argmax(-1).view(B, n), S)
-    elif all(r.params.greedy for r in reqs):
+    elif greedy:
         # The tree is host data (rebuilt from the relay on every stage): one device->host copy of the
         # target's argmax [B, n], then the walk runs on the host (numpy) instead of ~S*n*8 tiny device kernels.
         res = verify_tree_greedy_host(tree, logits.argmax(-1).view(B, n).cpu(), S)
