@@ -75,6 +75,6 @@ ficache)
   # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
   tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;
 tests)
-  timeout 450 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
+  timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;
 esac
