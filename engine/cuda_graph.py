@@ -416,6 +416,9 @@ class DraftGraphRunner:
         self.outputs[key] = out
 
     # ------------------------------------------------------------------------------------ replay
+    # Replays run under inference mode like the capture: FlashInfer's wrappers were built there, and their
+    # plan() writes in place into buffers they own (an inference tensor may not be updated outside it).
+    @torch.inference_mode()
     def run(self, last_hidden: torch.Tensor, rows: list[torch.Tensor], L_new: list[int]):
         """Replay for B = len(rows) requests; returns views (draft_tokens [B, n-1], parent_list [B, P],
         top_scores_index [B, n-1]) of the graph's outputs, valid until its next replay."""
@@ -429,6 +432,7 @@ class DraftGraphRunner:
         self.num_replays += 1
         return tuple(x[:B] for x in self.outputs[("beam", bs)])
 
+    @torch.inference_mode()
     def run_round(self, feature: torch.Tensor, fidx: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
                   locs: torch.Tensor, kv: list[torch.Tensor], last: torch.Tensor, rows: list[torch.Tensor],
                   L_new: list[int]):

@@ -35,9 +35,17 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 
 
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
-    """Whether a decode wrapper must use tensor cores: FlashInfer's CUDA-core decode kernel only
-    dispatches GQA group sizes 1/2/3/4."""
-    return num_qo_heads // num_kv_heads not in _CUDA_CORE_GROUPS
+    """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
+    GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
+    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read at each call; unset: never), where one tensor-core tile
+    serves all query heads of a KV head instead of one CUDA-core pass each.
+
+    Raises:
+        ValueError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer.
+    """
+    group = num_qo_heads // num_kv_heads
+    knob = os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "")
+    return group not in _CUDA_CORE_GROUPS or (knob != "" and group >= int(knob))
 
 
 # PPSPEC_FI_STRIDED_Q=1: hand FlashInfer q as the strided view of the QKV output (its batch kernels take

@@ -71,6 +71,26 @@ ab2)
   # where a Llama-3-8B-shape decode step goes (random weights, drawn on the GPU)
   timeout 150 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 \
       --batch 1 --overlap --profile "$out/l8b_b1_prof.txt" --out "$out/l8b_b1.json" 2>&1 | grep '^{' ;;
+ab3)
+  # session 5: the draft-extend graph after its inference-mode fix (GPU tests), then the chain with device tree +
+  # round graph and the kernel cuts; Llama-3-8B shape b=1/32: tensor-core decode for GQA group 4 x split-KV
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py \
+      -k "extend_graph or device_tree or rope_store or overlap" 2>&1 | grep -E "passed|failed|Error" | tail -5
+  export PPSPEC_ROPE_STORE=1 PPSPEC_FI_STRIDED_Q=1
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  timeout 100 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
+      --shape 3,1,4 --device-tree --extend-graph --label chain-dt-eg-cuts --out "$out/chain-dt-eg-cuts.json" 2>&1 | grep '^{\|Error'
+  timeout 80 python3 -m harness.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --device-tree \
+      --extend-graph --cprofile "$out/chain_b1_cprof.txt" --out "$out/chain_b1_cprof.json" 2>&1 | grep '^{\|Error'
+  L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1 --batch 32 --overlap"
+  for v in ":" "4:" "4:1"; do
+    tc=${v%%:*}; ns=${v#*:}
+    PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc PPSPEC_FI_DISABLE_SPLIT_KV=$ns timeout 100 python3 -m harness.decode_speed $L \
+        --label "l8b-tc$tc-nosplit$ns" --out "$out/l8b-tc$tc-ns$ns.json" 2>&1 | grep '^{\|Error'
+  done
+  PPSPEC_FI_DECODE_TC_MIN_GROUP=4 timeout 80 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy \
+      --input-len 128 --output-len 64 --batch 1 --overlap --profile "$out/l8b_b1_tc4_prof.txt" --out "$out/l8b_b1_tc4.json" \
+      2>&1 | grep '^{\|Error' ;;
 ficache)
   # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
   tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;

@@ -33,12 +33,14 @@ def test_pack_masks_layout():
     assert empty.size == 0 and ind.tolist() == [0] and ind.dtype == np.int32
 
 
-def test_page_table_flattens_host_lists():
+def test_page_table_flattens_host_lists(monkeypatch):
     from engine.flashinfer_backend import decode_tensor_cores, page_table
     indptr, indices = page_table([torch.tensor([5, 6, 7]), torch.tensor([9]), torch.zeros(2, dtype=torch.int64)], "cpu")
     assert indptr.tolist() == [0, 3, 4, 6] and indptr.dtype == torch.int32
     assert indices.tolist() == [5, 6, 7, 9, 0, 0] and indices.dtype == torch.int32
     assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, False, True]
+    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "4")
+    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, True, True]
 
 
 def test_graph_plan_arguments_with_padding():
