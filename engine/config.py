@@ -176,9 +176,11 @@ class EngineConfig:
     max_model_len: int | None = None      # context length (None: the model's)
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
-    cuda_graph_draft_extend: bool = False # EAGLE: capture the draft extend with the tail draft (one graph per round)
-    overlap_schedule: bool = False        # plain greedy decoding on one stage: launch step t+1 before reading step t
-    spec_device_tree: bool = False        # EAGLE on one stage (pp=1; ignored under PP, whose relay is host data):
+    # The three options below: None (auto) = on for device cuda, off on CPU (H200 A/B, results/gpu/session5).
+    cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
+                                          # per round)
+    overlap_schedule: bool | None = None  # plain greedy decoding on one stage: launch step t+1 before reading step t
+    spec_device_tree: bool | None = None  # EAGLE on one stage (pp=1; ignored under PP, whose relay is host data):
                                           # the draft tree stays on the device (Triton tree build / verify walk /
                                           # mask packing on CUDA), one device->host copy per round
     seed: int = 0
@@ -234,6 +236,24 @@ class EngineConfig:
             if self.spec.eagle_version == 3:
                 raise ConfigError("spec.eagle_version=3 is refused under PP until its auxiliary features "
                                   "are relayed between stages")
+
+    def _auto(self, value: bool | None) -> bool:
+        return bool(value) if value is not None else self.device.split(":")[0] == "cuda"
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        """``overlap_schedule`` resolved (None: on for CUDA)."""
+        return self._auto(self.overlap_schedule)
+
+    @property
+    def use_spec_device_tree(self) -> bool:
+        """``spec_device_tree`` resolved (None: on for CUDA); the runner still applies it to pp=1 only."""
+        return self._auto(self.spec_device_tree)
+
+    @property
+    def use_cuda_graph_draft_extend(self) -> bool:
+        """``cuda_graph_draft_extend`` resolved (None: on for CUDA; graphs need CUDA + flashinfer anyway)."""
+        return self._auto(self.cuda_graph_draft_extend)
 
     @property
     def world_size(self) -> int:

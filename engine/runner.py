@@ -48,9 +48,9 @@ class ModelRunner:
         spec = config.spec
         self.spec = spec if spec.enabled else None
         # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
-        self.device_tree = bool(self.spec) and config.spec_device_tree and s.pp_size == 1
+        self.device_tree = bool(self.spec) and config.use_spec_device_tree and s.pp_size == 1
         # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
-        self.reserve = spec.reserve_per_req if self.spec else (2 if config.overlap_schedule and s.pp_size == 1 else 1)
+        self.reserve = spec.reserve_per_req if self.spec else (2 if config.use_overlap_schedule and s.pp_size == 1 else 1)
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
@@ -189,7 +189,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         if self.draft is not None:
             from .cuda_graph import DraftGraphRunner
-            self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.cuda_graph_draft_extend)
+            self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.use_cuda_graph_draft_extend)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):

@@ -130,7 +130,7 @@ class Worker:
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         for req in reqs:
             sched.add(req)
-        if self.config.overlap_schedule and P == 1 and self.spec is None:
+        if self.config.use_overlap_schedule and P == 1 and self.spec is None:
             return self._run_overlap(reqs, progress)
         inbox: dict = {}
         tick, end_tick, finished = 0, None, 0

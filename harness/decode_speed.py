@@ -37,9 +37,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-graph", action="store_true")
-    ap.add_argument("--overlap", action="store_true", help="overlap schedule (plain greedy decoding, one stage)")
-    ap.add_argument("--extend-graph", action="store_true", help="EAGLE: draft extend + tail draft as one graph")
-    ap.add_argument("--device-tree", action="store_true", help="EAGLE, one stage: spec_device_tree (one D2H per round)")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap schedule (plain greedy decoding, one stage); unset: the engine default (on)")
+    ap.add_argument("--extend-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="EAGLE: draft extend + tail draft as one graph; unset: the engine default (on)")
+    ap.add_argument("--device-tree", action=argparse.BooleanOptionalAction, default=None,
+                    help="EAGLE, one stage: spec_device_tree (one D2H per round); unset: the engine default (on)")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default="3,1,4")
     ap.add_argument("--profile")
@@ -96,7 +99,8 @@ def main() -> None:
             tpots, ttft = [x["tpot"] for x in m], [x["ttft"] for x in m]
             acc = [x for o in outs for x in o.accept_lengths]
             row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
-                   "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": a.overlap, "extend_graph": a.extend_graph,
+                   "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": cfg.use_overlap_schedule,
+                   "extend_graph": cfg.use_cuda_graph_draft_extend, "device_tree": cfg.use_spec_device_tree,
                    "spec": a.shape if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}

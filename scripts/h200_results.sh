@@ -41,7 +41,7 @@ llama8b)
       --out /tmp/res8s/l8b_spec 2>&1 | grep -v Warning | tail -20 && tar czf "$out/llama8b_spec.tgz" -C /tmp/res8s . ;;
 ab)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
-  for o in "" --overlap; do
+  for o in --no-overlap --overlap; do
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
         --out "$out/plain$o.json" 2>&1 | grep '^{'
   done
@@ -59,7 +59,7 @@ ab)
   ;;
 ab2)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
-  for o in "" --extend-graph --device-tree "--device-tree --extend-graph"; do
+  for o in "--no-device-tree --no-extend-graph" "--no-device-tree --extend-graph" "--device-tree --no-extend-graph" "--device-tree --extend-graph"; do
     f=$(echo "chain$o" | tr -d ' ')
     timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
         --shape 3,1,4 $o --label "$f" --out "$out/$f.json" 2>&1 | grep '^{'

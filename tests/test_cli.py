@@ -305,3 +305,5 @@ def test_device_tree_under_pp_is_noted(draft_dir):
     assert c.engine.spec.enabled and c.engine.spec_device_tree
     assert "note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host" in c.notes
     assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
+    auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note
+    assert not any("spec_device_tree" in n for n in resolve(None, auto).notes)

@@ -189,10 +189,11 @@ def test_graph_eagle_matches_eager(setup):
 
 
 def test_rope_store_matches_two_kernel_path(setup, monkeypatch):
-    """PPSPEC_ROPE_STORE=1 (engine.rope_store: RoPE + KV store in one Triton kernel per layer), graphs on:
+    """PPSPEC_ROPE_STORE=1 (the default; engine.rope_store: RoPE + KV store in one Triton kernel per layer), graphs on:
     the same greedy tokens as FlashInfer RoPE + indexed store, up to bf16 near-ties; plain and EAGLE."""
     model, draft, prompts, logits = setup
     for d in (None, draft):
+        monkeypatch.setenv("PPSPEC_ROPE_STORE", "0")
         ref, _, _ = _generate(model, prompts, True, d)
         monkeypatch.setenv("PPSPEC_ROPE_STORE", "1")
         got, acc, r1 = _generate(model, prompts, True, d)

@@ -301,6 +301,19 @@ def test_overlap_schedule_tp2_ranks_stay_in_step(tiny_model_dir, tiny_prompts, r
     assert [o.token_ids for o in outs] == reference[:4]
 
 
+def test_gpu_options_default_on_for_cuda_only(monkeypatch):
+    """overlap_schedule, spec_device_tree and cuda_graph_draft_extend default to None (auto): on for device
+    cuda (they won the H200 A/B, results/gpu/session5), off on CPU; an explicit value wins either way."""
+    names = ("use_overlap_schedule", "use_spec_device_tree", "use_cuda_graph_draft_extend")
+    cpu = EngineConfig()
+    assert cpu.overlap_schedule is None and [getattr(cpu, n) for n in names] == [False] * 3
+    assert [getattr(EngineConfig(overlap_schedule=True, spec_device_tree=True, cuda_graph_draft_extend=True), n)
+            for n in names] == [True] * 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [getattr(EngineConfig(device="cuda"), n) for n in names] == [True] * 3
+    assert [getattr(EngineConfig(device="cuda:0", overlap_schedule=False), n) for n in names] == [False, True, True]
+
+
 def test_engine_config_spec_as_dict():
     """Regression: EngineConfig(spec={...}) raised AttributeError; a dict is taken as SpecConfig fields
     (as .replace(spec={...}) does), and a bad one is a one-line ConfigError."""
