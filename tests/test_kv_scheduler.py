@@ -56,24 +56,47 @@ def test_retraction_frees_everything():
     assert s.reqs[1].num_retractions == 1 and s.reqs[1].row == -1
 
 
-def test_allocator_check_large_pool_detects_corruption():
+def test_allocator_check_large_pool_detects_corruption(monkeypatch):
     """Regression: check() looped over the pool in Python (0.9 s per generate on a 3.1M-slot H200
     pool, inside the timed region). Vectorised, it must still catch each broken invariant."""
     a = SlotAllocator(3_000_000)
     a.alloc(10)
     a.free([3])
-    a.check()
+    a.check(full=True)
     a.free_slots.append(7)                                  # slot 7 is owned and also free
     with pytest.raises(KVCacheError, match="disagree"):
-        a.check()
+        a.check(full=True)
     a.free_slots.pop()
     a.free_slots.append(a.free_slots[0])                    # duplicate in the free list
+    with pytest.raises(KVCacheError, match="duplicate"):
+        a.check(full=True)
+    with pytest.raises(KVCacheError, match="disagree"):     # the default on a large pool: the count check
+        a.check()
+    monkeypatch.setenv("PPSPEC_KV_CHECK", "1")
     with pytest.raises(KVCacheError, match="duplicate"):
         a.check()
     a.free_slots.pop()
     a.owned[5] = 0                                          # owned count no longer matches num_used
     with pytest.raises(KVCacheError, match="disagree"):
         a.check()
+
+
+def test_allocator_check_default_depth():
+    """Regression: the end-of-generate check read the 5M-slot free list into numpy (0.08-0.1 s per generate
+    on the H200, inside bench's timed region): pools above FULL_CHECK_MAX_SLOTS get the count check only;
+    small pools (every CPU test) keep the full scan, which names a duplicate as such."""
+    small = SlotAllocator(1000)
+    small.alloc(4)
+    small.free_slots.append(small.free_slots[0])
+    with pytest.raises(KVCacheError, match="duplicate"):
+        small.check()
+    assert SlotAllocator.FULL_CHECK_MAX_SLOTS == 1 << 20
+    big = SlotAllocator(SlotAllocator.FULL_CHECK_MAX_SLOTS + 1)
+    big.alloc(3)
+    big.check()
+    big.owned[2] = 0
+    with pytest.raises(KVCacheError, match="disagree"):
+        big.check()
 
 
 def test_commit_order_accepted_first_then_rejected_in_node_order():
