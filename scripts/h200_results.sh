@@ -8,7 +8,7 @@
 #   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -91,6 +91,14 @@ ab3)
   PPSPEC_FI_DECODE_TC_MIN_GROUP=4 timeout 80 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy \
       --input-len 128 --output-len 64 --batch 1 --overlap --profile "$out/l8b_b1_tc4_prof.txt" --out "$out/l8b_b1_tc4.json" \
       2>&1 | grep '^{\|Error' ;;
+tc4)
+  # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
+  # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer
+  for tc in "" 4; do
+    PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc timeout 240 python3 -m harness bench --config h200_llama3_8b --no-peer --no-progress \
+        ${GPU_SETS:-} --out "/tmp/restc/tc$tc" 2>&1 | grep -E "TPOT mean|tok/s"
+  done
+  tar czf "$out/tc4.tgz" -C /tmp/restc . ;;
 ficache)
   # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
   tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;
