@@ -231,21 +231,28 @@ class Scheduler:
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
+        """Append a step's tokens to ``r`` until a stop or the length limit. ``accept_length`` (None for the
+        prefill token) is recorded as the number of tokens actually output: drafts accepted after an EOS, a stop
+        or the length limit are verified but never emitted, and do not count."""
         now = time.perf_counter() if self.record_times else 0.0
-        if accept_length is not None:
-            r.accept_lengths.append(accept_length)
         p = r.params
+        reason, n = None, 0
         for t in toks:
             r.output_ids.append(t)
             r.token_times.append(now)
+            n += 1
             if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
-                return self._finish(r, "stop")
-            if p.stop and self.detok is not None:
-                text = self.detok(r.output_ids[-16:])
-                if any(s in text for s in p.stop):
-                    return self._finish(r, "stop")
-            if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
-                return self._finish(r, "length")
+                reason = "stop"
+            elif p.stop and self.detok is not None and any(s in self.detok(r.output_ids[-16:]) for s in p.stop):
+                reason = "stop"
+            elif len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        if accept_length is not None:
+            r.accept_lengths.append(min(accept_length, n))
+        if reason is not None:
+            self._finish(r, reason)
 
     def _finish(self, r: Req, reason: str) -> None:
         r.status, r.finish_reason = "finished", reason

@@ -92,9 +92,13 @@ def load(config: str | None, ov: dict) -> RunConfig:
 
 
 def check_out(out: Path | None) -> None:
-    """Refuse an --out that exists and is not a directory before any work starts."""
+    """Refuse, before any work starts, an --out that exists and is not a directory, or that already holds a
+    finished result (its summary.json): a new run must not overwrite an earlier one."""
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise HarnessConfigError(f"--out {out} exists and is not a directory")
+    if out is not None and (Path(out) / "summary.json").is_file():
+        raise HarnessConfigError(f"--out {out} already holds a result (summary.json): choose another directory "
+                                 "or delete it first")
 
 
 @contextmanager
@@ -297,7 +301,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         with LLM(cfg.engine) as llm:
             o = llm.generate([prompt], SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))[0]
-        console.print(o.text, markup=False, highlight=False)
+        typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
         spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -109,4 +110,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from engine import ConfigError, EngineError
+    try:
+        main()
+    except (ConfigError, EngineError) as e:        # one line, like the ppspec CLI (e.g. no CUDA device here)
+        sys.exit(f"Error: {e}")

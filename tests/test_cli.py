@@ -282,6 +282,34 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path):
         assert r.exit_code == 2 and "exists and is not a directory" in r.output
 
 
+def test_out_holding_a_result_is_refused_and_kept(tmp_path):
+    """Regression (QA, session 5): gsm8k --out <an earlier run's directory> silently replaced that result."""
+    d = tmp_path / "earlier"
+    d.mkdir()
+    (d / "summary.json").write_text('{"kept": true}')
+    for cmd in ("gsm8k", "bench", "gate"):
+        r = runner.invoke(app, [cmd, "--out", str(d)])
+        assert r.exit_code == 2 and "already holds a result (summary.json)" in r.output, r.output
+    assert (d / "summary.json").read_text() == '{"kept": true}' and sorted(p.name for p in d.iterdir()) == ["summary.json"]
+
+
+def test_generate_prints_the_completion_unwrapped(fake_engine, monkeypatch):
+    """Regression (QA, session 5): generate printed through rich's console, which hard-wrapped the completion at
+    80 columns (inserting newlines and trailing spaces) when stdout was a pipe; markup-like text must stay too."""
+    text = " The answer is [bold]18[/bold] :smile: " + "because nine times two is eighteen, " * 8
+    orig = FakeLLM.generate
+
+    def long_text(self, *a, **kw):
+        outs = orig(self, *a, **kw)
+        for o in outs:
+            o.text = text
+        return outs
+    monkeypatch.setattr(FakeLLM, "generate", long_text)
+    r = runner.invoke(app, ["generate", "Hello", "--no-spec", "--max-new-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == text + "\n"
+
+
 def test_train_section_checked_before_training():
     """Regression: an unknown train.* key gave a traceback, a mistyped one failed only after the
     (minutes-long) self-distillation generation."""
@@ -307,3 +335,13 @@ def test_device_tree_under_pp_is_noted(draft_dir):
     assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
     auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note
     assert not any("spec_device_tree" in n for n in resolve(None, auto).notes)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only build")
+def test_decode_speed_without_gpu_is_one_line(tmp_path):
+    """Regression (QA, session 5): the GPU A/B tool ended in a ConfigError traceback on a CPU-only machine."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "harness.decode_speed", "--model", "smollm2", "--out", str(tmp_path / "o.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["Error: device=cuda but this torch build sees no CUDA device"]
+    assert not (tmp_path / "o.json").exists()

@@ -201,3 +201,19 @@ def test_stack_rows_mixed_host_and_device_rows():
     for host in ([], [0, 2], [1, 3, 4], [0, 1, 2, 3, 4]):
         got = _stack_rows(rows, host, torch.device("cpu"))
         assert torch.equal(got, want), host
+
+
+def test_accept_lengths_count_only_output_tokens(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Regression (QA, session 5): a round whose accepted drafts run past the length limit (or an EOS/stop)
+    recorded the full accept length, so sum(accept_lengths) exceeded the decoded tokens (19 for 18 in the README's
+    Engine API example). Now each round counts the tokens it output: 1 prefill token + sum(accept_lengths)."""
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in range(2, 2 + len(tiny_prompts))]
+    for shape in (CHAIN, TREE):
+        outs = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, shape, params)
+        assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]
+        assert [1 + sum(o.accept_lengths) for o in outs] == [len(o.token_ids) for o in outs]
+        assert max(a for o in outs for a in o.accept_lengths) > 1          # drafts were accepted
+    stop_tok = outs[3].token_ids[2]                                         # stop mid-way through a round
+    o = gen(tiny_model_dir, tiny_prompts[3:4], tiny_draft_dir, TREE,
+            SamplingParams(max_new_tokens=12, stop_token_ids=(stop_tok,)))[0]
+    assert o.finish_reason == "stop" and o.token_ids[-1] == stop_tok and 1 + sum(o.accept_lengths) == len(o.token_ids)
