@@ -68,7 +68,7 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
     cells = sorted({(c["input_len"], c["batch_size"]) for e in entries if "bench" in e for c in e["bench"]["cells"]})
     for L, B in cells:
         for label, key, kind in (("TTFT mean ms", "ttft", "ms"), ("TPOT mean ms", "tpot", "ms"),
-                                 ("TPOT p99 ms", "tpot", "ms99"), ("tok/s", "tps", "num")):
+                                 ("TPOT p99 ms", "tpot", "ms99"), ("tok/s", "tps", "num"), ("accept len", "acc", "num")):
             row = [f"{label} @bs{B} in{L}"]
             for e in entries:
                 c = next((c for c in e.get("bench", {}).get("cells", []) if (c["input_len"], c["batch_size"]) == (L, B)), None)
@@ -77,6 +77,9 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
                 elif key == "tps":
                     t = c["pooled"]["output_throughput_runs"]
                     row.append(fmt(sum(t) / len(t)) if t else "-")
+                elif key == "acc":                # bench-only sweeps had no acceptance row (QA, session 5)
+                    a = (c["pooled"].get("accept_length") or {}).get("mean")
+                    row.append(fmt(a) if a is not None else "-")
                 else:
                     row.append(fmt(c["pooled"][key]["p99" if kind == "ms99" else "mean"], "ms"))
             rows.append(row)

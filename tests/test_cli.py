@@ -212,6 +212,8 @@ def test_gsm8k_and_bench_write_results_with_fake_engine(tmp_path, fake_engine, d
     assert (tmp_path / "c" / "accept_length_hist.png").is_file()
     cmp = json.loads((tmp_path / "c" / "compare.json").read_text())
     assert cmp["paired_tests"][0]["mcnemar"]["discordant"] == 0
+    md = (tmp_path / "c" / "compare.md").read_text()          # bench cells carry their accept length (spec: 2)
+    assert "| accept len @bs2 in16 | - | 2.00 | - |" in md, md
 
 
 def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monkeypatch):
