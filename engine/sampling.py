@@ -1,6 +1,7 @@
 """Sampling parameters and the sampler (greedy, seeded temperature / top-k / top-p)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +29,20 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):          # None = none; one string / id = a one-element tuple
+            v = getattr(self, name)
+            v = () if v is None else (v,) if isinstance(v, (str, numbers.Integral)) else v
+            try:
+                v = tuple(v)
+            except TypeError:
+                raise ConfigError(f"{name} must be a list, a single value or None, got {v!r}") from None
+            if name == "stop" and not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"stop must hold strings, got {v!r}")
+            if name == "stop_token_ids":
+                if not all(isinstance(x, numbers.Integral) for x in v):
+                    raise ConfigError(f"stop_token_ids must hold token ids (int), got {v!r}")
+                v = tuple(int(x) for x in v)
+            object.__setattr__(self, name, v)
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,14 @@ def save_rows(out: str, rows: list[dict]) -> None:
     Path(out).write_text(json.dumps(rows, indent=1))
 
 
+def _shape(text: str) -> str:
+    """argparse type: ``S,k,n`` positive integers (kept as the string, which results record)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got {text!r}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -45,7 +53,7 @@ def main() -> None:
     ap.add_argument("--device-tree", action=argparse.BooleanOptionalAction, default=None,
                     help="EAGLE, one stage: spec_device_tree (one D2H per round); unset: the engine default (on)")
     ap.add_argument("--draft")
-    ap.add_argument("--shape", default="3,1,4")
+    ap.add_argument("--shape", default="3,1,4", type=_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--profile")
     ap.add_argument("--cprofile", help="write a cProfile (host time, cumulative) of the first batch's run here")
     ap.add_argument("--label", default="")

@@ -347,3 +347,7 @@ def test_decode_speed_without_gpu_is_one_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["Error: device=cuda but this torch build sees no CUDA device"]
     assert not (tmp_path / "o.json").exists()
+    r = subprocess.run([sys.executable, "-m", "harness.decode_speed", "--model", "smollm2", "--shape", "3,1",
+                        "--out", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "argument --shape: expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got '3,1'")

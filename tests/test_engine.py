@@ -301,6 +301,19 @@ def test_overlap_schedule_tp2_ranks_stay_in_step(tiny_model_dir, tiny_prompts, r
     assert [o.token_ids for o in outs] == reference[:4]
 
 
+def test_sampling_params_stop_forms():
+    """Regression (QA, session 5): SamplingParams(stop=None) raised TypeError; None means none, a single value is a
+    one-element tuple, and wrong element types are a one-line ConfigError."""
+    import numpy as np
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == () == SamplingParams(stop_token_ids=None).stop_token_ids
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",) and SamplingParams(stop_token_ids=np.int64(7)).stop_token_ids == (7,)
+    assert SamplingParams(stop_token_ids=[np.int32(2), 5]).stop_token_ids == (2, 5)
+    for bad, msg in ((dict(stop=3.5), "stop must be a list"), (dict(stop=[1]), "stop must hold strings"),
+                     (dict(stop_token_ids=["a"]), "stop_token_ids must hold token ids")):
+        with pytest.raises(ConfigError, match=msg):
+            SamplingParams(**bad)
+
+
 def test_gpu_options_default_on_for_cuda_only(monkeypatch):
     """overlap_schedule, spec_device_tree and cuda_graph_draft_extend default to None (auto): on for device
     cuda (they won the H200 A/B, results/gpu/session5), off on CPU; an explicit value wins either way."""
