@@ -6,7 +6,6 @@ accepted tree path is an index rewrite, never a KV copy). Slot 0 is a padding sl
 from __future__ import annotations
 
 import os
-
 from collections import deque
 
 import numpy as np

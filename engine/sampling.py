@@ -9,6 +9,22 @@ import torch
 from .config import ConfigError
 
 
+def _tuple_of(name: str, value, kind: type, what: str) -> tuple:
+    """``value`` as a tuple: None = none, one string / int = a one-element tuple, else its items, each a ``kind``.
+
+    Raises:
+        ConfigError: not iterable, or an item is not a ``kind`` (named ``what``).
+    """
+    value = () if value is None else (value,) if isinstance(value, (str, numbers.Integral)) else value
+    try:
+        value = tuple(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be a list, a single value or None, got {value!r}") from None
+    if not all(isinstance(x, kind) for x in value):
+        raise ConfigError(f"{name} must hold {what}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation controls. temperature 0 = greedy."""
@@ -29,20 +45,9 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("stop", "stop_token_ids"):          # None = none; one string / id = a one-element tuple
-            v = getattr(self, name)
-            v = () if v is None else (v,) if isinstance(v, (str, numbers.Integral)) else v
-            try:
-                v = tuple(v)
-            except TypeError:
-                raise ConfigError(f"{name} must be a list, a single value or None, got {v!r}") from None
-            if name == "stop" and not all(isinstance(x, str) for x in v):
-                raise ConfigError(f"stop must hold strings, got {v!r}")
-            if name == "stop_token_ids":
-                if not all(isinstance(x, numbers.Integral) for x in v):
-                    raise ConfigError(f"stop_token_ids must hold token ids (int), got {v!r}")
-                v = tuple(int(x) for x in v)
-            object.__setattr__(self, name, v)
+        object.__setattr__(self, "stop", _tuple_of("stop", self.stop, str, "strings"))
+        ids = _tuple_of("stop_token_ids", self.stop_token_ids, numbers.Integral, "token ids (int)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in ids))
 
     @property
     def greedy(self) -> bool:

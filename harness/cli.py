@@ -94,9 +94,11 @@ def load(config: str | None, ov: dict) -> RunConfig:
 def check_out(out: Path | None) -> None:
     """Refuse, before any work starts, an --out that exists and is not a directory, or that already holds a
     finished result (its summary.json): a new run must not overwrite an earlier one."""
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
+    if out is None:
+        return
+    if Path(out).exists() and not Path(out).is_dir():
         raise HarnessConfigError(f"--out {out} exists and is not a directory")
-    if out is not None and (Path(out) / "summary.json").is_file():
+    if (Path(out) / "summary.json").is_file():
         raise HarnessConfigError(f"--out {out} already holds a result (summary.json): choose another directory "
                                  "or delete it first")
 

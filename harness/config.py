@@ -5,6 +5,7 @@ field in one line; the merged result is validated by the dataclasses (and by Eng
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import hashlib
@@ -147,6 +148,19 @@ def _positive(section: str, **vals: int | None) -> None:
     for k, v in vals.items():
         if v is not None and v < 1:
             raise HarnessConfigError(f"{section}.{k}: must be >= 1, got {v}")
+
+
+def spec_shape(text: str) -> tuple[int, int, int]:
+    """argparse type of the dev tools' ``--shape``: EAGLE ``num_steps,topk,num_draft_tokens``, positive ints.
+
+    Raises:
+        argparse.ArgumentTypeError: not three positive integers.
+    """
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got {text!r}")
+    S, k, n = (int(p) for p in parts)
+    return S, k, n
 
 
 def _type_name(hint: Any) -> str:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.config import spec_shape
+
 
 def emit(rows: list[dict], row: dict) -> None:
     """Keep a probe row and print it as one JSON line (the device tool's log is grepped for them)."""
@@ -26,14 +28,6 @@ def emit(rows: list[dict], row: dict) -> None:
 def save_rows(out: str, rows: list[dict]) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(rows, indent=1))
-
-
-def _shape(text: str) -> str:
-    """argparse type: ``S,k,n`` positive integers (kept as the string, which results record)."""
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got {text!r}")
-    return text
 
 
 def main() -> None:
@@ -53,7 +47,7 @@ def main() -> None:
     ap.add_argument("--device-tree", action=argparse.BooleanOptionalAction, default=None,
                     help="EAGLE, one stage: spec_device_tree (one D2H per round); unset: the engine default (on)")
     ap.add_argument("--draft")
-    ap.add_argument("--shape", default="3,1,4", type=_shape, help="EAGLE num_steps,topk,num_draft_tokens")
+    ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--profile")
     ap.add_argument("--cprofile", help="write a cProfile (host time, cumulative) of the first batch's run here")
     ap.add_argument("--label", default="")
@@ -61,7 +55,7 @@ def main() -> None:
     a = ap.parse_args()
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.stats import request_metrics
-    S, k, n = (int(x) for x in a.shape.split(","))
+    S, k, n = a.shape
     spec = SpecConfig("eagle", a.draft, S, k, n) if a.draft else SpecConfig()
     bmax = max(a.batch or [1])
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
@@ -110,7 +104,7 @@ def main() -> None:
             row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
                    "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": cfg.use_overlap_schedule,
                    "extend_graph": cfg.use_cuda_graph_draft_extend, "device_tree": cfg.use_spec_device_tree,
-                   "spec": a.shape if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
+                   "spec": ",".join(map(str, a.shape)) if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}
             emit(rows, row)

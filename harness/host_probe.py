@@ -14,6 +14,8 @@ import random
 
 import torch
 
+from harness.config import spec_shape
+
 STUB_VOCAB = 512
 
 
@@ -47,7 +49,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--shape", default="3,1,4", help="EAGLE num_steps,topk,num_draft_tokens")
+    ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
     _stub_runner(max(a.batch or [1]) * a.input_len + 64, 576)
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.decode_speed import emit, save_rows
-    S, k, n = (int(x) for x in a.shape.split(","))
+    S, k, n = a.shape
     spec = SpecConfig() if a.no_spec else SpecConfig("eagle", "drafts/smollm2-eagle", S, k, n)
     cfg = EngineConfig(model="suites/shapes/smollm2-135m", load_format="dummy", device="cpu", dtype="float32",
                        spec=spec, max_num_tokens=400_000, max_prefill_tokens=200_000,
@@ -69,7 +71,7 @@ def main() -> None:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True))
             # per step (decode step or spec round) after the first token: the prefill is left out
             per = [(o.token_times[-1] - o.token_times[0]) / max(1, len(o.accept_lengths) - 1) for o in outs]
-            row = {"batch": B, "spec": None if a.no_spec else a.shape, "steps": max(len(o.accept_lengths) for o in outs),
+            row = {"batch": B, "spec": None if a.no_spec else ",".join(map(str, a.shape)), "steps": max(len(o.accept_lengths) for o in outs),
                    "host_ms_per_step": 1e3 * sum(per) / len(per), "note": "model forwards stubbed (host work only)"}
             emit(rows, row)
     save_rows(a.out, rows)

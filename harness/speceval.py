@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 
+from harness.config import spec_shape
+
 
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
              device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--offset", type=int, default=0, help="skip the first N prompts")
     ap.add_argument("--max-concurrency", type=int)
-    ap.add_argument("--shape", action="append", default=[])
+    ap.add_argument("--shape", action="append", default=[], type=spec_shape)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="auto")
@@ -70,8 +72,7 @@ def main() -> None:
     a = ap.parse_args()
     prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][a.offset:]
     prompts = prompts[:a.limit]
-    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shape]
-    res = evaluate(a.model, a.draft, prompts, shapes, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
+    res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
                    a.max_concurrency)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
