@@ -156,10 +156,12 @@ def spec_shape(text: str) -> tuple[int, int, int]:
     Raises:
         argparse.ArgumentTypeError: not three positive integers.
     """
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    try:
+        S, k, n = (int(p) for p in text.split(","))
+    except ValueError:                            # not three integers (unpacking or int())
+        S = k = n = 0
+    if min(S, k, n) < 1:
         raise argparse.ArgumentTypeError(f"expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got {text!r}")
-    S, k, n = (int(p) for p in parts)
     return S, k, n
 
 

@@ -351,3 +351,15 @@ def test_decode_speed_without_gpu_is_one_line(tmp_path):
                         "--out", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "argument --shape: expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got '3,1'")
+
+
+def test_spec_shape_parser():
+    """The dev tools' shared --shape type: three positive ints; '³' (isdigit but not int()) used to escape the
+    named message (QA, session 5)."""
+    import argparse
+
+    from harness.config import spec_shape
+    assert spec_shape("3,1,4") == (3, 1, 4) and spec_shape(" 4, 4,12") == (4, 4, 12)
+    for bad in ("3,1", "3,x", "0,1,4", "\u00b3,1,4", "1,2,3,4", "-1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected num_steps,topk,num_draft_tokens \(e.g. 3,1,4\)"):
+            spec_shape(bad)
