@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import rope_store
+from . import rope_store, skinny
 from .attention import get_backend, get_context
 from .config import ModelConfig
-from .dist import ps
+from .dist import ps, tp_all_reduce
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
                      VocabParallelEmbedding, silu_and_mul)
 
@@ -43,8 +43,12 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        """x [T, H] (normed) -> attention output after o_proj [T, H]."""
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hk) D] -> attention output before o_proj [T, Hq D] (stores k, v in the pool)."""
+        T = qkv.shape[0]
         q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.q_norm is None and rope_store.enabled(qkv):
             ctx = get_context()
@@ -53,8 +57,7 @@ class Attention(nn.Module):
                 rope_store.rope_store(positions, qkv, self.rotary.cos_sin, ctx.pool.kv_cache[self.layer_id],
                                       ctx.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim)
                 q = qkv[:, :q_sz].view(T, self.num_heads, self.head_dim)
-                o = get_backend().forward(q, None, None, self.layer_id, self.scale)
-                return self.o_proj(o.reshape(T, q_sz))
+                return get_backend().forward(q, None, None, self.layer_id, self.scale).reshape(T, q_sz)
         q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -63,8 +66,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         # k and v stay views of qkv (RoPE rotates in place on the GPU): the pool stores both in one copy
-        o = get_backend().forward(q, k, v, self.layer_id, self.scale)
-        return self.o_proj(o.reshape(T, q_sz))
+        return get_backend().forward(q, k, v, self.layer_id, self.scale).reshape(T, q_sz)
 
 
 class MLP(nn.Module):
@@ -87,18 +89,36 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, residual):
+        """hidden, residual [T, H] (residual None on the first layer) -> (mlp output, new residual).
+
+        At decode sizes on the GPU (``skinny.enabled``) add-RMSNorm folds into the QKV and gate_up GEMMs
+        and SiLU-and-mul into down_proj (engine/skinny.py); otherwise FlashInfer / torch kernels run."""
+        attn, mlp = self.self_attn, self.mlp
+        fused = skinny.enabled(hidden)
         if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
             if residual is not None:
                 hidden = hidden + residual
             x = residual = hidden
-        elif residual is None:
-            residual = hidden
-            x = self.input_layernorm(hidden)
+            qkv = attn.qkv_proj(x)
+        elif fused:
+            ln = self.input_layernorm
+            qkv, residual = skinny.norm_linear(hidden, residual, ln.weight, ln.eps,
+                                               attn.qkv_proj.weight, attn.qkv_proj.bias)
         else:
-            x, residual = self.input_layernorm(hidden, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            if residual is None:
+                residual = hidden
+                x = self.input_layernorm(hidden)
+            else:
+                x, residual = self.input_layernorm(hidden, residual)
+            qkv = attn.qkv_proj(x)
+        o = attn.attend(positions, qkv)
+        if not fused:
+            x, residual = self.post_attention_layernorm(attn.o_proj(o), residual)
+            return mlp(x), residual
+        o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight)) if skinny.fuse_o() else attn.o_proj(o)
+        post = self.post_attention_layernorm
+        gu, residual = skinny.norm_linear(o, residual, post.weight, post.eps, mlp.gate_up_proj.weight)
+        return tp_all_reduce(skinny.silu_linear(gu, mlp.down_proj.weight)), residual
 
 
 def load_layer_weight(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:

@@ -1,0 +1,196 @@
+"""Skinny GEMMs with fused prologues (Triton): the decode-time linears of a Llama layer, few rows each.
+
+At decode batch sizes a layer's GEMMs read their weights once and are bound by memory or by launch
+latency, and the element-wise kernels between them (add-RMSNorm, SiLU-and-mul) are separate launches
+of a few microseconds each (issue 7: SmolLM2 at b=1 runs ~12 kernels per layer, each near its
+per-kernel floor). These kernels fold the element-wise step into the GEMM that consumes it, so a
+layer runs 6 launches instead of 9-12 (same idea as the fused-prologue GEMMs of gpt-fast's compiled
+decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
+
+  * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (bf16 round), y = rmsnorm(h) W^T (+ bias);
+    returns (y, h). Replaces add-RMSNorm then the QKV / gate_up / lm_head GEMM. Without a residual: h = x.
+  * ``silu_linear(gu, W)``: y = (silu(gu[:, :I]) * gu[:, I:]) W^T. Replaces SiLU-and-mul then down_proj.
+  * ``linear(x, W)``: y = x W^T, no prologue (o_proj): no cuBLAS split-K reduce kernel.
+
+Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
+(nn.Linear layout, contiguous), bias [N] or None, gu [M, 2I]; the outputs [M, N] / [M, K] are fresh
+tensors of x's dtype (the residual is never updated in place: other programs still read it). Accumulation
+and the RMS statistics are float32; the normalised activation is rounded to the input dtype before the
+product, as the unfused path (FlashInfer's norm kernel, then cuBLAS) does.
+
+Each program owns BLOCK_N output columns for BLOCK_M (16: the smallest ``tl.dot`` tile) rows and
+streams its [BLOCK_N, K] weight strip once; the prologue is recomputed per program from the [M, K]
+activations (L2-resident, a few KB). The norm prologue makes a first pass over the row for the
+statistics. Rows beyond M are masked (no traffic).
+
+Dispatch: :func:`enabled` (CUDA bf16/fp16 or Triton's CPU interpreter, ``PPSPEC_SKINNY`` = 1,
+M <= ``PPSPEC_SKINNY_MAX_M`` (default 16)). Block sizes: :func:`pick_config`, overridable with
+``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
+Raises ValueError for layouts the kernels do not take (the caller then keeps the unfused path).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:                                 # noqa: BLE001 - no Triton: callers use the unfused path
+    triton = None
+
+MODE_PLAIN, MODE_NORM, MODE_SILU = 0, 1, 2
+num_launches = 0                                  # kernel launches in this process (tests check the path ran)
+
+
+def max_rows() -> int:
+    return int(os.environ.get("PPSPEC_SKINNY_MAX_M", "16"))
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the fused skinny kernels take activations ``x`` [M, K] (see the module docstring)."""
+    if triton is None or os.environ.get("PPSPEC_SKINNY", "0") != "1" or x.dim() != 2:
+        return False
+    if x.shape[0] > max_rows():
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    from .kernels import use_fused
+    return use_fused(x)
+
+
+def fuse_o() -> bool:
+    """o_proj through :func:`linear` as well (``PPSPEC_SKINNY_O``, default 1) when the layer is fused."""
+    return os.environ.get("PPSPEC_SKINNY_O", "1") == "1"
+
+
+def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M, K] x [K, N] skinny GEMM.
+
+    Heuristic: narrow column strips (16) so that even N = 1-4K gives >= 2 programs per H200 SM, and a
+    deep K tile so each program keeps several 8 KB weight loads in flight."""
+    env = os.environ.get("PPSPEC_SKINNY_CFG")
+    if env:
+        bn, bk, w, s = (int(v) for v in env.split(","))
+        return bn, bk, w, s
+    bk = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
+    return 16, bk, 4, 3
+
+
+if triton is not None:
+    @triton.jit
+    def _skinny_kernel(x_ptr, stride_xm, r_ptr, stride_rm, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr,
+                       stride_ym, M, N, K, eps,
+                       MODE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < M
+        mn = rn < N
+        xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+        rrow = r_ptr + rm.to(tl.int64)[:, None] * stride_rm
+        hrow = h_ptr + rm.to(tl.int64)[:, None] * K
+        wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+        dt = x_ptr.dtype.element_ty
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MODE == 1:
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                m2 = mm[:, None] & (kk < K)[None, :]
+                h = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    h = h + tl.load(rrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                    h = h.to(dt).to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            mk = kk < K
+            m2 = mm[:, None] & mk[None, :]
+            if MODE == 1:
+                h = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    h = h + tl.load(rrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                    if pid_n == 0:
+                        tl.store(hrow + kk[None, :], h.to(dt), mask=m2)
+                    h = h.to(dt).to(tl.float32)
+                g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+                a = ((h * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
+            elif MODE == 2:
+                gate = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                up = tl.load(xrow + K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dt)
+            else:
+                a = tl.load(xrow + kk[None, :], mask=m2, other=0.0)
+            w = tl.load(wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])
+
+
+def _launch(mode: int, x: torch.Tensor, w: torch.Tensor, residual=None, gamma=None, eps: float = 0.0,
+            bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if triton is None:
+        raise ValueError("skinny GEMM: Triton is not importable")
+    M = x.shape[0]
+    N, K = w.shape
+    kx = 2 * K if mode == MODE_SILU else K
+    if x.dim() != 2 or x.shape[1] != kx or x.stride(1) != 1:
+        raise ValueError(f"skinny GEMM: x {tuple(x.shape)} / strides {x.stride()} do not match W {tuple(w.shape)}")
+    if not w.is_contiguous() or w.dtype != x.dtype:
+        raise ValueError("skinny GEMM: W must be contiguous and of x's dtype")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"skinny GEMM: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    h = torch.empty(M, K, dtype=x.dtype, device=x.device) if residual is not None else None
+    if M == 0:
+        return y, h
+    global num_launches
+    num_launches += 1
+    bn, bk, warps, stages = pick_config(M, N, K)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, 16))
+    _skinny_kernel[grid](
+        x, x.stride(0), residual if residual is not None else x,
+        residual.stride(0) if residual is not None else 0, h if h is not None else y,
+        gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, y.stride(0),
+        M, N, K, float(eps), MODE=mode, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y, h
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                w: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T + bias [M, N], x + residual [M, K]); without residual the second item is x."""
+    y, h = _launch(MODE_NORM, x, w, residual=residual, gamma=gamma, eps=eps, bias=bias)
+    return y, (h if h is not None else x)
+
+
+def silu_linear(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(silu(gu[:, :I]) * gu[:, I:]) W^T: gu [M, 2I], W [N, I] -> [M, N]."""
+    return _launch(MODE_SILU, gu, w)[0]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias): x [M, K], W [N, K] -> [M, N]."""
+    return _launch(MODE_PLAIN, x, w, bias=bias)[0]
+
+
+def reference(mode: int, x, w, residual=None, gamma=None, eps: float = 0.0, bias=None):
+    """The unfused torch computation each mode replaces (the test oracle): (y, h or None)."""
+    from .kernels import rmsnorm_ref
+    import torch.nn.functional as F
+    if mode == MODE_NORM:
+        h = x + residual if residual is not None else x
+        return F.linear(rmsnorm_ref(h, gamma, eps), w, bias), (h if residual is not None else None)
+    if mode == MODE_SILU:
+        g, u = x.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, w), None
+    return F.linear(x, w, bias), None
