@@ -1,0 +1,121 @@
+"""GPU microbenchmark of one decoder layer's linears at decode sizes (issue 7 development): the unfused path
+(FlashInfer add-RMSNorm / SiLU-and-mul + cuBLAS) against engine.skinny's fused kernels per block config.
+
+  python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json
+
+Each op is captured in a CUDA graph over enough distinct weight copies (>= 256 MB in all) that every call
+reads its weights from HBM, as consecutive layers do in a real step; the graph is replayed 20 times and
+timed with CUDA events. Printed per op and row count: microseconds per call and weight GB/s.
+Raises SystemExit with one line when no CUDA device is present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+CONFIGS = [(16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 8, 3)]
+
+
+def _time_graph(fn, calls: int, reps: int = 20) -> float:
+    """Mean microseconds per call of ``fn(i)`` for i in range(calls), replayed from one CUDA graph."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(calls, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / (reps * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="a directory with config.json (shape only)")
+    ap.add_argument("--rows", type=int, action="append", default=[])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("Error: kernel_bench needs a CUDA device")
+    import torch.nn.functional as F
+    os.environ["PPSPEC_SKINNY"] = "1"
+    from engine import kernels, skinny
+    cfg = json.loads((Path(a.model) / "config.json").read_text())
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ops = [("qkv", skinny.MODE_NORM, q + 2 * kv, H), ("o", skinny.MODE_PLAIN, H, q),
+           ("gate_up", skinny.MODE_NORM, 2 * I, H), ("down", skinny.MODE_SILU, H, I)]
+    rows = []
+    with torch.inference_mode():
+        for name, mode, N, K in ops:
+            copies = max(2, math.ceil((256 << 20) / (N * K * 2)))
+            ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+            gamma = torch.ones(K, device=dev, dtype=dt)
+            for M in a.rows or [1]:
+                kx = 2 * K if mode == skinny.MODE_SILU else K
+                x = torch.randn(M, kx, device=dev, dtype=dt)
+                r = torch.randn(M, K, device=dev, dtype=dt)
+                xs, rs = [x.clone() for _ in range(copies)], [r.clone() for _ in range(copies)]
+
+                def unfused(i):
+                    if mode == skinny.MODE_NORM:
+                        h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
+                        return F.linear(h, ws[i])
+                    if mode == skinny.MODE_SILU:
+                        return F.linear(kernels.silu_and_mul(x), ws[i])
+                    return F.linear(x, ws[i])
+
+                def fused(i):
+                    if mode == skinny.MODE_NORM:
+                        return skinny.norm_linear(x, r, gamma, 1e-5, ws[i])[0]
+                    if mode == skinny.MODE_SILU:
+                        return skinny.silu_linear(x, ws[i])
+                    return skinny.linear(x, ws[i])
+                gb = N * K * 2 / 1e3
+                row = {"op": name, "M": M, "N": N, "K": K, "unfused_us": _time_graph(unfused, copies)}
+                row["unfused_GBps"] = gb / row["unfused_us"]
+                best = None
+                for c in CONFIGS:
+                    os.environ["PPSPEC_SKINNY_CFG"] = ",".join(map(str, c))
+                    try:
+                        us = _time_graph(fused, copies)
+                    except Exception as e:                # noqa: BLE001 - a config that does not compile: skip it
+                        row[f"cfg{c}"] = f"error: {type(e).__name__}"
+                        continue
+                    row[f"cfg{c}"] = round(us, 2)
+                    if best is None or us < best[1]:
+                        best = (c, us)
+                os.environ.pop("PPSPEC_SKINNY_CFG", None)
+                if best is not None:
+                    row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
+                    row["fused_GBps"] = gb / best[1]
+                    ref = skinny.reference(mode, x, ws[0], r if mode == skinny.MODE_NORM else None, gamma,
+                                           1e-5)[0].float()
+                    got = fused(0).float()
+                    row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del ws
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
