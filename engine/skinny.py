@@ -8,24 +8,30 @@ layer runs 6 launches instead of 9-12 (same idea as the fused-prologue GEMMs of 
 decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
 
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (bf16 round), y = rmsnorm(h) W^T (+ bias);
-    returns (y, h). Replaces add-RMSNorm then the QKV / gate_up / lm_head GEMM. Without a residual: h = x.
-  * ``silu_linear(gu, W)``: y = (silu(gu[:, :I]) * gu[:, I:]) W^T. Replaces SiLU-and-mul then down_proj.
-  * ``linear(x, W)``: y = x W^T, no prologue (o_proj): no cuBLAS split-K reduce kernel.
+    returns (y, h). Replaces add-RMSNorm then the QKV GEMM. Without a residual: h = x.
+  * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u: add-RMSNorm, the
+    gate_up GEMM and SiLU-and-mul in one launch (each program owns matching gate and up columns).
+  * ``linear(x, W)``: y = x W^T, no prologue (o_proj, down_proj): no cuBLAS split-K reduce kernel.
+
+The RMS statistic is accumulated in the same K loop as the product and applied at the end
+(rmsnorm(h) W^T = rstd * ((h * gamma) W^T), rstd per row): one pass over the activations, so the weight
+loads stay software-pipelined (the first version, with a statistics pass first and SiLU-and-mul applied to
+down_proj's input inside its K loop, measured 1.4x and 7.5x the unfused time at the 8B shape on the H200).
 
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
-(nn.Linear layout, contiguous), bias [N] or None, gu [M, 2I]; the outputs [M, N] / [M, K] are fresh
+(nn.Linear layout, contiguous), bias [N] or None; the outputs [M, N] / [M, K] are fresh
 tensors of x's dtype (the residual is never updated in place: other programs still read it). Accumulation
-and the RMS statistics are float32; the normalised activation is rounded to the input dtype before the
-product, as the unfused path (FlashInfer's norm kernel, then cuBLAS) does.
+and the RMS statistics are float32; h * gamma is rounded to the input dtype before the product and the
+row scale applied in float32 after it (the unfused path rounds h * rstd * gamma instead: bf16-level
+differences).
 
 Each program owns BLOCK_N output columns for BLOCK_M (16: the smallest ``tl.dot`` tile) rows and
 streams its [BLOCK_N, K] weight strip once; the prologue is recomputed per program from the [M, K]
-activations (L2-resident, a few KB). The norm prologue makes a first pass over the row for the
-statistics. Rows beyond M are masked (no traffic).
+activations (L2-resident, a few KB). Rows beyond M are masked (no traffic).
 
-Dispatch: :func:`enabled` (CUDA bf16/fp16 or Triton's CPU interpreter, ``PPSPEC_SKINNY`` = 1,
-M <= ``PPSPEC_SKINNY_MAX_M`` (default 16)). Block sizes: :func:`pick_config`, overridable with
-``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
+Dispatch: :func:`use` per linear (CUDA bf16/fp16 or Triton's CPU interpreter, ``PPSPEC_SKINNY`` = 1,
+M <= ``PPSPEC_SKINNY_MAX_M`` (default 16), weight size <= ``PPSPEC_SKINNY_MAX_W``). Block sizes:
+:func:`pick_config`, overridable with ``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
 Raises ValueError for layouts the kernels do not take (the caller then keeps the unfused path).
 """
 from __future__ import annotations
@@ -40,7 +46,6 @@ try:
 except Exception:                                 # noqa: BLE001 - no Triton: callers use the unfused path
     triton = None
 
-MODE_PLAIN, MODE_NORM, MODE_SILU = 0, 1, 2
 num_launches = 0                                  # kernel launches in this process (tests check the path ran)
 
 
@@ -60,12 +65,14 @@ def enabled(x: torch.Tensor) -> bool:
     return use_fused(x)
 
 
-def fuse_o() -> bool:
-    """o_proj through :func:`linear` as well (``PPSPEC_SKINNY_O``, default 1) when the layer is fused."""
-    return os.environ.get("PPSPEC_SKINNY_O", "1") == "1"
+def use(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the linear with weight ``w`` [N, K] takes the skinny kernel for activations ``x``: :func:`enabled`
+    and ``w`` has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: the H200 kernel bench,
+    results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights)."""
+    return enabled(x) and w.numel() <= int(os.environ.get("PPSPEC_SKINNY_MAX_W", str(1 << 22)))
 
 
-def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+def pick_config(M: int, N: int, K: int, gated: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M, K] x [K, N] skinny GEMM.
 
     Heuristic: narrow column strips (16) so that even N = 1-4K gives >= 2 programs per H200 SM, and a
@@ -82,7 +89,7 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, stride_xm, r_ptr, stride_rm, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr,
                        stride_ym, M, N, K, eps,
-                       MODE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -95,55 +102,57 @@ if triton is not None:
         rrow = r_ptr + rm.to(tl.int64)[:, None] * stride_rm
         hrow = h_ptr + rm.to(tl.int64)[:, None] * K
         wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+        urow = w_ptr + (rn + N).to(tl.int64)[:, None] * stride_wn          # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if MODE == 1:
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                m2 = mm[:, None] & (kk < K)[None, :]
-                h = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    h = h + tl.load(rrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                    h = h.to(dt).to(tl.float32)
-                ss += tl.sum(h * h, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             mk = kk < K
             m2 = mm[:, None] & mk[None, :]
-            if MODE == 1:
+            if NORM:
                 h = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
                 if HAS_RES:
                     h = h + tl.load(rrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
                     if pid_n == 0:
                         tl.store(hrow + kk[None, :], h.to(dt), mask=m2)
                     h = h.to(dt).to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
                 g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-                a = ((h * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
-            elif MODE == 2:
-                gate = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                up = tl.load(xrow + K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dt)
+                a = (h * g[None, :]).to(dt)
             else:
                 a = tl.load(xrow + kk[None, :], mask=m2, other=0.0)
             w = tl.load(wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             acc += tl.dot(a, tl.trans(w))
+            if GATED:
+                u = tl.load(urow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+                acc_u += tl.dot(a, tl.trans(u))
+        if NORM:
+            # rmsnorm(h) W^T = rstd * ((h * gamma) W^T): the per-row scale leaves the K loop (one pass)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            acc = acc * rstd[:, None]
+            acc_u = acc_u * rstd[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            gq = acc.to(dt).to(tl.float32)
+            acc = gq / (1.0 + tl.exp(-gq)) * acc_u.to(dt).to(tl.float32)
         tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mm[:, None] & mn[None, :])
 
 
-def _launch(mode: int, x: torch.Tensor, w: torch.Tensor, residual=None, gamma=None, eps: float = 0.0,
-            bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=None, gamma=None,
+            eps: float = 0.0, bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if triton is None:
         raise ValueError("skinny GEMM: Triton is not importable")
     M = x.shape[0]
     N, K = w.shape
-    kx = 2 * K if mode == MODE_SILU else K
-    if x.dim() != 2 or x.shape[1] != kx or x.stride(1) != 1:
+    if gated:
+        if N % 2:
+            raise ValueError(f"skinny GEMM: gate_up weight {tuple(w.shape)} has an odd row count")
+        N //= 2
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
         raise ValueError(f"skinny GEMM: x {tuple(x.shape)} / strides {x.stride()} do not match W {tuple(w.shape)}")
     if not w.is_contiguous() or w.dtype != x.dtype:
         raise ValueError("skinny GEMM: W must be contiguous and of x's dtype")
@@ -155,13 +164,13 @@ def _launch(mode: int, x: torch.Tensor, w: torch.Tensor, residual=None, gamma=No
         return y, h
     global num_launches
     num_launches += 1
-    bn, bk, warps, stages = pick_config(M, N, K)
+    bn, bk, warps, stages = pick_config(M, N, K, gated)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, 16))
     _skinny_kernel[grid](
         x, x.stride(0), residual if residual is not None else x,
         residual.stride(0) if residual is not None else 0, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, y.stride(0),
-        M, N, K, float(eps), MODE=mode, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        M, N, K, float(eps), NORM=norm, GATED=gated, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y, h
 
@@ -169,28 +178,31 @@ def _launch(mode: int, x: torch.Tensor, w: torch.Tensor, residual=None, gamma=No
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
                 w: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) W^T + bias [M, N], x + residual [M, K]); without residual the second item is x."""
-    y, h = _launch(MODE_NORM, x, w, residual=residual, gamma=gamma, eps=eps, bias=bias)
+    y, h = _launch(x, w, True, False, residual=residual, gamma=gamma, eps=eps, bias=bias)
     return y, (h if h is not None else x)
 
 
-def silu_linear(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(silu(gu[:, :I]) * gu[:, I:]) W^T: gu [M, 2I], W [N, I] -> [M, N]."""
-    return _launch(MODE_SILU, gu, w)[0]
+def norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(g) * u [M, I], x + residual [M, K]) where [g | u] = rmsnorm(x + residual) W^T, W [2I, K]
+    (gate rows, then up rows: ColumnParallelLinear's gate_up layout)."""
+    y, h = _launch(x, w, True, True, residual=residual, gamma=gamma, eps=eps)
+    return y, (h if h is not None else x)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias): x [M, K], W [N, K] -> [M, N]."""
-    return _launch(MODE_PLAIN, x, w, bias=bias)[0]
+    return _launch(x, w, False, False, bias=bias)[0]
 
 
-def reference(mode: int, x, w, residual=None, gamma=None, eps: float = 0.0, bias=None):
-    """The unfused torch computation each mode replaces (the test oracle): (y, h or None)."""
+def reference(x, w, residual=None, gamma=None, eps: float = 0.0, bias=None, norm: bool = False,
+              gated: bool = False):
+    """The unfused torch computation (the test oracle): (y, h or None)."""
     from .kernels import rmsnorm_ref
     import torch.nn.functional as F
-    if mode == MODE_NORM:
-        h = x + residual if residual is not None else x
-        return F.linear(rmsnorm_ref(h, gamma, eps), w, bias), (h if residual is not None else None)
-    if mode == MODE_SILU:
-        g, u = x.chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, w), None
-    return F.linear(x, w, bias), None
+    h = x + residual if residual is not None else x
+    y = F.linear(rmsnorm_ref(h, gamma, eps) if norm else h, w, bias)
+    if gated:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    return y, (h if residual is not None else None)

@@ -16,7 +16,8 @@ import math
 import os
 from pathlib import Path
 
-CONFIGS = [(16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 8, 3)]
+CONFIGS = [(16, 256, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3),
+           (128, 128, 8, 3)]
 
 
 def _time_graph(fn, calls: int, reps: int = 20) -> float:
@@ -60,33 +61,32 @@ def main() -> None:
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     dev, dt = torch.device("cuda"), torch.bfloat16
-    ops = [("qkv", skinny.MODE_NORM, q + 2 * kv, H), ("o", skinny.MODE_PLAIN, H, q),
-           ("gate_up", skinny.MODE_NORM, 2 * I, H), ("down", skinny.MODE_SILU, H, I)]
+    # (name, norm prologue, gated epilogue, weight rows N, K)
+    ops = [("qkv", True, False, q + 2 * kv, H), ("o", False, False, H, q), ("gate_up", True, True, 2 * I, H),
+           ("down", False, False, H, I)]
     rows = []
     with torch.inference_mode():
-        for name, mode, N, K in ops:
+        for name, norm, gated, N, K in ops:
             copies = max(2, math.ceil((256 << 20) / (N * K * 2)))
             ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
             gamma = torch.ones(K, device=dev, dtype=dt)
             for M in a.rows or [1]:
-                kx = 2 * K if mode == skinny.MODE_SILU else K
-                x = torch.randn(M, kx, device=dev, dtype=dt)
+                x = torch.randn(M, K, device=dev, dtype=dt)
                 r = torch.randn(M, K, device=dev, dtype=dt)
                 xs, rs = [x.clone() for _ in range(copies)], [r.clone() for _ in range(copies)]
 
                 def unfused(i):
-                    if mode == skinny.MODE_NORM:
+                    if norm:
                         h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
-                        return F.linear(h, ws[i])
-                    if mode == skinny.MODE_SILU:
-                        return F.linear(kernels.silu_and_mul(x), ws[i])
+                        y = F.linear(h, ws[i])
+                        return kernels.silu_and_mul(y) if gated else y
                     return F.linear(x, ws[i])
 
                 def fused(i):
-                    if mode == skinny.MODE_NORM:
+                    if gated:
+                        return skinny.norm_gate_up(x, r, gamma, 1e-5, ws[i])[0]
+                    if norm:
                         return skinny.norm_linear(x, r, gamma, 1e-5, ws[i])[0]
-                    if mode == skinny.MODE_SILU:
-                        return skinny.silu_linear(x, ws[i])
                     return skinny.linear(x, ws[i])
                 gb = N * K * 2 / 1e3
                 row = {"op": name, "M": M, "N": N, "K": K, "unfused_us": _time_graph(unfused, copies)}
@@ -106,8 +106,8 @@ def main() -> None:
                 if best is not None:
                     row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
                     row["fused_GBps"] = gb / best[1]
-                    ref = skinny.reference(mode, x, ws[0], r if mode == skinny.MODE_NORM else None, gamma,
-                                           1e-5)[0].float()
+                    ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm,
+                                           gated=gated)[0].float()
                     got = fused(0).float()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                 rows.append(row)
