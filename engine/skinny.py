@@ -13,17 +13,16 @@ decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
     gate_up GEMM and SiLU-and-mul in one launch (each program owns matching gate and up columns).
   * ``linear(x, W)``: y = x W^T, no prologue (o_proj, down_proj): no cuBLAS split-K reduce kernel.
 
-The RMS statistic is accumulated in the same K loop as the product and applied at the end
-(rmsnorm(h) W^T = rstd * ((h * gamma) W^T), rstd per row): one pass over the activations, so the weight
-loads stay software-pipelined (the first version, with a statistics pass first and SiLU-and-mul applied to
-down_proj's input inside its K loop, measured 1.4x and 7.5x the unfused time at the 8B shape on the H200).
+The norm prologue makes a statistics pass over the activation row first (L2-resident), then normalises each
+K tile before its product. SiLU-and-mul runs in gate_up's epilogue, not in down_proj's K loop (an exp per
+activation element inside the loop measured 7.5x the unfused time at the 8B shape on the H200), and the
+statistic is not accumulated inside the GEMM loop (a row reduction there stalled the weight pipeline: 2x).
 
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
 (nn.Linear layout, contiguous), bias [N] or None; the outputs [M, N] / [M, K] are fresh
 tensors of x's dtype (the residual is never updated in place: other programs still read it). Accumulation
-and the RMS statistics are float32; h * gamma is rounded to the input dtype before the product and the
-row scale applied in float32 after it (the unfused path rounds h * rstd * gamma instead: bf16-level
-differences).
+and the RMS statistics are float32; the normalised activation is rounded to the input dtype before the
+product, as the unfused path (FlashInfer's norm kernel, then cuBLAS) does.
 
 Each program owns BLOCK_N output columns for BLOCK_M (16: the smallest ``tl.dot`` tile) rows and
 streams its [BLOCK_N, K] weight strip once; the prologue is recomputed per program from the [M, K]
@@ -104,7 +103,20 @@ if triton is not None:
         wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
         urow = w_ptr + (rn + N).to(tl.int64)[:, None] * stride_wn          # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            # statistics pass first: a row reduction inside the GEMM loop stalls its weight pipeline
+            # (measured 2x slower on the H200, results/gpu/session6/ab4b)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                m2 = mm[:, None] & (kk < K)[None, :]
+                h = tl.load(xrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    h = h + tl.load(rrow + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                    h = h.to(dt).to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -118,9 +130,8 @@ if triton is not None:
                     if pid_n == 0:
                         tl.store(hrow + kk[None, :], h.to(dt), mask=m2)
                     h = h.to(dt).to(tl.float32)
-                ss += tl.sum(h * h, axis=1)
                 g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-                a = (h * g[None, :]).to(dt)
+                a = ((h * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
             else:
                 a = tl.load(xrow + kk[None, :], mask=m2, other=0.0)
             w = tl.load(wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
@@ -128,11 +139,6 @@ if triton is not None:
             if GATED:
                 u = tl.load(urow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
                 acc_u += tl.dot(a, tl.trans(u))
-        if NORM:
-            # rmsnorm(h) W^T = rstd * ((h * gamma) W^T): the per-row scale leaves the K loop (one pass)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-            acc = acc * rstd[:, None]
-            acc_u = acc_u * rstd[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
         if GATED:

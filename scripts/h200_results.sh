@@ -8,7 +8,7 @@
 #   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -113,6 +113,22 @@ ab5)
     sk=${v%%:*}; tc=${v#*:}
     PPSPEC_SKINNY=$sk PPSPEC_SKINNY_MAX_W=$((1 << 40)) PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc timeout 100 python3 -m harness.decode_speed $L \
         --label "l8b-skinny$sk-tc$tc" --out "$out/l8b-skinny$sk-tc$tc.json" 2>&1 | grep '^{\|Error'
+  done ;;
+ab6)
+  # session 6, after ab4b: skinny with the statistics pass restored + gate_up SiLU epilogue; SmolLM2 shape, and the
+  # tensor-core decode for its GQA group 3
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py -k "skinny" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -6
+  timeout 100 python3 -m harness.kernel_bench --model suites/shapes/smollm2-135m --rows 1 --rows 4 --rows 16 \
+      --out "$out/kb_smollm2-135m.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  for v in "0:" "1:" "1:3"; do
+    sk=${v%%:*}; tc=${v#*:}
+    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m harness.decode_speed $M --batch 1 \
+        --batch 8 --batch 32 --label "plain-skinny$sk-tc$tc" --out "$out/plain-skinny$sk-tc$tc.json" 2>&1 | grep '^{\|Error'
+    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m harness.decode_speed $M --batch 1 \
+        --draft drafts/smollm2-eagle --shape 3,1,4 --label "chain-skinny$sk-tc$tc" --out "$out/chain-skinny$sk-tc$tc.json" \
+        2>&1 | grep '^{\|Error'
   done ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the

@@ -38,9 +38,12 @@ def test_page_table_flattens_host_lists(monkeypatch):
     indptr, indices = page_table([torch.tensor([5, 6, 7]), torch.tensor([9]), torch.zeros(2, dtype=torch.int64)], "cpu")
     assert indptr.tolist() == [0, 3, 4, 6] and indptr.dtype == torch.int32
     assert indices.tolist() == [5, 6, 7, 9, 0, 0] and indices.dtype == torch.int32
+    monkeypatch.delenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", raising=False)
+    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, True, True]     # default 4
+    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "0")
     assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, False, True]
-    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "4")
-    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, True, True]
+    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "3")
+    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, True, True, True]
 
 
 def test_graph_plan_arguments_with_padding():
