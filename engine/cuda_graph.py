@@ -15,6 +15,9 @@ Collectives inside the forward must be capturable: graphs are off when TP > 1 go
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import numpy as np
 import torch
 
@@ -54,6 +57,25 @@ def _bind_flashinfer(obj, runner, attn) -> None:
     obj.dev, obj.dtype = runner.device, runner.dtype
     obj.key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale), obj.dtype)
 
+
+
+@contextlib.contextmanager
+def capturing(g: "torch.cuda.CUDAGraph", pool):
+    """``torch.cuda.graph`` with the garbage collector held off and thread-local capture errors.
+
+    A collection during capture can finalise an earlier engine's CUDA graph (cudaGraphExecDestroy) or other CUDA
+    objects, which invalidates the capture in torch's default global error mode (seen on the H200 as
+    "operation failed due to a previous error during capture" in a later test of the same process; the same
+    test passed alone). vLLM freezes the collector around capture for the same reason."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 class CudaGraphRunner:
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
@@ -186,7 +208,7 @@ class CudaGraphRunner:
                     self.r.model(*self._args(T))
             torch.cuda.current_stream(self.dev).wait_stream(stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with capturing(g, self.pool):
                 out = self.r.model(*self._args(T))
             if self.pool is None:
                 self.pool = g.pool()
@@ -407,7 +429,7 @@ class DraftGraphRunner:
                 body()
         torch.cuda.current_stream(self.dev).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with capturing(g, self.pool):
             out = body()
         if self.pool is None:
             self.pool = g.pool()
