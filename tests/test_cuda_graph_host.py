@@ -165,3 +165,32 @@ def test_draft_round_host_inputs():
     # the tail-draft steps are planned from the committed lengths L + accept_length
     assert g.wrappers[(1, 4)].args[0].tolist() == [0, 7, 19, 31, 33]
     assert g.scratch[:3, 0, :].tolist() == [[106, 107], [211, 212], [311, 312]]
+
+
+def test_capture_holds_gc_and_is_thread_local(monkeypatch):
+    """Regression (H200, session 6): a capture failed with "operation failed due to a previous error during
+    capture" after earlier tests in the same process (the test passed alone). Capture now collects first, keeps
+    the collector off inside the capture, and asks torch for thread-local capture errors."""
+    import contextlib
+    import gc
+
+    from engine import cuda_graph
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_graph(g, pool=None, capture_error_mode="global"):
+        seen.update(pool=pool, mode=capture_error_mode, gc_inside=gc.isenabled())
+        yield
+
+    monkeypatch.setattr(cuda_graph.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with cuda_graph.capturing(object(), "POOL"):
+        seen["body_gc"] = gc.isenabled()
+    assert seen == {"pool": "POOL", "mode": "thread_local", "gc_inside": False, "body_gc": False}
+    assert gc.isenabled()                              # restored afterwards
+    try:
+        with cuda_graph.capturing(object(), None):
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()                              # and after a failed capture

@@ -88,3 +88,32 @@ def test_skinny_engine_tokens_unchanged(tiny_model_dir, tiny_draft_dir):
     assert all(len(toks) == 10 for toks, _ in a["plain-tp2"])
     acc = [x for _, al in a["eagle-tp1"] for x in al]
     assert sum(acc) / len(acc) > 1.2
+
+
+def test_skinny_dispatch(monkeypatch):
+    """On by default for CUDA bf16 (not testable here); on CPU only under Triton's interpreter and only when
+    PPSPEC_SKINNY=1 is named; at most PPSPEC_SKINNY_MAX_M rows and PPSPEC_SKINNY_MAX_W weight elements."""
+    import torch
+    from engine import skinny
+    x, w = torch.zeros(4, 64), torch.zeros(128, 64)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PPSPEC_SKINNY", raising=False)
+    assert not skinny.enabled(x)                       # CPU tensors: the torch path
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not skinny.enabled(x)                       # interpreter, not named
+    monkeypatch.setenv("PPSPEC_SKINNY", "1")
+    assert skinny.enabled(x) and skinny.use(x, w)
+    assert not skinny.enabled(torch.zeros(17, 64))     # more rows than PPSPEC_SKINNY_MAX_M (16)
+    monkeypatch.setenv("PPSPEC_SKINNY_MAX_M", "32")
+    assert skinny.enabled(torch.zeros(17, 64))
+    monkeypatch.setenv("PPSPEC_SKINNY_MAX_W", str(128 * 64 - 1))
+    assert not skinny.use(x, w)
+    monkeypatch.setenv("PPSPEC_SKINNY", "0")
+    assert not skinny.enabled(x)
+    # block configs: gated gate_up streams two strips -> 32 columns; others 16; small K -> one K tile
+    monkeypatch.delenv("PPSPEC_SKINNY_CFG", raising=False)
+    assert skinny.pick_config(1, 960, 576) == (16, 256, 4, 3)
+    assert skinny.pick_config(1, 1536, 576, gated=True) == (32, 256, 4, 3)
+    assert skinny.pick_config(1, 40, 96) == (16, 128, 4, 3)
+    monkeypatch.setenv("PPSPEC_SKINNY_CFG", "64,128,8,2")
+    assert skinny.pick_config(1, 960, 576) == (64, 128, 8, 2)
