@@ -35,10 +35,11 @@ M <= ``PPSPEC_SKINNY_MAX_M`` (default 16), weight size <= ``PPSPEC_SKINNY_MAX_W`
 Raises ValueError for layouts the kernels do not take.
 
 Measured on the H200 (results/gpu/session6/ab6, same lease, SmolLM2 shape, 2048-token prompts): kernel bench per
-linear at 1 row, unfused -> fused: add-RMSNorm + QKV 5.9 -> 4.9 us, o_proj 3.56 -> 3.52, add-RMSNorm + gate_up +
-SiLU-and-mul 8.05 -> 6.1, down_proj 5.10 -> 5.10; decode TPOT b=1 1.190 -> 1.072 ms, b=8 1.345 -> 1.242 ms, b=32
+linear at 1 row, unfused -> fused: add-RMSNorm + QKV 5.89 -> 4.91 us, o_proj 3.56 -> 3.34, add-RMSNorm + gate_up +
+SiLU-and-mul 8.05 -> 5.90, down_proj 5.10 -> 5.10; decode TPOT b=1 1.190 -> 1.072 ms, b=8 1.345 -> 1.242 ms, b=32
 unchanged (32 rows: unfused); EAGLE chain b=1 566 -> 583 tok/s. At the Llama-3-8B shape cuBLAS streams the
-16-117M-element weights faster (e.g. gate_up 65.6 us unfused, >= 90 us fused): ``PPSPEC_SKINNY_MAX_W`` keeps it.
+16-117M-element weights faster (gate_up without SiLU 60.8 us unfused, 74.7 us with this norm prologue at best,
+results/gpu/session6/ab4): ``PPSPEC_SKINNY_MAX_W`` keeps cuBLAS there.
 """
 from __future__ import annotations
 
@@ -78,21 +79,23 @@ def use(x: torch.Tensor, w: torch.Tensor) -> bool:
     return enabled(x) and w.numel() <= int(os.environ.get("PPSPEC_SKINNY_MAX_W", str(1 << 22)))
 
 
-def pick_config(M: int, N: int, K: int, gated: bool = False) -> tuple[int, int, int, int]:
+def pick_config(M: int, N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M, K] x [K, N] skinny GEMM.
 
     Heuristic from the H200 kernel bench (results/gpu/session6/ab6, SmolLM2 shapes, 1-16 rows): narrow column
     strips (16; 32 for the gated gate_up, which streams a gate and an up strip) so that even N = 1-4K gives
-    several programs per SM, and 256-wide K tiles (128 with 4 stages for plain GEMMs with K <= 1024)."""
+    several programs per SM, and 256-wide K tiles; plain GEMMs with K <= 1024 take 128-wide tiles with 4 stages
+    (o_proj 3.52 -> 3.34 us; the norm prologue prefers 256: QKV 6.46 against 4.91 us)."""
     env = os.environ.get("PPSPEC_SKINNY_CFG")
     if env:
         bn, bk, w, s = (int(v) for v in env.split(","))
         return bn, bk, w, s
+    bn = 32 if gated else 16
     if K < 256:
-        return (32 if gated else 16), max(16, triton.next_power_of_2(K)), 4, 3
-    if gated:
-        return 32, 256, 4, 3
-    return 16, 256, 4, 3
+        return bn, max(16, triton.next_power_of_2(K)), 4, 3
+    if not (gated or norm) and K <= 1024:
+        return bn, 128, 4, 4
+    return bn, 256, 4, 3
 
 
 if triton is not None:
@@ -181,7 +184,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=
         return y, h
     global num_launches
     num_launches += 1
-    bn, bk, warps, stages = pick_config(M, N, K, gated)
+    bn, bk, warps, stages = pick_config(M, N, K, gated, norm)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, 16))
     _skinny_kernel[grid](
         x, x.stride(0), residual if residual is not None else x,

@@ -112,8 +112,10 @@ def test_skinny_dispatch(monkeypatch):
     assert not skinny.enabled(x)
     # block configs: gated gate_up streams two strips -> 32 columns; others 16; small K -> one K tile
     monkeypatch.delenv("PPSPEC_SKINNY_CFG", raising=False)
-    assert skinny.pick_config(1, 960, 576) == (16, 256, 4, 3)
-    assert skinny.pick_config(1, 1536, 576, gated=True) == (32, 256, 4, 3)
+    assert skinny.pick_config(1, 960, 576, norm=True) == (16, 256, 4, 3)            # SmolLM2 QKV
+    assert skinny.pick_config(1, 1536, 576, gated=True, norm=True) == (32, 256, 4, 3)  # gate_up + SiLU
+    assert skinny.pick_config(1, 576, 576) == (16, 128, 4, 4)                        # o_proj
+    assert skinny.pick_config(1, 576, 1536) == (16, 256, 4, 3)                       # down_proj
     assert skinny.pick_config(1, 40, 96) == (16, 128, 4, 3)
     monkeypatch.setenv("PPSPEC_SKINNY_CFG", "64,128,8,2")
     assert skinny.pick_config(1, 960, 576) == (64, 128, 8, 2)
