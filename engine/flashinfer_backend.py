@@ -43,10 +43,14 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     b=32 5.93 -> 5.33, 5.84 -> 5.41 ms (results/gpu/session5/ab3, session6/ab5).
 
     Raises:
-        ValueError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer.
+        ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer (one line, naming it).
     """
     group = num_qo_heads // num_kv_heads
-    knob = int(os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "4") or 0)
+    raw = os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "4")
+    try:
+        knob = int(raw or 0)
+    except ValueError:
+        raise ConfigError(f"PPSPEC_FI_DECODE_TC_MIN_GROUP must be an integer, got {raw!r}") from None
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
 
 

@@ -56,27 +56,49 @@ except Exception:                                 # noqa: BLE001 - no Triton: ca
 num_launches = 0                                  # kernel launches in this process (tests check the path ran)
 
 
+def _env_int(name: str, default: int) -> int:
+    """An integer environment knob. Raises ConfigError (one line, naming the variable) for anything else."""
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        from .config import ConfigError
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
 def max_rows() -> int:
-    return int(os.environ.get("PPSPEC_SKINNY_MAX_M", "16"))
+    return _env_int("PPSPEC_SKINNY_MAX_M", 16)
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the fused skinny kernels take activations ``x`` [M, K] (see the module docstring)."""
+    """Whether the fused skinny kernels take activations ``x`` [M, K] (see the module docstring).
+
+    Raises:
+        ConfigError: PPSPEC_SKINNY_MAX_M is set but not an integer.
+    """
     if triton is None or os.environ.get("PPSPEC_SKINNY", "1") != "1" or x.dim() != 2:
         return False
-    if x.shape[0] > max_rows():
-        return False
     if os.environ.get("TRITON_INTERPRET") == "1":        # CPU interpreter: only when asked for by name (tests)
-        return os.environ.get("PPSPEC_SKINNY") == "1"
-    from .kernels import use_fused
-    return use_fused(x)
+        if os.environ.get("PPSPEC_SKINNY") != "1":
+            return False
+    else:
+        from .kernels import use_fused
+        if not use_fused(x):
+            return False
+    return x.shape[0] <= max_rows()
 
 
 def use(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the linear with weight ``w`` [N, K] takes the skinny kernel for activations ``x``: :func:`enabled`
     and ``w`` has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: the H200 kernel bench,
-    results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights)."""
-    return enabled(x) and w.numel() <= int(os.environ.get("PPSPEC_SKINNY_MAX_W", str(1 << 22)))
+    results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
+
+    Raises:
+        ConfigError: PPSPEC_SKINNY_MAX_M / PPSPEC_SKINNY_MAX_W is set but not an integer.
+    """
+    return enabled(x) and w.numel() <= _env_int("PPSPEC_SKINNY_MAX_W", 1 << 22)
 
 
 def pick_config(M: int, N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
@@ -88,7 +110,12 @@ def pick_config(M: int, N: int, K: int, gated: bool = False, norm: bool = False)
     (o_proj 3.52 -> 3.34 us; the norm prologue prefers 256: QKV 6.46 against 4.91 us)."""
     env = os.environ.get("PPSPEC_SKINNY_CFG")
     if env:
-        bn, bk, w, s = (int(v) for v in env.split(","))
+        try:
+            bn, bk, w, s = (int(v) for v in env.split(","))
+        except ValueError:
+            from .config import ConfigError
+            raise ConfigError(f"PPSPEC_SKINNY_CFG must be BLOCK_N,BLOCK_K,warps,stages (4 integers), got {env!r}") \
+                from None
         return bn, bk, w, s
     bn = 32 if gated else 16
     if K < 256:

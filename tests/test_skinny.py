@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_rope_store import _run
 
 KERNEL = '''
@@ -119,3 +120,13 @@ def test_skinny_dispatch(monkeypatch):
     assert skinny.pick_config(1, 40, 96) == (16, 128, 4, 3)
     monkeypatch.setenv("PPSPEC_SKINNY_CFG", "64,128,8,2")
     assert skinny.pick_config(1, 960, 576) == (64, 128, 8, 2)
+    # malformed knobs: one-line ConfigError naming the variable (not a ValueError traceback per forward)
+    from engine import ConfigError
+    for name, val, call in [("PPSPEC_SKINNY_CFG", "64,128", lambda: skinny.pick_config(1, 960, 576)),
+                            ("PPSPEC_SKINNY_MAX_M", "lots", lambda: skinny.enabled(x)),
+                            ("PPSPEC_SKINNY_MAX_W", "4M", lambda: skinny.use(x, w))]:
+        monkeypatch.setenv("PPSPEC_SKINNY", "1")
+        monkeypatch.setenv(name, val)
+        with pytest.raises(ConfigError, match=name):
+            call()
+        monkeypatch.delenv(name)
