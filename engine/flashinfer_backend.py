@@ -37,20 +37,22 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
     GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
-    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read at each call; default 4; 0: never), where one tensor-core
+    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read at each call; unset or empty: 4; 0: never), where one tensor-core
     tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4 since three same-lease
     decode A/Bs on the H200 (Llama-3-8B shape, group 4): b=1 5.03 -> 4.81, 4.89 -> 4.68, 5.11 -> 4.89 ms;
     b=32 5.93 -> 5.33, 5.84 -> 5.41 ms (results/gpu/session5/ab3, session6/ab5).
 
     Raises:
-        ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer (one line, naming it).
+        ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer >= 0 (one line, naming it).
     """
     group = num_qo_heads // num_kv_heads
-    raw = os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "4")
+    raw = os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "").strip() or "4"      # unset or empty: the default
     try:
-        knob = int(raw or 0)
+        knob = int(raw)
     except ValueError:
-        raise ConfigError(f"PPSPEC_FI_DECODE_TC_MIN_GROUP must be an integer, got {raw!r}") from None
+        knob = -1
+    if knob < 0:
+        raise ConfigError(f"PPSPEC_FI_DECODE_TC_MIN_GROUP must be an integer >= 0 (0: never), got {raw!r}")
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
 
 

@@ -4,7 +4,7 @@ At decode batch sizes a layer's GEMMs read their weights once and are bound by m
 latency, and the element-wise kernels between them (add-RMSNorm, SiLU-and-mul) are separate launches
 of a few microseconds each (issue 7: SmolLM2 at b=1 runs ~12 kernels per layer, each near its
 per-kernel floor). These kernels fold the element-wise step into the GEMM that consumes it, so a
-layer runs 6 launches instead of 9-12 (same idea as the fused-prologue GEMMs of gpt-fast's compiled
+layer runs 6 launches instead of 9, plus any cuBLAS split-K reduces (same idea as the fused-prologue GEMMs of gpt-fast's compiled
 decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
 
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (bf16 round), y = rmsnorm(h) W^T (+ bias);
@@ -16,7 +16,8 @@ decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
 The norm prologue makes a statistics pass over the activation row first (L2-resident), then normalises each
 K tile before its product. SiLU-and-mul runs in gate_up's epilogue, not in down_proj's K loop (an exp per
 activation element inside the loop measured 7.5x the unfused time at the 8B shape on the H200), and the
-statistic is not accumulated inside the GEMM loop (a row reduction there stalled the weight pipeline: 2x).
+statistic is not accumulated inside the GEMM loop (a row reduction there stalled the weight pipeline: 1.4-3.3x the
+unfused time, results/gpu/session6/ab4b).
 
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
 (nn.Linear layout, contiguous), bias [N] or None; the outputs [M, N] / [M, K] are fresh
@@ -28,10 +29,11 @@ Each program owns BLOCK_N output columns for BLOCK_M (16: the smallest ``tl.dot`
 streams its [BLOCK_N, K] weight strip once; the prologue is recomputed per program from the [M, K]
 activations (L2-resident, a few KB). Rows beyond M are masked (no traffic).
 
-Dispatch: :func:`use` per linear (CUDA bf16/fp16 or Triton's CPU interpreter, ``PPSPEC_SKINNY`` = 1 (default;
-0 = the unfused path),
-M <= ``PPSPEC_SKINNY_MAX_M`` (default 16), weight size <= ``PPSPEC_SKINNY_MAX_W``). Block sizes:
-:func:`pick_config`, overridable with ``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
+Dispatch: :func:`use` per linear. The kernels run for CUDA bf16/fp16 activations when ``PPSPEC_SKINNY`` is 1
+(the default; 0 = the unfused path), for at most ``PPSPEC_SKINNY_MAX_M`` rows (default 16) and weights of at most
+``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22). Under Triton's CPU interpreter they run only when
+``PPSPEC_SKINNY=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, overridable with
+``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
 Raises ValueError for layouts the kernels do not take.
 
 Measured on the H200 (results/gpu/session6/ab6, same lease, SmolLM2 shape, 2048-token prompts): kernel bench per
@@ -101,28 +103,42 @@ def use(x: torch.Tensor, w: torch.Tensor) -> bool:
     return enabled(x) and w.numel() <= _env_int("PPSPEC_SKINNY_MAX_W", 1 << 22)
 
 
-def pick_config(M: int, N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M, K] x [K, N] skinny GEMM.
+def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a skinny GEMM with weight [N, K] (the row count does not
+    change the choice: at most 16 rows, one BLOCK_M tile).
 
     Heuristic from the H200 kernel bench (results/gpu/session6/ab6, SmolLM2 shapes, 1-16 rows): narrow column
     strips (16; 32 for the gated gate_up, which streams a gate and an up strip) so that even N = 1-4K gives
     several programs per SM, and 256-wide K tiles; plain GEMMs with K <= 1024 take 128-wide tiles with 4 stages
-    (o_proj 3.52 -> 3.34 us; the norm prologue prefers 256: QKV 6.46 against 4.91 us)."""
+    (o_proj 3.52 -> 3.34 us; the norm prologue prefers 256: QKV 6.46 against 4.91 us).
+
+    Raises:
+        ConfigError: ``PPSPEC_SKINNY_CFG`` is not 4 integers BLOCK_N,BLOCK_K,warps,stages with BLOCK_N and
+            BLOCK_K powers of two >= 16, warps a power of two <= 32 and stages >= 1.
+    """
     env = os.environ.get("PPSPEC_SKINNY_CFG")
     if env:
-        try:
-            bn, bk, w, s = (int(v) for v in env.split(","))
-        except ValueError:
-            from .config import ConfigError
-            raise ConfigError(f"PPSPEC_SKINNY_CFG must be BLOCK_N,BLOCK_K,warps,stages (4 integers), got {env!r}") \
-                from None
-        return bn, bk, w, s
+        return _parse_cfg(env)
     bn = 32 if gated else 16
     if K < 256:
         return bn, max(16, triton.next_power_of_2(K)), 4, 3
     if not (gated or norm) and K <= 1024:
         return bn, 128, 4, 4
     return bn, 256, 4, 3
+
+
+def _parse_cfg(env: str) -> tuple[int, int, int, int]:
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+    try:
+        bn, bk, w, s = (int(v) for v in env.split(","))
+    except ValueError:
+        bn = bk = w = s = 0
+    if not (pow2(bn) and bn >= 16 and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1):
+        from .config import ConfigError
+        raise ConfigError(f"PPSPEC_SKINNY_CFG must be BLOCK_N,BLOCK_K,warps,stages (BLOCK_N, BLOCK_K powers of two "
+                          f">= 16, warps a power of two <= 32, stages >= 1), got {env!r}")
+    return bn, bk, w, s
 
 
 if triton is not None:
@@ -147,7 +163,7 @@ if triton is not None:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
             # statistics pass first: a row reduction inside the GEMM loop stalls its weight pipeline
-            # (measured 2x slower on the H200, results/gpu/session6/ab4b)
+            # (1.4-3.3x the unfused time on the H200, results/gpu/session6/ab4b)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + rk
@@ -211,7 +227,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=
         return y, h
     global num_launches
     num_launches += 1
-    bn, bk, warps, stages = pick_config(M, N, K, gated, norm)
+    bn, bk, warps, stages = pick_config(N, K, gated, norm)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, 16))
     _skinny_kernel[grid](
         x, x.stride(0), residual if residual is not None else x,

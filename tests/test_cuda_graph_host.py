@@ -45,9 +45,12 @@ def test_page_table_flattens_host_lists(monkeypatch):
     monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "3")
     assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, True, True, True]
     from engine import ConfigError
-    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "four")
-    with pytest.raises(ConfigError, match="PPSPEC_FI_DECODE_TC_MIN_GROUP"):
-        decode_tensor_cores(8, 2)
+    monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", "")                      # empty = unset: the default
+    assert [decode_tensor_cores(h, 1) for h in (1, 3, 4, 8)] == [False, False, True, True]
+    for bad in ("four", "-1"):
+        monkeypatch.setenv("PPSPEC_FI_DECODE_TC_MIN_GROUP", bad)
+        with pytest.raises(ConfigError, match="PPSPEC_FI_DECODE_TC_MIN_GROUP"):
+            decode_tensor_cores(8, 2)
 
 
 def test_graph_plan_arguments_with_padding():

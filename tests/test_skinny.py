@@ -1,6 +1,5 @@
 """Fused skinny GEMMs (engine.skinny: add-RMSNorm + GEMM, add-RMSNorm + gate_up GEMM + SiLU-and-mul, plain
-GEMM, for few rows)
-against the unfused torch computation, through Triton's CPU interpreter (a subprocess: TRITON_INTERPRET must
+GEMM, for few rows) against the unfused torch computation, through Triton's CPU interpreter (a subprocess: TRITON_INTERPRET must
 be set before Triton is imported); then end to end: a tiny model generates the same tokens and accept lengths
 with the fused layers as without them (plain and EAGLE at TP1, plain at TP2: the row-parallel reduce after the fused
 down_proj / o_proj)."""
@@ -113,16 +112,19 @@ def test_skinny_dispatch(monkeypatch):
     assert not skinny.enabled(x)
     # block configs: gated gate_up streams two strips -> 32 columns; others 16; small K -> one K tile
     monkeypatch.delenv("PPSPEC_SKINNY_CFG", raising=False)
-    assert skinny.pick_config(1, 960, 576, norm=True) == (16, 256, 4, 3)            # SmolLM2 QKV
-    assert skinny.pick_config(1, 1536, 576, gated=True, norm=True) == (32, 256, 4, 3)  # gate_up + SiLU
-    assert skinny.pick_config(1, 576, 576) == (16, 128, 4, 4)                        # o_proj
-    assert skinny.pick_config(1, 576, 1536) == (16, 256, 4, 3)                       # down_proj
-    assert skinny.pick_config(1, 40, 96) == (16, 128, 4, 3)
+    assert skinny.pick_config(960, 576, norm=True) == (16, 256, 4, 3)            # SmolLM2 QKV
+    assert skinny.pick_config(1536, 576, gated=True, norm=True) == (32, 256, 4, 3)  # gate_up + SiLU
+    assert skinny.pick_config(576, 576) == (16, 128, 4, 4)                        # o_proj
+    assert skinny.pick_config(576, 1536) == (16, 256, 4, 3)                       # down_proj
+    assert skinny.pick_config(40, 96) == (16, 128, 4, 3)
     monkeypatch.setenv("PPSPEC_SKINNY_CFG", "64,128,8,2")
-    assert skinny.pick_config(1, 960, 576) == (64, 128, 8, 2)
+    assert skinny.pick_config(960, 576) == (64, 128, 8, 2)
     # malformed knobs: one-line ConfigError naming the variable (not a ValueError traceback per forward)
     from engine import ConfigError
-    for name, val, call in [("PPSPEC_SKINNY_CFG", "64,128", lambda: skinny.pick_config(1, 960, 576)),
+    for name, val, call in [("PPSPEC_SKINNY_CFG", "64,128", lambda: skinny.pick_config(960, 576)),
+                            ("PPSPEC_SKINNY_CFG", "0,0,0,0", lambda: skinny.pick_config(960, 576)),
+                            ("PPSPEC_SKINNY_CFG", "24,100,4,3", lambda: skinny.pick_config(960, 576)),
+                            ("PPSPEC_SKINNY_CFG", "16,128,0,3", lambda: skinny.pick_config(960, 576)),
                             ("PPSPEC_SKINNY_MAX_M", "lots", lambda: skinny.enabled(x)),
                             ("PPSPEC_SKINNY_MAX_W", "4M", lambda: skinny.use(x, w))]:
         monkeypatch.setenv("PPSPEC_SKINNY", "1")
