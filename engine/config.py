@@ -15,6 +15,25 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field in one line."""
 
 
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """An integer environment knob (read at each call); unset or empty gives ``default``.
+
+    Raises:
+        ConfigError: set to something that is not an integer (or is below ``minimum``); one line naming it.
+    """
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = None
+    if v is None or (minimum is not None and v < minimum):
+        floor = f" >= {minimum}" if minimum is not None else ""
+        raise ConfigError(f"{name} must be an integer{floor}, got {raw!r}")
+    return v
+
+
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 

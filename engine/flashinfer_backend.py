@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from .attention import ForwardContext, TorchBackend, get_context, h2d, request_masks
-from .config import ConfigError
+from .config import ConfigError, env_int
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -46,13 +46,7 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
         ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer >= 0 (one line, naming it).
     """
     group = num_qo_heads // num_kv_heads
-    raw = os.environ.get("PPSPEC_FI_DECODE_TC_MIN_GROUP", "").strip() or "4"      # unset or empty: the default
-    try:
-        knob = int(raw)
-    except ValueError:
-        knob = -1
-    if knob < 0:
-        raise ConfigError(f"PPSPEC_FI_DECODE_TC_MIN_GROUP must be an integer >= 0 (0: never), got {raw!r}")
+    knob = env_int("PPSPEC_FI_DECODE_TC_MIN_GROUP", 4, minimum=0)        # unset or empty: 4
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
 
 

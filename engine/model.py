@@ -91,16 +91,17 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual):
         """hidden, residual [T, H] (residual None on the first layer) -> (mlp output, new residual).
 
-        At decode sizes on the GPU (``skinny.use``, per linear) add-RMSNorm folds into the QKV GEMM, add-RMSNorm
+        At decode sizes on the GPU (``skinny.enabled``, then ``skinny.fits`` per linear) add-RMSNorm folds into the QKV GEMM, add-RMSNorm
         and SiLU-and-mul into the gate_up GEMM, and o_proj / down_proj run as skinny GEMMs (engine/skinny.py);
         otherwise FlashInfer / torch kernels run."""
         attn, mlp = self.self_attn, self.mlp
+        fused = skinny.enabled(hidden)            # every linear below sees the same rows, dtype and device
         if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
             if residual is not None:
                 hidden = hidden + residual
             x = residual = hidden
             qkv = attn.qkv_proj(x)
-        elif skinny.use(hidden, attn.qkv_proj.weight):
+        elif fused and skinny.fits(attn.qkv_proj.weight):
             ln = self.input_layernorm
             qkv, residual = skinny.norm_linear(hidden, residual, ln.weight, ln.eps,
                                                attn.qkv_proj.weight, attn.qkv_proj.bias)
@@ -112,15 +113,15 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(hidden, residual)
             qkv = attn.qkv_proj(x)
         o = attn.attend(positions, qkv)
-        o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight)) if skinny.use(o, attn.o_proj.weight) \
+        o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight)) if fused and skinny.fits(attn.o_proj.weight) \
             else attn.o_proj(o)
         post, gate_up, down = self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj
-        if skinny.use(o, gate_up.weight):
+        if fused and skinny.fits(gate_up.weight):
             act, residual = skinny.norm_gate_up(o, residual, post.weight, post.eps, gate_up.weight)
         else:
             x, residual = post(o, residual)
             act = silu_and_mul(gate_up(x))
-        out = tp_all_reduce(skinny.linear(act, down.weight)) if skinny.use(act, down.weight) else down(act)
+        out = tp_all_reduce(skinny.linear(act, down.weight)) if fused and skinny.fits(down.weight) else down(act)
         return out, residual
 
 

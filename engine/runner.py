@@ -3,13 +3,12 @@ pools, turns a scheduled batch into tensors, runs the forward and, on the last s
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from .attention import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
-from .config import ConfigError, EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig, env_int
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
 from .loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
@@ -118,7 +117,7 @@ class ModelRunner:
             ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
             cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
         else:
-            cap = int(os.environ.get("PPSPEC_CPU_KV_TOKENS", 16384))
+            cap = env_int("PPSPEC_CPU_KV_TOKENS", 16384)
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)

@@ -49,6 +49,8 @@ import os
 
 import torch
 
+from .config import ConfigError, env_int
+
 try:
     import triton
     import triton.language as tl
@@ -58,20 +60,8 @@ except Exception:                                 # noqa: BLE001 - no Triton: ca
 num_launches = 0                                  # kernel launches in this process (tests check the path ran)
 
 
-def _env_int(name: str, default: int) -> int:
-    """An integer environment knob. Raises ConfigError (one line, naming the variable) for anything else."""
-    raw = os.environ.get(name, "")
-    if raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        from .config import ConfigError
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-
-
 def max_rows() -> int:
-    return _env_int("PPSPEC_SKINNY_MAX_M", 16)
+    return env_int("PPSPEC_SKINNY_MAX_M", 16)
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -92,15 +82,20 @@ def enabled(x: torch.Tensor) -> bool:
     return x.shape[0] <= max_rows()
 
 
-def use(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the linear with weight ``w`` [N, K] takes the skinny kernel for activations ``x``: :func:`enabled`
-    and ``w`` has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: the H200 kernel bench,
-    results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
+def fits(w: torch.Tensor) -> bool:
+    """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: the H200 kernel
+    bench, results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
 
     Raises:
-        ConfigError: PPSPEC_SKINNY_MAX_M / PPSPEC_SKINNY_MAX_W is set but not an integer.
+        ConfigError: PPSPEC_SKINNY_MAX_W is set but not an integer.
     """
-    return enabled(x) and w.numel() <= _env_int("PPSPEC_SKINNY_MAX_W", 1 << 22)
+    return w.numel() <= env_int("PPSPEC_SKINNY_MAX_W", 1 << 22)
+
+
+def use(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the linear with weight ``w`` takes the skinny kernel for activations ``x``: :func:`enabled` and
+    :func:`fits`. (A layer, whose linears share the row count, asks :func:`enabled` once.)"""
+    return enabled(x) and fits(w)
 
 
 def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
@@ -135,7 +130,6 @@ def _parse_cfg(env: str) -> tuple[int, int, int, int]:
     except ValueError:
         bn = bk = w = s = 0
     if not (pow2(bn) and bn >= 16 and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1):
-        from .config import ConfigError
         raise ConfigError(f"PPSPEC_SKINNY_CFG must be BLOCK_N,BLOCK_K,warps,stages (BLOCK_N, BLOCK_K powers of two "
                           f">= 16, warps a power of two <= 32, stages >= 1), got {env!r}")
     return bn, bk, w, s

@@ -201,3 +201,20 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
     except RuntimeError:
         pass
     assert gc.isenabled()                              # and after a failed capture
+
+
+def test_env_int(monkeypatch):
+    """engine.config.env_int, the integer knob parser of PPSPEC_SKINNY_MAX_*, PPSPEC_FI_DECODE_TC_MIN_GROUP and
+    PPSPEC_CPU_KV_TOKENS: unset/empty = default, integers as given, anything else a one-line ConfigError."""
+    from engine import ConfigError
+    from engine.config import env_int
+    monkeypatch.delenv("PPSPEC_X", raising=False)
+    assert env_int("PPSPEC_X", 7) == 7
+    monkeypatch.setenv("PPSPEC_X", " ")
+    assert env_int("PPSPEC_X", 7) == 7
+    monkeypatch.setenv("PPSPEC_X", " 12 ")
+    assert env_int("PPSPEC_X", 7, minimum=0) == 12
+    for bad, minimum in (("1.5", None), ("-1", 0)):
+        monkeypatch.setenv("PPSPEC_X", bad)
+        with pytest.raises(ConfigError, match="PPSPEC_X must be an integer"):
+            env_int("PPSPEC_X", 7, minimum)
