@@ -117,7 +117,7 @@ class ModelRunner:
             ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
             cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
         else:
-            cap = env_int("PPSPEC_CPU_KV_TOKENS", 16384)
+            cap = env_int("PPSPEC_CPU_KV_TOKENS", 16384, minimum=1)
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)

@@ -339,3 +339,12 @@ def test_engine_config_spec_as_dict():
         EngineConfig(spec={"numsteps": 3})
     with pytest.raises(ConfigError, match="spec must be a SpecConfig or a dict"):
         EngineConfig(spec=5)
+
+
+@pytest.mark.parametrize("bad", ["-5", "abc"])
+def test_cpu_kv_tokens_knob_checked(tiny_model_dir, monkeypatch, bad):
+    """Regression (QA, session 6): PPSPEC_CPU_KV_TOKENS=-5 reached torch.zeros and ended in a RuntimeError
+    traceback; a malformed or non-positive pool size is now a one-line ConfigError naming the variable."""
+    monkeypatch.setenv("PPSPEC_CPU_KV_TOKENS", bad)
+    with pytest.raises(ConfigError, match="PPSPEC_CPU_KV_TOKENS must be an integer >= 1"):
+        LLM(EngineConfig(model=str(tiny_model_dir)))
