@@ -202,6 +202,9 @@ class EngineConfig:
     spec_device_tree: bool | None = None  # EAGLE on one stage (pp=1; ignored under PP, whose relay is host data):
                                           # the draft tree stays on the device (Triton tree build / verify walk /
                                           # mask packing on CUDA), one device->host copy per round
+    spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
+                                          # (engine.spec.overlap) and round t+1 is launched before round t is
+                                          # read back; implies the device tree
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
@@ -268,6 +271,11 @@ class EngineConfig:
     def use_spec_device_tree(self) -> bool:
         """``spec_device_tree`` resolved (None: on for CUDA); the runner still applies it to pp=1 only."""
         return self._auto(self.spec_device_tree)
+
+    @property
+    def use_spec_overlap(self) -> bool:
+        """``spec_overlap`` resolved (None: on for CUDA); the runner applies it to pp=1, tp=1 only."""
+        return self._auto(self.spec_overlap)
 
     @property
     def use_cuda_graph_draft_extend(self) -> bool:

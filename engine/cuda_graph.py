@@ -28,6 +28,14 @@ from .spec.tree_kernels import pack_verify_mask
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
+def dev_attention_decode() -> bool:
+    """``PPSPEC_DEV_ATTN_DECODE=1``: captured decode graphs attend with :mod:`engine.dev_attention` (layout copied
+    to the device per replay, no FlashInfer plan) instead of FlashInfer's decode wrapper. An A/B knob (default 0)
+    until measured on the H200."""
+    import os
+    return os.environ.get("PPSPEC_DEV_ATTN_DECODE", "0") == "1"
+
+
 def ladder(max_bs: int) -> list[int]:
     """Captured batch sizes: the ladder entries below ``max_bs``, then ``max_bs`` itself."""
     out = [b for b in LADDER if b < max_bs]
@@ -121,6 +129,15 @@ class CudaGraphRunner:
         self.plan_events: dict = {}
         self.pool = None
         self.num_replays = 0
+        # decode attention planned on the device (engine.dev_attention) instead of FlashInfer: the page table is
+        # a [bs, max_kv] slot matrix + lengths copied per replay, no host plan, no FlashInfer merge kernel
+        self.dev_decode = decode and dev_attention_decode()
+        if self.dev_decode:
+            self.dl_rt = torch.zeros(self.max_bs, max_kv, dtype=i64, device=d)
+            self.dl_lens = torch.zeros(self.max_bs, dtype=i64, device=d)
+            self.dl_rows = torch.arange(self.max_bs, dtype=i64, device=d)
+            self.dl_mask = torch.ones(self.max_bs, 1, 1, dtype=torch.bool, device=d)
+            self.dl_max_kv = max_kv
         for kind in self.q_len:
             for bs in reversed(self.bs_list):
                 self._capture(kind, bs)
@@ -172,6 +189,22 @@ class CudaGraphRunner:
         self.mask_indptr[:bs + 1].copy_(torch.from_numpy(byte_indptr), non_blocking=True)
         self._record_plan(kind, bs)
 
+    def _fill_device_layout(self, bs: int, kvs: list[torch.Tensor]) -> None:
+        """Decode with engine.dev_attention: request i's KV list (its new token's slot last) becomes row i of the
+        slot matrix (prefix = all but the last, which is ``out_cache_loc``) and its prefix length; padding rows
+        get length 0. One pinned copy of [bs, max len] slots + lengths."""
+        lens = [int(k.numel()) - 1 for k in kvs]
+        w = max(lens + [1])
+        if w > self.dl_max_kv:
+            raise RuntimeError(f"decode page table of {w} slots exceeds the captured buffer ({self.dl_max_kv})")
+        host = torch.zeros(bs, w + 1, dtype=torch.int64)
+        for i, k in enumerate(kvs):
+            host[i, :lens[i]] = k[:lens[i]]
+        host[:len(kvs), w] = torch.tensor(lens, dtype=torch.int64)
+        dev = h2d(host, self.dev)
+        self.dl_rt[:bs, :w].copy_(dev[:, :w])
+        self.dl_lens[:bs].copy_(dev[:, w])
+
     def _record_plan(self, kind: str, bs: int) -> None:
         if torch.device(self.dev).type != "cuda":
             return
@@ -182,6 +215,12 @@ class CudaGraphRunner:
     def _ctx(self, kind: str, bs: int) -> ForwardContext:
         q = self.q_len[kind]
         ctx = ForwardContext(list(range(0, bs * q + 1, q)), None, None, self.loc[:bs * q], self.r.kv_pool, kind)
+        if kind == "decode" and self.dev_decode:
+            from .dev_attention import DeviceLayout, default_splits
+            splits = default_splits(bs, self.key[1], self.dl_max_kv)
+            ctx.device_layout = DeviceLayout(self.dl_rt[:bs], self.dl_rows[:bs], self.dl_lens[:bs],
+                                             self.loc[:bs].view(bs, 1), self.dl_mask[:bs], splits)
+            return ctx
         ctx.backend_state.update(fi={"kind": kind, "dtype": self.dtype}, fi_wrapper=self.wrappers[(kind, bs)],
                                  fi_planned=self.key)
         return ctx
@@ -195,9 +234,10 @@ class CudaGraphRunner:
     def _capture(self, kind: str, bs: int) -> None:
         q = self.q_len[kind]
         T = bs * q
-        self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
-        dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
-        self._plan(kind, bs, [torch.zeros(q, dtype=torch.int64)] * bs, dummy_masks)
+        if not (kind == "decode" and self.dev_decode):
+            self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
+            dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
+            self._plan(kind, bs, [torch.zeros(q, dtype=torch.int64)] * bs, dummy_masks)
         ctx = self._ctx(kind, bs)
         set_context(ctx)
         try:
@@ -245,6 +285,12 @@ class CudaGraphRunner:
             self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
         pad = bs - B                      # padding requests: q tokens attending to slot 0 only
+        if kind == "decode" and self.dev_decode:
+            self._fill_device_layout(bs, ctx.kv_indices)
+            self.graphs[(kind, bs)].replay()
+            self.num_replays += 1
+            h, res = self.outputs[(kind, bs)]
+            return h[:t], (None if res is None else res[:t])
         kvs = list(ctx.kv_indices) + [torch.zeros(q, dtype=torch.int64)] * pad
         packed = None
         if kind != "decode":

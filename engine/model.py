@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import rope_store, skinny
-from .attention import get_backend, get_context
+from .attention import attend, get_context
 from .config import ModelConfig
 from .dist import ps, tp_all_reduce
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
                 rope_store.rope_store(positions, qkv, self.rotary.cos_sin, ctx.pool.kv_cache[self.layer_id],
                                       ctx.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim)
                 q = qkv[:, :q_sz].view(T, self.num_heads, self.head_dim)
-                return get_backend().forward(q, None, None, self.layer_id, self.scale).reshape(T, q_sz)
+                return attend(q, None, None, self.layer_id, self.scale).reshape(T, q_sz)
         q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -66,7 +66,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         # k and v stay views of qkv (RoPE rotates in place on the GPU): the pool stores both in one copy
-        return get_backend().forward(q, k, v, self.layer_id, self.scale).reshape(T, q_sz)
+        return attend(q, k, v, self.layer_id, self.scale).reshape(T, q_sz)
 
 
 class MLP(nn.Module):

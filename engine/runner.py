@@ -47,7 +47,8 @@ class ModelRunner:
         spec = config.spec
         self.spec = spec if spec.enabled else None
         # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
-        self.device_tree = bool(self.spec) and config.use_spec_device_tree and s.pp_size == 1
+        self.spec_overlap = bool(self.spec) and config.use_spec_overlap and s.pp_size == 1 and s.tp_size == 1
+        self.device_tree = bool(self.spec) and (config.use_spec_device_tree or self.spec_overlap) and s.pp_size == 1
         # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
         self.reserve = spec.reserve_per_req if self.spec else (2 if config.use_overlap_schedule and s.pp_size == 1 else 1)
         self._init_backend()
@@ -69,10 +70,16 @@ class ModelRunner:
             self.draft.to(self.device)
         self._init_kv()
         self._init_cuda_graphs()
+        self.round_runner = None
         eos = tuple(mc.eos_token_ids)
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
+        if self.spec_overlap and self.draft is not None:
+            from .spec.overlap import SpecRoundRunner
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
+                else config.max_running_requests
+            self.round_runner = SpecRoundRunner(self, max_bs, use_graphs=config.cuda_graph)
 
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:

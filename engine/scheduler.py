@@ -198,7 +198,7 @@ class Scheduler:
         kind = out["kind"]
         toks = out["tokens"].tolist()
         if kind == "verify":
-            n = out["next_tokens"].shape[1]
+            n = out["next_tokens"].shape[1] if "next_tokens" in out else out["num_draft_tokens"]
             perm = commit_order(out["accept_nodes"], out["accept_lens"], n)     # all rows at once (numpy)
             alens = out["accept_lens"].tolist()
             rt = self._rt_np
@@ -227,7 +227,7 @@ class Scheduler:
                 L, alen = r.seq_len, alens[i]
                 rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
-                r.tree = _tree_row(trees, i)
+                r.tree = _tree_row(trees, i) if trees is not None else None    # None: kept on the device
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:

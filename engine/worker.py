@@ -15,6 +15,7 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,8 @@ class Worker:
         self.spec = self.runner.spec
         self.config = config
         self.num_lookahead = 0                # decode steps launched before the previous step was read back
+        self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.spec.overlap)
+        self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
 
     # ------------------------------------------------------------------------------------ one batch
     def forward_batch(self, batch: ScheduledBatch, inbox: dict):
@@ -132,6 +135,8 @@ class Worker:
             sched.add(req)
         if self.config.use_overlap_schedule and P == 1 and self.spec is None:
             return self._run_overlap(reqs, progress)
+        if getattr(self.runner, "round_runner", None) is not None:
+            return self._run_spec_overlap(reqs, progress)
         inbox: dict = {}
         tick, end_tick, finished = 0, None, 0
         while True:
@@ -240,3 +245,96 @@ class Worker:
             event = torch.cuda.Event()
             event.record()
         return InFlight(reqs, tokens, host, event)
+
+    # ------------------------------------------------------------------------------------ overlapped spec rounds
+    def _run_spec_overlap(self, reqs: list[Req], progress=None) -> list[Req]:
+        """One-stage EAGLE with the overlapped round (``engine.spec.overlap``): greedy verify batches run as
+        segments of device-resident rounds, round t+1 launched before round t is read back; prefill, sampling
+        and batches that must change shape take the normal path (:meth:`forward_batch`). Tokens and accept
+        lengths are identical to :meth:`run`'s."""
+        sched, finished = self.sched, 0
+        rr = self.runner.round_runner
+        while not sched.all_finished():
+            batch = sched.schedule(0)
+            if batch is None:
+                raise RuntimeError("scheduler has unfinished requests but nothing to run")
+            if (batch.kind == "verify" and len(batch.reqs) <= rr.max_bs and self.config.fault is None
+                    and all(r.params.greedy and r.tree is not None for r in batch.reqs)
+                    and self._round_fits(batch.reqs, None, 0)):
+                finished = self._spec_segment(batch.reqs, reqs, progress, finished)
+                continue
+            sched.process_output(self.forward_batch(batch, {}))
+            finished = _report(reqs, progress, finished)
+        return self._finish_run(reqs)
+
+    def _spec_segment(self, seg: list[Req], reqs: list[Req], progress, finished: int) -> int:
+        """Run device rounds for the requests ``seg`` (all running, greedy) while the batch keeps its shape:
+        at most two rounds in flight; each result row is processed by the scheduler as a verify relay. On
+        exit every round is read back and the requests get their next tree (device rows) for the normal path."""
+        sched, rr = self.sched, self.runner.round_runner
+        S, n = rr.S, rr.n
+        B = len(seg)
+        st = rr.load(seg, sched.req_to_token)          # after the first round's slots were allocated
+        cuda = st.out.device.type == "cuda"
+        bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=cuda) for _ in range(3)]
+        inflight: deque = deque()
+        launched = 0
+        rids = [r.rid for r in seg]
+        while True:
+            if len(inflight) < 2 and self._round_fits(seg, st, len(inflight)):
+                buf = bufs[launched % len(bufs)]
+                if inflight:
+                    self.num_round_lookahead += 1
+                inflight.append((rr.launch(st, buf), buf))
+                launched += 1
+                continue
+            if not inflight:
+                break
+            ev, buf = inflight.popleft()
+            if ev is not None:
+                ev.synchronize()
+            c = S + 1
+            res = buf[:B]
+            sched.process_output({"kind": "verify", "slot": 0, "rids": rids, "tokens": res[:, c + 1:2 * c + 1],
+                                  "accept_nodes": res[:, :c], "accept_lens": res[:, c], "num_draft_tokens": n})
+            self.num_overlap_rounds += 1
+            finished = _report(reqs, progress, finished)
+        for r, tree in zip(seg, rr.trees(st, B)):
+            if r.status == "running":
+                r.tree = tree
+        return finished
+
+    def _round_fits(self, seg: list[Req], st, inflight: int) -> bool:
+        """Whether one more round may be launched for ``seg`` with ``inflight`` rounds not yet read back: every
+        request still running, no request able to finish by length within those rounds, nothing waiting to
+        be admitted or prefilled, and KV slots for the new round's positions allocated (a round advances a
+        request by at most S+1 tokens; new slots are mirrored to the device rows of ``st``, None: the segment
+        is not loaded yet). False sends the batch down the normal path (it always makes progress there)."""
+        sched, rr = self.sched, self.runner.round_runner
+        adv = rr.S + 1
+        ahead = adv * (inflight + 1)
+        limit = min(sched.max_concurrency, sched.max_reqs)
+        if sched.waiting and sched.num_active() < limit:
+            return False
+        if any(r.status == "prefilling" for r in sched.reqs.values()):
+            return False
+        for r in seg:
+            if r.status != "running":
+                return False
+            n_out = len(r.output_ids) + ahead
+            if n_out >= r.params.max_new_tokens or len(r.prompt_ids) + n_out >= sched.max_model_len:
+                return False
+        width = sched.req_to_token.shape[1]
+        need = [max(0, min(r.seq_len + ahead + sched.reserve, width) - r.allocated_len) for r in seg]
+        if sum(need) > sched.allocator.num_free:
+            return False
+        new = []
+        for b, (r, k) in enumerate(zip(seg, need)):
+            if k:
+                p0 = r.allocated_len
+                slots = sched.allocator.alloc(k)
+                sched._append_slots(r, slots)
+                new.append((b, p0, slots))
+        if st is not None:
+            rr.append_slots(st, new)
+        return True

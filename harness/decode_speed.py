@@ -46,6 +46,9 @@ def main() -> None:
                     help="EAGLE: draft extend + tail draft as one graph; unset: the engine default (on)")
     ap.add_argument("--device-tree", action=argparse.BooleanOptionalAction, default=None,
                     help="EAGLE, one stage: spec_device_tree (one D2H per round); unset: the engine default (on)")
+    ap.add_argument("--spec-overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="EAGLE, one stage, greedy: the overlapped device round (engine.spec.overlap); unset: the "
+                         "engine default (on)")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--profile")
@@ -61,7 +64,7 @@ def main() -> None:
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,
                        cuda_graph_draft_extend=a.extend_graph, spec_device_tree=a.device_tree,
-                       cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
+                       spec_overlap=a.spec_overlap, cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
                        max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5)
     rng = random.Random(0)
     rows = []
@@ -104,6 +107,7 @@ def main() -> None:
             row = {"label": a.label, "model": a.model, "weights": "random" if a.dummy else "checkpoint",
                    "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": cfg.use_overlap_schedule,
                    "extend_graph": cfg.use_cuda_graph_draft_extend, "device_tree": cfg.use_spec_device_tree,
+                   "spec_overlap": cfg.use_spec_overlap and bool(a.draft),
                    "spec": ",".join(map(str, a.shape)) if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}

@@ -8,7 +8,7 @@
 #   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -130,6 +130,22 @@ ab6)
         --draft drafts/smollm2-eagle --shape 3,1,4 --label "chain-skinny$sk-tc$tc" --out "$out/chain-skinny$sk-tc$tc.json" \
         2>&1 | grep '^{\|Error'
   done ;;
+ov)
+  # session 7: the overlapped EAGLE round (engine.spec.overlap: whole round on the device, one graph, attention
+  # planned on the device by engine.dev_attention); GPU tests first, then an A/B on the SmolLM2 shape (random weights)
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_dev_attention.py tests/test_cuda_graph.py \
+      -k "overlap or dev_attention or cuda_bf16 or host_syncs or plain_matches" 2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -12
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  for v in 0 1; do
+    PPSPEC_DEV_ATTN_DECODE=$v timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 \
+        --label "plain-devattn$v" --out "$out/plain-devattn$v.json" 2>&1 | grep '^{\|Error'
+  done
+  for o in --no-spec-overlap --spec-overlap; do
+    timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+        $o --label "chain$o" --out "$out/chain$o.json" 2>&1 | grep '^{\|Error'
+  done
+  timeout 60 python3 -m harness.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --spec-overlap \
+      --profile "$out/chain_overlap_b1_prof.txt" --label "chain-overlap-prof" --out "$out/chain-prof.json" 2>&1 | grep '^{\|Error' ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

@@ -56,20 +56,24 @@ def test_fused_kernels_match_reference():
 
 
 def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False, draft_extend=False,
-              device_tree=False, max_running=64, lens=None):
+              device_tree=False, max_running=64, lens=None, spec_overlap=False, counters=None):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
                        cuda_graph_max_bs=8, overlap_schedule=overlap, cuda_graph_draft_extend=draft_extend,
-                       spec_device_tree=device_tree, max_running_requests=max_running)
+                       spec_device_tree=device_tree, max_running_requests=max_running, spec_overlap=spec_overlap)
     lens = lens or [max_new_tokens] * len(prompts)
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lens])
             runner = llm._worker.runner
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
-            if draft and graph:                    # EAGLE: every tail draft after a verify replays its graph
+            if counters is not None:
+                w = llm._worker
+                counters.update(rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead,
+                                graphs=len(runner.round_runner.graphs) if runner.round_runner else 0)
+            if draft and graph and not spec_overlap:   # EAGLE: every tail draft after a verify replays its graph
                 dg = runner.draft_graphs
                 assert dg is not None and (dg.num_round_replays if draft_extend else dg.num_replays) > 0
     finally:
@@ -137,7 +141,7 @@ def test_spec_round_host_syncs(setup, device_tree):
     spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6)
     cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=True, cuda_graph_max_bs=8,
-                       spec_device_tree=device_tree)
+                       spec_device_tree=device_tree, spec_overlap=False)
     try:
         with LLM(cfg) as llm:
             llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -171,6 +175,55 @@ def test_graph_eagle_device_tree_matches_host_tree(setup):
     host, acc0, _ = _generate(model, prompts, True, draft, **kw)
     dev, acc1, r1 = _generate(model, prompts, True, draft, device_tree=True, **kw)
     assert r1 > 0 and dev == host and acc1 == acc0
+
+
+def test_graph_spec_overlap_matches_normal_path(setup):
+    """spec_overlap on the GPU (engine.spec.overlap: the whole round as one graph, Triton attention over device
+    layouts, round t+1 replayed before round t is read back): the greedy tokens of the normal graphed path up to
+    bf16 near-ties (the attention kernels differ: engine.dev_attention vs FlashInfer), similar acceptance.
+    Requests finish at different lengths and at most 3 run, so segments end and restart."""
+    model, draft, prompts, logits = setup
+    kw = dict(max_running=3, lens=[12, 30, 20, 41, 25])
+    ref, acc0, _ = _generate(model, prompts, True, draft, device_tree=True, **kw)
+    c: dict = {}
+    got, acc1, _ = _generate(model, prompts, True, draft, device_tree=True, spec_overlap=True, counters=c, **kw)
+    print(f"overlap: {c}, accept {sum(acc1) / len(acc1):.3f} vs {sum(acc0) / len(acc0):.3f}")
+    assert c["rounds"] >= 10 and c["ahead"] >= c["rounds"] // 3 and c["graphs"] >= 1, c
+    assert abs(sum(acc1) / len(acc1) - sum(acc0) / len(acc0)) < 0.3
+    divergences("eagle: overlap vs normal path", prompts, ref, got, logits)
+
+
+def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):
+    """PPSPEC_DEV_ATTN_DECODE=1: captured decode graphs attend with engine.dev_attention (no FlashInfer plan): the
+    greedy tokens of the FlashInfer graphs up to bf16 near-ties, with and without the overlap schedule."""
+    model, _, prompts, logits = setup
+    ref, _, _ = _generate(model, prompts, True)
+    monkeypatch.setenv("PPSPEC_DEV_ATTN_DECODE", "1")
+    for overlap in (False, True):
+        got, _, r1 = _generate(model, prompts, True, overlap=overlap)
+        assert r1 >= 39
+        divergences(f"plain: dev_attention decode (overlap={overlap}) vs FlashInfer", prompts, ref, got, logits)
+
+
+def test_dev_attention_compiled():
+    """engine.dev_attention's Triton kernels compiled on the GPU (bf16) against the float32 torch reference."""
+    from engine.dev_attention import DeviceLayout, attention, attention_ref, enabled
+    g = torch.Generator().manual_seed(3)
+    for hq, hk, Q, Qt, B in ((9, 3, 4, 4, 3), (32, 8, 4, 4, 2), (9, 3, 1, 3, 5), (4, 2, 6, 6, 4)):
+        D, slots = 64, 6000
+        kv = torch.randn(slots, 2, hk, D, generator=g).to(DEV, torch.bfloat16)
+        rt = torch.randperm(slots - 1, generator=g)[:B * 1200].add(1).view(B, 1200).to(DEV)
+        lens = torch.tensor([1100, 0, 63, 64, 1][:B]).to(DEV)
+        tail = torch.randint(1, slots, (B, Qt), generator=g).to(DEV)
+        mask = torch.ones(Q, Qt, dtype=torch.bool).tril(Qt - Q).expand(B, Q, Qt).contiguous().to(DEV)
+        qkv = torch.randn(B * Q, (hq + 2 * hk) * D, generator=g).to(DEV, torch.bfloat16)
+        q = qkv[:, :hq * D].view(B * Q, hq, D)
+        for splits in (1, 4, 16):
+            lay = DeviceLayout(rt, torch.arange(B, device=DEV), lens, tail, mask, splits)
+            assert enabled(q)
+            got = attention(q, kv, lay, D ** -0.5)
+            want = attention_ref(q.float(), kv.float(), lay, D ** -0.5)
+            _close(got, want, tol=2e-2)
 
 
 def test_triton_tree_kernels_compiled():

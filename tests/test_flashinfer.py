@@ -245,7 +245,7 @@ def generate(model_dir, prompts, backend, draft=None, device="cuda", dtype="bflo
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = (SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig())
     cfg = EngineConfig(model=str(model_dir), device=device, dtype=dtype, attention_backend=backend, spec=spec,
-                       max_num_tokens=4096, max_prefill_tokens=96)
+                       max_num_tokens=4096, max_prefill_tokens=96, spec_overlap=False)
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))

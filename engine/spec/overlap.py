@@ -1,0 +1,255 @@
+"""The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, so the host can
+launch round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler; issue 7).
+
+A round of the normal path is host-serial: the verify result comes back to the host, which then permutes the
+page table, plans FlashInfer for the draft extend and the draft steps from host slot lists, and launches them.
+Here every input of round t+1 is an output of round t on the device:
+
+  state (per request b of the segment, device tensors):
+    rt [bs, max_len] int64     the request's req_to_token row (a segment-local copy; slot ids)
+    seq_lens [bs] int64        committed tokens (the next root excluded)
+    tokens [bs, n], parents [bs, k(S-1)+1], tsi [bs, n-1]   the next tree (column 0 of tokens = root)
+  round (:func:`spec_round`):
+    1. build the tree (``build_tree_any``), verify forward over ``rt[b, L:L+n]`` with the tree mask,
+    2. greedy walk (``verify_tree_greedy_any``),
+    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (:func:`commit_order_device`, the
+       device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
+    4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree,
+    5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
+  Attention reads its layout from device tensors (:mod:`engine.dev_attention`), so nothing is planned on the
+  host and the round is one CUDA graph per batch size (:class:`SpecRoundRunner`); on CPU it runs eagerly
+  (same code, torch reference attention).
+
+The host keeps its own req_to_token (the scheduler's) one round behind: it applies each round's commit
+permutation when it processes that round's result (``Scheduler.process_output``), exactly as on the normal
+path, and appends newly allocated slots to both copies. Slots are allocated ahead for every round in flight
+(a round advances a request by at most S+1 positions).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import ForwardContext, h2d, pinned, set_context
+from ..dev_attention import DeviceLayout, default_splits
+from .tree_kernels import build_tree_any, verify_tree_greedy_any
+
+
+def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int) -> torch.Tensor:
+    """Device twin of :func:`engine.kv_cache.commit_order` (same result, no host sync, capturable).
+
+    accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
+    Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
+    Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
+    entries, clamped to node 0, cannot overwrite the root's key 0); a stable argsort of the keys is the order.
+    Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
+    """
+    B, W = accept_nodes.shape
+    dev = accept_nodes.device
+    big = W + n
+    keys = (W + torch.arange(n, device=dev)).expand(B, n).clone()
+    p = torch.arange(W, device=dev).expand(B, W)
+    src = torch.where(p < accept_length.view(B, 1), p, big)
+    keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
+    return torch.argsort(keys, dim=1, stable=True)
+
+
+class RoundState:
+    """Device state of a segment of ``bs`` requests (padding rows: seq_len 0, slot 0 everywhere)."""
+
+    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.bs = bs
+        self.rt = torch.zeros(bs, max_len, **i64)
+        self.rows = torch.arange(bs, device=device)
+        self.seq_lens = torch.zeros(bs, **i64)
+        self.tokens = torch.zeros(bs, n, **i64)
+        self.parents = torch.zeros(bs, P, **i64)
+        self.tsi = torch.zeros(bs, n - 1, **i64)
+        self.out = torch.zeros(bs, 2 * (S + 1) + 2, **i64)
+        self.live = torch.zeros(bs, **i64)              # 1: a request, 0: padding (its seq_len stays 0)
+
+
+def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
+    """One greedy EAGLE round of the ``st.bs`` requests of ``st``, entirely on the device (see the module doc).
+
+    ``runner``: the ModelRunner (model, draft, pools, spec); ``splits``: (verify / extend split-KV count,
+    draft-step split-KV count) of :mod:`engine.dev_attention`. Reads and updates ``st`` in place; the round's
+    result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by :class:`SpecRoundRunner`).
+    """
+    from .worker import draft_beam_search
+    spec, model = runner.spec, runner.model
+    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+    B, dev = st.bs, st.rt.device
+    L = st.seq_lens
+    tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
+    vpos = L.view(B, 1) + torch.arange(n, device=dev)
+    seg = st.rt.gather(1, vpos)                                           # the verify segment's slots [B, n]
+    lay = DeviceLayout(st.rt, st.rows, L, seg, tree.tree_mask, splits[0])
+    ctx = ForwardContext(list(range(0, B * n + 1, n)), None, None, seg.reshape(-1), runner.kv_pool, "verify",
+                         device_layout=lay)
+    set_context(ctx)
+    try:
+        feature, _ = model(tree.candidates.reshape(-1), tree.positions.reshape(-1))
+    finally:
+        set_context(None)
+    pred = model.compute_logits(feature).argmax(-1).view(B, n)
+    res = verify_tree_greedy_any(tree, pred, S)
+    alen = res.accept_length
+    seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n))
+    st.rt.scatter_(1, vpos, seg_new)                                      # commit: an index rewrite
+    L_new = L + alen * st.live
+    # draft extend over W rows per request (accepted tokens + bonus, then padding rows whose KV lands in
+    # scratch slots the draft steps overwrite before reading), causal within the W rows
+    W = min(S + 1, n)
+    ids = res.emitted[:, :W].clamp(min=0).reshape(-1)
+    fidx = (torch.arange(B, device=dev).view(B, 1) * n + res.accept_nodes[:, :W].clamp(min=0)).reshape(-1)
+    pos = (L.view(B, 1) + torch.arange(W, device=dev)).reshape(-1)
+    locs = seg_new[:, :W]
+    causal = torch.ones(W, W, dtype=torch.bool, device=dev).tril().expand(B, W, W)
+    lay_e = DeviceLayout(st.rt, st.rows, L, locs, causal, splits[0])
+    ctx_e = ForwardContext(list(range(0, B * W + 1, W)), None, None, locs.reshape(-1), runner.draft_pool,
+                           "extend", device_layout=lay_e)
+    hid = runner.draft_forward(ids, feature[fidx], pos, ctx_e, planned=True)
+    last_h = hid[torch.arange(B, device=dev) * W + alen - 1]
+    # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
+    w = k * (S - 1)
+    scratch = st.rt.gather(1, L_new.view(B, 1) + torch.arange(w, device=dev)).view(B, S - 1, k).transpose(1, 2)
+    lane_rows = st.rows.repeat_interleave(k)
+    lane_L = L_new.repeat_interleave(k)
+
+    def step_inputs(s, hist_s):
+        tail = hist_s.reshape(B * k, s)
+        lay_s = DeviceLayout(st.rt, lane_rows, lane_L, tail,
+                             torch.ones(B * k, 1, s, dtype=torch.bool, device=dev), splits[1])
+        c = ForwardContext(list(range(B * k + 1)), None, None, tail[:, -1], runner.draft_pool, "decode",
+                           device_layout=lay_s)
+        return lane_L + (s - 1), c, True
+
+    drafts, parent_list, tsi = draft_beam_search(runner, last_h, scratch.contiguous(), step_inputs)
+    st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
+    st.tokens[:, 0].copy_(res.bonus)
+    st.tokens[:, 1:].copy_(drafts)
+    st.parents.copy_(parent_list)
+    st.tsi.copy_(tsi)
+    st.seq_lens.copy_(L_new)
+
+
+class SpecRoundRunner:
+    """Per batch size (the CUDA-graph ladder): a :class:`RoundState` and, on CUDA with graphs, the captured
+    :func:`spec_round` (captured lazily at the first segment of that size). ``launch`` runs one round and
+    queues the copy of its result row to pinned host memory; ``load`` / ``append_slots`` / ``trees`` move
+    state between the scheduler's host view and the device.
+    """
+
+    def __init__(self, runner, max_bs: int, use_graphs: bool):
+        from ..cuda_graph import ladder
+        spec = runner.spec
+        self.r = runner
+        self.S, self.k, self.n = spec.num_steps, spec.topk, spec.num_draft_tokens
+        self.P = self.k * (self.S - 1) + 1
+        self.bs_list = ladder(max_bs)
+        self.max_bs = self.bs_list[-1]
+        self.max_len = runner.sched.req_to_token.shape[1]
+        self.use_graphs = use_graphs and runner.device.type == "cuda"
+        self.states: dict[int, RoundState] = {}
+        self.graphs: dict = {}
+        self.pool = None
+        self.num_rounds = 0
+
+    def pick(self, B: int) -> int:
+        return next(b for b in self.bs_list if b >= B)
+
+    def _splits(self, bs: int) -> tuple[int, int]:
+        hk = max(1, self.r.kv_pool.kv_cache[0].shape[2])
+        return (default_splits(bs, hk, self.max_len), default_splits(bs * self.k, hk, self.max_len))
+
+    def state(self, bs: int) -> RoundState:
+        if bs not in self.states:
+            self.states[bs] = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device)
+        return self.states[bs]
+
+    def load(self, reqs, rt_host: torch.Tensor) -> RoundState:
+        """Upload the segment: each request's req_to_token row (allocated part), seq_len and next tree
+        (host or device rows); padding rows get seq_len 0 and slot 0. Returns the state."""
+        B = len(reqs)
+        st = self.state(self.pick(B))
+        dev, hi = self.r.device, max(r.allocated_len for r in reqs)
+        rows = torch.zeros(st.bs, hi, dtype=torch.int64)
+        rows[:B] = rt_host[torch.tensor([r.row for r in reqs]), :hi]
+        st.rt[:, :hi].copy_(pinned(rows, dev), non_blocking=True)
+        if hi < self.max_len:
+            st.rt[:, hi:].zero_()
+        lens = torch.zeros(st.bs, dtype=torch.int64)
+        lens[:B] = torch.tensor([r.seq_len for r in reqs])
+        st.seq_lens.copy_(pinned(lens, dev), non_blocking=True)
+        st.live.zero_()
+        st.live[:B] = 1
+        for name, buf in (("tokens", st.tokens), ("parent_list", st.parents), ("top_scores_index", st.tsi)):
+            buf[:B] = torch.stack([r.tree[name].to(dev, non_blocking=True) for r in reqs])
+            buf[B:].copy_(buf[:1].expand_as(buf[B:]))      # padding: a valid tree (row 0's), slot 0 KV
+        st.out.zero_()
+        return st
+
+    def append_slots(self, st: RoundState, new: list[tuple[int, int, list[int]]]) -> None:
+        """Copy newly allocated slots to the device rows: ``new`` = (segment row, first position, slots)."""
+        if not new:
+            return
+        r_idx = torch.tensor([b for b, p0, sl in new for _ in sl], dtype=torch.int64)
+        p_idx = torch.tensor([p0 + i for b, p0, sl in new for i in range(len(sl))], dtype=torch.int64)
+        vals = torch.tensor([s for _, _, sl in new for s in sl], dtype=torch.int64)
+        packed = h2d(torch.stack([r_idx, p_idx, vals]), self.r.device)
+        st.rt[packed[0], packed[1]] = packed[2]
+
+    @torch.inference_mode()
+    def launch(self, st: RoundState, host_out: torch.Tensor):
+        """Run one round (graph replay when captured) and queue ``st.out`` -> ``host_out`` (pinned); returns
+        the copy's CUDA event (None on CPU, where the copy is synchronous)."""
+        bs = st.bs
+        if self.use_graphs:
+            g = self.graphs.get(bs)
+            if g is None:
+                g = self._capture(st)
+            g.replay()
+        else:
+            spec_round(self.r, st, self._splits(bs))
+        self.num_rounds += 1
+        cuda = host_out.is_pinned()
+        host_out.copy_(st.out, non_blocking=cuda)
+        if not cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _capture(self, st: RoundState):
+        """Capture :func:`spec_round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
+        saved first and restored afterwards: warm-up and capture runs advance it like real rounds."""
+        from ..cuda_graph import capturing
+        saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi)]   # rt: row copies
+        splits = self._splits(st.bs)
+        stream = torch.cuda.Stream(self.r.device)
+        stream.wait_stream(torch.cuda.current_stream(self.r.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._restore(st, saved)
+                spec_round(self.r, st, splits)
+        torch.cuda.current_stream(self.r.device).wait_stream(stream)
+        self._restore(st, saved)
+        g = torch.cuda.CUDAGraph()
+        with capturing(g, self.pool):
+            spec_round(self.r, st, splits)
+        if self.pool is None:
+            self.pool = g.pool()
+        self._restore(st, saved)
+        self.graphs[st.bs] = g
+        return g
+
+    @staticmethod
+    def _restore(st: RoundState, saved) -> None:
+        for dst, src in zip((st.rt, st.seq_lens, st.tokens, st.parents, st.tsi), saved):
+            dst.copy_(src)
+
+    def trees(self, st: RoundState, B: int) -> list[dict]:
+        """The next tree of segment rows 0..B-1 as owned device rows (handed back to the scheduler)."""
+        t, p, s = st.tokens[:B].clone(), st.parents[:B].clone(), st.tsi[:B].clone()
+        return [{"tokens": t[i], "parent_list": p[i], "top_scores_index": s[i]} for i in range(B)]

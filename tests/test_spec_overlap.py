@@ -1,0 +1,87 @@
+"""The overlapped EAGLE round (engine.spec.overlap, issue 7): whole rounds on the device, round t+1 launched
+before round t is read back. On CPU the same round runs eagerly with the torch reference attention over the
+device layout; outputs must equal the normal path's exactly (tokens and accept lengths), with rounds really
+launched ahead, requests finishing inside a segment (length and stop tokens), joining, retracted and sampled."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.kv_cache import commit_order
+from engine.spec.overlap import commit_order_device
+
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
+P = SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+
+def gen(model, prompts, draft, shape, params=P, **kw):
+    """(outputs, worker counters) of one engine run."""
+    spec = SpecConfig(algorithm="eagle", draft=draft, **shape)
+    with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
+        outs = llm.generate(prompts, params)
+        w = llm._worker
+        return outs, (w.num_overlap_rounds, w.num_round_lookahead)
+
+
+def same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+
+
+def test_commit_order_device_matches_host():
+    g = torch.Generator().manual_seed(0)
+    for n, S in ((4, 3), (6, 3), (8, 5)):
+        B = 64
+        alen = torch.randint(1, S + 2, (B,), generator=g)
+        nodes = torch.full((B, S + 1), -1, dtype=torch.int64)
+        for b in range(B):
+            path = torch.randperm(n - 1, generator=g)[:int(alen[b]) - 1] + 1
+            nodes[b, 0] = 0
+            nodes[b, 1:int(alen[b])] = path
+        want = commit_order(nodes, alen, n)
+        got = commit_order_device(nodes, alen, n)
+        assert np.array_equal(got.numpy(), want), (n, S)
+    # regression guard: padding (-1 -> node 0) must not displace the root, which is accepted first
+    assert commit_order_device(torch.tensor([[0, 2, -1, -1]]), torch.tensor([2]), 4).tolist() == [[0, 2, 1, 3]]
+
+
+@pytest.mark.parametrize("name,shape", [("chain", CHAIN), ("tree", TREE)])
+def test_overlap_equals_normal_path(tiny_model_dir, tiny_draft_dir, tiny_prompts, name, shape):
+    ref, c0 = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, shape)
+    got, (rounds, ahead) = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, shape, spec_overlap=True)
+    same(got, ref)
+    assert c0 == (0, 0)
+    # 10 requests x 32 tokens: most rounds run on the device path, most of them launched ahead
+    assert rounds >= 5 and ahead >= rounds // 2, (rounds, ahead)
+    al = [a for o in got for a in o.accept_lengths]
+    assert sum(al) / len(al) >= 1.8
+
+
+def test_overlap_composition_stops_and_sampling(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Requests finish at different lengths and on stop tokens while later rounds are in flight, join from
+    (chunked) prefill, are retracted on a tiny pool, and some sample (normal path): outputs as without overlap."""
+    ref, _ = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE)
+    stops = [o.token_ids[9] for o in ref]                    # a token each greedy request emits mid-way
+    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 4) + 20 * (i % 2), ignore_eos=True,
+                             stop_token_ids=[stops[i]] if i % 3 == 1 else [],
+                             temperature=0.8 if i % 5 == 0 else 0.0, seed=i) for i in range(len(tiny_prompts))]
+    kw = dict(max_num_tokens=450, max_prefill_tokens=40, max_running_requests=5)
+    a, _ = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, **kw)
+    b, (rounds, ahead) = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, TREE, params, spec_overlap=True, **kw)
+    same(b, a)
+    assert rounds > 0 and ahead > 0
+    assert sum(o.num_retractions for o in b) > 0
+    assert any(o.finish_reason == "stop" for o in b)
+    # Worker.run ends with the allocator check: no KV slot allocated ahead may leak (KVCacheError otherwise)
+
+
+def test_overlap_ignored_under_pp_and_tp(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """spec_overlap applies to one stage at TP 1; under PP (relay through the host) it is ignored."""
+    ref, _ = gen(tiny_model_dir, tiny_prompts[:3], tiny_draft_dir, CHAIN)
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, **CHAIN)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True)) as llm:
+        outs = llm.generate(tiny_prompts[:3], P)
+    same(outs, ref)
