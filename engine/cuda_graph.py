@@ -28,12 +28,18 @@ from .spec.tree_kernels import pack_verify_mask
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-def dev_attention_decode() -> bool:
-    """``PPSPEC_DEV_ATTN_DECODE=1``: captured decode graphs attend with :mod:`engine.dev_attention` (layout copied
-    to the device per replay, no FlashInfer plan) instead of FlashInfer's decode wrapper. An A/B knob (default 0)
-    until measured on the H200."""
-    import os
-    return os.environ.get("PPSPEC_DEV_ATTN_DECODE", "0") == "1"
+def dev_attention_decode_max_bs() -> int:
+    """Captured decode graphs of batch size <= ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` (default 8; 0: none) attend with
+    :mod:`engine.dev_attention` (slot matrix and lengths copied to the device per replay, no FlashInfer plan, no
+    FlashInfer merge) instead of FlashInfer's decode wrapper. Default from the H200 A/B (results/gpu/session7/ov,
+    SmolLM2 shape, 2048-token prompts): TPOT b=1 1.068 -> 0.928 ms, b=8 1.300 -> 1.118 ms, but b=32 1.936 ->
+    2.546 ms (FlashInfer's decode kernel wins at large batches).
+
+    Raises:
+        ConfigError: the variable is not an integer >= 0 (one line, naming it).
+    """
+    from .config import env_int
+    return env_int("PPSPEC_DEV_ATTN_DECODE_MAX_BS", 8, minimum=0)
 
 
 def ladder(max_bs: int) -> list[int]:
@@ -131,8 +137,8 @@ class CudaGraphRunner:
         self.num_replays = 0
         # decode attention planned on the device (engine.dev_attention) instead of FlashInfer: the page table is
         # a [bs, max_kv] slot matrix + lengths copied per replay, no host plan, no FlashInfer merge kernel
-        self.dev_decode = decode and dev_attention_decode()
-        if self.dev_decode:
+        self.dev_decode_max_bs = dev_attention_decode_max_bs() if decode else 0
+        if self.dev_decode_max_bs:
             self.dl_rt = torch.zeros(self.max_bs, max_kv, dtype=i64, device=d)
             self.dl_lens = torch.zeros(self.max_bs, dtype=i64, device=d)
             self.dl_rows = torch.arange(self.max_bs, dtype=i64, device=d)
@@ -215,9 +221,9 @@ class CudaGraphRunner:
     def _ctx(self, kind: str, bs: int) -> ForwardContext:
         q = self.q_len[kind]
         ctx = ForwardContext(list(range(0, bs * q + 1, q)), None, None, self.loc[:bs * q], self.r.kv_pool, kind)
-        if kind == "decode" and self.dev_decode:
+        if kind == "decode" and bs <= self.dev_decode_max_bs:
             from .dev_attention import DeviceLayout, default_splits
-            splits = default_splits(bs, self.key[1], self.dl_max_kv)
+            splits = default_splits(bs, self.key[1], self.dl_max_kv, max_splits=32)
             ctx.device_layout = DeviceLayout(self.dl_rt[:bs], self.dl_rows[:bs], self.dl_lens[:bs],
                                              self.loc[:bs].view(bs, 1), self.dl_mask[:bs], splits)
             return ctx
@@ -234,7 +240,7 @@ class CudaGraphRunner:
     def _capture(self, kind: str, bs: int) -> None:
         q = self.q_len[kind]
         T = bs * q
-        if not (kind == "decode" and self.dev_decode):
+        if not (kind == "decode" and bs <= self.dev_decode_max_bs):
             self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
             dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
             self._plan(kind, bs, [torch.zeros(q, dtype=torch.int64)] * bs, dummy_masks)
@@ -285,7 +291,7 @@ class CudaGraphRunner:
             self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
         pad = bs - B                      # padding requests: q tokens attending to slot 0 only
-        if kind == "decode" and self.dev_decode:
+        if kind == "decode" and bs <= self.dev_decode_max_bs:
             self._fill_device_layout(bs, ctx.kv_indices)
             self.graphs[(kind, bs)].replay()
             self.num_replays += 1

@@ -136,8 +136,9 @@ ov)
   timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_dev_attention.py tests/test_cuda_graph.py \
       -k "overlap or dev_attention or cuda_bf16 or host_syncs or plain_matches" 2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -12
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  # (the session-7 run used the first form of the knob, PPSPEC_DEV_ATTN_DECODE=0/1, i.e. max bs 0 / all)
   for v in 0 1; do
-    PPSPEC_DEV_ATTN_DECODE=$v timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 \
+    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$((v * 32)) timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 \
         --label "plain-devattn$v" --out "$out/plain-devattn$v.json" 2>&1 | grep '^{\|Error'
   done
   for o in --no-spec-overlap --spec-overlap; do

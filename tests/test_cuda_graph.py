@@ -194,11 +194,13 @@ def test_graph_spec_overlap_matches_normal_path(setup):
 
 
 def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):
-    """PPSPEC_DEV_ATTN_DECODE=1: captured decode graphs attend with engine.dev_attention (no FlashInfer plan): the
-    greedy tokens of the FlashInfer graphs up to bf16 near-ties, with and without the overlap schedule."""
+    """Decode graphs of batch size <= PPSPEC_DEV_ATTN_DECODE_MAX_BS (default 8) attend with engine.dev_attention
+    (no FlashInfer plan): the greedy tokens of the FlashInfer graphs (=0) up to bf16 near-ties, with and without
+    the overlap schedule (5 prompts: the bs=8 graph, padded)."""
     model, _, prompts, logits = setup
+    monkeypatch.setenv("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "0")
     ref, _, _ = _generate(model, prompts, True)
-    monkeypatch.setenv("PPSPEC_DEV_ATTN_DECODE", "1")
+    monkeypatch.setenv("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "8")
     for overlap in (False, True):
         got, _, r1 = _generate(model, prompts, True, overlap=overlap)
         assert r1 >= 39
@@ -212,8 +214,8 @@ def test_dev_attention_compiled():
     for hq, hk, Q, Qt, B in ((9, 3, 4, 4, 3), (32, 8, 4, 4, 2), (9, 3, 1, 3, 5), (4, 2, 6, 6, 4)):
         D, slots = 64, 6000
         kv = torch.randn(slots, 2, hk, D, generator=g).to(DEV, torch.bfloat16)
-        rt = torch.randperm(slots - 1, generator=g)[:B * 1200].add(1).view(B, 1200).to(DEV)
-        lens = torch.tensor([1100, 0, 63, 64, 1][:B]).to(DEV)
+        rt = torch.randperm(slots - 1, generator=g)[:B * 1100].add(1).view(B, 1100).to(DEV)
+        lens = torch.tensor([1090, 0, 63, 64, 1][:B]).to(DEV)
         tail = torch.randint(1, slots, (B, Qt), generator=g).to(DEV)
         mask = torch.ones(Q, Qt, dtype=torch.bool).tril(Qt - Q).expand(B, Q, Qt).contiguous().to(DEV)
         qkv = torch.randn(B * Q, (hq + 2 * hk) * D, generator=g).to(DEV, torch.bfloat16)
