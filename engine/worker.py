@@ -83,6 +83,7 @@ class Worker:
         self.num_lookahead = 0                # decode steps launched before the previous step was read back
         self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.spec.overlap)
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
+        self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
 
     # ------------------------------------------------------------------------------------ one batch
     def forward_batch(self, batch: ScheduledBatch, inbox: dict):
@@ -268,9 +269,11 @@ class Worker:
         return self._finish_run(reqs)
 
     def _spec_segment(self, seg: list[Req], reqs: list[Req], progress, finished: int) -> int:
-        """Run device rounds for the requests ``seg`` (all running, greedy) while the batch keeps its shape:
-        at most two rounds in flight; each result row is processed by the scheduler as a verify relay. On
-        exit every round is read back and the requests get their next tree (device rows) for the normal path."""
+        """Run device rounds for the requests ``seg`` (all running, greedy): at most two rounds in flight; each
+        result row is processed by the scheduler as a verify relay. A request that finishes stays in the segment
+        as a padding row (:meth:`SpecRoundRunner.retire`: its device row points at slot 0 from the next round on)
+        until a smaller captured batch size would do; then, or when a request waits to be admitted, every round
+        is read back and the running requests get their next tree (device rows) for the normal path."""
         sched, rr = self.sched, self.runner.round_runner
         S, n = rr.S, rr.n
         B = len(seg)
@@ -280,8 +283,15 @@ class Worker:
         inflight: deque = deque()
         launched = 0
         rids = [r.rid for r in seg]
+        live = list(range(B))
         while True:
-            if len(inflight) < 2 and self._round_fits(seg, st, len(inflight)):
+            dead = [b for b in live if seg[b].status != "running"]
+            if dead:
+                rr.retire(st, dead)                    # stream-ordered after the rounds already launched
+                self.num_retired_rows += len(dead)
+                live = [b for b in live if seg[b].status == "running"]
+            if (len(inflight) < 2 and live and rr.pick(len(live)) == st.bs
+                    and self._round_fits([seg[b] for b in live], st, len(inflight), rows=live)):
                 buf = bufs[launched % len(bufs)]
                 if inflight:
                     self.num_round_lookahead += 1
@@ -304,12 +314,13 @@ class Worker:
                 r.tree = tree
         return finished
 
-    def _round_fits(self, seg: list[Req], st, inflight: int) -> bool:
+    def _round_fits(self, seg: list[Req], st, inflight: int, rows: list[int] | None = None) -> bool:
         """Whether one more round may be launched for ``seg`` with ``inflight`` rounds not yet read back: every
-        request still running, no request able to finish by length within those rounds, nothing waiting to
-        be admitted or prefilled, and KV slots for the new round's positions allocated (a round advances a
-        request by at most S+1 tokens; new slots are mirrored to the device rows of ``st``, None: the segment
-        is not loaded yet). False sends the batch down the normal path (it always makes progress there)."""
+        request still running, no position past the context within those rounds, nothing waiting to be admitted
+        or prefilled, and KV slots for the new round's positions allocated (a round advances a request by at most
+        S+1 tokens; new slots are mirrored to the device rows ``rows`` of ``st``, None: the segment is not loaded
+        yet). Tokens past ``max_new_tokens`` are computed and dropped by the scheduler, as on the normal path.
+        False sends the batch down the normal path (it always makes progress there)."""
         sched, rr = self.sched, self.runner.round_runner
         adv = rr.S + 1
         ahead = adv * (inflight + 1)
@@ -321,15 +332,14 @@ class Worker:
         for r in seg:
             if r.status != "running":
                 return False
-            n_out = len(r.output_ids) + ahead
-            if n_out >= r.params.max_new_tokens or len(r.prompt_ids) + n_out >= sched.max_model_len:
+            if len(r.prompt_ids) + len(r.output_ids) + ahead >= sched.max_model_len:
                 return False
         width = sched.req_to_token.shape[1]
         need = [max(0, min(r.seq_len + ahead + sched.reserve, width) - r.allocated_len) for r in seg]
         if sum(need) > sched.allocator.num_free:
             return False
         new = []
-        for b, (r, k) in enumerate(zip(seg, need)):
+        for b, r, k in zip(rows if rows is not None else range(len(seg)), seg, need):
             if k:
                 p0 = r.allocated_len
                 slots = sched.allocator.alloc(k)

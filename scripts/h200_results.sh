@@ -8,7 +8,7 @@
 #   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -147,6 +147,17 @@ ov)
   done
   timeout 60 python3 -m harness.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --spec-overlap \
       --profile "$out/chain_overlap_b1_prof.txt" --label "chain-overlap-prof" --out "$out/chain-prof.json" 2>&1 | grep '^{\|Error' ;;
+ov2)
+  # session 7, after the suite run: finished requests stay as padding rows of a running segment (no drain per
+  # finish) and rounds run up to max_new_tokens on the device; GPU overlap test, then SmolLM2 plain and chain again
+  # (no peer) on one lease. Needs /tmp/g/smollm2.gguf (see smol).
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap" 2>&1 \
+      | grep -E "^overlap:|passed|failed|Error|assert" | tail -6
+  timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-spec --no-peer --no-progress \
+      --out /tmp/res2/smol_plain 2>&1 | grep -E "TPOT mean|tok/s|accept"
+  timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
+      --out /tmp/res2/smol_chain 2>&1 | grep -E "TPOT mean|ITL|tok/s|accept"
+  tar czf "$out/smol2.tgz" -C /tmp/res2 . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

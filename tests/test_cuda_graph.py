@@ -71,7 +71,7 @@ def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, ov
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
             if counters is not None:
                 w = llm._worker
-                counters.update(rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead,
+                counters.update(rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead, retired=w.num_retired_rows,
                                 graphs=len(runner.round_runner.graphs) if runner.round_runner else 0)
             if draft and graph and not spec_overlap:   # EAGLE: every tail draft after a verify replays its graph
                 dg = runner.draft_graphs

@@ -205,6 +205,15 @@ class SpecRoundRunner:
         packed = h2d(torch.stack([r_idx, p_idx, vals]), self.r.device)
         st.rt[packed[0], packed[1]] = packed[2]
 
+    def retire(self, st: RoundState, rows: list[int]) -> None:
+        """Turn segment rows of finished requests into padding from the next launched round on: row -> slot 0,
+        seq_len 0, not live (queued on the stream after the rounds in flight, which still write the request's
+        freed slots; any reuse of those slots is queued later still)."""
+        idx = h2d(torch.tensor(rows, dtype=torch.int64), self.r.device)
+        st.rt[idx] = 0
+        st.seq_lens[idx] = 0
+        st.live[idx] = 0
+
     @torch.inference_mode()
     def launch(self, st: RoundState, host_out: torch.Tensor):
         """Run one round (graph replay when captured) and queue ``st.out`` -> ``host_out`` (pinned); returns
