@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import rope_store, skinny
+from .argmax import argmax_rows
 from .attention import attend, get_context
 from .config import ModelConfig
 from .dist import ps, tp_all_reduce
@@ -191,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.lm_head(feature).float()
+
+    def greedy_tokens(self, feature: torch.Tensor) -> torch.Tensor:
+        """feature [R, H] -> argmax token ids [R] int64 (``engine.argmax``: the LM head's output read in its own
+        dtype, no float32 logits)."""
+        return argmax_rows(self.lm_head(feature))
 
     def load_weights(self, weights) -> None:
         """Consume (hf_name, tensor) pairs; keeps only this stage's and this TP rank's part."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .argmax import argmax_rows
 from .attention import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .config import ConfigError, EngineConfig, ModelConfig, env_int
 from .dist import all_reduce_min_int, ps
@@ -247,7 +248,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1)
+            return argmax_rows(logits)
         probs = self.target_probs(logits, reqs)
         coins = torch.stack([request_coins(self._seed(r), r.rid, len(r.output_ids), 1)[0] for r in reqs])
         return sample_from_probs(probs, coins.to(probs.device))

@@ -237,7 +237,7 @@ class Worker:
         if ids_dev is not None:
             ids = ids_dev
         hidden, _ = r.forward(ids, pos, ctx)
-        tokens = r.model.compute_logits(hidden).argmax(-1)    # one row per request
+        tokens = r.model.greedy_tokens(hidden)                # one row per request
         cuda = tokens.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)

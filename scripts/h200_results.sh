@@ -149,9 +149,10 @@ ov)
       --profile "$out/chain_overlap_b1_prof.txt" --label "chain-overlap-prof" --out "$out/chain-prof.json" 2>&1 | grep '^{\|Error' ;;
 ov2)
   # session 7, after the suite run: finished requests stay as padding rows of a running segment (no drain per
-  # finish) and rounds run up to max_new_tokens on the device; GPU overlap test, then SmolLM2 plain and chain again
+  # finish), rounds run up to max_new_tokens on the device, Triton argmax (engine.argmax; chains skip the draft's
+  # top-k/softmax); GPU tests of those, then SmolLM2 plain and chain again
   # (no peer) on one lease. Needs /tmp/g/smollm2.gguf (see smol).
-  timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap" 2>&1 \
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax" 2>&1 \
       | grep -E "^overlap:|passed|failed|Error|assert" | tail -6
   timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-spec --no-peer --no-progress \
       --out /tmp/res2/smol_plain 2>&1 | grep -E "TPOT mean|tok/s|accept"

@@ -207,6 +207,18 @@ def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):
         divergences(f"plain: dev_attention decode (overlap={overlap}) vs FlashInfer", prompts, ref, got, logits)
 
 
+def test_argmax_compiled():
+    """engine.argmax compiled (bf16 LM-head outputs, SmolLM2 and Llama-3 vocabularies): torch.argmax's indices,
+    ties resolved to the first index."""
+    from engine.argmax import argmax_rows, enabled
+    g = torch.Generator().manual_seed(5)
+    for R, V in ((1, 49152), (4, 49152), (32, 49152), (3, 128256)):
+        x = torch.randn(R, V, generator=g).to(DEV, torch.bfloat16)
+        x[0, 100] = x[0, V - 7] = 30.0
+        assert enabled(x)
+        assert torch.equal(argmax_rows(x), x.float().argmax(-1))
+
+
 def test_dev_attention_compiled():
     """engine.dev_attention's Triton kernels compiled on the GPU (bf16) against the float32 torch reference."""
     from engine.dev_attention import DeviceLayout, attention, attention_ref, enabled

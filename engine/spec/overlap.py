@@ -96,7 +96,7 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
         feature, _ = model(tree.candidates.reshape(-1), tree.positions.reshape(-1))
     finally:
         set_context(None)
-    pred = model.compute_logits(feature).argmax(-1).view(B, n)
+    pred = model.greedy_tokens(feature).view(B, n)
     res = verify_tree_greedy_any(tree, pred, S)
     alen = res.accept_length
     seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n))

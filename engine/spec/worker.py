@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..argmax import argmax_rows
 from ..attention import ForwardContext, h2d, tree_to_host
 from ..kv_cache import commit_order
 from ..sampling import request_coins
@@ -69,9 +70,16 @@ def _stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
 def _topk_probs(runner, hidden: torch.Tensor):
     """(top-k probabilities [R, k] float32, their token ids [R, k] int64) of the draft's next-token distribution:
     top-k of the logits, then ``exp(logit - logsumexp)`` (softmax is monotonic; no [R, V] probability tensor:
-    on the H200 the full softmax took 12.9 us per draft step at R=1, V=49,152)."""
+    on the H200 the full softmax took 12.9 us per draft step at R=1, V=49,152). A chain (k = 1, n - 1 = S) selects
+    every candidate whatever the scores (``organize_draft_results`` keeps n - 1 of n - 1), so its probabilities
+    are ones and only the argmax runs."""
+    spec = runner.spec
+    if spec.topk == 1 and spec.num_draft_tokens - 1 == spec.num_steps:
+        # a chain keeps every candidate, so the scores cannot change the tree: the argmax alone (ones as probs)
+        idx = runner.model.greedy_tokens(hidden).view(-1, 1)
+        return torch.ones(idx.shape, dtype=torch.float32, device=idx.device), idx
     logits = runner.model.compute_logits(hidden)
-    top, idx = logits.topk(runner.spec.topk, dim=-1)
+    top, idx = logits.topk(spec.topk, dim=-1)
     return torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), idx
 
 
@@ -214,7 +222,7 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     greedy = all(r.params.greedy for r in reqs)
     if greedy and runner.device_tree:
         # the tree lives on the device: walk it there (one Triton launch on CUDA), nothing read back yet
-        res = verify_tree_greedy_any(tree, logits.argmax(-1).view(B, n), S)
+        res = verify_tree_greedy_any(tree, argmax_rows(logits).view(B, n), S)
     elif greedy:
         # The tree is host data (rebuilt from the relay on every stage): one device->host copy of the
         # target's argmax [B, n], then the walk runs on the host (numpy) instead of ~S*n*8 tiny device kernels.
