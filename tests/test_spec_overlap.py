@@ -86,3 +86,22 @@ def test_overlap_ignored_under_pp_and_tp(tiny_model_dir, tiny_draft_dir, tiny_pr
     with LLM(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True)) as llm:
         outs = llm.generate(tiny_prompts[:3], P)
     same(outs, ref)
+
+
+def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
+    """What startup capture runs (SpecRoundRunner.capture_all, CUDA): a round on the all-padding state of every
+    ladder size touches slot 0 only, keeps seq_len 0 and leaves a valid degenerate tree; the KV of real slots is
+    untouched."""
+    from engine.spec.overlap import spec_round
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **TREE)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True, max_running_requests=5)) as llm:
+        r = llm._worker.runner
+        rr = r.round_runner
+        kv0 = r.kv_pool.kv_cache[0][1:].clone()
+        for bs in rr.bs_list:
+            st = rr.state(bs)
+            for _ in range(2):
+                spec_round(r, st, rr._splits(bs))
+            assert st.seq_lens.tolist() == [0] * bs and int(st.rt.abs().sum()) == 0
+            assert st.out[:, rr.S + 1].min() >= 1                      # accept lengths of a walked tree
+        assert torch.equal(r.kv_pool.kv_cache[0][1:], kv0)

@@ -31,6 +31,7 @@ import torch
 
 from ..attention import ForwardContext, h2d, pinned, set_context
 from ..dev_attention import DeviceLayout, default_splits
+from .tree import chain_fallback
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 # split-KV cap: on the H200 a 4-row verify over 2048 tokens (Hq 9, Hk 3) took 5.0 us at 32 splits and 6.5 us
@@ -169,9 +170,27 @@ class SpecRoundRunner:
                 default_splits(bs * self.k, hk, self.max_len, max_splits=MAX_SPLITS))
 
     def state(self, bs: int) -> RoundState:
+        """The state of batch size ``bs``, created as all padding: slot 0, seq_len 0, not live, and the degenerate
+        chain tree (``chain_fallback``) in every row, so a round on it is valid (and writes slot 0 only)."""
         if bs not in self.states:
-            self.states[bs] = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device)
+            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device)
+            tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
+                                                  self.S, self.k, self.n)
+            st.tokens.copy_(tokens)
+            st.parents.copy_(parents)
+            st.tsi.copy_(tsi)
+            self.states[bs] = st
         return self.states[bs]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every batch size of the ladder now (on the all-padding states), as the decode / verify graph
+        runners do at startup. Lazy capture in the first segment of a size stalled the timed run when the batch
+        shrank through sizes not seen before (H200, SmolLM2 chain b=32: ITL p99 56-100 ms, results/gpu/session7)."""
+        for bs in reversed(self.bs_list):
+            st = self.state(bs)
+            if bs not in self.graphs:
+                self._capture(st)
 
     def load(self, reqs, rt_host: torch.Tensor) -> RoundState:
         """Upload the segment: each request's req_to_token row (allocated part), seq_len and next tree
