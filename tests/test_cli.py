@@ -337,6 +337,10 @@ def test_device_tree_under_pp_is_noted(draft_dir):
     assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
     auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note
     assert not any("spec_device_tree" in n for n in resolve(None, auto).notes)
+    ov2 = {**ov, "spec_overlap": True}
+    assert "note: spec_overlap applies to pp=1, tp=1 only; other topologies run the normal spec round" in \
+        resolve(None, ov2).notes
+    assert not any("spec_overlap" in n for n in resolve(None, {**ov2, "pp": 1}).notes)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only build")
