@@ -45,7 +45,8 @@ def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor,
     accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
     Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
     Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
-    entries, clamped to node 0, cannot overwrite the root's key 0); a stable argsort of the keys is the order.
+    entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
+    the order (the same as a stable argsort, without a sort launch).
     Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
     """
     B, W = accept_nodes.shape
@@ -55,7 +56,9 @@ def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor,
     p = torch.arange(W, device=dev).expand(B, W)
     src = torch.where(p < accept_length.view(B, 1), p, big)
     keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
-    return torch.argsort(keys, dim=1, stable=True)
+    # the keys are distinct, so node j's place is the number of smaller keys (no sort kernel: n is small)
+    rank = (keys.unsqueeze(1) < keys.unsqueeze(2)).sum(2)
+    return torch.empty_like(keys).scatter_(1, rank, torch.arange(n, device=dev).expand(B, n))
 
 
 class RoundState:
@@ -119,8 +122,8 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
     w = k * (S - 1)
     scratch = st.rt.gather(1, L_new.view(B, 1) + torch.arange(w, device=dev)).view(B, S - 1, k).transpose(1, 2)
-    lane_rows = st.rows.repeat_interleave(k)
-    lane_L = L_new.repeat_interleave(k)
+    lane_rows = st.rows.view(B, 1).expand(B, k).reshape(-1)         # lane b*k + j (no repeat_interleave scan)
+    lane_L = L_new.view(B, 1).expand(B, k).reshape(-1)
 
     def step_inputs(s, hist_s):
         tail = hist_s.reshape(B * k, s)
