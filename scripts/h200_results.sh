@@ -8,7 +8,7 @@
 #   .gpu/partaa, .gpu/partab, .gpu/partac (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -159,6 +159,21 @@ ov2)
   timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
       --out /tmp/res2/smol_chain 2>&1 | grep -E "TPOT mean|ITL|tok/s|accept"
   tar czf "$out/smol2.tgz" -C /tmp/res2 . ;;
+ov3)
+  # next session: the changes after lease 2 of session 7 (round graphs captured at startup for every ladder size,
+  # rank-based commit order, expand-based lane rows): GPU tests, then the chain at b=1/8/32 on random weights with a
+  # profile of b=32 (its ITL p99 was 56-100 ms with lazy capture) and the dev-attention decode limit at 12/16
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax or dev_attention" \
+      2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -6
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+      --label chain-overlap --out "$out/chain-overlap.json" 2>&1 | grep '^{\|Error'
+  timeout 90 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+      --profile "$out/chain_b32_prof.txt" --label chain-b32-prof --out "$out/chain-b32-prof.json" 2>&1 | grep '^{\|Error'
+  for v in 8 16; do
+    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$v timeout 60 python3 -m harness.decode_speed $M --batch 12 --batch 16 \
+        --label "plain-devattn-max$v" --out "$out/plain-devattn-max$v.json" 2>&1 | grep '^{\|Error'
+  done ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer
