@@ -3,9 +3,9 @@
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2, 17 MiB, GGUF chunks .gpu/parta?, 25 MiB each). Wheels and a
 #   chunk do not fit one call beside the ~27 MB tree (64 MiB): install the wheels in a call of their own (tests, ov3:
-#   no GGUF needed), then carry the chunks while /tmp/site survives (machine warm). Every call starts with
+#   no GGUF needed), then carry the chunks while /tmp/site survives (machine warm). The first call runs
 #   mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl;
-#   export PYTHONPATH=/tmp/site:$PWD HOME=/tmp  (+ tar xzf .gpu/ficache.tgz -C /tmp once a JIT cache exists).
+#   and every call exports PYTHONPATH=/tmp/site:$PWD HOME=/tmp  (+ tar xzf .gpu/ficache.tgz -C /tmp once a JIT cache exists).
 # smol needs the SmolLM2 GGUF in /tmp/g/smollm2.gguf: four calls within 30 s of each other carrying
 #   .gpu/partaa .. .gpu/partad (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
