@@ -48,20 +48,26 @@ if triton is not None:
         tl.store(idx_ptr + r * NB + b, i.to(tl.int64))
 
     @triton.jit
-    def _final_kernel(val_ptr, idx_ptr, NB, out_ptr, NBP2: tl.constexpr):
+    def _final_kernel(val_ptr, idx_ptr, NB, out_ptr, map_ptr, NBP2: tl.constexpr, MAP: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, NBP2)
         ok = j < NB
         v = tl.load(val_ptr + r * NB + j, mask=ok, other=float("-inf"))
         i = tl.load(idx_ptr + r * NB + j, mask=ok, other=9223372036854775807)
         m = tl.max(v, 0)
-        tl.store(out_ptr + r, tl.min(tl.where(ok & (v == m), i, 9223372036854775807), 0))
+        best = tl.min(tl.where(ok & (v == m), i, 9223372036854775807), 0)
+        if MAP:
+            best = tl.load(map_ptr + best)
+        tl.store(out_ptr + r, best)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` for ``x [R, V]`` (see the module doc): [R] int64 on x's device, no host sync."""
+def argmax_rows(x: torch.Tensor, index_map: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.argmax(-1)`` for ``x [R, V]`` (see the module doc): [R] int64 on x's device, no host sync.
+    ``index_map`` [V] int64 (optional): return ``index_map[argmax]`` instead, looked up inside the final launch
+    (a draft vocabulary's hot ids, :mod:`engine.spec.token_map`)."""
     if not enabled(x) or x.dim() != 2:
-        return x.argmax(-1)
+        best = x.argmax(-1)
+        return best if index_map is None else index_map[best]
     R, V = x.shape
     nb = max(1, triton.cdiv(V, BLOCK))
     val = torch.empty(R, nb, dtype=torch.float32, device=x.device)
@@ -70,5 +76,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if R == 0:
         return out
     _block_max_kernel[(R, nb)](x, x.stride(0), V, val, idx, nb, BLOCK=BLOCK)
-    _final_kernel[(R,)](val, idx, nb, out, NBP2=triton.next_power_of_2(nb))
+    _final_kernel[(R,)](val, idx, nb, out, index_map if index_map is not None else out,
+                        NBP2=triton.next_power_of_2(nb), MAP=index_map is not None)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -147,7 +148,8 @@ class SpecConfig:
     pp_spec: bool = False                 # gate for PP x spec
     draft_after_prefill: bool = True      # tail-draft right after prefill (False = reference degenerate first round)
     adaptive: bool = False                # adaptive n is refused under PP
-    token_map: str | None = None          # draft vocabulary map (FR-Spec) is refused under PP
+    token_map: str | None = None          # FR-Spec draft vocabulary (engine.spec.token_map): .json / .pt of hot ids;
+                                          # drafts are mapped back to target ids, so PP relays target ids
     eagle_version: int = 2
 
     def __post_init__(self) -> None:
@@ -164,6 +166,8 @@ class SpecConfig:
                 f"{k + (S - 1) * k * k}")
         if k == 1 and n != S + 1:
             raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
+        if self.token_map is not None and not Path(self.token_map).is_file():
+            raise ConfigError(f"spec.token_map: file not found: {self.token_map}")
         if self.eagle_version not in (1, 2, 3):
             raise ConfigError(f"spec.eagle_version: {self.eagle_version} (supported: 1, 2, 3)")
 
@@ -252,9 +256,6 @@ class EngineConfig:
             if self.spec.adaptive:
                 raise ConfigError("spec.adaptive: an adaptive number of draft tokens cannot be relayed under PP "
                                   "(every stage slices the relay by a fixed num_draft_tokens)")
-            if self.spec.token_map:
-                raise ConfigError("spec.token_map: a draft vocabulary map is not supported under PP "
-                                  "(the relayed tree must use target token ids)")
             if self.spec.eagle_version == 3:
                 raise ConfigError("spec.eagle_version=3 is refused under PP until its auxiliary features "
                                   "are relayed between stages")

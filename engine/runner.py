@@ -69,6 +69,10 @@ class ModelRunner:
         self.model.to(self.device)
         if self.draft is not None:
             self.draft.to(self.device)
+        self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map), last stage only
+        if self.draft is not None and self.spec.token_map:
+            from .spec.token_map import HotHead, load_token_map
+            self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))
         self._init_kv()
         self._init_cuda_graphs()
         self.round_runner = None

@@ -338,6 +338,25 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
             console.print(result)
 
 
+@app.command("token-map")
+def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].json[/cyan] or [cyan].pt[/cyan] (SGLang's format).")],
+              size: Annotated[int, typer.Option(help="Hot tokens to keep (FR-Spec draft vocabulary size).")] = 8192,
+              model: ModelOpt = None, config: ConfigOpt = None) -> None:
+    """Build a frequency-ranked draft vocabulary (FR-Spec) from GSM8K train text, for [cyan]spec.token_map[/cyan]."""
+    with user_errors():
+        from harness.token_map import make_token_map
+        cfg = load(config, overrides(model=model))
+        if out.exists():
+            raise HarnessConfigError(f"--out {out} already exists: choose another file or delete it first")
+        try:
+            summary = make_token_map(cfg.engine.model, cfg.paths.data, size, out)
+        except ValueError as e:
+            raise HarnessConfigError(str(e)) from None
+        short = f" (all the distinct tokens of the corpus)" if summary["size"] < size else ""
+        typer.echo(f"{out}: {summary['size']} of {summary['vocab_size']} tokens{short}; coverage GSM8K train "
+                   f"{summary['coverage_train']:.4f}, test answers {summary['coverage_test_answers']:.4f}")
+
+
 def check_train_kwargs(fn, kwargs: dict) -> None:
     """Validate the ``train:`` section against ``fn``'s keyword parameters before any work starts:
     unknown keys and values whose type does not match the parameter's default raise HarnessConfigError."""

@@ -340,6 +340,13 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
             spec["algorithm"] = None
         else:
             spec["draft"] = found
+            tmap = spec.get("token_map")
+            if tmap:                      # cwd / yaml dir / project root, then the draft's directory
+                hit = _resolve_path(tmap, root, yaml_dir + (Path(found),))
+                if hit is None:
+                    src = next((name for name, layer in reversed(layers) if "token_map" in layer.get("spec", {})), "config")
+                    raise HarnessConfigError(f"{src}: spec.token_map {tmap!r} not found")
+                spec["token_map"] = hit
     if isinstance(merged.get("model"), str):
         merged["model"] = _resolve_path(merged["model"], root, yaml_dir) or merged["model"]
     paths = {k: str((root / v).resolve()) for k, v in merged.pop("paths", {}).items()}

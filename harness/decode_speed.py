@@ -51,6 +51,7 @@ def main() -> None:
                          "engine default (on)")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
+    ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE draft")
     ap.add_argument("--profile")
     ap.add_argument("--cprofile", help="write a cProfile (host time, cumulative) of the first batch's run here")
     ap.add_argument("--label", default="")
@@ -59,7 +60,7 @@ def main() -> None:
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.stats import request_metrics
     S, k, n = a.shape
-    spec = SpecConfig("eagle", a.draft, S, k, n) if a.draft else SpecConfig()
+    spec = SpecConfig("eagle", a.draft, S, k, n, token_map=a.token_map) if a.draft else SpecConfig()
     bmax = max(a.batch or [1])
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,

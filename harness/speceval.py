@@ -17,13 +17,17 @@ from harness.config import spec_shape
 
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
              device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
-             plain: bool = True, max_concurrency: int | None = None) -> dict:
+             plain: bool = True, max_concurrency: int | None = None, token_map: str | None = None) -> dict:
+    """Run plain decoding (unless ``plain`` is False) and each EAGLE ``shapes`` entry (S, k, n) on ``prompts``;
+    ``token_map``: an FR-Spec draft vocabulary for the EAGLE runs. Returns {config name: accept length, histogram,
+    GSM8K strict/flexible scores, output tokens, wall seconds, tokens/s, output token ids}."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.gsm8k import score_response
     texts = [p["prompt"] for p in prompts]
     params = [SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(p.get("until", ["Question:"]))) for p in prompts]
     configs = ([("plain", SpecConfig())] if plain else []) + [
-        (f"eagle S={S} k={k} n={n}", SpecConfig("eagle", draft, S, k, n)) for S, k, n in shapes]
+        (f"eagle S={S} k={k} n={n}" + (f" map={Path(token_map).name}" if token_map else ""),
+         SpecConfig("eagle", draft, S, k, n, token_map=token_map)) for S, k, n in shapes]
     results = {}
     for name, spec in configs:
         with LLM(EngineConfig(model=model, device=device, dtype=dtype, spec=spec, attention_backend=backend,
@@ -68,12 +72,13 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--no-plain", action="store_true")
+    ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE runs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][a.offset:]
     prompts = prompts[:a.limit]
     res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
-                   a.max_concurrency)
+                   a.max_concurrency, a.token_map)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
 

@@ -175,7 +175,15 @@ ov3)
   for v in 8 16; do
     PPSPEC_DEV_ATTN_DECODE_MAX_BS=$v timeout 60 python3 -m harness.decode_speed $M --batch 12 --batch 16 \
         --label "plain-devattn-max$v" --out "$out/plain-devattn-max$v.json" 2>&1 | grep '^{\|Error'
-  done ;;
+  done
+  # FR-Spec draft vocabulary (8,192 of 49,152 LM-head rows per draft step): round cost on random weights
+  timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+      --token-map drafts/smollm2-eagle/hot_tokens_8k.json --label chain-overlap-map8k --out "$out/chain-overlap-map8k.json" \
+      2>&1 | grep '^{\|Error'
+  # and with the real weights (needs the GGUF; MAP=1): the suite's chain cells with the map
+  [ "${MAP:-0}" = 1 ] && timeout 150 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
+      --set spec.token_map=hot_tokens_8k.json --out /tmp/resm/smol_chain_map8k 2>&1 | grep -v Warning | tail -25 \
+      && tar czf "$out/smol_chain_map8k.tgz" -C /tmp/resm . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

@@ -25,6 +25,9 @@ cases.append(wide)
 cases.append(torch.randn(2, 300, generator=g).to(torch.float16))
 assert all(enabled(c) for c in cases)
 bad = [i for i, c in enumerate(cases) if not torch.equal(argmax_rows(c), c.float().argmax(-1))]
+ids = torch.randperm(100000, generator=g)[:3 * BLOCK + 5]              # index_map: a draft vocabulary's hot ids
+bad += [f"map{i}" for i, c in enumerate(cases[:4]) if not torch.equal(argmax_rows(c, index_map=ids[:c.shape[1]]),
+                                                                        ids[c.float().argmax(-1)])]
 print("BAD", bad)
 '''
 
@@ -39,3 +42,5 @@ def test_argmax_cpu_is_torch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 1000)
     assert not enabled(x) and torch.equal(argmax_rows(x), x.argmax(-1))
+    ids = torch.arange(1000) * 7 + 3
+    assert torch.equal(argmax_rows(x, index_map=ids), x.argmax(-1) * 7 + 3)

@@ -56,9 +56,10 @@ def test_fused_kernels_match_reference():
 
 
 def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False, draft_extend=False,
-              device_tree=False, max_running=64, lens=None, spec_overlap=False, counters=None):
+              device_tree=False, max_running=64, lens=None, spec_overlap=False, counters=None, shape=(3, 2, 6),
+              token_map=None):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    spec = SpecConfig("eagle", str(draft), num_steps=3, topk=2, num_draft_tokens=6) if draft else SpecConfig()
+    spec = SpecConfig("eagle", str(draft), *shape, token_map=token_map) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
                        cuda_graph_max_bs=8, overlap_schedule=overlap, cuda_graph_draft_extend=draft_extend,
@@ -191,6 +192,30 @@ def test_graph_spec_overlap_matches_normal_path(setup):
     assert c["rounds"] >= 10 and c["ahead"] >= c["rounds"] // 3 and c["graphs"] >= 1, c
     assert abs(sum(acc1) / len(acc1) - sum(acc0) / len(acc0)) < 0.3
     divergences("eagle: overlap vs normal path", prompts, ref, got, logits)
+
+
+def test_graph_spec_overlap_chain_and_token_map(setup, tmp_path):
+    """A chain (S=3, k=1, n=4: the fast search path, engine.spec.worker._chain_search, constant parent_list /
+    top_scores_index) in the overlapped round: the normal graphed path's greedy tokens up to bf16 near-ties. With an
+    FR-Spec map of every token (the argmax's index map compiled, engine.spec.token_map) exactly the unmapped overlap's
+    tokens and accept lengths; with a map of half the vocabulary, the same tokens (lossless) up to near-ties."""
+    import json
+    model, draft, prompts, logits = setup
+    kw = dict(max_running=3, lens=[12, 30, 20, 41, 25], shape=(3, 1, 4), device_tree=True)
+    ref, acc0, _ = _generate(model, prompts, True, draft, **kw)
+    got, acc1, _ = _generate(model, prompts, True, draft, spec_overlap=True, **kw)
+    divergences("eagle chain: overlap vs normal path", prompts, ref, got, logits)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(list(range(vocab))))
+    got_f, acc_f, _ = _generate(model, prompts, True, draft, spec_overlap=True, token_map=str(full), **kw)
+    assert got_f == got and acc_f == acc1
+    half = tmp_path / "half.json"
+    half.write_text(json.dumps(list(range(0, vocab, 2))))
+    got_h, acc_h, _ = _generate(model, prompts, True, draft, spec_overlap=True, token_map=str(half), **kw)
+    print(f"chain accept: normal {sum(acc0) / len(acc0):.3f} overlap {sum(acc1) / len(acc1):.3f} "
+          f"half map {sum(acc_h) / len(acc_h):.3f}")
+    divergences("eagle chain: overlap + half map vs normal path", prompts, ref, got_h, logits)
 
 
 def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):

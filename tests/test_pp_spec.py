@@ -115,7 +115,6 @@ def test_gate_off_by_default(tiny_model_dir, monkeypatch):
 
 @pytest.mark.parametrize("extra,msg", [
     (dict(adaptive=True), "adaptive number of draft tokens"),
-    (dict(token_map="hot.pt"), "draft vocabulary map"),
     (dict(eagle_version=3), "until its auxiliary features are relayed"),
 ])
 def test_refused_combinations(extra, msg):

@@ -105,3 +105,19 @@ def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
             assert st.seq_lens.tolist() == [0] * bs and int(st.rt.abs().sum()) == 0
             assert st.out[:, rr.S + 1].min() >= 1                      # accept lengths of a walked tree
         assert torch.equal(r.kv_pool.kv_cache[0][1:], kv0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chain_search_equals_beam_search(tiny_model_dir, tiny_draft_dir, tiny_prompts, overlap, monkeypatch):
+    """The chain fast path (engine.spec.worker._chain_search: no beam bookkeeping, constant parent_list /
+    top_scores_index, the overlapped round skipping their copies) gives the general beam search's exact tokens and
+    accept lengths, with and without the overlapped round."""
+    import engine.spec.worker as W
+    fast, _ = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, CHAIN, spec_overlap=overlap)
+    calls = []
+    monkeypatch.setattr(W, "_chain_search", lambda *a: calls.append(1) or W._beam_search(*a))
+    ref, _ = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, CHAIN, spec_overlap=overlap)
+    assert calls
+    same(fast, ref)
+    parents, tsi = W.chain_constants(2, 3, "cpu")
+    assert parents.tolist() == [[-1, 0, 1]] * 2 and tsi.tolist() == [[0, 1, 2]] * 2

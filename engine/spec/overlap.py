@@ -39,7 +39,8 @@ from .tree_kernels import build_tree_any, verify_tree_greedy_any
 MAX_SPLITS = 32
 
 
-def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int) -> torch.Tensor:
+def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int,
+                        ar: torch.Tensor | None = None) -> torch.Tensor:
     """Device twin of :func:`engine.kv_cache.commit_order` (same result, no host sync, capturable).
 
     accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
@@ -47,25 +48,34 @@ def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor,
     Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
     entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
     the order (the same as a stable argsort, without a sort launch).
+    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device (a cached constant: no launch).
     Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
     """
     B, W = accept_nodes.shape
-    dev = accept_nodes.device
+    if ar is None:
+        ar = torch.arange(max(n, W), device=accept_nodes.device)
     big = W + n
-    keys = (W + torch.arange(n, device=dev)).expand(B, n).clone()
-    p = torch.arange(W, device=dev).expand(B, W)
+    keys = (W + ar[:n]).expand(B, n).clone()
+    p = ar[:W].expand(B, W)
     src = torch.where(p < accept_length.view(B, 1), p, big)
     keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
     # the keys are distinct, so node j's place is the number of smaller keys (no sort kernel: n is small)
     rank = (keys.unsqueeze(1) < keys.unsqueeze(2)).sum(2)
-    return torch.empty_like(keys).scatter_(1, rank, torch.arange(n, device=dev).expand(B, n))
+    return torch.empty_like(keys).scatter_(1, rank, ar[:n].expand(B, n))
 
 
 class RoundState:
     """Device state of a segment of ``bs`` requests (padding rows: seq_len 0, slot 0 everywhere)."""
 
-    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device):
+    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1):
         i64 = dict(dtype=torch.int64, device=device)
+        W = min(S + 1, n)
+        # constants of the round (built here, not inside the captured graph, where each would be a launch per
+        # round): an arange to slice, the draft extend's causal block, the draft steps' all-true tail masks
+        self.ar = torch.arange(max(n, W, bs * k, k * max(S - 1, 0), 1), **i64)
+        self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
+        self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
+        self.chain = k == 1 and n == S + 1
         self.bs = bs
         self.rt = torch.zeros(bs, max_len, **i64)
         self.rows = torch.arange(bs, device=device)
@@ -90,7 +100,8 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     B, dev = st.bs, st.rt.device
     L = st.seq_lens
     tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
-    vpos = L.view(B, 1) + torch.arange(n, device=dev)
+    ar = st.ar
+    vpos = L.view(B, 1) + ar[:n]
     seg = st.rt.gather(1, vpos)                                           # the verify segment's slots [B, n]
     lay = DeviceLayout(st.rt, st.rows, L, seg, tree.tree_mask, splits[0])
     ctx = ForwardContext(list(range(0, B * n + 1, n)), None, None, seg.reshape(-1), runner.kv_pool, "verify",
@@ -103,32 +114,30 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     pred = model.greedy_tokens(feature).view(B, n)
     res = verify_tree_greedy_any(tree, pred, S)
     alen = res.accept_length
-    seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n))
+    seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n, ar))
     st.rt.scatter_(1, vpos, seg_new)                                      # commit: an index rewrite
     L_new = L + alen * st.live
     # draft extend over W rows per request (accepted tokens + bonus, then padding rows whose KV lands in
     # scratch slots the draft steps overwrite before reading), causal within the W rows
     W = min(S + 1, n)
     ids = res.emitted[:, :W].clamp(min=0).reshape(-1)
-    fidx = (torch.arange(B, device=dev).view(B, 1) * n + res.accept_nodes[:, :W].clamp(min=0)).reshape(-1)
-    pos = (L.view(B, 1) + torch.arange(W, device=dev)).reshape(-1)
+    fidx = (ar[:B].view(B, 1) * n + res.accept_nodes[:, :W].clamp(min=0)).reshape(-1)
+    pos = (L.view(B, 1) + ar[:W]).reshape(-1)
     locs = seg_new[:, :W]
-    causal = torch.ones(W, W, dtype=torch.bool, device=dev).tril().expand(B, W, W)
-    lay_e = DeviceLayout(st.rt, st.rows, L, locs, causal, splits[0])
+    lay_e = DeviceLayout(st.rt, st.rows, L, locs, st.causal, splits[0])
     ctx_e = ForwardContext(list(range(0, B * W + 1, W)), None, None, locs.reshape(-1), runner.draft_pool,
                            "extend", device_layout=lay_e)
     hid = runner.draft_forward(ids, feature[fidx], pos, ctx_e, planned=True)
-    last_h = hid[torch.arange(B, device=dev) * W + alen - 1]
+    last_h = hid[ar[:B] * W + alen - 1]
     # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
     w = k * (S - 1)
-    scratch = st.rt.gather(1, L_new.view(B, 1) + torch.arange(w, device=dev)).view(B, S - 1, k).transpose(1, 2)
+    scratch = st.rt.gather(1, L_new.view(B, 1) + ar[:w]).view(B, S - 1, k).transpose(1, 2)
     lane_rows = st.rows.view(B, 1).expand(B, k).reshape(-1)         # lane b*k + j (no repeat_interleave scan)
     lane_L = L_new.view(B, 1).expand(B, k).reshape(-1)
 
     def step_inputs(s, hist_s):
         tail = hist_s.reshape(B * k, s)
-        lay_s = DeviceLayout(st.rt, lane_rows, lane_L, tail,
-                             torch.ones(B * k, 1, s, dtype=torch.bool, device=dev), splits[1])
+        lay_s = DeviceLayout(st.rt, lane_rows, lane_L, tail, st.step_mask[:, :, :s], splits[1])
         c = ForwardContext(list(range(B * k + 1)), None, None, tail[:, -1], runner.draft_pool, "decode",
                            device_layout=lay_s)
         return lane_L + (s - 1), c, True
@@ -137,8 +146,9 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
     st.tokens[:, 0].copy_(res.bonus)
     st.tokens[:, 1:].copy_(drafts)
-    st.parents.copy_(parent_list)
-    st.tsi.copy_(tsi)
+    if not st.chain:                  # a chain's parent_list / top_scores_index never change (chain_constants)
+        st.parents.copy_(parent_list)
+        st.tsi.copy_(tsi)
     st.seq_lens.copy_(L_new)
 
 
@@ -176,7 +186,7 @@ class SpecRoundRunner:
         """The state of batch size ``bs``, created as all padding: slot 0, seq_len 0, not live, and the degenerate
         chain tree (``chain_fallback``) in every row, so a round on it is valid (and writes slot 0 only)."""
         if bs not in self.states:
-            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device)
+            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k)
             tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
                                                   self.S, self.k, self.n)
             st.tokens.copy_(tokens)

@@ -72,15 +72,24 @@ def _topk_probs(runner, hidden: torch.Tensor):
     top-k of the logits, then ``exp(logit - logsumexp)`` (softmax is monotonic; no [R, V] probability tensor:
     on the H200 the full softmax took 12.9 us per draft step at R=1, V=49,152). A chain (k = 1, n - 1 = S) selects
     every candidate whatever the scores (``organize_draft_results`` keeps n - 1 of n - 1), so its probabilities
-    are ones and only the argmax runs."""
-    spec = runner.spec
+    are ones and only the argmax runs. With a draft vocabulary map (``runner.hot_head``, FR-Spec:
+    :mod:`engine.spec.token_map`) the scores cover the hot subset only and the ids are mapped back to target ids."""
+    spec, hot = runner.spec, getattr(runner, "hot_head", None)
     if spec.topk == 1 and spec.num_draft_tokens - 1 == spec.num_steps:
         # a chain keeps every candidate, so the scores cannot change the tree: the argmax alone (ones as probs)
-        idx = runner.model.greedy_tokens(hidden).view(-1, 1)
+        idx = _draft_greedy(runner, hidden).view(-1, 1)
         return torch.ones(idx.shape, dtype=torch.float32, device=idx.device), idx
+    if hot is not None:
+        return hot.topk(hidden, spec.topk)
     logits = runner.model.compute_logits(hidden)
     top, idx = logits.topk(spec.topk, dim=-1)
     return torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), idx
+
+
+def _draft_greedy(runner, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [R, H] -> the draft's greedy next tokens [R] int64 (target ids; over the hot set with a token map)."""
+    hot = getattr(runner, "hot_head", None)
+    return hot.greedy(hidden) if hot is not None else runner.model.greedy_tokens(hidden)
 
 
 def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
@@ -94,6 +103,16 @@ def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, 
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
     Captured as one CUDA graph by :class:`engine.cuda_graph.DraftGraphRunner`.
     """
+    spec = runner.spec
+    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+    B, H = last_hidden.shape
+    if k == 1 and n - 1 == S:
+        return _chain_search(runner, last_hidden, scratch, step_inputs)
+    return _beam_search(runner, last_hidden, scratch, step_inputs)
+
+
+def _beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+    """The general EAGLE-2 beam search of :func:`draft_beam_search` (any k; a chain too, as the reference)."""
     spec = runner.spec
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, H = last_hidden.shape
@@ -114,6 +133,38 @@ def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, 
         hist = hist_s.gather(1, parent_beam.unsqueeze(2).expand(B, k, s))
     parent_list, tsi, drafts = organize_draft_results(scores, tokens, parents, n)
     return drafts, parent_list, tsi
+
+
+def chain_constants(B: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent_list [B, S] = -1, 0, ..., S-2; top_scores_index [B, S] = 0, ..., S-1), int64: the tree layout of every
+    chain (k = 1, n = S + 1) row, as views of cached 1-D constants (expanded: read them, never write them)."""
+    key = (S, str(device))
+    c = _CHAIN_CONSTANTS.get(key)
+    if c is None:
+        c = _CHAIN_CONSTANTS[key] = (torch.arange(-1, S - 1, device=device), torch.arange(S, device=device))
+    return c[0].expand(B, S), c[1].expand(B, S)
+
+
+_CHAIN_CONSTANTS: dict = {}
+
+
+def _chain_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+    """:func:`draft_beam_search` for a chain (k = 1, n = S + 1): S greedy draft tokens, one per step. The beam
+    bookkeeping of the general search is the identity here (one lane, parent 0, every candidate kept in step order,
+    probabilities never compared), so it is skipped: the same tokens, parent_list and top_scores_index
+    (:func:`chain_constants`) with about 12 fewer device launches per step (the H200 round graph runs each small
+    launch for 1-3 us)."""
+    S = runner.spec.num_steps
+    B = last_hidden.shape[0]
+    tok = _draft_greedy(runner, last_hidden)
+    drafts, hid = [tok], last_hidden
+    for s in range(1, S):
+        pos, ctx, planned = step_inputs(s, scratch[:, :, :s])
+        hid = runner.draft_forward(tok, hid, pos, ctx, planned=planned)
+        tok = _draft_greedy(runner, hid)
+        drafts.append(tok)
+    parent_list, tsi = chain_constants(B, S, last_hidden.device)
+    return torch.stack(drafts, 1), parent_list, tsi
 
 
 def scratch_slots(rows: list[torch.Tensor], L_new: list[int], k: int, S: int) -> torch.Tensor:
