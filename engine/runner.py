@@ -73,6 +73,9 @@ class ModelRunner:
         if self.draft is not None and self.spec.token_map:
             from .spec.token_map import HotHead, load_token_map
             self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))
+        if self.draft is not None and self.spec.topk == 1 and self.spec.num_draft_tokens == self.spec.num_steps + 1:
+            from .spec.worker import chain_constants
+            chain_constants(1, self.spec.num_steps, self.device)   # before any graph capture uses them
         self._init_kv()
         self._init_cuda_graphs()
         self.round_runner = None

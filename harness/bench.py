@@ -52,6 +52,26 @@ def build_prompts(tokenizer, n: int, input_len: int, seed: int, texts: list[str]
 RANDOM_WEIGHTS = "random weights"
 
 
+def check_cells_fit(cfg: RunConfig) -> None:
+    """Refuse, before any work, a cell whose prompt plus ``output_len`` does not fit the context: its requests would
+    stop early (finish_reason "length") and TPOT / tok/s would describe fewer tokens than the table says.
+
+    Raises:
+        HarnessConfigError: input_len + output_len > the context (min of the model's and ``max_model_len``).
+        engine.config.ConfigError / FileNotFoundError: unknown model.
+    """
+    from harness.config import HarnessConfigError
+    from engine.runner import model_source
+    _, mc = model_source(cfg.engine)
+    ctx = min(mc.max_position_embeddings, cfg.engine.max_model_len or mc.max_position_embeddings)
+    for L, B in cfg.bench.cell_list():
+        if L + cfg.bench.output_len > ctx:
+            raise HarnessConfigError(
+                f"bench cell {L}x{B}: input_len {L} + output_len {cfg.bench.output_len} exceeds the context "
+                f"({ctx} tokens): shorten the cell or raise max_model_len (up to the model's "
+                f"{mc.max_position_embeddings})")
+
+
 def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
     """Run every cell of ``cfg.bench`` (``cells`` or input_lens x batch_sizes); returns (summary, per-request records).
 
@@ -70,6 +90,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if b.floors:
         from harness.floors import measure
         measured = measure(cfg.engine.device, cfg.engine.dtype)
+    check_cells_fit(cfg)
     own = llm is None
     if own:
         from engine import LLM

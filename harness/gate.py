@@ -26,7 +26,8 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
 
     Raises:
         HarnessConfigError: speculative decoding is off (nothing to gate).
-        engine.config.ConfigError: the engine refuses the candidate (e.g. PP x spec not enabled).
+        engine.config.ConfigError: the engine refuses the candidate (e.g. PP x spec not enabled) or either
+            topology (tp / pp cannot split the model).
     """
     if not cfg.engine.spec.enabled:
         raise HarnessConfigError("gate: speculative decoding is off (is the draft missing?); the gate compares "
@@ -35,6 +36,11 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
     work = dataclasses.replace(cfg.gsm8k, limit=g.limit, runs=1)
     base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp, fault=None))
     cand = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.candidate_pp))
+    # both topologies are checked before the baseline runs (a refused candidate must not waste the baseline's run)
+    from engine.runner import check_topology, model_source
+    _, mc = model_source(cfg.engine)
+    for c in (base, cand):
+        check_topology(mc, c.engine.tp, c.engine.pp)
     return base, cand
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import stats
-from harness.config import RunConfig
+from harness.config import HarnessConfigError, RunConfig
 from harness.tables import both, fmt
 
 TASK = "gsm8k_local"
@@ -102,6 +102,10 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
 
     from harness.lmeval_model import PPSpecLM
     g = cfg.gsm8k
+    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
+    if g.num_fewshot > n_train:
+        raise HarnessConfigError(f"gsm8k.num_fewshot={g.num_fewshot} exceeds the {n_train} train questions the "
+                                 "shots are drawn from")
     own = llm is None
     if own:
         from engine import LLM

@@ -138,13 +138,15 @@ def run_matrix(matrix: str | Path, out: Path | None = None, only: list[str] | No
                on_event: Callable[[str, str, str], None] | None = None) -> tuple[list[dict], list, Path]:
     """Load, run the missing cells, then tabulate every finished cell (summary.md/json in the sweep dir).
 
-    Returns (status rows, rich renderables, sweep directory); default directory ``results/<matrix name>``.
+    Returns (status rows, rich renderables, sweep directory); default directory ``results/<matrix name>``
+    (subprocess logs in ``results/raw/<matrix name>``; with ``out``: ``out/logs``).
     """
     from harness.compare import run_compare
     m = load_matrix(matrix)
     results = Path(resolve(None, {}).paths.results)
     d = Path(out) if out else results / m["name"]
-    rows = run_sweep(m, d, results / "raw" / m["name"], only, on_event)
+    # subprocess logs: under the sweep directory when --out names one (nothing written elsewhere), else results/raw
+    rows = run_sweep(m, d, d / "logs" if out else results / "raw" / m["name"], only, on_event)
     cells = finished_cells(m, d)
     if not cells:
         return rows, [], d

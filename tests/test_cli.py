@@ -248,6 +248,13 @@ def test_sweep_matrix_dry_run_and_resume(tmp_path):
     r = runner.invoke(app, ["sweep", "--matrix", str(m), "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert r.output.count("[skip]") == 3 and (out / "summary.md").is_file()
+    # regression (QA, session 8): a failed cell's log went to <repo>/results/raw even with --out
+    m2 = _write(tmp_path / "m2.yaml", "name: mini2\nbase: tiny_cpu\ncommands: [bench]\n"
+                                      "cells:\n  - {name: tp2, set: {tp: 2}}\n")
+    r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--out", str(tmp_path / "sweep2")])
+    assert r.exit_code == 1 and "failed cells: tp2/bench" in r.output, r.output
+    log = tmp_path / "sweep2" / "logs" / "tp2-bench.log"
+    assert log.is_file() and "tp=2 does not divide num_attention_heads=9" in log.read_text()
     bad = _write(tmp_path / "bad.yaml", "base: tiny_cpu\naxes: {tpp: [1]}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(bad)])
     assert r.exit_code == 2 and "unknown key 'tpp'" in r.output
@@ -367,3 +374,26 @@ def test_spec_shape_parser():
     for bad in ("3,1", "3,x", "0,1,4", "\u00b3,1,4", "1,2,3,4", "-1,2,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected num_steps,topk,num_draft_tokens \(e.g. 3,1,4\)"):
             spec_shape(bad)
+
+
+def test_bad_inputs_refused_before_any_work(fake_engine, tmp_path):
+    """Regressions (QA, session 8), each a one-line error (exit 2) before an engine starts:
+    gsm8k shots beyond the train split raised a traceback from random.sample; the gate ran its whole baseline before
+    refusing a candidate topology; bench ran cells whose prompt + output overflow the context (a cut-short TPOT)."""
+    n0 = len(fake_engine.instances)
+    r = runner.invoke(app, ["gsm8k", "--num-fewshot", "100000", "--limit", "1", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2 and "gsm8k.num_fewshot=100000 exceeds the 7473 train questions" in r.output, r.output
+    r = runner.invoke(app, ["gate", "--set", "gate.candidate_pp=31", "--no-progress", "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and "pp=31 is larger than the number of layers (30)" in r.output, r.output
+    r = runner.invoke(app, ["bench", "--config", "tiny_cpu", "--set", "max_model_len=64", "--cells", "60x1",
+                            "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2, r.output
+    assert "bench cell 60x1: input_len 60 + output_len 32 exceeds the context (64 tokens)" in r.output
+    assert len(fake_engine.instances) == n0 and not any((tmp_path / d).exists() for d in "gtb")
+
+
+@pytest.mark.parametrize("suite", ["h200", "h200_llama3_8b", "h200_llama3_8b_spec", "tiny_cpu", "tp1pp2", "tp4pp2"])
+def test_shipped_bench_cells_fit_the_context(suite):
+    from harness.bench import check_cells_fit
+    from harness.config import resolve
+    check_cells_fit(resolve(suite, {"device": "cpu", "dtype": "float32"}))     # the GPU suites, checked here

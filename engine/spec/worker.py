@@ -138,9 +138,12 @@ def _beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, step_
 def chain_constants(B: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(parent_list [B, S] = -1, 0, ..., S-2; top_scores_index [B, S] = 0, ..., S-1), int64: the tree layout of every
     chain (k = 1, n = S + 1) row, as views of cached 1-D constants (expanded: read them, never write them)."""
-    key = (S, str(device))
+    key = (S, str(torch.device(device)))
     c = _CHAIN_CONSTANTS.get(key)
     if c is None:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a capture, their values would exist only after a replay: ModelRunner builds them first
+            raise RuntimeError("chain_constants: first use inside a CUDA-graph capture (build them before capturing)")
         c = _CHAIN_CONSTANTS[key] = (torch.arange(-1, S - 1, device=device), torch.arange(S, device=device))
     return c[0].expand(B, S), c[1].expand(B, S)
 
