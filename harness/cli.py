@@ -264,9 +264,17 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
     from harness.sweep import load_matrix, run_matrix
     with user_errors():
         if dry_run:
+            from harness.sweep import check_cell
             m = load_matrix(matrix)
+            bad = 0
             for c in m["cells"]:
-                console.print(f"{c['name']}: {m['commands']}", markup=False)
+                msg = check_cell(c)
+                bad += msg is not None
+                console.print(f"{c['name']}: {m['commands']}" + (f"  [would fail: {msg}]" if msg else ""),
+                              markup=False, highlight=False, soft_wrap=True)
+            if bad:
+                console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
+                raise typer.Exit(1)
             return
         rows, rend, d = run_matrix(matrix, out, only, lambda cell, cmd, status: err.print(
             f"[{status}] {cell} {cmd}", markup=False, highlight=False))

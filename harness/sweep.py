@@ -89,6 +89,20 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     return {"name": m.get("name") or p.stem, "path": str(p), "commands": commands, "cells": cells}
 
 
+def check_cell(cell: dict) -> str | None:
+    """Resolve a matrix cell's config and check its topology against the model, as its run would before any work;
+    returns the one-line error, or None when the cell would start (``sweep --dry-run``)."""
+    from engine.config import ConfigError
+    from engine.runner import check_topology, model_source
+    try:
+        cfg = resolve(None, cell["config"])
+        _, mc = model_source(cfg.engine)
+        check_topology(mc, cfg.engine.tp, cfg.engine.pp)
+    except (HarnessConfigError, ConfigError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
 def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None = None,
               on_event: Callable[[str, str, str], None] | None = None, extra_args: list[str] | None = None) -> list[dict]:
     """Run every missing (cell, command); returns one status row per pair.

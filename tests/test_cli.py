@@ -236,7 +236,8 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
 
 
 def test_sweep_matrix_dry_run_and_resume(tmp_path):
-    m = _write(tmp_path / "m.yaml", "name: mini\nbase: tiny_cpu\ncommands: [bench]\naxes:\n  pp: [1, 2]\n"
+    m = _write(tmp_path / "m.yaml", "name: mini\nbase: tiny_cpu\ncommands: [bench]\nset: {spec: {pp_spec: true}}\n"
+                                    "axes:\n  pp: [1, 2]\n"
                                     "cells:\n  - {name: tp3, set: {tp: 3}}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
     assert r.exit_code == 0 and "pp1" in r.output and "pp2" in r.output and "tp3" in r.output
@@ -251,6 +252,8 @@ def test_sweep_matrix_dry_run_and_resume(tmp_path):
     # regression (QA, session 8): a failed cell's log went to <repo>/results/raw even with --out
     m2 = _write(tmp_path / "m2.yaml", "name: mini2\nbase: tiny_cpu\ncommands: [bench]\n"
                                       "cells:\n  - {name: tp2, set: {tp: 2}}\n")
+    r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--dry-run"])      # regression: listed without complaint
+    assert r.exit_code == 1 and "tp2: ['bench']  [would fail: tp=2 does not divide num_attention_heads=9]" in r.output
     r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--out", str(tmp_path / "sweep2")])
     assert r.exit_code == 1 and "failed cells: tp2/bench" in r.output, r.output
     log = tmp_path / "sweep2" / "logs" / "tp2-bench.log"
