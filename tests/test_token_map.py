@@ -64,6 +64,9 @@ def test_build_token_map_ranks_by_frequency():
     assert build_token_map(docs, 3, always=(0,)) == [5, 2, 0]
     assert build_token_map(docs, 3, always=(2,)) == [5, 2, 7]     # already inside
     assert build_token_map(docs, 50) == [5, 2, 7, 1, 9]    # no more than the distinct tokens
+    # regression: a forced id inside the top could be cut when another forced id was appended
+    assert build_token_map(docs, 3, always=(0, 7)) == [5, 7, 0]
+    assert build_token_map(docs, 1, always=(0, 7)) == [0]
     assert coverage(docs, [5, 2]) == pytest.approx(7 / 11)
     with pytest.raises(ValueError):
         build_token_map(docs, 0)

@@ -74,8 +74,10 @@ def build_token_map(token_lists, size: int, always: tuple[int, ...] = ()) -> lis
     for ids in token_lists:
         counts.update(ids)
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-    keep = [t for t in always if t not in set(ranked[:size])]
-    return ranked[:size - len(keep)] + keep if len(keep) < size else list(always)[:size]
+    forced = list(dict.fromkeys(always))[:size]
+    fs = set(forced)
+    chosen = set([t for t in ranked if t not in fs][:size - len(forced)]) | fs
+    return [t for t in ranked if t in chosen] + [t for t in forced if t not in counts]
 
 
 def coverage(token_lists, hot: list[int] | torch.Tensor) -> float:
