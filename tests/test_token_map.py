@@ -55,6 +55,14 @@ def test_load_token_map_formats_and_errors(tmp_path):
     torch.save(torch.tensor([0.5, 1.0]), tmp_path / "k.pt")
     with pytest.raises(ConfigError, match="1-D integer tensor"):
         load_token_map(tmp_path / "k.pt", 10)
+    # regressions (QA, session 8): bool tensors were read as ids [1, 0]; a corrupt .pt gave torch's 6-line message
+    torch.save(torch.tensor([True, False]), tmp_path / "l.pt")
+    with pytest.raises(ConfigError, match="1-D integer tensor"):
+        load_token_map(tmp_path / "l.pt", 10)
+    (tmp_path / "m.pt").write_bytes(bytes(range(256)) * 2)
+    with pytest.raises(ConfigError) as e:
+        load_token_map(tmp_path / "m.pt", 10)
+    assert "\n" not in str(e.value) and "not a valid torch tensor file" in str(e.value)
 
 
 def test_build_token_map_ranks_by_frequency():

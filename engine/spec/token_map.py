@@ -6,8 +6,9 @@ SmolLM2 (V = 49,152, H = 576) 56.6 MB, 16.7 us per step on the H200; on a Llama-
 1.05 GB, ~250 us. The draft only needs to propose likely tokens, so it scores a "hot" subset of V' frequent tokens
 instead: its LM head is the subset's rows of the target's (a [V', H] copy, no retraining) and the winning indices
 are mapped back to target ids at once, so the tree, the relay (PP) and verification see target ids only. The target
-still verifies with its full head, so the output is exactly what it would be without the map (lossless); the map
-can only lower the accept length, when the draft's full-vocabulary choice lies outside the subset.
+still verifies with its full head, so the output is exactly what it would be without the map (lossless); only the
+accept length can change: it drops where the draft's full-vocabulary choice lies outside the subset, and it can rise
+where that choice was wrong and the best hot token is right.
 
   token map file (``spec.token_map``): ``.json`` (a list of token ids, or {"hot_token_ids": [...]}) or ``.pt``
   (a 1-D integer tensor, SGLang's format, read with ``weights_only=True``); ids unique and in [0, V).
@@ -45,8 +46,13 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
                                   "(or {\"hot_token_ids\": [...]})")
             ids = torch.tensor(data, dtype=torch.int64)
         elif p.suffix == ".pt":
-            t = torch.load(p, map_location="cpu", weights_only=True)
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+            try:
+                t = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as e:                   # noqa: BLE001 - torch's message spans lines and advises
+                raise ConfigError(f"spec.token_map: {p}: not a valid torch tensor file "   # weights_only=False
+                                  f"({type(e).__name__})") from None
+            if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex()
+                    or t.dtype == torch.bool):
                 raise ConfigError(f"spec.token_map: {p}: expected a 1-D integer tensor")
             ids = t.to(torch.int64)
         else:
@@ -54,7 +60,8 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
     except ConfigError:
         raise
     except Exception as e:                       # noqa: BLE001 - corrupt file: one line, no traceback
-        raise ConfigError(f"spec.token_map: cannot read {p}: {type(e).__name__}: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"spec.token_map: cannot read {p}: {type(e).__name__}: {first}") from None
     if ids.numel() == 0:
         raise ConfigError(f"spec.token_map: {p} is empty")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
