@@ -176,6 +176,11 @@ class SpecConfig:
         return self.algorithm is not None
 
     @property
+    def is_chain(self) -> bool:
+        """A chain (topk 1, num_draft_tokens = num_steps + 1): one candidate per step, every one kept."""
+        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
+
+    @property
     def reserve_per_req(self) -> int:
         """KV slots reserved past seq_len per request: verify (n) plus tail-draft scratch (k*S)."""
         return self.num_draft_tokens + self.topk * self.num_steps
@@ -286,6 +291,10 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    def context_length(self, model: ModelConfig) -> int:
+        """Tokens per request (prompt + output): the model's positions, capped by ``max_model_len``."""
+        return min(model.max_position_embeddings, self.max_model_len or model.max_position_embeddings)
 
     def replace(self, **kw) -> "EngineConfig":
         """Return a copy with fields replaced (``spec`` may be a dict of SpecConfig fields)."""

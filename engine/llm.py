@@ -210,7 +210,7 @@ class LLM:
 
     def _max_len(self) -> int:
         mc = self.model_config
-        return min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
+        return self.config.context_length(self.model_config)
 
     def _output(self, r: Req) -> RequestOutput:
         text = ""

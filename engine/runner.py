@@ -44,7 +44,7 @@ class ModelRunner:
         self.path, self.model_config = model_source(config)
         mc = self.model_config
         check_topology(mc, s.tp_size, s.pp_size)
-        self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
+        self.max_model_len = config.context_length(mc)
         spec = config.spec
         self.spec = spec if spec.enabled else None
         # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
@@ -73,7 +73,7 @@ class ModelRunner:
         if self.draft is not None and self.spec.token_map:
             from .spec.token_map import HotHead, load_token_map
             self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))
-        if self.draft is not None and self.spec.topk == 1 and self.spec.num_draft_tokens == self.spec.num_steps + 1:
+        if self.draft is not None and self.spec.is_chain:
             from .spec.worker import chain_constants
             chain_constants(1, self.spec.num_steps, self.device)   # before any graph capture uses them
         self._init_kv()

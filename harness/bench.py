@@ -63,7 +63,7 @@ def check_cells_fit(cfg: RunConfig) -> None:
     from harness.config import HarnessConfigError
     from engine.runner import model_source
     _, mc = model_source(cfg.engine)
-    ctx = min(mc.max_position_embeddings, cfg.engine.max_model_len or mc.max_position_embeddings)
+    ctx = cfg.engine.context_length(mc)
     for L, B in cfg.bench.cell_list():
         if L + cfg.bench.output_len > ctx:
             raise HarnessConfigError(
@@ -83,6 +83,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     """
     from engine import SamplingParams
     b = cfg.bench
+    check_cells_fit(cfg)                             # before the floors' measurement or any engine work
     if b.peer:
         from harness.peer import import_transformers
         import_transformers()                        # fail before any work when the peer cannot run
@@ -90,7 +91,6 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if b.floors:
         from harness.floors import measure
         measured = measure(cfg.engine.device, cfg.engine.dtype)
-    check_cells_fit(cfg)
     own = llm is None
     if own:
         from engine import LLM

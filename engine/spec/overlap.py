@@ -67,7 +67,7 @@ def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor,
 class RoundState:
     """Device state of a segment of ``bs`` requests (padding rows: seq_len 0, slot 0 everywhere)."""
 
-    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1):
+    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1, chain: bool = False):
         i64 = dict(dtype=torch.int64, device=device)
         W = min(S + 1, n)
         # constants of the round (built here, not inside the captured graph, where each would be a launch per
@@ -75,7 +75,7 @@ class RoundState:
         self.ar = torch.arange(max(n, W, bs * k, k * max(S - 1, 0), 1), **i64)
         self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
         self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
-        self.chain = k == 1 and n == S + 1
+        self.chain = chain                              # spec.is_chain: parent_list / tsi are constants
         self.bs = bs
         self.rt = torch.zeros(bs, max_len, **i64)
         self.rows = torch.arange(bs, device=device)
@@ -97,7 +97,7 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     from .worker import draft_beam_search
     spec, model = runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
-    B, dev = st.bs, st.rt.device
+    B = st.bs
     L = st.seq_lens
     tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
     ar = st.ar
@@ -186,7 +186,8 @@ class SpecRoundRunner:
         """The state of batch size ``bs``, created as all padding: slot 0, seq_len 0, not live, and the degenerate
         chain tree (``chain_fallback``) in every row, so a round on it is valid (and writes slot 0 only)."""
         if bs not in self.states:
-            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k)
+            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k,
+                            chain=self.r.spec.is_chain)
             tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
                                                   self.S, self.k, self.n)
             st.tokens.copy_(tokens)

@@ -75,7 +75,7 @@ def _topk_probs(runner, hidden: torch.Tensor):
     are ones and only the argmax runs. With a draft vocabulary map (``runner.hot_head``, FR-Spec:
     :mod:`engine.spec.token_map`) the scores cover the hot subset only and the ids are mapped back to target ids."""
     spec, hot = runner.spec, getattr(runner, "hot_head", None)
-    if spec.topk == 1 and spec.num_draft_tokens - 1 == spec.num_steps:
+    if spec.is_chain:
         # a chain keeps every candidate, so the scores cannot change the tree: the argmax alone (ones as probs)
         idx = _draft_greedy(runner, hidden).view(-1, 1)
         return torch.ones(idx.shape, dtype=torch.float32, device=idx.device), idx
@@ -103,10 +103,7 @@ def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, 
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
     Captured as one CUDA graph by :class:`engine.cuda_graph.DraftGraphRunner`.
     """
-    spec = runner.spec
-    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
-    B, H = last_hidden.shape
-    if k == 1 and n - 1 == S:
+    if runner.spec.is_chain:
         return _chain_search(runner, last_hidden, scratch, step_inputs)
     return _beam_search(runner, last_hidden, scratch, step_inputs)
 
