@@ -101,3 +101,32 @@ def rope(positions, q, k, cos, sin, cos_sin):
             positions, q.reshape(T, -1), k.reshape(T, -1), D, cos_sin, is_neox=True)
         return q, k
     return rope_ref(positions, q, k, cos, sin)
+
+
+BLAS_CHOICES = ("", "cublas", "cublaslt")
+
+
+def apply_blas_knobs() -> dict:
+    """Apply the GEMM-library knobs for CUDA linears (issue 7's 8B decode A/B), read once at runner start.
+
+    ``PPSPEC_BLAS``: ``cublas`` or ``cublaslt`` sets ``torch.backends.cuda.preferred_blas_library`` (unset or empty:
+    torch's default). ``PPSPEC_BF16_RPR``: ``0`` forbids reduced-precision (bf16) reductions inside split-K bf16
+    GEMMs, ``1`` allows them (unset or empty: torch's default, allowed). Both only steer which cuBLAS kernel runs;
+    the math is the same linear. Returns the settings in force, for the benchmark's metadata.
+
+    Raises:
+        ConfigError: a knob holds a value outside the choices above (one line naming it).
+    """
+    from .config import ConfigError
+    lib = os.environ.get("PPSPEC_BLAS", "").strip().lower()
+    if lib not in BLAS_CHOICES:
+        raise ConfigError(f"PPSPEC_BLAS must be one of cublas, cublaslt (or unset), got {lib!r}")
+    rpr = os.environ.get("PPSPEC_BF16_RPR", "").strip()
+    if rpr not in ("", "0", "1"):
+        raise ConfigError(f"PPSPEC_BF16_RPR must be 0 or 1 (or unset), got {rpr!r}")
+    if lib:
+        torch.backends.cuda.preferred_blas_library(lib)
+    if rpr:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = rpr == "1"
+    return {"blas": lib or "default", "bf16_reduced_precision_reduction":
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}

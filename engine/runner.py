@@ -93,6 +93,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:
+        if self.device.type == "cuda":
+            from .kernels import apply_blas_knobs
+            apply_blas_knobs()
         name = self.config.attention_backend
         if name == "auto":
             fi = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)

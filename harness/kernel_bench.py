@@ -2,6 +2,11 @@
 (FlashInfer add-RMSNorm / SiLU-and-mul + cuBLAS) against engine.skinny's fused kernels per block config.
 
   python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json
+  python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out b.json
+
+``--blas`` times the plain linear (no norm) under the cuBLAS choices instead: torch's default, reduced-precision
+split-K reductions off (``PPSPEC_BF16_RPR=0``), cuBLASLt preferred (``PPSPEC_BLAS=cublaslt``), both, and the weight
+stored transposed ([K, N], an NN GEMM), to find the kernel that streams the 8B shape's skinny GEMMs fastest.
 
 Each op is captured in a CUDA graph over enough distinct weight copies (>= 256 MB in all) that every call
 reads its weights from HBM, as consecutive layers do in a real step; the graph is replayed 20 times and
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a directory with config.json (shape only)")
     ap.add_argument("--rows", type=int, action="append", default=[])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--blas", action="store_true", help="time cuBLAS choices for the plain linear instead")
     a = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -65,6 +71,11 @@ def main() -> None:
     ops = [("qkv", True, False, q + 2 * kv, H), ("o", False, False, H, q), ("gate_up", True, True, 2 * I, H),
            ("down", False, False, H, I)]
     rows = []
+    if a.blas:
+        rows = _blas_rows(ops, a.rows or [1], dev, dt)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+        return
     with torch.inference_mode():
         for name, norm, gated, N, K in ops:
             copies = max(2, math.ceil((256 << 20) / (N * K * 2)))
@@ -115,6 +126,46 @@ def main() -> None:
             del ws
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+def _blas_rows(ops, row_counts, dev, dt) -> list[dict]:
+    """Microseconds and weight GB/s of ``x [M, K] @ W^T`` per op, row count and cuBLAS choice (see module doc)."""
+    import torch
+    import torch.nn.functional as F
+    be = torch.backends.cuda
+    default_rpr = be.matmul.allow_bf16_reduced_precision_reduction
+    default_lib = be.preferred_blas_library()
+    variants = [("default", None, None, False), ("no_rpr", None, False, False), ("cublaslt", "cublaslt", None, False),
+                ("cublaslt_no_rpr", "cublaslt", False, False), ("cublas", "cublas", None, False),
+                ("nn_layout", None, None, True)]
+    rows = []
+    with torch.inference_mode():
+        for name, _norm, _gated, N, K in ops:
+            copies = max(2, math.ceil((256 << 20) / (N * K * 2)))
+            ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+            for M in row_counts:
+                x = torch.randn(M, K, device=dev, dtype=dt)
+                ref = F.linear(x, ws[0]).float()
+                row = {"op": name, "M": M, "N": N, "K": K}
+                for label, lib, rpr, nn in variants:
+                    wts = [w.t().contiguous() for w in ws] if nn else None
+                    try:
+                        be.preferred_blas_library(lib or default_lib)
+                        be.matmul.allow_bf16_reduced_precision_reduction = default_rpr if rpr is None else rpr
+                        fn = (lambda i: torch.mm(x, wts[i])) if nn else (lambda i: F.linear(x, ws[i]))
+                        us = _time_graph(fn, copies)
+                        err = ((fn(0).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                        row[label] = {"us": round(us, 2), "GBps": round(N * K * 2 / 1e3 / us, 1), "rel_err": err}
+                    except Exception as e:              # noqa: BLE001 - a choice this build lacks: say so
+                        row[label] = f"error: {type(e).__name__}: {str(e)[:80]}"
+                    finally:
+                        be.preferred_blas_library(default_lib)
+                        be.matmul.allow_bf16_reduced_precision_reduction = default_rpr
+                    del wts
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del ws
+    return rows
 
 
 if __name__ == "__main__":

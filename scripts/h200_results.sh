@@ -184,6 +184,48 @@ ov3)
   [ "${MAP:-0}" = 1 ] && timeout 150 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
       --set spec.token_map=hot_tokens_8k.json --out /tmp/resm/smol_chain_map8k 2>&1 | grep -v Warning | tail -25 \
       && tar czf "$out/smol_chain_map8k.tgz" -C /tmp/resm . ;;
+s9a)
+  # session 9, call 1 (no GGUF): GPU tests of the session-8 code (chain fast path, token map, startup capture), the
+  # chain round on random weights with and without the 8k map, a b=1 profile with the map, then the 8B shape:
+  # cuBLAS choices for its skinny GEMMs (kernel_bench --blas) and a b=1 decode A/B of the best one, with a profile
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax or token_map" \
+      2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -8
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  C="--draft drafts/smollm2-eagle --shape 3,1,4"
+  timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $C --label chain --out "$out/chain.json" \
+      2>&1 | grep '^{\|Error'
+  timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
+      --label chain-map8k --out "$out/chain-map8k.json" 2>&1 | grep '^{\|Error'
+  timeout 60 python3 -m harness.decode_speed $M --batch 1 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
+      --profile "$out/chain_map8k_b1_prof.txt" --label chain-map8k-prof --out /tmp/cp.json 2>&1 | grep '^{\|Error'
+  timeout 60 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out "$out/kb_blas_l8b.json" \
+      2>&1 | grep -E '^\{|Error' | cut -c1-500
+  best=$(python3 -c "
+import json; rows=json.load(open('$out/kb_blas_l8b.json')); tot={}
+for r in rows:
+    for k,v in r.items():
+        if isinstance(v,dict) and k!='nn_layout': tot[k]=tot.get(k,0)+v['us']
+print(min(tot,key=tot.get)); print(tot)" 2>&1); echo "blas totals: $best"; best=$(echo "$best" | head -1)
+  L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
+  timeout 75 python3 -m harness.decode_speed $L --profile "$out/l8b_b1_prof.txt" --label l8b-default \
+      --out "$out/l8b-default.json" 2>&1 | grep '^{\|Error'
+  case $best in cublaslt) e="PPSPEC_BLAS=cublaslt";; no_rpr) e="PPSPEC_BF16_RPR=0";; cublaslt_no_rpr) e="PPSPEC_BLAS=cublaslt PPSPEC_BF16_RPR=0";;
+    cublas) e="PPSPEC_BLAS=cublas";; *) e="";; esac
+  [ -n "$e" ] && env $e timeout 60 python3 -m harness.decode_speed $L --label "l8b-$best" --out "$out/l8b-$best.json" \
+      2>&1 | grep '^{\|Error' ;;
+s9b)
+  # session 9, after the GGUF chunks: real weights, one lease: plain (no peer) and the chain S=3 without / with the
+  # 8k map, then longer chains with the map (S=4 n=5, S=5 n=6) at b=1
+  B="python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress"
+  timeout 110 $B --no-spec --out /tmp/r9/smol_plain 2>&1 | grep -E "TPOT|tok/s|Error" | tail -8
+  timeout 100 $B --out /tmp/r9/smol_chain 2>&1 | grep -E "TPOT|tok/s|accept|Error" | tail -8
+  timeout 100 $B --set spec.token_map=hot_tokens_8k.json --out /tmp/r9/smol_chain_map8k 2>&1 \
+      | grep -E "TPOT|tok/s|accept|Error" | tail -8
+  for sn in 4,5 5,6; do
+    timeout 60 $B --cells 2048x1 --set spec.token_map=hot_tokens_8k.json --set spec.num_steps=${sn%,*} \
+        --set spec.num_draft_tokens=${sn#*,} --out /tmp/r9/smol_chain_s${sn%,*}_map8k 2>&1 | grep -E "TPOT|tok/s|accept|Error" | tail -5
+  done
+  tar czf "$out/s9b.tgz" -C /tmp/r9 . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

@@ -218,3 +218,22 @@ def test_env_int(monkeypatch):
         monkeypatch.setenv("PPSPEC_X", bad)
         with pytest.raises(ConfigError, match="PPSPEC_X must be an integer"):
             env_int("PPSPEC_X", 7, minimum)
+
+
+def test_blas_knobs_refuse_bad_values(monkeypatch):
+    """PPSPEC_BLAS / PPSPEC_BF16_RPR (engine.kernels.apply_blas_knobs, read at a CUDA runner's start): a value outside
+    the choices is a one-line ConfigError naming the knob, raised before any torch setting changes."""
+    from engine import ConfigError
+    from engine.kernels import apply_blas_knobs
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    monkeypatch.setenv("PPSPEC_BLAS", "cublaslt")
+    monkeypatch.setenv("PPSPEC_BF16_RPR", "2")
+    with pytest.raises(ConfigError, match="PPSPEC_BF16_RPR must be 0 or 1"):
+        apply_blas_knobs()
+    monkeypatch.setenv("PPSPEC_BLAS", "mkl")
+    with pytest.raises(ConfigError, match="PPSPEC_BLAS must be one of cublas, cublaslt"):
+        apply_blas_knobs()
+    monkeypatch.setenv("PPSPEC_BLAS", "")
+    monkeypatch.setenv("PPSPEC_BF16_RPR", "")
+    assert apply_blas_knobs() == {"blas": "default", "bf16_reduced_precision_reduction": before}
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == before
