@@ -107,6 +107,23 @@ def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
         assert torch.equal(r.kv_pool.kv_cache[0][1:], kv0)
 
 
+def test_startup_states_are_normal_tensors(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Regression (H200, session 9): SpecRoundRunner.capture_all built the round states inside inference mode, so
+    the first segment's ``load`` (an in-place copy outside it) raised 'Inplace update to inference tensor outside
+    InferenceMode'. Every ladder size's state now exists after startup as ordinary tensors, and a run after it gives
+    the normal path's tokens and accept lengths."""
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **CHAIN)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True, max_running_requests=4)) as llm:
+        rr = llm._worker.runner.round_runner
+        assert sorted(rr.states) == rr.bs_list == [1, 2, 4]
+        for st in rr.states.values():
+            assert not any(t.is_inference() for t in (st.rt, st.seq_lens, st.live, st.tokens, st.out))
+        outs = llm.generate(tiny_prompts[:3], params)
+    ref, _ = gen(tiny_model_dir, tiny_prompts[:3], tiny_draft_dir, CHAIN, params, spec_overlap=False)
+    same(outs, ref)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_chain_search_equals_beam_search(tiny_model_dir, tiny_draft_dir, tiny_prompts, overlap, monkeypatch):
     """The chain fast path (engine.spec.worker._chain_search: no beam bookkeeping, constant parent_list /

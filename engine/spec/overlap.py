@@ -196,15 +196,19 @@ class SpecRoundRunner:
             self.states[bs] = st
         return self.states[bs]
 
-    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every batch size of the ladder now (on the all-padding states), as the decode / verify graph
         runners do at startup. Lazy capture in the first segment of a size stalled the timed run when the batch
-        shrank through sizes not seen before (H200, SmolLM2 chain b=32: ITL p99 56-100 ms, results/gpu/session7)."""
+        shrank through sizes not seen before (H200, SmolLM2 chain b=32: ITL p99 56-100 ms, results/gpu/session7).
+
+        The states are created outside inference mode: ``load`` updates them in place from normal (non-inference)
+        code, which torch refuses on inference tensors (the first H200 run of this method failed so, session 9).
+        Without graphs (CPU) only the states are created."""
         for bs in reversed(self.bs_list):
             st = self.state(bs)
-            if bs not in self.graphs:
-                self._capture(st)
+            if self.use_graphs and bs not in self.graphs:
+                with torch.inference_mode():
+                    self._capture(st)
 
     def load(self, reqs, rt_host: torch.Tensor) -> RoundState:
         """Upload the segment: each request's req_to_token row (allocated part), seq_len and next tree
