@@ -232,6 +232,9 @@ class LLM:
                 q.cancel_join_thread()
             except Exception:
                 pass
+        if getattr(self, "_worker", None) is not None:
+            from .worker import thaw_startup_objects
+            thaw_startup_objects()
         for p in self._procs:
             p.join(timeout=2)
             if p.is_alive():

@@ -14,6 +14,8 @@ forwards the result round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
+import gc
+
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +76,24 @@ class InFlight:
     event: object = None
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
+    collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
+    vLLM freeze after startup for the same reason). A full collection of the startup heap is the likely cause of the
+    one ~60 ms inter-token gap in the first timed H200 run after the warmups (session 9, SmolLM2 plain b=1).
+    ``thaw_startup_objects`` undoes it at shutdown (an in-process engine must not keep a dead engine's cycles
+    alive). Returns the number of objects frozen.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw_startup_objects() -> None:
+    """Undo ``freeze_startup_objects`` (back to the oldest generation, collectable again)."""
+    gc.unfreeze()
+
+
 class Worker:
     def __init__(self, config, record_times: bool = False):
         self.runner = ModelRunner(config, record_times)
@@ -84,6 +104,7 @@ class Worker:
         self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.spec.overlap)
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
         self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
+        freeze_startup_objects()
 
     # ------------------------------------------------------------------------------------ one batch
     def forward_batch(self, batch: ScheduledBatch, inbox: dict):
