@@ -88,7 +88,8 @@ class ModelRunner:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
                 else config.max_running_requests
             self.round_runner = SpecRoundRunner(self, max_bs, use_graphs=config.cuda_graph)
-            self.round_runner.capture_all()          # CPU: the states only
+            if self.round_runner.use_graphs:
+                self.round_runner.capture_all()
 
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:

@@ -110,12 +110,14 @@ def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
 def test_startup_states_are_normal_tensors(tiny_model_dir, tiny_draft_dir, tiny_prompts):
     """Regression (H200, session 9): SpecRoundRunner.capture_all built the round states inside inference mode, so
     the first segment's ``load`` (an in-place copy outside it) raised 'Inplace update to inference tensor outside
-    InferenceMode'. Every ladder size's state now exists after startup as ordinary tensors, and a run after it gives
-    the normal path's tokens and accept lengths."""
+    InferenceMode'. capture_all (called at startup on CUDA; here by hand, without graphs) leaves every ladder size's
+    state as ordinary tensors, and a run on those states gives the normal path's tokens and accept lengths."""
     spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **CHAIN)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True, max_running_requests=4)) as llm:
         rr = llm._worker.runner.round_runner
+        assert not rr.states                                       # CPU: created lazily, unless capture_all runs
+        rr.capture_all()
         assert sorted(rr.states) == rr.bs_list == [1, 2, 4]
         for st in rr.states.values():
             assert not any(t.is_inference() for t in (st.rt, st.seq_lens, st.live, st.tokens, st.out))

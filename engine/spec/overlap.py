@@ -203,7 +203,7 @@ class SpecRoundRunner:
 
         The states are created outside inference mode: ``load`` updates them in place from normal (non-inference)
         code, which torch refuses on inference tensors (the first H200 run of this method failed so, session 9).
-        Without graphs (CPU) only the states are created."""
+        Without graphs (CPU; the runner then calls it not at all) only the states are created."""
         for bs in reversed(self.bs_list):
             st = self.state(bs)
             if self.use_graphs and bs not in self.graphs:
