@@ -167,7 +167,8 @@ class SpecConfig:
         if k == 1 and n != S + 1:
             raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
         if self.token_map is not None and not Path(self.token_map).is_file():
-            raise ConfigError(f"spec.token_map: file not found: {self.token_map}")
+            what = "a directory, not a file" if Path(self.token_map).is_dir() else "file not found"
+            raise ConfigError(f"spec.token_map: {what}: {self.token_map}")
         if self.eagle_version not in (1, 2, 3):
             raise ConfigError(f"spec.eagle_version: {self.eagle_version} (supported: 1, 2, 3)")
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import queue
 import resource
+import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -59,9 +61,26 @@ def _rank_info(worker) -> dict:
     return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity}
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel send this rank SIGTERM when the front end that spawned it dies, e.g. on a plain
+    ``kill`` of ppspec (QA, session 9: the ranks of a killed ``--pp 2`` run kept computing, reparented to PID 1).
+    Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)             # PR_SET_PDEATHSIG
+    except Exception:                                            # noqa: BLE001 - best effort
+        return
+    if os.getppid() == 1:                                        # the front end died before prctl took effect
+        os._exit(1)
+
+
 def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
     if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
         os._exit(3)
+    _die_with_parent()
     try:
         torch.set_num_threads(threads)
         from .worker import Worker
@@ -92,6 +111,16 @@ def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads
                 dist.destroy_process_group()
             except Exception:
                 pass
+        # leave without interpreter finalization, once the result queue is flushed: finalizing a rank that imported
+        # Triton printed ~60 lines of nanobind "leaked instances" to stderr after every multi-rank run (QA, session 9)
+        try:
+            res_q.close()
+            res_q.join_thread()
+        except Exception:                                        # noqa: BLE001
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class LLM:
@@ -167,6 +196,11 @@ class LLM:
                 "peak_memory_bytes": self.last_peak_memory}
 
     def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt. Raises ConfigError without a tokenizer (``load_format: dummy``: random
+        weights from a config alone have none; pass token ids instead)."""
+        if self.tokenizer is None:
+            raise ConfigError("text prompts need a tokenizer, and load_format=dummy (random weights) has none; "
+                              "pass token ids, or use `ppspec bench` (it makes random-id prompts)")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -232,8 +266,9 @@ class LLM:
                 q.cancel_join_thread()
             except Exception:
                 pass
-        if getattr(self, "_worker", None) is not None:
+        if getattr(self, "_worker", None) is not None and not getattr(self, "_thawed", False):
             from .worker import thaw_startup_objects
+            self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
         for p in self._procs:
             p.join(timeout=2)

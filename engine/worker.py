@@ -76,22 +76,30 @@ class InFlight:
     event: object = None
 
 
+_FROZEN_ENGINES = 0                       # in-process engines holding the startup freeze (freeze_startup_objects)
+
+
 def freeze_startup_objects() -> int:
     """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
     collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
     vLLM freeze after startup for the same reason). A full collection of the startup heap is the likely cause of the
     one ~60 ms inter-token gap in the first timed H200 run after the warmups (session 9, SmolLM2 plain b=1).
-    ``thaw_startup_objects`` undoes it at shutdown (an in-process engine must not keep a dead engine's cycles
-    alive). Returns the number of objects frozen.
-    """
+    Counted per engine: ``thaw_startup_objects`` unfreezes when the last in-process engine that froze is shut down
+    (a dead engine's cycles must become collectable; a live one's freeze must stay). Returns the number frozen."""
+    global _FROZEN_ENGINES
     gc.collect()
     gc.freeze()
+    _FROZEN_ENGINES += 1
     return gc.get_freeze_count()
 
 
 def thaw_startup_objects() -> None:
-    """Undo ``freeze_startup_objects`` (back to the oldest generation, collectable again)."""
-    gc.unfreeze()
+    """One engine's share of ``freeze_startup_objects`` undone; the last one out unfreezes (back to the oldest
+    generation, collectable again). Call once per freeze."""
+    global _FROZEN_ENGINES
+    _FROZEN_ENGINES = max(0, _FROZEN_ENGINES - 1)
+    if _FROZEN_ENGINES == 0:
+        gc.unfreeze()
 
 
 class Worker:

@@ -64,7 +64,12 @@ def parse_sets(sets: list[str] | None) -> dict:
         key, eq, val = s.partition("=")
         if not eq or not key.strip():
             raise HarnessConfigError(f"--set expects KEY=VALUE, got {s!r}")
-        out = merge(out, dotted(key.strip(), yaml.safe_load(val) if val.strip() else None))
+        try:
+            value = yaml.safe_load(val) if val.strip() else None
+        except yaml.YAMLError as e:
+            why = str(getattr(e, "problem", None) or type(e).__name__)
+            raise HarnessConfigError(f"--set {key.strip()}: {val!r} is not a valid YAML value ({why})") from None
+        out = merge(out, dotted(key.strip(), value))
     return out
 
 

@@ -186,6 +186,18 @@ def test_parse_sets():
         "spec": {"num_steps": 4, "draft": "x"}, "tp": 2, "max_model_len": None}
 
 
+def test_parse_sets_bad_yaml_is_one_line():
+    """Regression (QA, session 9): an unparsable --set value printed yaml's ParserError traceback."""
+    from harness.config import HarnessConfigError
+    for bad, why in (("tp=[1", "expected ',' or ']'"), ("tp=@x", "cannot start any token"),
+                     ("bench.batch_sizes=[1,", "expected")):
+        with pytest.raises(HarnessConfigError, match=r"^--set [a-z_.]+: .* is not a valid YAML value \(.*" + why):
+            parse_sets([bad])
+    r = runner.invoke(app, ["generate", "hi", "--set", "tp=[1"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "Error: --set tp: '[1' is not a valid YAML value (expected ',' or ']', but got '<stream end>')"]
+
+
 def test_gsm8k_and_bench_write_results_with_fake_engine(tmp_path, fake_engine, draft_dir):
     r = runner.invoke(app, ["gsm8k", "--limit", "3", "--runs", "2", "--draft", str(draft_dir), "--spec",
                             "--out", str(tmp_path / "g"), "--no-progress"])

@@ -169,6 +169,12 @@ def test_token_map_tp2_and_pp2_equal_tp1(tiny_model_dir, tiny_draft_dir, tiny_pr
 def test_token_map_config_errors(tiny_model_dir, tiny_draft_dir, tmp_path):
     with pytest.raises(ConfigError, match="spec.token_map: file not found"):
         SpecConfig(algorithm="eagle", draft=tiny_draft_dir, token_map=str(tmp_path / "nope.json"))
+    # regression (QA, session 9): a directory was reported as 'file not found'
+    with pytest.raises(ConfigError, match=r"^spec.token_map: a directory, not a file: "):
+        SpecConfig(algorithm="eagle", draft=tiny_draft_dir, token_map=str(tmp_path))
+    from engine.spec.token_map import load_token_map
+    with pytest.raises(ConfigError, match=r"^spec.token_map: a directory, not a file: "):
+        load_token_map(tmp_path, 49152)
     bad = write_map(tmp_path / "big.json", [1, 60000])
     with pytest.raises(Exception, match=r"must lie in \[0, 49152\)"):
         gen(tiny_model_dir, [[1, 2, 3]], tiny_draft_dir, CHAIN, bad)

@@ -35,7 +35,7 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
     """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"spec.token_map: file not found: {p}")
+        raise ConfigError(f"spec.token_map: {'a directory, not a file' if p.is_dir() else 'file not found'}: {p}")
     try:
         if p.suffix == ".json":
             data = json.loads(p.read_text())
