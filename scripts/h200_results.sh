@@ -229,6 +229,18 @@ s9b)
         --set spec.num_draft_tokens=${sn#*,} --out /tmp/r9/smol_chain_s${sn%,*}_map8k 2>&1 | grep -E "TPOT|tok/s|accept|Error" | tail -5
   done
   tar czf "$out/s9b.tgz" -C /tmp/r9 . ;;
+s10a)
+  # next session, call 1 (no GGUF; compiles FlashInfer's JIT kernels first): GPU tests, then plain decoding on random
+  # weights at b=1/8/32 (session 7 ov/plain-devattn1: TPOT 0.928 / 1.118 / 2.546 ms; session 9's bench plain b=8/32
+  # was slower than session 7's, in a lease where the chain's identical prefill was faster: a code regression or
+  # noise?), twice, in separate processes
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax or token_map or plain" \
+      2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -8
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
+  for i in 1 2; do
+    timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --label "plain-$i" --out "$out/plain-$i.json" \
+        2>&1 | grep '^{\|Error'
+  done ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer
