@@ -35,6 +35,18 @@ def env_int(name: str, default: int, minimum: int | None = None) -> int:
     return v
 
 
+def token_map_file(path: str | Path) -> Path:
+    """``path`` of a draft vocabulary map (``spec.token_map``) if it names a file.
+
+    Raises:
+        ConfigError: it names a directory, or nothing (one line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"spec.token_map: {'a directory, not a file' if p.is_dir() else 'file not found'}: {p}")
+    return p
+
+
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
@@ -166,9 +178,8 @@ class SpecConfig:
                 f"{k + (S - 1) * k * k}")
         if k == 1 and n != S + 1:
             raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
-        if self.token_map is not None and not Path(self.token_map).is_file():
-            what = "a directory, not a file" if Path(self.token_map).is_dir() else "file not found"
-            raise ConfigError(f"spec.token_map: {what}: {self.token_map}")
+        if self.token_map is not None:
+            token_map_file(self.token_map)
         if self.eagle_version not in (1, 2, 3):
             raise ConfigError(f"spec.eagle_version: {self.eagle_version} (supported: 1, 2, 3)")
 

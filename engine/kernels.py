@@ -112,7 +112,7 @@ def apply_blas_knobs() -> dict:
     ``PPSPEC_BLAS``: ``cublas`` or ``cublaslt`` sets ``torch.backends.cuda.preferred_blas_library`` (unset or empty:
     torch's default). ``PPSPEC_BF16_RPR``: ``0`` forbids reduced-precision (bf16) reductions inside split-K bf16
     GEMMs, ``1`` allows them (unset or empty: torch's default, allowed). Both only steer which cuBLAS kernel runs;
-    the math is the same linear. Returns the settings in force, for the benchmark's metadata.
+    the math is the same linear. Returns the settings in force.
 
     Raises:
         ConfigError: a knob holds a value outside the choices above (one line naming it).

@@ -15,7 +15,6 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import gc
-
 import os
 from collections import deque
 from dataclasses import dataclass

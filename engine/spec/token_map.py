@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..argmax import argmax_rows
-from ..config import ConfigError
+from ..config import ConfigError, token_map_file
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
@@ -33,9 +33,7 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
         ConfigError: missing or unreadable file, unknown suffix, not a flat list of ints, empty, duplicate ids,
             or an id outside [0, vocab_size).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"spec.token_map: {'a directory, not a file' if p.is_dir() else 'file not found'}: {p}")
+    p = token_map_file(path)
     try:
         if p.suffix == ".json":
             data = json.loads(p.read_text())
