@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import rope_store, skinny
+from . import gemv, rope_store, skinny
 from .argmax import argmax_rows
 from .attention import attend, get_context
 from .config import ModelConfig
@@ -94,14 +94,21 @@ class DecoderLayer(nn.Module):
 
         At decode sizes on the GPU (``skinny.enabled``, then ``skinny.fits`` per linear) add-RMSNorm folds into the QKV GEMM, add-RMSNorm
         and SiLU-and-mul into the gate_up GEMM, and o_proj / down_proj run as skinny GEMMs (engine/skinny.py);
-        otherwise FlashInfer / torch kernels run."""
+        otherwise FlashInfer / torch kernels run. With exactly one row (``gemv.enabled``), the linears whose weights are
+        too large for the skinny tiles run as batch-1 GEMVs with the same fusions (``gemv.use`` per linear,
+        engine/gemv.py)."""
         attn, mlp = self.self_attn, self.mlp
         fused = skinny.enabled(hidden)            # every linear below sees the same rows, dtype and device
+        one = gemv.enabled(hidden)                # one row: batch-1 GEMVs for the large weights (engine/gemv.py)
         if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
             if residual is not None:
                 hidden = hidden + residual
             x = residual = hidden
             qkv = attn.qkv_proj(x)
+        elif one and gemv.use(hidden, attn.qkv_proj.weight, "qkv"):
+            ln = self.input_layernorm
+            qkv, residual = gemv.norm_linear(hidden, residual, ln.weight, ln.eps, attn.qkv_proj.weight,
+                                             attn.qkv_proj.bias, op="qkv")
         elif fused and skinny.fits(attn.qkv_proj.weight):
             ln = self.input_layernorm
             qkv, residual = skinny.norm_linear(hidden, residual, ln.weight, ln.eps,
@@ -114,15 +121,26 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(hidden, residual)
             qkv = attn.qkv_proj(x)
         o = attn.attend(positions, qkv)
-        o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight)) if fused and skinny.fits(attn.o_proj.weight) \
-            else attn.o_proj(o)
+        if one and gemv.use(o, attn.o_proj.weight, "o"):
+            o = tp_all_reduce(gemv.linear(o, attn.o_proj.weight, op="o"))
+        elif fused and skinny.fits(attn.o_proj.weight):
+            o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight))
+        else:
+            o = attn.o_proj(o)
         post, gate_up, down = self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj
-        if fused and skinny.fits(gate_up.weight):
+        if one and gemv.use(o, gate_up.weight, "gate_up"):
+            act, residual = gemv.norm_gate_up(o, residual, post.weight, post.eps, gate_up.weight, op="gate_up")
+        elif fused and skinny.fits(gate_up.weight):
             act, residual = skinny.norm_gate_up(o, residual, post.weight, post.eps, gate_up.weight)
         else:
             x, residual = post(o, residual)
             act = silu_and_mul(gate_up(x))
-        out = tp_all_reduce(skinny.linear(act, down.weight)) if fused and skinny.fits(down.weight) else down(act)
+        if one and gemv.use(act, down.weight, "down"):
+            out = tp_all_reduce(gemv.linear(act, down.weight, op="down"))
+        elif fused and skinny.fits(down.weight):
+            out = tp_all_reduce(skinny.linear(act, down.weight))
+        else:
+            out = down(act)
         return out, residual
 
 

@@ -3,6 +3,11 @@
 
   python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json
   python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out b.json
+  python -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out g.json
+
+``--gemv`` times engine.gemv's batch-1 kernels (one row; add-RMSNorm folded into qkv, add-RMSNorm + SiLU-and-mul into
+gate_up) per block config against the unfused path and against cuBLAS alone, and prints the best config per op as
+``PPSPEC_GEMV_CFG_<OP>=...`` lines (for the engine's decode A/B in the same run).
 
 ``--blas`` times the plain linear (no norm) under the cuBLAS choices instead: torch's default, reduced-precision
 split-K reductions off (``PPSPEC_BF16_RPR=0``), cuBLASLt preferred (``PPSPEC_BLAS=cublaslt``), both, and the weight
@@ -55,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, action="append", default=[])
     ap.add_argument("--out", required=True)
     ap.add_argument("--blas", action="store_true", help="time cuBLAS choices for the plain linear instead")
+    ap.add_argument("--gemv", action="store_true", help="time engine.gemv's batch-1 kernels per block config instead")
     a = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -71,8 +77,8 @@ def main() -> None:
     ops = [("qkv", True, False, q + 2 * kv, H), ("o", False, False, H, q), ("gate_up", True, True, 2 * I, H),
            ("down", False, False, H, I)]
     rows = []
-    if a.blas:
-        rows = _blas_rows(ops, a.rows or [1], dev, dt)
+    if a.blas or a.gemv:
+        rows = _blas_rows(ops, a.rows or [1], dev, dt) if a.blas else _gemv_rows(ops, dev, dt)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(rows, indent=1))
         return
@@ -126,6 +132,73 @@ def main() -> None:
             del ws
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+GEMV_CONFIGS = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 8, 1),
+                (4, 1024, 4, 2), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 512, 4, 3), (8, 1024, 8, 1), (16, 256, 4, 2),
+                (16, 512, 8, 1)]
+
+
+def _gemv_rows(ops, dev, dt) -> list[dict]:
+    """One row per op: microseconds of the unfused path (FlashInfer add-RMSNorm, cuBLAS, SiLU-and-mul), of cuBLAS
+    alone, and of engine.gemv per block config (GEMV_CONFIGS), with weight GB/s and the best config's error."""
+    import torch
+    import torch.nn.functional as F
+    from engine import gemv, kernels, skinny
+    os.environ["PPSPEC_GEMV"] = "1"
+    rows = []
+    with torch.inference_mode():
+        for name, norm, gated, N, K in ops + [("qkv_nonorm", False, False, ops[0][3], ops[0][4])]:
+            copies = max(2, math.ceil((256 << 20) / (N * K * 2)))
+            ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+            gamma = (1 + 0.1 * torch.randn(K, device=dev)).to(dt)
+            x = torch.randn(1, K, device=dev, dtype=dt)
+            r = torch.randn(1, K, device=dev, dtype=dt)
+            xs, rs = [x.clone() for _ in range(copies)], [r.clone() for _ in range(copies)]
+            op = name.split("_nonorm")[0]
+
+            def unfused(i):
+                if norm:
+                    h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
+                    y = F.linear(h, ws[i])
+                    return kernels.silu_and_mul(y) if gated else y
+                return F.linear(x, ws[i])
+
+            def fused(i):
+                if gated:
+                    return gemv.norm_gate_up(x, r, gamma, 1e-5, ws[i], op=op)[0]
+                if norm:
+                    return gemv.norm_linear(x, r, gamma, 1e-5, ws[i], op=op)[0]
+                return gemv.linear(x, ws[i], op=op)
+            gb = N * K * 2 / 1e3
+            row = {"op": name, "N": N, "K": K, "unfused_us": round(_time_graph(unfused, copies), 2),
+                   "cublas_us": round(_time_graph(lambda i: F.linear(x, ws[i]), copies), 2)}
+            row["cublas_GBps"] = round(gb / row["cublas_us"], 1)
+            best = None
+            for c in GEMV_CONFIGS:
+                os.environ["PPSPEC_GEMV_CFG"] = ",".join(map(str, c))
+                try:
+                    us = _time_graph(fused, copies)
+                except Exception as e:                # noqa: BLE001 - a config that does not compile: skip it
+                    row[f"cfg{c}"] = f"error: {type(e).__name__}"
+                    continue
+                row[f"cfg{c}"] = round(us, 2)
+                if best is None or us < best[1]:
+                    best = (c, us)
+            if best is not None:
+                os.environ["PPSPEC_GEMV_CFG"] = ",".join(map(str, best[0]))
+                row["best_cfg"], row["gemv_us"] = list(best[0]), round(best[1], 2)
+                row["gemv_GBps"] = round(gb / best[1], 1)
+                ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
+                got = fused(0).float()
+                row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                if "_nonorm" not in name:
+                    print(f"PPSPEC_GEMV_CFG_{op.upper()}={','.join(map(str, best[0]))}", flush=True)
+            os.environ.pop("PPSPEC_GEMV_CFG", None)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del ws
+    return rows
 
 
 def _blas_rows(ops, row_counts, dev, dt) -> list[dict]:

@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -241,6 +241,22 @@ s10a)
     timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --label "plain-$i" --out "$out/plain-$i.json" \
         2>&1 | grep '^{\|Error'
   done ;;
+s10)
+  # session 10, call 1 (no GGUF): engine.gemv (batch-1 GEMVs with add-RMSNorm / SiLU-and-mul folded in) on the
+  # Llama-3-8B shape: its GPU kernel test, the kernel bench per block config (best config per op printed as
+  # PPSPEC_GEMV_CFG_<OP>=...), then the b=1 decode A/B (GEMVs off / on with the best configs) and a profile with them
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "gemv_kernels" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -6
+  timeout 200 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
+      2>&1 | grep -E '^\{|^PPSPEC|Error' | cut -c1-900 | tee /tmp/kb.txt
+  cfgs=$(grep '^PPSPEC_GEMV_CFG' /tmp/kb.txt | tr '\n' ' ')
+  L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
+  PPSPEC_GEMV=0 timeout 100 python3 -m harness.decode_speed $L --label l8b-gemv0 --out "$out/l8b-gemv0.json" 2>&1 \
+      | grep '^{\|Error'
+  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m harness.decode_speed $L --label l8b-gemv1 --out "$out/l8b-gemv1.json" \
+      2>&1 | grep '^{\|Error'
+  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m harness.decode_speed $L --label l8b-gemv1-prof \
+      --profile "$out/l8b_b1_gemv_prof.txt" --out "$out/l8b-gemv1-prof.json" 2>&1 | grep '^{\|Error' ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

@@ -1,0 +1,235 @@
+"""Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for decode at large hidden sizes.
+
+Issue 7's Llama-3-8B-shape target (b=1 TPOT <= 1.25x the weight-bandwidth floor) missed at 1.33x. The H200 profile
+(results/gpu/session9/lease1/l8b_b1_prof.txt) puts the gap in (a) cuBLAS's tiled GEMMs for one row launching 96-128
+CTAs for qkv / o_proj (73-76% of copy bandwidth), (b) cuBLAS split-K reduce kernels after o_proj and down_proj
+(2 us each) and (c) the element-wise launches between the GEMMs (add-RMSNorm 2.9 us x 2, SiLU-and-mul 3.7 us per
+layer). engine.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of 16-117M elements
+(results/gpu/session6/ab4). These kernels take the other route for exactly one row: a GEMV where each program owns
+BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles with 16-byte loads, and multiplies by the
+activation vector on the CUDA cores (no tensor cores, no split-K, so no reduce kernel); many small programs
+(N / BLOCK_N, thousands) keep every SM busy to the tail. The classic batch-1 decode kernel layout (as in
+FasterTransformer / TensorRT-LLM's GEMV and gpt-fast's compiled int8 decode); the code is ours.
+
+  * ``linear(x, W, bias)``: y = x W^T (+ bias).
+  * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (rounded to x's dtype), y = rmsnorm(h) W^T
+    (+ bias); returns (y, h). Without a residual h = x.
+  * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u (W [2I, K]: gate rows
+    then up rows, ColumnParallelLinear's layout); returns (y [1, I], h).
+
+The norm is folded, not applied first: rmsnorm(h) W^T = rstd * ((h * gamma) W^T) with rstd = 1 / sqrt(mean(h^2) +
+eps), a scalar per row, so each program accumulates sum(h^2) in the same K loop that streams its weights (the
+activation row is L2-resident) and scales its outputs at the end: no statistics pass, no normalised activation
+written. The normalised activation is therefore not rounded to bf16 before the product as the unfused path
+(FlashInfer's norm kernel, then cuBLAS) rounds it: results agree within bf16 rounding, not bit for bit. Program 0
+writes h (the new residual stream), bit-exact with x + residual rounded to x's dtype.
+
+Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K], W [N, K] contiguous of x's dtype
+(nn.Linear layout), bias [N] or None. Outputs are fresh [1, N] / [1, K] tensors of x's dtype; inputs are never
+written. Accumulation, the statistic and the epilogue are float32.
+
+Dispatch (:func:`use`): CUDA bf16/fp16 activations of exactly one row, ``PPSPEC_GEMV`` not 0 (default 1), weights of
+more than ``PPSPEC_GEMV_MIN_W`` elements (default 1<<22: below it engine.skinny's fused tiles run), and the op named
+in ``PPSPEC_GEMV_OPS`` (comma list of qkv, o, gate_up, down; default all). Under Triton's CPU interpreter only when
+``PPSPEC_GEMV=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, per op overridable with
+``PPSPEC_GEMV_CFG_<OP>`` (or ``PPSPEC_GEMV_CFG`` for all) = ``BLOCK_N,BLOCK_K,warps,stages``; ``python -m
+harness.kernel_bench --gemv`` sweeps them on the GPU.
+
+Raises ValueError for layouts the kernels do not take (see :func:`_launch`), ConfigError for bad knobs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError, env_int
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:                                 # noqa: BLE001 - no Triton: callers use another path
+    triton = None
+
+OPS = ("qkv", "o", "gate_up", "down")
+num_launches = 0                                  # kernel launches in this process (tests check the path ran)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether activations ``x`` [M, K] take the GEMV kernels at all (one row, CUDA half precision, knob on).
+
+    Raises:
+        ConfigError: ``PPSPEC_GEMV`` is not 0 or 1.
+    """
+    knob = os.environ.get("PPSPEC_GEMV", "").strip()
+    if knob not in ("", "0", "1"):
+        raise ConfigError(f"PPSPEC_GEMV must be 0 or 1 (or unset), got {knob!r}")
+    if triton is None or knob == "0" or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":         # CPU interpreter: only when asked for by name (tests)
+        return knob == "1"
+    from .kernels import use_fused
+    return use_fused(x)
+
+
+def _ops() -> set[str]:
+    raw = os.environ.get("PPSPEC_GEMV_OPS", "").strip()
+    if not raw:
+        return set(OPS)
+    ops = {o.strip() for o in raw.split(",") if o.strip()}
+    bad = sorted(ops - set(OPS) - {"none"})
+    if bad:
+        raise ConfigError(f"PPSPEC_GEMV_OPS takes a comma list of {', '.join(OPS)} (or none), got {raw!r}")
+    return ops
+
+
+def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
+    """Whether linear ``op`` (one of :data:`OPS`) with weight ``w`` [N, K] runs as a GEMV for activations ``x``.
+
+    Raises:
+        ConfigError: ``PPSPEC_GEMV``, ``PPSPEC_GEMV_MIN_W`` or ``PPSPEC_GEMV_OPS`` holds a bad value.
+    """
+    if not enabled(x):
+        return False
+    ops, min_w = _ops(), env_int("PPSPEC_GEMV_MIN_W", 1 << 22, minimum=0)    # both checked on every call
+    return w.numel() > min_w and op in ops
+
+
+def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for linear ``op`` with weight [N, K] (``PPSPEC_GEMV_CFG_<OP>``,
+    then ``PPSPEC_GEMV_CFG``, else the default: 4 rows per program, 1024-wide K tiles, 4 warps: a 8 KB tile per
+    iteration, 64 bytes in flight per thread, ~N/4 programs).
+
+    Raises:
+        ConfigError: a config knob is not BLOCK_N,BLOCK_K,warps,stages with BLOCK_N, BLOCK_K powers of two (BLOCK_K
+            >= 16), warps a power of two <= 32 and stages >= 1.
+    """
+    env = os.environ.get(f"PPSPEC_GEMV_CFG_{op.upper()}") or os.environ.get("PPSPEC_GEMV_CFG")
+    if env:
+        return parse_cfg(env)
+    bk = min(1024, max(16, triton.next_power_of_2(K)))
+    return 4, bk, 4, 1
+
+
+def parse_cfg(env: str) -> tuple[int, int, int, int]:
+    """Parse ``BLOCK_N,BLOCK_K,warps,stages`` (see :func:`pick_config`). Raises ConfigError."""
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+    try:
+        bn, bk, w, s = (int(v) for v in env.split(","))
+    except ValueError:
+        bn = bk = w = s = 0
+    if not (pow2(bn) and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1):
+        raise ConfigError(f"PPSPEC_GEMV_CFG must be BLOCK_N,BLOCK_K,warps,stages (powers of two, BLOCK_K >= 16, "
+                          f"warps <= 32, stages >= 1), got {env!r}")
+    return bn, bk, w, s
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, r_ptr, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr, N, K, eps,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = rn < N
+        rows = tl.where(mn, rn, 0).to(tl.int64)          # rows past N re-read row 0 (no mask on the weight stream)
+        rk = tl.arange(0, BLOCK_K)
+        wp = w_ptr + rows[:, None] * stride_wn + rk[None, :]
+        up = w_ptr + (rows + N)[:, None] * stride_wn + rk[None, :]   # GATED: the up half of W
+        dt = x_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K:
+                a = tl.load(x_ptr + kk).to(tl.float32)
+            else:
+                a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if HAS_RES:
+                if EVEN_K:
+                    a = (a + tl.load(r_ptr + kk).to(tl.float32)).to(dt)
+                else:
+                    a = (a + tl.load(r_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dt)
+                if pid == 0:
+                    tl.store(h_ptr + kk, a, mask=kk < K)
+                a = a.to(tl.float32)
+            if NORM:
+                ss += a * a
+                if EVEN_K:
+                    a = a * tl.load(g_ptr + kk).to(tl.float32)
+                else:
+                    a = a * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if EVEN_K:
+                w = tl.load(wp + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(wp + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a[None, :]
+            if GATED:
+                if EVEN_K:
+                    u = tl.load(up + k0, eviction_policy="evict_first")
+                else:
+                    u = tl.load(up + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+                acc_u += u.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1)
+        rstd = 1.0
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            y = y * rstd
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+        if GATED:
+            gq = y.to(dt).to(tl.float32)
+            uq = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
+            y = gq / (1.0 + tl.exp(-gq)) * uq
+        tl.store(y_ptr + rn, y.to(dt), mask=mn)
+
+
+def _launch(op: str, x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=None, gamma=None,
+            eps: float = 0.0, bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if triton is None:
+        raise ValueError("GEMV: Triton is not importable")
+    N, K = w.shape
+    if gated:
+        if N % 2:
+            raise ValueError(f"GEMV: gate_up weight {tuple(w.shape)} has an odd row count")
+        N //= 2
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != K or x.stride(1) != 1:
+        raise ValueError(f"GEMV: x {tuple(x.shape)} / strides {x.stride()} is not one row matching W {tuple(w.shape)}")
+    if not w.is_contiguous() or w.dtype != x.dtype:
+        raise ValueError("GEMV: W must be contiguous and of x's dtype")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"GEMV: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if norm and (gamma is None or gamma.shape != (K,)):
+        raise ValueError(f"GEMV: the norm weight must be [{K}]")
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    h = torch.empty(1, K, dtype=x.dtype, device=x.device) if residual is not None else None
+    global num_launches
+    num_launches += 1
+    bn, bk, warps, stages = pick_config(op, N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        x, residual if residual is not None else x, h if h is not None else y,
+        gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, N, K, float(eps),
+        NORM=norm, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None, EVEN_K=K % bk == 0,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y, h
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, op: str = "o") -> torch.Tensor:
+    """x [1, K] W^T (+ bias) -> [1, N] (``op`` picks the block config)."""
+    return _launch(op, x, w, False, False, bias=bias)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                w: torch.Tensor, bias: torch.Tensor | None = None, op: str = "qkv") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T + bias [1, N], x + residual [1, K]); without residual the second item is x."""
+    y, h = _launch(op, x, w, True, False, residual=residual, gamma=gamma, eps=eps, bias=bias)
+    return y, (h if h is not None else x)
+
+
+def norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                 w: torch.Tensor, op: str = "gate_up") -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(g) * u [1, I], x + residual [1, K]) where [g | u] = rmsnorm(x + residual) W^T, W [2I, K]."""
+    y, h = _launch(op, x, w, True, True, residual=residual, gamma=gamma, eps=eps)
+    return y, (h if h is not None else x)
