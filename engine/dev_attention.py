@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -190,7 +192,10 @@ if triton is not None:
                       ts_ptr, stride_ts, tm_ptr, stride_tmb, stride_tmi, o_ptr, lse_ptr, qk_scale,
                       Q: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                       M: tl.constexpr, M_PAD: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
-                      TB: tl.constexpr, PREC: tl.constexpr):
+                      TB: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s_id = tl.program_id(2)
@@ -238,7 +243,10 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
                       Q: tl.constexpr, G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                      S1: tl.constexpr, SB: tl.constexpr):
+                      S1: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)                                       # query row b*Q + i
         hq = tl.program_id(1)
         b = t // Q
@@ -312,8 +320,8 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, sca
         lay.req_to_token.shape[1], lay.rows, lay.prefix_lens, lay.tail_slots, lay.tail_slots.stride(0),
         tm, tm.stride(0), tm.stride(1), o_part, lse_part, float(scale) * _LOG2E,
         Q=Q, QT=Qt, G=G, HK=Hk, D=D, M=M, M_PAD=max(16, triton.next_power_of_2(M)), S=S, BLOCK=BLOCK_N,
-        TB=max(16, min(64, triton.next_power_of_2(max(Qt, 1)))), PREC=prec, num_warps=4)
+        TB=max(16, min(64, triton.next_power_of_2(max(Qt, 1)))), PREC=prec, num_warps=4, **pdl.launch_kwargs(q))
     _merge_kernel[(B * Q, Hq)](
         o_part, lse_part, out, out.stride(0), out.stride(1),
-        Q=Q, G=G, HK=Hk, D=D, M=M, S1=S + 1, SB=min(32, triton.next_power_of_2(S + 1)), num_warps=1)
+        Q=Q, G=G, HK=Hk, D=D, M=M, S1=S + 1, SB=min(32, triton.next_power_of_2(S + 1)), num_warps=1, **pdl.launch_kwargs(q))
     return out

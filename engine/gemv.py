@@ -8,7 +8,9 @@ layer). engine.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBL
 (results/gpu/session6/ab4). These kernels take the other route for exactly one row: a GEMV where each program owns
 BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles with 16-byte loads, and multiplies by the
 activation vector on the CUDA cores (no tensor cores, no split-K, so no reduce kernel); many small programs
-(N / BLOCK_N, thousands) keep every SM busy to the tail. The classic batch-1 decode kernel layout (as in
+(N / BLOCK_N, thousands) keep every SM busy to the tail. Each program keeps two weight tiles in flight (the next
+one loads while the current one is multiplied) and, launched with PDL (engine/pdl.py), loads its first tile
+before waiting for the previous kernel, so the weight stream starts during that kernel's tail. The classic batch-1 decode kernel layout (as in
 FasterTransformer / TensorRT-LLM's GEMV and gpt-fast's compiled int8 decode); the code is ours.
 
   * ``linear(x, W, bias)``: y = x W^T (+ bias).
@@ -43,6 +45,7 @@ import os
 
 import torch
 
+from . import pdl
 from .config import ConfigError, env_int
 
 try:
@@ -127,9 +130,34 @@ def parse_cfg(env: str) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
+    def _act_tile(x_ptr, r_ptr, h_ptr, g_ptr, kk, K, write_h, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+        """Activation tile for K offsets ``kk``: (a = h * gamma (NORM) or x, sum of h^2 over the tile)."""
+        dt = x_ptr.dtype.element_ty
+        if EVEN_K:
+            a = tl.load(x_ptr + kk).to(tl.float32)
+        else:
+            a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if HAS_RES:
+            if EVEN_K:
+                a = (a + tl.load(r_ptr + kk).to(tl.float32)).to(dt)
+            else:
+                a = (a + tl.load(r_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dt)
+            if write_h:
+                tl.store(h_ptr + kk, a, mask=kk < K)
+            a = a.to(tl.float32)
+        sq = a * a
+        if NORM:
+            if EVEN_K:
+                a = a * tl.load(g_ptr + kk).to(tl.float32)
+            else:
+                a = a * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return a, sq
+
+    @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr, N, K, eps,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = rn < N
@@ -138,40 +166,39 @@ if triton is not None:
         wp = w_ptr + rows[:, None] * stride_wn + rk[None, :]
         up = w_ptr + (rows + N)[:, None] * stride_wn + rk[None, :]   # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first weight tile(s) before the PDL wait: weights are never written (engine/pdl.py's contract)
+        if EVEN_K:
+            w = tl.load(wp, eviction_policy="evict_first")
+        else:
+            w = tl.load(wp, mask=(rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+        u = w
+        if GATED:
+            if EVEN_K:
+                u = tl.load(up, eviction_policy="evict_first")
+            else:
+                u = tl.load(up, mask=(rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            if EVEN_K:
-                a = tl.load(x_ptr + kk).to(tl.float32)
-            else:
-                a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if HAS_RES:
-                if EVEN_K:
-                    a = (a + tl.load(r_ptr + kk).to(tl.float32)).to(dt)
-                else:
-                    a = (a + tl.load(r_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(h_ptr + kk, a, mask=kk < K)
-                a = a.to(tl.float32)
+            # the next tile is in flight while this one is multiplied (two tiles per program in flight)
+            nk = k0 + BLOCK_K + rk
+            w_next = tl.load(wp + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
+            u_next = w_next
+            if GATED:
+                u_next = tl.load(up + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
+            a, sq = _act_tile(x_ptr, r_ptr, h_ptr, g_ptr, k0 + rk, K, pid == 0, NORM, HAS_RES, EVEN_K)
             if NORM:
-                ss += a * a
-                if EVEN_K:
-                    a = a * tl.load(g_ptr + kk).to(tl.float32)
-                else:
-                    a = a * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if EVEN_K:
-                w = tl.load(wp + k0, eviction_policy="evict_first")
-            else:
-                w = tl.load(wp + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+                ss += sq
             acc += w.to(tl.float32) * a[None, :]
             if GATED:
-                if EVEN_K:
-                    u = tl.load(up + k0, eviction_policy="evict_first")
-                else:
-                    u = tl.load(up + k0, mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 acc_u += u.to(tl.float32) * a[None, :]
+            w = w_next
+            u = u_next
         y = tl.sum(acc, axis=1)
         rstd = 1.0
         if NORM:
@@ -212,7 +239,7 @@ def _launch(op: str, x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, 
         x, residual if residual is not None else x, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, N, K, float(eps),
         NORM=norm, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None, EVEN_K=K % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
     return y, h
 
 

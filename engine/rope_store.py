@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,11 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _rope_store_kernel(qkv_ptr, stride_t, pos_ptr, cos_sin_ptr, loc_ptr, kv_ptr,
-                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP2: tl.constexpr):
+                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP2: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)                      # 0..HQ-1: a q head; HQ..HQ+HK-1: a k head and its v head
         D: tl.constexpr = 2 * HALF
@@ -84,4 +90,4 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, cos_sin: torch.Tensor
     half = head_dim // 2
     _rope_store_kernel[(T, num_heads + num_kv_heads)](
         qkv, qkv.stride(0), positions, cos_sin, loc, kv_cache,
-        HQ=num_heads, HK=num_kv_heads, HALF=half, HP2=max(2, 1 << (half - 1).bit_length()))
+        HQ=num_heads, HK=num_kv_heads, HALF=half, HP2=max(2, 1 << (half - 1).bit_length()), **pdl.launch_kwargs(qkv))

@@ -49,6 +49,7 @@ import os
 
 import torch
 
+from . import pdl
 from .config import ConfigError, env_int
 
 try:
@@ -140,7 +141,10 @@ if triton is not None:
     def _skinny_kernel(x_ptr, stride_xm, r_ptr, stride_rm, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr,
                        stride_ym, M, N, K, eps,
                        NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -228,7 +232,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=
         residual.stride(0) if residual is not None else 0, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, y.stride(0),
         M, N, K, float(eps), NORM=norm, GATED=gated, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
     return y, h
 
 

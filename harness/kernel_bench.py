@@ -127,6 +127,9 @@ def main() -> None:
                                            gated=gated)[0].float()
                     got = fused(0).float()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                os.environ["PPSPEC_PDL"] = "0"                # the best config in plain stream order (PDL's share)
+                row["gemv_nopdl_us"] = round(_time_graph(fused, copies), 2)
+                os.environ.pop("PPSPEC_PDL")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del ws
@@ -134,14 +137,14 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(rows, indent=1))
 
 
-GEMV_CONFIGS = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 8, 1),
-                (4, 1024, 4, 2), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 512, 4, 3), (8, 1024, 8, 1), (16, 256, 4, 2),
-                (16, 512, 8, 1)]
+GEMV_CONFIGS = [(2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (4, 512, 4, 2), (8, 256, 4, 2), (8, 512, 4, 1),
+                (8, 512, 8, 1), (16, 256, 4, 2), (16, 256, 8, 2), (16, 512, 8, 1), (32, 128, 4, 2), (32, 256, 8, 2)]
 
 
 def _gemv_rows(ops, dev, dt) -> list[dict]:
     """One row per op: microseconds of the unfused path (FlashInfer add-RMSNorm, cuBLAS, SiLU-and-mul), of cuBLAS
-    alone, and of engine.gemv per block config (GEMV_CONFIGS), with weight GB/s and the best config's error."""
+    alone, and of engine.gemv per block config (GEMV_CONFIGS; consecutive calls launched with PDL where engine.pdl
+allows), with weight GB/s, the best config's error and its time without PDL."""
     import torch
     import torch.nn.functional as F
     from engine import gemv, kernels, skinny
@@ -192,6 +195,9 @@ def _gemv_rows(ops, dev, dt) -> list[dict]:
                 ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
                 got = fused(0).float()
                 row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                os.environ["PPSPEC_PDL"] = "0"                # the best config in plain stream order (PDL's share)
+                row["gemv_nopdl_us"] = round(_time_graph(fused, copies), 2)
+                os.environ.pop("PPSPEC_PDL")
                 if "_nonorm" not in name:
                     print(f"PPSPEC_GEMV_CFG_{op.upper()}={','.join(map(str, best[0]))}", flush=True)
             os.environ.pop("PPSPEC_GEMV_CFG", None)

@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|s10b|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -257,6 +257,26 @@ s10)
       2>&1 | grep '^{\|Error'
   env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m harness.decode_speed $L --label l8b-gemv1-prof \
       --profile "$out/l8b_b1_gemv_prof.txt" --out "$out/l8b-gemv1-prof.json" 2>&1 | grep '^{\|Error' ;;
+s10b)
+  # session 10, call 2 (no GGUF): engine.pdl (programmatic dependent launch for the engine's Triton kernels) and the
+  # GEMV's two-tile prefetch: GPU tests (GEMV kernels and tokens, PDL vs plain launches: identical tokens), the GEMV
+  # kernel bench (PDL on; best config also without), then decode A/B PDL off / on: the 8B shape at b=1 (GEMVs on,
+  # best configs) and the SmolLM2 shape at b=1/8/32 (skinny kernels), random weights
+  timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "gemv or pdl" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -8
+  timeout 150 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
+      2>&1 | grep -E '^\{|^PPSPEC|Error' | cut -c1-1200 | tee /tmp/kb.txt
+  cfgs=$(grep '^PPSPEC_GEMV_CFG' /tmp/kb.txt | tr '\n' ' ')
+  L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
+  for p in 0 1; do
+    env $cfgs PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $L --label "l8b-gemv-pdl$p" \
+        --out "$out/l8b-gemv-pdl$p.json" 2>&1 | grep '^{\|Error'
+  done
+  for p in 0 1; do
+    PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
+        2>&1 | grep '^{\|Error'
+  done ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

@@ -154,3 +154,18 @@ def test_gemv_dispatch(monkeypatch):
         with pytest.raises(ConfigError, match=name.rsplit("_CFG", 1)[0] if "CFG" in name else name):
             call()
         monkeypatch.delenv(name)
+
+
+def test_pdl_dispatch(monkeypatch):
+    """engine.pdl: never on CPU tensors or under the interpreter (kernels then launch plainly, USE_PDL False);
+    PPSPEC_PDL accepts 0 / 1 only."""
+    import torch
+    from engine import ConfigError, pdl
+    monkeypatch.delenv("PPSPEC_PDL", raising=False)
+    x = torch.zeros(2)
+    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {"USE_PDL": False}
+    monkeypatch.setenv("PPSPEC_PDL", "1")
+    assert pdl.launch_kwargs(x) == {"USE_PDL": False}
+    monkeypatch.setenv("PPSPEC_PDL", "on")
+    with pytest.raises(ConfigError, match="PPSPEC_PDL"):
+        pdl.enabled(x)

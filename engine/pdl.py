@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL) for the engine's own Triton kernels (Hopper and later).
+
+A kernel launched with PDL may start while the kernel before it on the stream is still draining its last wave:
+its programs are scheduled once every program of the predecessor has called ``griddepcontrol.launch_dependents``
+(or exited), run whatever does not depend on the predecessor (a GEMV prefetches its first weight tiles: weights
+are never written), then block in ``griddepcontrol.wait`` until the predecessor has completed and its memory is
+visible. At batch-1 decode a layer is a chain of short kernels, each losing ~1-3 us to launch, ramp-up and tail
+(results/gpu/session10); PDL overlaps those edges. The mechanism is CUDA's (CUDA programming guide,
+"Programmatic Dependent Launch and Synchronization"; used for decode kernels by TensorRT-LLM and FlashInfer's
+``enable_pdl``); Triton exposes it as ``tl.extra.cuda.gdc_launch_dependents`` / ``gdc_wait`` and the launch
+option ``launch_pdl``.
+
+The contract every kernel launched with :func:`launch_kwargs` keeps (``USE_PDL`` constexpr): each program calls
+``gdc_launch_dependents()`` and then ``gdc_wait()`` before it reads any activation or writes any output, and reads
+only never-written tensors (weights) before the wait. Because each such kernel waits for its predecessor, which
+waited for its own, completion is transitive along the stream. Kernels of other libraries (cuBLAS, FlashInfer)
+are launched without PDL and keep full stream ordering.
+
+On when: CUDA device of compute capability >= 9, Triton with ``gdc_wait``, not under Triton's CPU interpreter,
+and ``PPSPEC_PDL`` not 0 (default 1). ``PPSPEC_PDL=0`` launches every kernel in plain stream order (A/B, bisecting).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton.language as tl
+    _HAS_GDC = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+except Exception:                                 # noqa: BLE001 - no Triton / an old one: plain launches
+    _HAS_GDC = False
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device launch with PDL (see the module docstring).
+
+    Raises:
+        ConfigError: ``PPSPEC_PDL`` is not 0 or 1.
+    """
+    from .config import ConfigError
+    knob = os.environ.get("PPSPEC_PDL", "").strip()
+    if knob not in ("", "0", "1"):
+        raise ConfigError(f"PPSPEC_PDL must be 0 or 1 (or unset), got {knob!r}")
+    if knob == "0" or not _HAS_GDC or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """``{"USE_PDL": True, "launch_pdl": True}`` when :func:`enabled`, else ``{"USE_PDL": False}``: splat into a
+    kernel launch whose kernel takes a ``USE_PDL`` constexpr and keeps the module's contract."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(t) else {"USE_PDL": False}
