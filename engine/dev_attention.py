@@ -194,8 +194,8 @@ if triton is not None:
                       M: tl.constexpr, M_PAD: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
                       TB: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s_id = tl.program_id(2)
@@ -245,8 +245,8 @@ if triton is not None:
                       Q: tl.constexpr, G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       S1: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)                                       # query row b*Q + i
         hq = tl.program_id(1)
         b = t // Q

@@ -34,7 +34,7 @@ Dispatch (:func:`use`): CUDA bf16/fp16 activations of exactly one row, ``PPSPEC_
 more than ``PPSPEC_GEMV_MIN_W`` elements (default 1<<22: below it engine.skinny's fused tiles run), and the op named
 in ``PPSPEC_GEMV_OPS`` (comma list of qkv, o, gate_up, down; default all). Under Triton's CPU interpreter only when
 ``PPSPEC_GEMV=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, per op overridable with
-``PPSPEC_GEMV_CFG_<OP>`` (or ``PPSPEC_GEMV_CFG`` for all) = ``BLOCK_N,BLOCK_K,warps,stages``; ``python -m
+``PPSPEC_GEMV_CFG_<OP>`` (or ``PPSPEC_GEMV_CFG`` for all) = ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]``; ``python -m
 harness.kernel_bench --gemv`` sweeps them on the GPU.
 
 Raises ValueError for layouts the kernels do not take (see :func:`_launch`), ConfigError for bad knobs.
@@ -98,34 +98,45 @@ def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
     return w.numel() > min_w and op in ops
 
 
-def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for linear ``op`` with weight [N, K] (``PPSPEC_GEMV_CFG_<OP>``,
-    then ``PPSPEC_GEMV_CFG``, else the default: 4 rows per program, 1024-wide K tiles, 4 warps: a 8 KB tile per
-    iteration, 64 bytes in flight per thread, ~N/4 programs).
+# per-op defaults from the H200 kernel bench at the Llama-3-8B shape, one row (results/gpu/session10, us per call,
+# PDL on): o_proj 9.65 (cuBLAS 13.4), down 29.3 (cuBLAS 32.1 + its split-K reduce), gate_up with add-RMSNorm and
+# SiLU-and-mul 60.1 (unfused 69.0); qkv with add-RMSNorm 15.25 without the two-tile prefetch (18.6 unfused; the
+# prefetch made the norm variant slower: 16.2 at best)
+DEFAULTS = {"qkv": (8, 512, 4, 1, 0), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
+
+
+def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) for linear ``op`` with weight [N, K]:
+    ``PPSPEC_GEMV_CFG_<OP>``, then ``PPSPEC_GEMV_CFG``, else :data:`DEFAULTS` with BLOCK_K capped at K's next power
+    of two. ``prefetch`` 1 keeps two weight tiles in flight per program (the next loads while this one multiplies).
 
     Raises:
-        ConfigError: a config knob is not BLOCK_N,BLOCK_K,warps,stages with BLOCK_N, BLOCK_K powers of two (BLOCK_K
-            >= 16), warps a power of two <= 32 and stages >= 1.
+        ConfigError: a config knob is not BLOCK_N,BLOCK_K,warps,stages[,prefetch] with BLOCK_N, BLOCK_K powers of two
+            (BLOCK_K >= 16), warps a power of two <= 32, stages >= 1 and prefetch 0 or 1.
     """
     env = os.environ.get(f"PPSPEC_GEMV_CFG_{op.upper()}") or os.environ.get("PPSPEC_GEMV_CFG")
     if env:
         return parse_cfg(env)
-    bk = min(1024, max(16, triton.next_power_of_2(K)))
-    return 4, bk, 4, 1
+    bn, bk, warps, stages, pre = DEFAULTS.get(op, (4, 512, 4, 1, 1))
+    return bn, min(bk, max(16, triton.next_power_of_2(K))), warps, stages, pre
 
 
-def parse_cfg(env: str) -> tuple[int, int, int, int]:
-    """Parse ``BLOCK_N,BLOCK_K,warps,stages`` (see :func:`pick_config`). Raises ConfigError."""
+def parse_cfg(env: str) -> tuple[int, int, int, int, int]:
+    """Parse ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]`` (see :func:`pick_config`; prefetch defaults to 1).
+    Raises ConfigError."""
     def pow2(v: int) -> bool:
         return v > 0 and v & (v - 1) == 0
     try:
-        bn, bk, w, s = (int(v) for v in env.split(","))
+        vals = [int(v) for v in env.split(",")]
+        if len(vals) == 4:
+            vals.append(1)
+        bn, bk, w, s, pre = vals
     except ValueError:
-        bn = bk = w = s = 0
-    if not (pow2(bn) and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1):
-        raise ConfigError(f"PPSPEC_GEMV_CFG must be BLOCK_N,BLOCK_K,warps,stages (powers of two, BLOCK_K >= 16, "
-                          f"warps <= 32, stages >= 1), got {env!r}")
-    return bn, bk, w, s
+        bn = bk = w = s = pre = 0
+    if not (pow2(bn) and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1 and pre in (0, 1)):
+        raise ConfigError(f"PPSPEC_GEMV_CFG must be BLOCK_N,BLOCK_K,warps,stages[,prefetch] (powers of two, BLOCK_K "
+                          f">= 16, warps <= 32, stages >= 1, prefetch 0 or 1), got {env!r}")
+    return bn, bk, w, s, pre
 
 
 if triton is not None:
@@ -157,7 +168,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, h_ptr, g_ptr, w_ptr, stride_wn, b_ptr, y_ptr, N, K, eps,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                     USE_PDL: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = rn < N
@@ -166,8 +178,6 @@ if triton is not None:
         wp = w_ptr + rows[:, None] * stride_wn + rk[None, :]
         up = w_ptr + (rows + N)[:, None] * stride_wn + rk[None, :]   # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         # the first weight tile(s) before the PDL wait: weights are never written (engine/pdl.py's contract)
         if EVEN_K:
             w = tl.load(wp, eviction_policy="evict_first")
@@ -181,24 +191,31 @@ if triton is not None:
                 u = tl.load(up, mask=(rk < K)[None, :], other=0.0, eviction_policy="evict_first")
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            # the next tile is in flight while this one is multiplied (two tiles per program in flight)
             nk = k0 + BLOCK_K + rk
-            w_next = tl.load(wp + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
-            u_next = w_next
-            if GATED:
-                u_next = tl.load(up + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
+            if PREFETCH:        # the next tile is in flight while this one is multiplied (two tiles in flight)
+                w_next = tl.load(wp + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
+                u_next = w_next
+                if GATED:
+                    u_next = tl.load(up + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0,
+                                     eviction_policy="evict_first")
             a, sq = _act_tile(x_ptr, r_ptr, h_ptr, g_ptr, k0 + rk, K, pid == 0, NORM, HAS_RES, EVEN_K)
             if NORM:
                 ss += sq
             acc += w.to(tl.float32) * a[None, :]
             if GATED:
                 acc_u += u.to(tl.float32) * a[None, :]
-            w = w_next
-            u = u_next
+            if PREFETCH:
+                w = w_next
+                u = u_next
+            else:
+                w = tl.load(wp + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
+                if GATED:
+                    u = tl.load(up + k0 + BLOCK_K, mask=(nk < K)[None, :], other=0.0, eviction_policy="evict_first")
         y = tl.sum(acc, axis=1)
         rstd = 1.0
         if NORM:
@@ -234,12 +251,12 @@ def _launch(op: str, x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, 
     h = torch.empty(1, K, dtype=x.dtype, device=x.device) if residual is not None else None
     global num_launches
     num_launches += 1
-    bn, bk, warps, stages = pick_config(op, N, K)
+    bn, bk, warps, stages, pre = pick_config(op, N, K)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, residual if residual is not None else x, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, N, K, float(eps),
         NORM=norm, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None, EVEN_K=K % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
+        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pre), num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
     return y, h
 
 

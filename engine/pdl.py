@@ -11,8 +11,11 @@ visible. At batch-1 decode a layer is a chain of short kernels, each losing ~1-3
 option ``launch_pdl``.
 
 The contract every kernel launched with :func:`launch_kwargs` keeps (``USE_PDL`` constexpr): each program calls
-``gdc_launch_dependents()`` and then ``gdc_wait()`` before it reads any activation or writes any output, and reads
-only never-written tensors (weights) before the wait. Because each such kernel waits for its predecessor, which
+``gdc_wait()`` before it reads any activation or writes any output, reads only never-written tensors (weights)
+before the wait, and calls ``gdc_launch_dependents()`` right after the wait. Signalling after the wait, not at
+program start, lets only the next kernel in: signalled at start, every later kernel of the chain would launch at
+once and park its programs on the SMs in ``gdc_wait`` (on the H200 that made SmolLM2's b=1 decode, small
+skinny kernels, 11% slower: results/gpu/session10). Because each such kernel waits for its predecessor, which
 waited for its own, completion is transitive along the stream. Kernels of other libraries (cuBLAS, FlashInfer)
 are launched without PDL and keep full stream ordering.
 

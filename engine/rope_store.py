@@ -45,8 +45,8 @@ if triton is not None:
                            HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP2: tl.constexpr,
                            USE_PDL: tl.constexpr):
         if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)                      # 0..HQ-1: a q head; HQ..HQ+HK-1: a k head and its v head
         D: tl.constexpr = 2 * HALF

@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|s10b|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|s10b|s10c|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -273,6 +273,20 @@ s10b)
     env $cfgs PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $L --label "l8b-gemv-pdl$p" \
         --out "$out/l8b-gemv-pdl$p.json" 2>&1 | grep '^{\|Error'
   done
+  for p in 0 1; do
+    PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
+        2>&1 | grep '^{\|Error'
+  done ;;
+s10c)
+  # session 10, call 3: PDL signalled after the wait (not at program start), the GEMV prefetch per op (qkv without):
+  # GPU tests, the 8B b=1 decode with the defaults and with qkv's prefetch config, SmolLM2 shape PDL off / on
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "gemv or pdl" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -8
+  L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
+  timeout 50 python3 -m harness.decode_speed $L --label "l8b-default" --out "$out/l8b-default.json" 2>&1 | grep '^{\|Error'
+  PPSPEC_GEMV_CFG_QKV=2,1024,4,1,1 timeout 50 python3 -m harness.decode_speed $L --label "l8b-qkvpre" \
+      --out "$out/l8b-qkvpre.json" 2>&1 | grep '^{\|Error'
   for p in 0 1; do
     PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
         2>&1 | grep '^{\|Error'

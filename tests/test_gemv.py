@@ -15,8 +15,8 @@ from engine import gemv, skinny
 g = torch.Generator().manual_seed(0)
 worst, cases = 0.0, 0
 # (N, K, pad, config): odd N (masked last program), K not a multiple of BLOCK_K (masked tail), strided x rows
-for N, K, pad, cfg in [(40, 96, 0, "4,32,4,1"), (34, 70, 8, "4,32,4,1"), (64, 300, 0, "16,64,4,2"),
-                       (20, 256, 5, "1,256,4,1"), (96, 16, 0, "8,16,2,1"), (33, 128, 0, None)]:
+for N, K, pad, cfg in [(40, 96, 0, "4,32,4,1"), (34, 70, 8, "4,32,4,1,0"), (64, 300, 0, "16,64,4,2"),
+                       (20, 256, 5, "1,256,4,1,0"), (96, 16, 0, "8,16,2,1"), (33, 128, 0, None)]:
     if cfg:
         os.environ["PPSPEC_GEMV_CFG"] = cfg
     else:
@@ -137,16 +137,21 @@ def test_gemv_dispatch(monkeypatch):
     assert not any(gemv.use(x, w, op) for op in gemv.OPS)
     monkeypatch.setenv("PPSPEC_GEMV", "0")
     assert not gemv.enabled(x)
-    assert gemv.pick_config("o", 4096, 4096) == (4, 1024, 4, 1)
-    assert gemv.pick_config("o", 576, 100) == (4, 128, 4, 1)
+    # the measured per-op defaults (H200, Llama-3-8B shape); BLOCK_K capped at K's next power of two
+    assert gemv.pick_config("qkv", 6144, 4096) == (8, 512, 4, 1, 0)
+    assert gemv.pick_config("o", 4096, 4096) == (4, 512, 4, 1, 1)
+    assert gemv.pick_config("gate_up", 28672, 4096) == (8, 256, 4, 2, 1)
+    assert gemv.pick_config("down", 4096, 14336) == (4, 512, 4, 1, 1)
+    assert gemv.pick_config("o", 576, 100) == (4, 128, 4, 1, 1)
     monkeypatch.setenv("PPSPEC_GEMV_CFG", "8,512,8,2")
-    monkeypatch.setenv("PPSPEC_GEMV_CFG_DOWN", "2,2048,4,1")
-    assert gemv.pick_config("o", 4096, 4096) == (8, 512, 8, 2)
-    assert gemv.pick_config("down", 4096, 14336) == (2, 2048, 4, 1)
+    monkeypatch.setenv("PPSPEC_GEMV_CFG_DOWN", "2,2048,4,1,0")
+    assert gemv.pick_config("o", 4096, 4096) == (8, 512, 8, 2, 1)
+    assert gemv.pick_config("down", 4096, 14336) == (2, 2048, 4, 1, 0)
     monkeypatch.delenv("PPSPEC_GEMV_CFG_DOWN")
     for name, val, call in [("PPSPEC_GEMV", "yes", lambda: gemv.enabled(x)),
                             ("PPSPEC_GEMV_CFG", "8,512", lambda: gemv.pick_config("o", 64, 64)),
                             ("PPSPEC_GEMV_CFG", "3,512,4,1", lambda: gemv.pick_config("o", 64, 64)),
+                            ("PPSPEC_GEMV_CFG", "4,512,4,1,2", lambda: gemv.pick_config("o", 64, 64)),
                             ("PPSPEC_GEMV_MIN_W", "big", lambda: gemv.use(x, w, "o")),
                             ("PPSPEC_GEMV_OPS", "qkv,lm_head", lambda: gemv.use(x, w, "o"))]:
         monkeypatch.setenv("PPSPEC_GEMV", "1")
