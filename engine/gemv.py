@@ -98,11 +98,11 @@ def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
     return w.numel() > min_w and op in ops
 
 
-# per-op defaults from the H200 kernel bench at the Llama-3-8B shape, one row (results/gpu/session10, us per call,
-# PDL on): o_proj 9.65 (cuBLAS 13.4), down 29.3 (cuBLAS 32.1 + its split-K reduce), gate_up with add-RMSNorm and
-# SiLU-and-mul 60.1 (unfused 69.0); qkv with add-RMSNorm 15.25 without the two-tile prefetch (18.6 unfused; the
-# prefetch made the norm variant slower: 16.2 at best)
-DEFAULTS = {"qkv": (8, 512, 4, 1, 0), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
+# per-op defaults from the H200 kernel bench at the Llama-3-8B shape, one row (results/gpu/session10/s10b, us per
+# call, PDL on): o_proj 9.65 (cuBLAS 13.4), down 29.3 (cuBLAS 32.1 + its split-K reduce), gate_up with add-RMSNorm
+# and SiLU-and-mul 60.1 (unfused 69.0), qkv with add-RMSNorm 16.2 (unfused 18.6); for qkv the 8B b=1 decode then
+# chose this config over the bench's no-prefetch best (8,512,4,1,0): TPOT 4.19 against 4.28 ms (s10c)
+DEFAULTS = {"qkv": (2, 1024, 4, 1, 1), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
 
 
 def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int, int]:

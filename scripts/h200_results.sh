@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|llama8b|tests|s10|s10b|s10c|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -291,6 +291,14 @@ s10c)
     PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
         2>&1 | grep '^{\|Error'
   done ;;
+smol10)
+  # session 10, after the GGUF chunks (same lease as llama8b): the h200 suite, plain with the peer, then its spec
+  # (the shipped head as S=5 n=6 with the 8k map), no peer
+  timeout 220 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-spec --no-progress \
+      --out /tmp/res/smol_plain 2>&1 | grep -v Warning | tail -42
+  timeout 110 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
+      --out /tmp/res/smol_chain 2>&1 | grep -v Warning | tail -22
+  tar czf "$out/smol.tgz" -C /tmp/res . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

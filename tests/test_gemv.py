@@ -138,7 +138,7 @@ def test_gemv_dispatch(monkeypatch):
     monkeypatch.setenv("PPSPEC_GEMV", "0")
     assert not gemv.enabled(x)
     # the measured per-op defaults (H200, Llama-3-8B shape); BLOCK_K capped at K's next power of two
-    assert gemv.pick_config("qkv", 6144, 4096) == (8, 512, 4, 1, 0)
+    assert gemv.pick_config("qkv", 6144, 4096) == (2, 1024, 4, 1, 1)
     assert gemv.pick_config("o", 4096, 4096) == (4, 512, 4, 1, 1)
     assert gemv.pick_config("gate_up", 28672, 4096) == (8, 256, 4, 2, 1)
     assert gemv.pick_config("down", 4096, 14336) == (4, 512, 4, 1, 1)
