@@ -54,6 +54,23 @@ def _time_graph(fn, calls: int, reps: int = 20) -> float:
     return e0.elapsed_time(e1) * 1e3 / (reps * calls)
 
 
+def _sweep(row: dict, configs, knob: str, fn, copies: int):
+    """Time ``fn`` under each block config (set through environment variable ``knob``), recording
+    ``row["cfg(...)"]`` in microseconds (or the compile error); returns (best config, us) or None."""
+    best = None
+    for c in configs:
+        os.environ[knob] = ",".join(map(str, c))
+        try:
+            us = _time_graph(fn, copies)
+        except Exception as e:                        # noqa: BLE001 - a config that does not compile: skip it
+            row[f"cfg{c}"] = f"error: {type(e).__name__}"
+            continue
+        row[f"cfg{c}"] = round(us, 2)
+        if best is None or us < best[1]:
+            best = (c, us)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="a directory with config.json (shape only)")
@@ -108,17 +125,7 @@ def main() -> None:
                 gb = N * K * 2 / 1e3
                 row = {"op": name, "M": M, "N": N, "K": K, "unfused_us": _time_graph(unfused, copies)}
                 row["unfused_GBps"] = gb / row["unfused_us"]
-                best = None
-                for c in CONFIGS:
-                    os.environ["PPSPEC_SKINNY_CFG"] = ",".join(map(str, c))
-                    try:
-                        us = _time_graph(fused, copies)
-                    except Exception as e:                # noqa: BLE001 - a config that does not compile: skip it
-                        row[f"cfg{c}"] = f"error: {type(e).__name__}"
-                        continue
-                    row[f"cfg{c}"] = round(us, 2)
-                    if best is None or us < best[1]:
-                        best = (c, us)
+                best = _sweep(row, CONFIGS, "PPSPEC_SKINNY_CFG", fused, copies)
                 os.environ.pop("PPSPEC_SKINNY_CFG", None)
                 if best is not None:
                     row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
@@ -178,17 +185,7 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
             row = {"op": name, "N": N, "K": K, "unfused_us": round(_time_graph(unfused, copies), 2),
                    "cublas_us": round(_time_graph(lambda i: F.linear(x, ws[i]), copies), 2)}
             row["cublas_GBps"] = round(gb / row["cublas_us"], 1)
-            best = None
-            for c in GEMV_CONFIGS:
-                os.environ["PPSPEC_GEMV_CFG"] = ",".join(map(str, c))
-                try:
-                    us = _time_graph(fused, copies)
-                except Exception as e:                # noqa: BLE001 - a config that does not compile: skip it
-                    row[f"cfg{c}"] = f"error: {type(e).__name__}"
-                    continue
-                row[f"cfg{c}"] = round(us, 2)
-                if best is None or us < best[1]:
-                    best = (c, us)
+            best = _sweep(row, GEMV_CONFIGS, "PPSPEC_GEMV_CFG", fused, copies)
             if best is not None:
                 os.environ["PPSPEC_GEMV_CFG"] = ",".join(map(str, best[0]))
                 row["best_cfg"], row["gemv_us"] = list(best[0]), round(best[1], 2)
