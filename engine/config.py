@@ -216,6 +216,9 @@ class EngineConfig:
     max_model_len: int | None = None      # context length (None: the model's)
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
+    cuda_graph_prefill_max_tokens: int = 2048   # capture one-request prefills from position 0 padded to token
+                                          # buckets up to this many tokens (engine.cuda_graph.PrefillGraphRunner;
+                                          # capped at max_prefill_tokens); 0: prefill always eager
     # The three options below: None (auto) = on for device cuda, off on CPU (H200 A/B, results/gpu/session5).
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
@@ -250,6 +253,8 @@ class EngineConfig:
             raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
         if self.cuda_graph_max_bs < 1:
             raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_prefill_max_tokens < 0:
+            raise ConfigError(f"cuda_graph_prefill_max_tokens must be >= 0, got {self.cuda_graph_prefill_max_tokens}")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
         dev = self.device.split(":")[0]

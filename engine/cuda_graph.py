@@ -532,3 +532,146 @@ class DraftGraphRunner:
         self.graphs[("round", bs)].replay()
         self.num_round_replays += 1
         return tuple(x[:B] for x in self.outputs[("round", bs)])
+
+
+PREFILL_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Captured prefill lengths: the ``PREFILL_BUCKETS`` below ``max_tokens``, then ``max_tokens`` itself (padding
+    to the next bucket adds at most 50 % of the tokens above 128)."""
+    return [b for b in PREFILL_BUCKETS if b < max_tokens] + [max_tokens]
+
+
+def prefill_bucket(T: int, buckets: list[int]) -> int | None:
+    """The smallest bucket >= ``T`` tokens, or None when ``T`` exceeds the largest."""
+    return next((b for b in buckets if b >= T), None)
+
+
+class PrefillGraphRunner:
+    """Captured one-request prefill forwards of one stage over a ladder of token counts (``prefill_buckets``).
+
+    Why: an eager prefill launches ~15 kernels per layer from Python. On the H200 a 2048-token SmolLM2-135M prefill
+    kept the GPU busy 4.4 ms of a 16-26 ms one-token generate (``harness.decode_speed --prefill-profile``,
+    results/gpu/session11): TTFT was host-bound. A replay launches the whole stage at once (the role of SGLang's
+    piecewise / vLLM's compiled prefill graphs; here the attention is inside the graph, which the restriction below
+    allows).
+
+    What runs: a forward of ONE request whose new tokens start at position 0 (a fresh prompt, or the first chunk of
+    a chunked one; no KV prefix, no custom mask) and number ``T <= max bucket``. Its ``T`` tokens are padded to the
+    smallest bucket ``Tb >= T`` at the END: padding rows have token 0 and position 0, write their K/V to the padding
+    slot 0 and sit after every real row, so under the causal mask no real row attends to them and rows ``[:T]`` are
+    exactly the unpadded forward's. FlashInfer's graph-mode prefill wrapper of each bucket is re-planned on the host
+    before a replay; with one request of ``Tb`` queries and ``Tb`` KV slots the plan's shape never changes, only
+    the page table (the request's slots, then ``Tb - T`` zeros). Everything else (chunks after the first, several
+    requests, prefixes, verify, the draft) runs eagerly. Outputs are views of the bucket graph's output buffers,
+    valid until that graph's next replay.
+
+    Args: runner (ModelRunner), max_tokens (largest bucket, tokens). Raises RuntimeError if the attention backend
+    is not FlashInfer.
+    """
+
+    def __init__(self, runner, max_tokens: int):
+        model = runner.model
+        _bind_flashinfer(self, runner, model.layers[0].self_attn)
+        self.buckets = prefill_buckets(max_tokens)
+        Tm = self.buckets[-1]
+        H = model.cfg.hidden_size
+        d, i64, i32 = self.dev, torch.int64, torch.int32
+        self.ids = torch.zeros(Tm, dtype=i64, device=d)
+        self.pos = torch.zeros(Tm, dtype=i64, device=d)
+        self.loc = torch.zeros(Tm, dtype=i64, device=d)
+        self.hidden = None if model.is_first else torch.zeros(Tm, H, dtype=self.dtype, device=d)
+        self.residual = None if model.is_first else torch.zeros(Tm, H, dtype=self.dtype, device=d)
+        self.qo_indptr = torch.zeros(2, dtype=i32, device=d)
+        self.kv_indptr = torch.zeros(2, dtype=i32, device=d)
+        self.kv_indices = torch.zeros(Tm, dtype=i32, device=d)
+        self.last_page = torch.ones(1, dtype=i32, device=d)
+        self.graphs: dict = {}
+        self.outputs: dict = {}
+        self.wrappers: dict = {}
+        self.plan_events: dict = {}
+        self.pool = None
+        self.num_replays = 0
+        for Tb in reversed(self.buckets):            # largest first: the smaller ones reuse its pool memory
+            self._capture(Tb)
+
+    def _plan(self, Tb: int) -> None:
+        """Plan bucket ``Tb``'s wrapper: one request, ``Tb`` queries over ``Tb`` KV slots (``self.loc[:Tb]``)."""
+        w = self.wrappers[Tb]
+        ev = self.plan_events.get(Tb)
+        if ev is not None:                           # plan() reuses its pinned staging buffer
+            ev.synchronize()
+        hq, hk, D, scale, dtype = self.key
+        indptr = torch.tensor([0, Tb], dtype=torch.int32)
+        w.plan(indptr, indptr, self.loc[:Tb].to(torch.int32), torch.ones(1, dtype=torch.int32), hq, hk, D, 1,
+               causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.plan_events[Tb] = ev
+
+    def _args(self, T: int):
+        h = None if self.hidden is None else self.hidden[:T]
+        res = None if self.residual is None else self.residual[:T]
+        return self.ids[:T], self.pos[:T], h, res
+
+    @torch.inference_mode()
+    def _capture(self, Tb: int) -> None:
+        self.wrappers[Tb] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
+            paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
+            paged_kv_last_page_len_buf=self.last_page, backend="fa2")
+        self.loc[:Tb].zero_()                        # capture writes K/V to the padding slot only
+        self._plan(Tb)
+        ctx = ForwardContext([0, Tb], None, None, self.loc[:Tb], self.r.kv_pool, "extend")
+        ctx.backend_state.update(fi={"kind": "extend", "dtype": self.dtype}, fi_wrapper=self.wrappers[Tb],
+                                 fi_planned=self.key)
+        set_context(ctx)
+        try:
+            stream = torch.cuda.Stream(self.dev)
+            stream.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.r.model(*self._args(Tb))
+            torch.cuda.current_stream(self.dev).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with capturing(g, self.pool):
+                out = self.r.model(*self._args(Tb))
+            if self.pool is None:
+                self.pool = g.pool()
+        finally:
+            set_context(None)
+        self.graphs[Tb] = g
+        self.outputs[Tb] = out
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        """One request, new tokens from position 0 (as many KV slots as new tokens), no mask, the target's pool,
+        at most the largest bucket."""
+        qo = ctx.qo_indptr
+        if ctx.mode not in ("prefill", "extend") or len(qo) != 2 or ctx.custom_mask is not None or ctx.tree_mask is not None:
+            return False
+        if ctx.device_layout is not None or ctx.pool is not self.r.kv_pool or ctx.kv_indices is None:
+            return False
+        T = qo[1] - qo[0]
+        return 0 < T <= self.buckets[-1] and int(ctx.kv_indices[0].numel()) == T
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None):
+        """Replay the bucket graph for ``ctx`` (see :meth:`can_run`): ids / pos / out_cache_loc [T] int64 on the
+        device (hidden / residual [T, H] on later PP stages); returns the stage outputs' first T rows."""
+        T = ctx.qo_indptr[1] - ctx.qo_indptr[0]
+        Tb = prefill_bucket(T, self.buckets)
+        self.ids[:T].copy_(ids, non_blocking=True)
+        self.pos[:T].copy_(pos, non_blocking=True)
+        self.loc[:T].copy_(ctx.out_cache_loc, non_blocking=True)
+        if Tb > T:
+            self.ids[T:Tb].zero_()
+            self.pos[T:Tb].zero_()
+            self.loc[T:Tb].zero_()
+        if self.hidden is not None:
+            self.hidden[:T].copy_(hidden.to(self.dtype), non_blocking=True)
+            self.residual[:T].copy_(residual.to(self.dtype), non_blocking=True)
+        self._plan(Tb)
+        self.graphs[Tb].replay()
+        self.num_replays += 1
+        h, res = self.outputs[Tb]
+        return h[:T], (None if res is None else res[:T])

@@ -197,6 +197,7 @@ class ModelRunner:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""
         self.graphs = None
         self.draft_graphs = None
+        self.prefill_graphs = None
         s, cfg = ps(), self.config
         if not cfg.cuda_graph or self.device.type != "cuda" or get_backend().name != "flashinfer":
             return
@@ -206,15 +207,23 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
+        max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
+        if max_tok > 0:
+            from .cuda_graph import PrefillGraphRunner
+            self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
             from .cuda_graph import DraftGraphRunner
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.use_cuda_graph_draft_extend)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):
-        """Run this stage on one batch: a captured graph when one fits (decode/verify), else eagerly."""
-        if self.graphs is not None and self.graphs.can_run(ctx):
-            h, res = self.graphs.run(ids, pos, ctx, hidden, residual)
+        """Run this stage on one batch: a captured graph when one fits (decode/verify, one-request prefill from
+        position 0), else eagerly."""
+        g = self.graphs if self.graphs is not None and self.graphs.can_run(ctx) else None
+        if g is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(ctx):
+            g = self.prefill_graphs
+        if g is not None:
+            h, res = g.run(ids, pos, ctx, hidden, residual)
             if not ps().is_last_stage:            # proxies leave this tick: own them
                 return h.clone(), res.clone()
             return h, res

@@ -30,6 +30,43 @@ def save_rows(out: str, rows: list[dict]) -> None:
     Path(out).write_text(json.dumps(rows, indent=1))
 
 
+def profile_prefill(llm, prompts: list[list[int]], path: str) -> None:
+    """Where a TTFT goes: ``max_new_tokens=1`` generates (prefill + first token) timed 5 times, then one under the
+    torch profiler (kernel table by CUDA time, op table by CPU time, GPU busy time vs wall) and one under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    import torch.profiler as tp
+
+    from engine import SamplingParams
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    walls = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, one)
+        torch.cuda.synchronize()
+        walls.append(1e3 * (time.perf_counter() - t))
+    with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, one)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka if e.device_type == tp.DeviceType.CUDA) / 1e3
+    cp = cProfile.Profile()
+    cp.enable()
+    llm.generate(prompts, one)
+    cp.disable()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(40)
+    head = (f"one-token generate walls ms: {[round(w, 2) for w in walls]}; GPU kernel time in the profiled one: "
+            f"{busy:.2f} ms\n\n")
+    Path(path).write_text(head + ka.table(sort_by="self_cuda_time_total", row_limit=45) + "\n\n"
+                          + ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n" + buf.getvalue())
+    print(json.dumps({"prefill_walls_ms": [round(w, 2) for w in walls], "gpu_busy_ms": round(busy, 2)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -49,11 +86,15 @@ def main() -> None:
     ap.add_argument("--spec-overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="EAGLE, one stage, greedy: the overlapped device round (engine.spec.overlap); unset: the "
                          "engine default (on)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="cuda_graph_prefill_max_tokens (0: eager prefill); unset: the engine default")
     ap.add_argument("--draft")
     ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE draft")
     ap.add_argument("--profile")
     ap.add_argument("--cprofile", help="write a cProfile (host time, cumulative) of the first batch's run here")
+    ap.add_argument("--prefill-profile", help="write where the first batch's TTFT goes here: wall of 5 one-token "
+                    "generates (prefill + first token), a torch-profiler table (CUDA and CPU) and a cProfile of one")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -66,7 +107,9 @@ def main() -> None:
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,
                        cuda_graph_draft_extend=a.extend_graph, spec_device_tree=a.device_tree,
                        spec_overlap=a.spec_overlap, cuda_graph_max_bs=max(bmax, 1), max_running_requests=max(bmax, 1),
-                       max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5)
+                       max_prefill_tokens=max(8192, a.input_len), mem_fraction=0.5,
+                       **({} if a.prefill_graph_tokens is None else
+                          {"cuda_graph_prefill_max_tokens": a.prefill_graph_tokens}))
     rng = random.Random(0)
     rows = []
     t0 = time.perf_counter()
@@ -76,6 +119,8 @@ def main() -> None:
         for B in a.batch or [1]:
             prompts = [[rng.randrange(1000, 30000) for _ in range(a.input_len)] for _ in range(B)]
             llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))       # warmup
+            if a.prefill_profile and B == (a.batch or [1])[0]:
+                profile_prefill(llm, prompts, a.prefill_profile)
             prof = None
             if a.profile and B == (a.batch or [1])[0]:
                 import torch.profiler as tp
@@ -109,6 +154,7 @@ def main() -> None:
                    "batch": B, "input_len": a.input_len, "output_len": a.output_len, "graph": not a.no_graph, "overlap": cfg.use_overlap_schedule,
                    "extend_graph": cfg.use_cuda_graph_draft_extend, "device_tree": cfg.use_spec_device_tree,
                    "spec_overlap": cfg.use_spec_overlap and bool(a.draft),
+                   "prefill_graph_tokens": cfg.cuda_graph_prefill_max_tokens,
                    "spec": ",".join(map(str, a.shape)) if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}

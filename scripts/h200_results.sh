@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|s11|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -300,6 +300,20 @@ smol10)
   timeout 110 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress \
       --out /tmp/res/smol_chain 2>&1 | grep -v Warning | tail -22
   tar czf "$out/smol.tgz" -C /tmp/res . ;;
+s11)
+  # session 11, call 1 (no GGUF): prefill CUDA graphs (engine.cuda_graph.PrefillGraphRunner). GPU tests (bucket
+  # replay vs eager prefill: plain, chain, overlapped chain), then SmolLM2 shape (random weights, 2048-token prompts)
+  # plain b=1/8/32 with eager prefill and with the graphs (+ where the TTFT goes, b=1), the chain S5 n6 + 8k map b=1/8/32
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "prefill_graph" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -8
+  M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
+  timeout 60 python3 -m harness.decode_speed $M --prefill-graph-tokens 0 --label smol-plain-pg0 \
+      --prefill-profile "$out/pf_plain_pg0.txt" --out "$out/smol-plain-pg0.json" 2>&1 | grep '^{\|Error'
+  timeout 60 python3 -m harness.decode_speed $M --label smol-plain-pg --prefill-profile "$out/pf_plain_pg.txt" \
+      --out "$out/smol-plain-pg.json" 2>&1 | grep '^{\|Error'
+  timeout 60 python3 -m harness.decode_speed $M --draft drafts/smollm2-eagle --shape 5,1,6 \
+      --token-map drafts/smollm2-eagle/hot_tokens_8k.json --label smol-chain-pg --prefill-profile "$out/pf_chain_pg.txt" \
+      --out "$out/smol-chain-pg.json" 2>&1 | grep '^{\|Error' ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer

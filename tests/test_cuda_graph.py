@@ -57,13 +57,14 @@ def test_fused_kernels_match_reference():
 
 def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, overlap=False, draft_extend=False,
               device_tree=False, max_running=64, lens=None, spec_overlap=False, counters=None, shape=(3, 2, 6),
-              token_map=None):
+              token_map=None, prefill_graph_tokens=2048):
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     spec = SpecConfig("eagle", str(draft), *shape, token_map=token_map) if draft else SpecConfig()
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=spec, max_num_tokens=8192, max_prefill_tokens=512, cuda_graph=graph,
                        cuda_graph_max_bs=8, overlap_schedule=overlap, cuda_graph_draft_extend=draft_extend,
-                       spec_device_tree=device_tree, max_running_requests=max_running, spec_overlap=spec_overlap)
+                       spec_device_tree=device_tree, max_running_requests=max_running, spec_overlap=spec_overlap,
+                       cuda_graph_prefill_max_tokens=prefill_graph_tokens)
     lens = lens or [max_new_tokens] * len(prompts)
     try:
         with LLM(cfg) as llm:
@@ -72,7 +73,9 @@ def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, ov
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
             if counters is not None:
                 w = llm._worker
-                counters.update(rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead, retired=w.num_retired_rows,
+                counters.update(prefill_replays=runner.prefill_graphs.num_replays if runner.prefill_graphs else 0,
+                                prefill_buckets=list(runner.prefill_graphs.buckets) if runner.prefill_graphs else [],
+                                rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead, retired=w.num_retired_rows,
                                 graphs=len(runner.round_runner.graphs) if runner.round_runner else 0)
             if draft and graph and not spec_overlap:   # EAGLE: every tail draft after a verify replays its graph
                 dg = runner.draft_graphs
@@ -392,3 +395,20 @@ def test_pdl_launches_match_plain_launches(setup, monkeypatch):
         runs[flag] = ([_generate(model, [p], True)[0][0] for p in prompts[:3]],
                       _generate(model, prompts, True)[0], _generate(model, prompts, True, draft)[0])
     assert runs["0"] == runs["1"]
+
+
+@pytest.mark.parametrize("spec", [None, "chain", "chain-overlap"])
+def test_prefill_graph_matches_eager_prefill(setup, spec):
+    """engine.cuda_graph.PrefillGraphRunner: every prompt (5-260 tokens, max_prefill_tokens 512) is prefilled by one
+    bucket-graph replay, padded at the end; greedy tokens match eager prefill (same decode graphs) up to bf16
+    near-ties (padded GEMMs may pick other cuBLAS kernels), for plain decoding and an EAGLE chain."""
+    model, draft, prompts, logits = setup
+    kw = dict(draft=draft, shape=(3, 1, 4), device_tree=True, spec_overlap=spec == "chain-overlap") if spec else {}
+    c0, c1 = {}, {}
+    eager, acc0, _ = _generate(model, prompts, True, prefill_graph_tokens=0, counters=c0, **kw)
+    graph, acc1, _ = _generate(model, prompts, True, prefill_graph_tokens=2048, counters=c1, **kw)
+    assert c0["prefill_replays"] == 0 and c0["prefill_buckets"] == []
+    assert c1["prefill_buckets"] == [64, 128, 256, 384, 512] and c1["prefill_replays"] == len(prompts)
+    divergences(f"prefill graph vs eager ({spec or 'plain'})", prompts, eager, graph, logits)
+    if spec:
+        assert sum(acc1) / len(acc1) > 1.5

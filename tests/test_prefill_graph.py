@@ -1,0 +1,78 @@
+"""Prefill CUDA graphs (engine.cuda_graph.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
+graph may take, the config knob, and the padding argument the graphs rest on (padding rows at the end change no
+real row of a causal prefill), checked with the torch backend on the tiny model. GPU replay: tests/test_cuda_graph.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from engine import LLM, ConfigError, EngineConfig
+from engine.attention import ForwardContext
+from engine.cuda_graph import PrefillGraphRunner, prefill_bucket, prefill_buckets
+
+
+def test_prefill_buckets_ladder():
+    assert prefill_buckets(2048) == [64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_buckets(512) == [64, 128, 256, 384, 512]
+    assert prefill_buckets(1000) == [64, 128, 256, 384, 512, 768, 1000]
+    assert prefill_buckets(40) == [40]
+    b = prefill_buckets(2048)
+    assert [prefill_bucket(t, b) for t in (1, 64, 65, 385, 1537, 2048)] == [64, 64, 128, 512, 2048, 2048]
+    assert prefill_bucket(2049, b) is None
+
+
+def _fake_runner(pool):
+    r = object.__new__(PrefillGraphRunner)
+    r.r = types.SimpleNamespace(kv_pool=pool)
+    r.buckets = prefill_buckets(512)
+    return r
+
+
+def test_prefill_graph_can_run_only_fresh_single_request_prefills():
+    pool, other = object(), object()
+    g = _fake_runner(pool)
+    s = torch.arange(1, 301)
+
+    def ctx(qo, kvs, mode="prefill", p=pool, **kw):
+        return ForwardContext(qo, kvs, None, None, p, mode, **kw)
+    assert g.can_run(ctx([0, 300], [s]))                          # a fresh 300-token prompt
+    assert g.can_run(ctx([0, 1], [s[:1]], mode="extend"))
+    assert not g.can_run(ctx([0, 100], [s[:300]]))                # a later chunk: 200 KV slots of prefix
+    assert not g.can_run(ctx([0, 100, 200], [s[:100], s[100:200]]))   # two requests
+    assert not g.can_run(ctx([0, 513], [torch.arange(513)]))      # above the largest bucket
+    assert not g.can_run(ctx([0, 300], [s], mode="decode"))
+    assert not g.can_run(ctx([0, 300], [s], mode="verify"))
+    assert not g.can_run(ctx([0, 300], [s], p=other))             # the draft's pool
+    assert not g.can_run(ForwardContext([0, 4], [s[:4]], [torch.ones(4, 4, dtype=torch.bool)], None, pool, "prefill"))
+
+
+def test_prefill_graph_config_knob():
+    with pytest.raises(ConfigError, match="cuda_graph_prefill_max_tokens must be >= 0, got -1"):
+        EngineConfig(model="x", cuda_graph_prefill_max_tokens=-1)
+    assert EngineConfig(model="x").cuda_graph_prefill_max_tokens == 2048
+
+
+def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
+    """What a bucket replay computes: T real tokens + (Tb - T) padding rows (token 0, position 0, K/V to slot 0).
+    Rows [:T] equal the unpadded prefill; padding at the FRONT would not (the real rows would attend to it)."""
+    with LLM(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", max_num_tokens=4096)) as llm:
+        r = llm._worker.runner
+        assert r.prefill_graphs is None                          # CPU: no graphs
+        g = torch.Generator().manual_seed(3)
+        T, Tb = 37, 64
+        ids = torch.randint(3, 4000, (T,), generator=g)
+        slots = torch.arange(1000, 1000 + T)
+        ref, ref_res = r.forward(ids, torch.arange(T), ForwardContext([0, T], [slots], None, slots, r.kv_pool, "prefill"))
+        z = torch.zeros(Tb - T, dtype=torch.int64)
+        loc = torch.cat([slots, z])
+        got, got_res = r.forward(torch.cat([ids, z]), torch.cat([torch.arange(T), z]),
+                                 ForwardContext([0, Tb], [loc], None, loc, r.kv_pool, "prefill"))
+        assert got.shape[0] == Tb
+        torch.testing.assert_close(got[:T], ref, rtol=1e-4, atol=1e-4)
+        assert ref_res is None and got_res is None               # one stage: the final norm is applied
+        front = torch.cat([z, slots])
+        bad, _ = r.forward(torch.cat([z, ids]), torch.cat([z, torch.arange(T)]),
+                           ForwardContext([0, Tb], [front], None, front, r.kv_pool, "prefill"))
+        assert (bad[Tb - T:] - ref).abs().max() > 1e-2
