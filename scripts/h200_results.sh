@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|s11|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|s11|smol11|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -314,6 +314,12 @@ s11)
   timeout 60 python3 -m harness.decode_speed $M --draft drafts/smollm2-eagle --shape 5,1,6 \
       --token-map drafts/smollm2-eagle/hot_tokens_8k.json --label smol-chain-pg --prefill-profile "$out/pf_chain_pg.txt" \
       --out "$out/smol-chain-pg.json" 2>&1 | grep '^{\|Error' ;;
+smol11)
+  # session 11, after the GGUF chunks (same lease as llama8b): smol10 with the prefill graphs on (the default), then
+  # the GPU test of the prefill graphs (graph vs eager prefill tokens; FlashInfer's JIT is warm by then)
+  bash "$0" smol10 "$out"
+  timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "prefill_graph" 2>&1 \
+      | grep -E "passed|failed|Error|assert" | tail -8 ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer
