@@ -587,6 +587,7 @@ class PrefillGraphRunner:
         self.kv_indptr = torch.zeros(2, dtype=i32, device=d)
         self.kv_indices = torch.zeros(Tm, dtype=i32, device=d)
         self.last_page = torch.ones(1, dtype=i32, device=d)
+        self.workspace = torch.zeros_like(self.backend.workspace)     # FlashInfer float workspace of its own
         self.graphs: dict = {}
         self.outputs: dict = {}
         self.wrappers: dict = {}
@@ -604,8 +605,10 @@ class PrefillGraphRunner:
             ev.synchronize()
         hq, hk, D, scale, dtype = self.key
         indptr = torch.tensor([0, Tb], dtype=torch.int32)
+        # no split-KV: one request of Tb queries fills the SMs with query tiles, and a graph-mode plan with split-KV
+        # sizes its merge buffers for the largest grid (at the 8B shape, 2048 tokens: more than the workspace)
         w.plan(indptr, indptr, self.loc[:Tb].to(torch.int32), torch.ones(1, dtype=torch.int32), hq, hk, D, 1,
-               causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+               causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, disable_split_kv=True)
         ev = torch.cuda.Event()
         ev.record()
         self.plan_events[Tb] = ev
@@ -618,7 +621,7 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def _capture(self, Tb: int) -> None:
         self.wrappers[Tb] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-            self.backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
             paged_kv_last_page_len_buf=self.last_page, backend="fa2")
         self.loc[:Tb].zero_()                        # capture writes K/V to the padding slot only
