@@ -415,3 +415,35 @@ def test_prefill_graph_matches_eager_prefill(setup, spec):
     divergences(f"prefill graph vs eager ({spec or 'plain'})", prompts, eager, graph, logits)
     if spec:
         assert sum(acc1) / len(acc1) > 1.5
+
+
+def test_prefill_graph_captures_at_the_8b_attention_shape(tmp_path):
+    """Regression (H200, session 11): at the Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128)
+    the 2048-token bucket's graph-mode plan with split-KV overflowed the shared FlashInfer workspace at capture.
+    Two layers of that shape (random weights, small vocabulary): capture succeeds, and a 2000-token prompt is
+    prefilled by one replay with the same greedy tokens as eager prefill up to bf16 near-ties."""
+    import json
+    from pathlib import Path
+
+    from engine import LLM, EngineConfig, SamplingParams
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "suites/shapes/llama3-8b/config.json").read_text())
+    cfg.update(num_hidden_layers=2, vocab_size=4096, bos_token_id=1, eos_token_id=[2])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 4096, (2000,), generator=g).tolist()
+    outs, replays = [], []
+    for tokens in (0, 2048):
+        e = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_tokens=8192,
+                         max_prefill_tokens=2048, cuda_graph_max_bs=1, max_running_requests=1,
+                         cuda_graph_prefill_max_tokens=tokens)
+        try:
+            with LLM(e) as llm:
+                pg = llm._worker.runner.prefill_graphs
+                outs.append(llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids)
+                replays.append(pg.num_replays if pg else 0)
+                if tokens:
+                    assert pg.buckets[-1] == 2048 and sorted(pg.graphs) == pg.buckets
+        finally:
+            set_backend(TorchBackend())
+    assert replays == [0, 1]
+    assert outs[0][0] == outs[1][0]                  # the prefill's own token
