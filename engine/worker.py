@@ -139,14 +139,18 @@ class Worker:
         else:
             done, rows = list(range(len(batch.reqs))), [qo[i + 1] - 1 for i in range(len(batch.reqs))]
         tokens = torch.full((len(batch.reqs), 1), -1, dtype=torch.int64)
+        sampled = None
         if done:
             logits = r.model.compute_logits(hidden[h2d(torch.tensor(rows), hidden.device)])
-            tokens[torch.tensor(done), 0] = r.sample(logits, [batch.reqs[i] for i in done]).cpu()
+            sampled = r.sample(logits, [batch.reqs[i] for i in done])          # [len(done)] on the device
+        if self.spec is not None:
+            # the draft's prefill is launched before the sampled tokens are read back (prefill_draft)
+            B, S = len(batch.reqs), self.spec.num_steps
+            nt, npar, ntsi = prefill_draft(r, batch, hidden, done, sampled, qo)
+        if done:
+            tokens[torch.tensor(done), 0] = sampled.cpu()
         out["tokens"] = tokens
         if self.spec is not None:
-            B, S = len(batch.reqs), self.spec.num_steps
-            sampled = {i: int(tokens[i, 0]) for i in done}
-            nt, npar, ntsi = prefill_draft(r, batch, hidden, sampled, qo)
             out.update(accept_nodes=torch.full((B, S + 1), -1, dtype=torch.int64),
                        accept_lens=torch.zeros(B, dtype=torch.int64),
                        next_tokens=nt, next_parents=npar, next_top_scores=ntsi)

@@ -13,7 +13,7 @@
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give
 #   it >= 200 s or run the GPU tests first (session 9 lost a plain bench at 110 s and two runs at 100 / 75 s so).
 # session 9: s9a (call 1, no GGUF: GPU tests, chain A/B, 8B cuBLAS probe + profile), s9b (real weights after the chunks).
-# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|s11|smol11|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
+# Usage: scripts/h200_results.sh smol|smol10|llama8b|tests|s10|s10b|s10c|s11|smol11|s11b|ab|ab2|ab3|ab4|ab5|ab6|ov|ov2|ov3|tc4|ficache OUTDIR   (each fits one 10-minute call)
 # tests: the GPU tests (graphs vs eager, device tree, Triton kernels, fused RoPE+store, host syncs per round);
 # ab / ab2: A/B of the GPU options written without device time (overlap_schedule, cuda_graph_draft_extend,
 #     spec_device_tree, PPSPEC_* kernel knobs),
@@ -320,6 +320,13 @@ smol11)
   bash "$0" smol10 "$out"
   timeout ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "prefill_graph" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -8 ;;
+s11b)
+  # session 11, second lease, after the GGUF chunks: the draft's prefill launched before the target's sampled token is
+  # read back (prefill_draft). The h200 suite's plain (no peer: the first lease has it) and chain cells, one lease
+  B="python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress"
+  timeout 100 $B --no-spec --out /tmp/r11/smol_plain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
+  timeout 100 $B --out /tmp/r11/smol_chain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
+  tar czf "$out/s11b.tgz" -C /tmp/r11 . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the
   # suite run with it was slower; same lease, suite cells (8K first), with and without, no peer
