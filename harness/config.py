@@ -176,7 +176,8 @@ def _type_name(hint: Any) -> str:
 def _check(value: Any, hint: Any, where: str) -> Any:
     """Return ``value`` converted to ``hint`` (list -> tuple, int -> float) or raise naming ``where``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    bad = HarnessConfigError(f"{where}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+    got = "an empty value (null)" if value is None else f"{type(value).__name__} {value!r}"
+    bad = HarnessConfigError(f"{where}: expected {_type_name(hint)}, got {got}")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

@@ -324,8 +324,8 @@ s11b)
   # session 11, second lease, after the GGUF chunks: the draft's prefill launched before the target's sampled token is
   # read back (prefill_draft). The h200 suite's plain (no peer: the first lease has it) and chain cells, one lease
   B="python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-progress"
-  timeout 100 $B --no-spec --out /tmp/r11/smol_plain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
-  timeout 100 $B --out /tmp/r11/smol_chain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
+  timeout 80 $B --no-spec --out /tmp/r11/smol_plain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
+  timeout 95 $B --out /tmp/r11/smol_chain 2>&1 | grep -E "TTFT mean|TPOT mean|tok/s|accept|Error" | tail -8
   tar czf "$out/s11b.tgz" -C /tmp/r11 . ;;
 tc4)
   # open question of session 5: tensor-core decode for GQA group 4 won the decode A/B (b=1 -4%, b=32 -10%) but the

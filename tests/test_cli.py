@@ -186,6 +186,15 @@ def test_parse_sets():
         "spec": {"num_steps": 4, "draft": "x"}, "tp": 2, "max_model_len": None}
 
 
+def test_set_empty_value_for_an_int_field_names_it():
+    """Regression (QA, session 11): ``--set cuda_graph_prefill_max_tokens=`` said "got NoneType None"."""
+    r = runner.invoke(app, ["generate", "hi", "--set", "cuda_graph_prefill_max_tokens="])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "Error: command line: field 'cuda_graph_prefill_max_tokens': expected int, got an empty value (null)"]
+    r = runner.invoke(app, ["generate", "hi", "--set", "cuda_graph_prefill_max_tokens=-1"])
+    assert r.exit_code == 2 and r.output.strip() == "Error: cuda_graph_prefill_max_tokens must be >= 0, got -1"
+
+
 def test_parse_sets_bad_yaml_is_one_line():
     """Regression (QA, session 9): an unparsable --set value printed yaml's ParserError traceback."""
     from harness.config import HarnessConfigError
