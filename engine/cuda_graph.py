@@ -91,7 +91,52 @@ def capturing(g: "torch.cuda.CUDAGraph", pool):
         if was_enabled:
             gc.enable()
 
-class CudaGraphRunner:
+def capture_forward(obj, ctx: ForwardContext, T: int):
+    """Capture ``obj.r.model`` over the first ``T`` rows of ``obj``'s stable input buffers (``obj._args(T)``) under
+    the attention layout ``ctx``: two warm-up forwards on a side stream (lazy init, autotuning outside the graph),
+    then the capture into ``obj.pool`` (the first capture creates it). Returns (graph, outputs)."""
+    set_context(ctx)
+    try:
+        stream = torch.cuda.Stream(obj.dev)
+        stream.wait_stream(torch.cuda.current_stream(obj.dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                obj.r.model(*obj._args(T))
+        torch.cuda.current_stream(obj.dev).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with capturing(g, obj.pool):
+            out = obj.r.model(*obj._args(T))
+        if obj.pool is None:
+            obj.pool = g.pool()
+    finally:
+        set_context(None)
+    return g, out
+
+
+class _StageBuffers:
+    """Stable device inputs of a captured stage forward (``ids``, ``pos``, ``loc`` [max T] int64; ``hidden`` /
+    ``residual`` [max T, H] on later PP stages, else None), shared by the decode/verify and prefill graph runners."""
+
+    def _args(self, T: int):
+        h = None if self.hidden is None else self.hidden[:T]
+        res = None if self.residual is None else self.residual[:T]
+        return self.ids[:T], self.pos[:T], h, res
+
+    def _load(self, ids, pos, loc, hidden, residual, t: int, T: int) -> None:
+        """Copy ``t`` real rows into the buffers and zero rows ``t:T`` (padding: token 0, position 0, slot 0)."""
+        self.ids[:t].copy_(ids, non_blocking=True)
+        self.pos[:t].copy_(pos, non_blocking=True)
+        self.loc[:t].copy_(loc, non_blocking=True)
+        if T > t:
+            self.ids[t:T].zero_()
+            self.pos[t:T].zero_()
+            self.loc[t:T].zero_()
+        if self.hidden is not None:
+            self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
+            self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
+
+
+class CudaGraphRunner(_StageBuffers):
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
 
     Args:
@@ -231,11 +276,6 @@ class CudaGraphRunner:
                                  fi_planned=self.key)
         return ctx
 
-    def _args(self, T: int):
-        h = None if self.hidden is None else self.hidden[:T]
-        res = None if self.residual is None else self.residual[:T]
-        return self.ids[:T], self.pos[:T], h, res
-
     @torch.inference_mode()
     def _capture(self, kind: str, bs: int) -> None:
         q = self.q_len[kind]
@@ -244,24 +284,7 @@ class CudaGraphRunner:
             self.wrappers[(kind, bs)] = self._wrapper(kind, bs)
             dummy_masks = [torch.ones(q, q, dtype=torch.bool)] * bs if kind != "decode" else None
             self._plan(kind, bs, [torch.zeros(q, dtype=torch.int64)] * bs, dummy_masks)
-        ctx = self._ctx(kind, bs)
-        set_context(ctx)
-        try:
-            stream = torch.cuda.Stream(self.dev)
-            stream.wait_stream(torch.cuda.current_stream(self.dev))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.r.model(*self._args(T))
-            torch.cuda.current_stream(self.dev).wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with capturing(g, self.pool):
-                out = self.r.model(*self._args(T))
-            if self.pool is None:
-                self.pool = g.pool()
-        finally:
-            set_context(None)
-        self.graphs[(kind, bs)] = g
-        self.outputs[(kind, bs)] = out
+        self.graphs[(kind, bs)], self.outputs[(kind, bs)] = capture_forward(self, self._ctx(kind, bs), T)
 
     # ------------------------------------------------------------------------------------ replay
     def can_run(self, ctx: ForwardContext) -> bool:
@@ -280,16 +303,7 @@ class CudaGraphRunner:
         B = len(ctx.qo_indptr) - 1
         bs = next(b for b in self.bs_list if b >= B)
         t, T = B * q, bs * q
-        self.ids[:t].copy_(ids, non_blocking=True)
-        self.pos[:t].copy_(pos, non_blocking=True)
-        self.loc[:t].copy_(ctx.out_cache_loc, non_blocking=True)
-        if T > t:
-            self.ids[t:T].zero_()
-            self.pos[t:T].zero_()
-            self.loc[t:T].zero_()
-        if self.hidden is not None:
-            self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
-            self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
+        self._load(ids, pos, ctx.out_cache_loc, hidden, residual, t, T)
         pad = bs - B                      # padding requests: q tokens attending to slot 0 only
         if kind == "decode" and bs <= self.dev_decode_max_bs:
             self._fill_device_layout(bs, ctx.kv_indices)
@@ -548,7 +562,7 @@ def prefill_bucket(T: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= T), None)
 
 
-class PrefillGraphRunner:
+class PrefillGraphRunner(_StageBuffers):
     """Captured one-request prefill forwards of one stage over a ladder of token counts (``prefill_buckets``).
 
     Why: an eager prefill launches ~15 kernels per layer from Python. On the H200 a 2048-token SmolLM2-135M prefill
@@ -613,11 +627,6 @@ class PrefillGraphRunner:
         ev.record()
         self.plan_events[Tb] = ev
 
-    def _args(self, T: int):
-        h = None if self.hidden is None else self.hidden[:T]
-        res = None if self.residual is None else self.residual[:T]
-        return self.ids[:T], self.pos[:T], h, res
-
     @torch.inference_mode()
     def _capture(self, Tb: int) -> None:
         self.wrappers[Tb] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -629,23 +638,7 @@ class PrefillGraphRunner:
         ctx = ForwardContext([0, Tb], None, None, self.loc[:Tb], self.r.kv_pool, "extend")
         ctx.backend_state.update(fi={"kind": "extend", "dtype": self.dtype}, fi_wrapper=self.wrappers[Tb],
                                  fi_planned=self.key)
-        set_context(ctx)
-        try:
-            stream = torch.cuda.Stream(self.dev)
-            stream.wait_stream(torch.cuda.current_stream(self.dev))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.r.model(*self._args(Tb))
-            torch.cuda.current_stream(self.dev).wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with capturing(g, self.pool):
-                out = self.r.model(*self._args(Tb))
-            if self.pool is None:
-                self.pool = g.pool()
-        finally:
-            set_context(None)
-        self.graphs[Tb] = g
-        self.outputs[Tb] = out
+        self.graphs[Tb], self.outputs[Tb] = capture_forward(self, ctx, Tb)
 
     def can_run(self, ctx: ForwardContext) -> bool:
         """One request, new tokens from position 0 (as many KV slots as new tokens), no mask, the target's pool,
@@ -663,16 +656,7 @@ class PrefillGraphRunner:
         device (hidden / residual [T, H] on later PP stages); returns the stage outputs' first T rows."""
         T = ctx.qo_indptr[1] - ctx.qo_indptr[0]
         Tb = prefill_bucket(T, self.buckets)
-        self.ids[:T].copy_(ids, non_blocking=True)
-        self.pos[:T].copy_(pos, non_blocking=True)
-        self.loc[:T].copy_(ctx.out_cache_loc, non_blocking=True)
-        if Tb > T:
-            self.ids[T:Tb].zero_()
-            self.pos[T:Tb].zero_()
-            self.loc[T:Tb].zero_()
-        if self.hidden is not None:
-            self.hidden[:T].copy_(hidden.to(self.dtype), non_blocking=True)
-            self.residual[:T].copy_(residual.to(self.dtype), non_blocking=True)
+        self._load(ids, pos, ctx.out_cache_loc, hidden, residual, T, Tb)
         self._plan(Tb)
         self.graphs[Tb].replay()
         self.num_replays += 1

@@ -76,3 +76,58 @@ def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
         bad, _ = r.forward(torch.cat([z, ids]), torch.cat([z, torch.arange(T)]),
                            ForwardContext([0, Tb], [front], None, front, r.kv_pool, "prefill"))
         assert (bad[Tb - T:] - ref).abs().max() > 1e-2
+
+
+def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
+    """The shared capture / input-loading code of the graph runners (engine.cuda_graph.capture_forward,
+    _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
+    captured, all under ``ctx``; the pool is taken from the first graph; _load copies t rows and zeroes t:T."""
+    import contextlib
+
+    from engine import cuda_graph
+    from engine.attention import get_context
+
+    class FakeGraph:
+        def pool(self):
+            return "pool-1"
+
+    class FakeStream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def fake_capturing(g, pool):
+        seen.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda_graph, "capturing", fake_capturing)
+    seen = []
+    ctx = ForwardContext([0, 4], None, None, None, None, "extend")
+
+    class Obj(cuda_graph._StageBuffers):
+        dev, dtype, pool = "cpu", torch.float32, None
+        ids, pos, loc = torch.arange(8), torch.arange(8) + 10, torch.arange(8) + 20
+        hidden = residual = None
+
+    def model(ids, pos, h, res):
+        assert get_context() is ctx and h is None and res is None
+        seen.append(("fwd", ids.tolist()))
+        return ids * 2, None
+    o = Obj()
+    o.r = types.SimpleNamespace(model=model)
+    g, out = cuda_graph.capture_forward(o, ctx, 3)
+    assert isinstance(g, FakeGraph) and o.pool == "pool-1" and out[0].tolist() == [0, 2, 4]
+    assert seen == [("fwd", [0, 1, 2]), ("fwd", [0, 1, 2]), ("capture", None), ("fwd", [0, 1, 2])]
+    with pytest.raises(AssertionError):
+        get_context()                                  # cleared after the capture
+    o._load(torch.tensor([7, 8]), torch.tensor([5, 6]), torch.tensor([3, 4]), None, None, 2, 5)
+    assert o.ids.tolist() == [7, 8, 0, 0, 0, 5, 6, 7]
+    assert o.pos.tolist() == [5, 6, 0, 0, 0, 15, 16, 17]
+    assert o.loc.tolist() == [3, 4, 0, 0, 0, 25, 26, 27]
