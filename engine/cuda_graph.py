@@ -644,7 +644,9 @@ class PrefillGraphRunner(_StageBuffers):
         """One request, new tokens from position 0 (as many KV slots as new tokens), no mask, the target's pool,
         at most the largest bucket."""
         qo = ctx.qo_indptr
-        if ctx.mode not in ("prefill", "extend") or len(qo) != 2 or ctx.custom_mask is not None or ctx.tree_mask is not None:
+        if ctx.mode not in ("prefill", "extend") or len(qo) != 2:
+            return False
+        if ctx.custom_mask is not None or ctx.tree_mask is not None:
             return False
         if ctx.device_layout is not None or ctx.pool is not self.r.kv_pool or ctx.kv_indices is None:
             return False

@@ -1,6 +1,7 @@
 """Prefill CUDA graphs (engine.cuda_graph.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
 graph may take, the config knob, and the padding argument the graphs rest on (padding rows at the end change no
-real row of a causal prefill), checked with the torch backend on the tiny model. GPU replay: tests/test_cuda_graph.py."""
+real row of a causal prefill), checked with the torch backend on the tiny model.
+GPU replay: tests/test_cuda_graph.py."""
 from __future__ import annotations
 
 import types
@@ -64,7 +65,8 @@ def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
         T, Tb = 37, 64
         ids = torch.randint(3, 4000, (T,), generator=g)
         slots = torch.arange(1000, 1000 + T)
-        ref, ref_res = r.forward(ids, torch.arange(T), ForwardContext([0, T], [slots], None, slots, r.kv_pool, "prefill"))
+        ref, ref_res = r.forward(ids, torch.arange(T),
+                                 ForwardContext([0, T], [slots], None, slots, r.kv_pool, "prefill"))
         z = torch.zeros(Tb - T, dtype=torch.int64)
         loc = torch.cat([slots, z])
         got, got_res = r.forward(torch.cat([ids, z]), torch.cat([torch.arange(T), z]),
