@@ -452,3 +452,24 @@ def test_random_weights_need_token_id_prompts(tiny_model_dir):
             llm.generate(["hi"], SamplingParams(max_new_tokens=2))
         out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
         assert len(out[0].token_ids) == 2 and out[0].text == ""
+
+
+def test_multi_rank_shutdown_releases_queue_semaphores(tiny_model_dir):
+    """Regression (session 11): about one multi-rank CLI run in twelve ended with multiprocessing's resource tracker
+    warning "There appear to be 1 leaked semaphore objects ... No such file or directory" (the queues' semaphores
+    were unlinked during interpreter teardown but their unregister was lost). ``shutdown`` now closes and drops the
+    rank queues: their named semaphores are gone (unlinked) when it returns, and the engine refuses more work."""
+    from multiprocessing.synchronize import sem_unlink
+
+    from engine import LLM, EngineConfig, EngineError, SamplingParams
+    llm = LLM(EngineConfig(model=tiny_model_dir, pp=2))
+    names = [lk._semlock.name for q in [*llm._cmd_qs, llm._res_q] for lk in (q._rlock, q._wlock, q._sem)]
+    assert len(names) == 9 and all(names)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
+    llm.shutdown()
+    assert llm._res_q is None and llm._cmd_qs == []
+    for n in names:
+        with pytest.raises(FileNotFoundError):
+            sem_unlink(n)
+    with pytest.raises(EngineError, match="shut down"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
