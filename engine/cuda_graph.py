@@ -115,7 +115,39 @@ def capture_forward(obj, ctx: ForwardContext, T: int):
 
 class _StageBuffers:
     """Stable device inputs of a captured stage forward (``ids``, ``pos``, ``loc`` [max T] int64; ``hidden`` /
-    ``residual`` [max T, H] on later PP stages, else None), shared by the decode/verify and prefill graph runners."""
+    ``residual`` [max T, H] on later PP stages, else None), shared by the decode/verify and prefill graph runners,
+    with their capture bookkeeping (graphs, outputs, FlashInfer wrappers and plan events by key, the graph pool)."""
+
+    def _init_buffers(self, model, max_tok: int) -> None:
+        """Allocate the stable inputs for ``max_tok`` rows of ``model``'s stage; empty bookkeeping."""
+        H = model.cfg.hidden_size
+        d, i64 = self.dev, torch.int64
+        self.ids = torch.zeros(max_tok, dtype=i64, device=d)
+        self.pos = torch.zeros(max_tok, dtype=i64, device=d)
+        self.loc = torch.zeros(max_tok, dtype=i64, device=d)
+        self.hidden = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
+        self.residual = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
+        self.graphs: dict = {}
+        self.outputs: dict = {}
+        self.wrappers: dict = {}
+        self.plan_events: dict = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def _wait_plan(self, key) -> None:
+        """Before re-planning wrapper ``key``: plan() stages its metadata in the wrapper's pinned buffer and copies
+        it asynchronously, and (overlap schedule) the previous plan's copy may still be queued behind the step in
+        flight."""
+        ev = self.plan_events.get(key)
+        if ev is not None:
+            ev.synchronize()
+
+    def _record_plan(self, key) -> None:
+        if torch.device(self.dev).type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self.plan_events[key] = ev
 
     def _args(self, T: int):
         h = None if self.hidden is None else self.hidden[:T]
@@ -159,14 +191,8 @@ class CudaGraphRunner(_StageBuffers):
         if verify_n:
             self.q_len["verify"] = verify_n
         max_q = max(self.q_len.values())
-        max_tok = self.max_bs * max_q
-        H = model.cfg.hidden_size
+        self._init_buffers(model, self.max_bs * max_q)
         d, i64, i32 = self.dev, torch.int64, torch.int32
-        self.ids = torch.zeros(max_tok, dtype=i64, device=d)
-        self.pos = torch.zeros(max_tok, dtype=i64, device=d)
-        self.loc = torch.zeros(max_tok, dtype=i64, device=d)
-        self.hidden = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
-        self.residual = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
         max_kv = runner.max_model_len + runner.reserve + max_q + 8
         self.kv_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
         self.kv_indices = torch.zeros(self.max_bs * max_kv, dtype=i32, device=d)
@@ -174,12 +200,6 @@ class CudaGraphRunner(_StageBuffers):
         self.qo_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
         self.mask_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
         self.mask_buf = torch.zeros(self.max_bs * ((max_q * max_kv + 7) // 8 + 1), dtype=torch.uint8, device=d)
-        self.graphs: dict = {}
-        self.outputs: dict = {}
-        self.wrappers: dict = {}
-        self.plan_events: dict = {}
-        self.pool = None
-        self.num_replays = 0
         # decode attention planned on the device (engine.dev_attention) instead of FlashInfer: the page table is
         # a [bs, max_kv] slot matrix + lengths copied per replay, no host plan, no FlashInfer merge kernel
         self.dev_decode_max_bs = dev_attention_decode_max_bs() if decode else 0
@@ -214,17 +234,13 @@ class CudaGraphRunner(_StageBuffers):
         or ``packed`` = (bit-packed masks already on the device, byte indptr [bs+1] int32 numpy)."""
         w = self.wrappers[(kind, bs)]
         hq, hk, D, scale, dtype = self.key
-        # plan() stages its metadata in the wrapper's pinned buffer and copies it asynchronously: with the
-        # overlap schedule the previous plan's copy may still be queued behind the step in flight.
-        ev = self.plan_events.get((kind, bs))
-        if ev is not None:
-            ev.synchronize()
+        self._wait_plan((kind, bs))
         indptr, indices = page_table(kvs, self.dev)
         last = torch.ones(bs, dtype=torch.int32)
         if kind == "decode":
             w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
                    **decode_plan_options())
-            self._record_plan(kind, bs)
+            self._record_plan((kind, bs))
             return
         q = self.q_len[kind]
         qo = torch.arange(bs + 1, dtype=torch.int32) * q
@@ -238,7 +254,7 @@ class CudaGraphRunner(_StageBuffers):
         # FlashInfer's kernel offsets the packed mask by mask_indptr in *bytes* (per-request padded
         # segments); plan() derives a bit-count indptr when handed a packed mask, so set ours.
         self.mask_indptr[:bs + 1].copy_(torch.from_numpy(byte_indptr), non_blocking=True)
-        self._record_plan(kind, bs)
+        self._record_plan((kind, bs))
 
     def _fill_device_layout(self, bs: int, kvs: list[torch.Tensor]) -> None:
         """Decode with engine.dev_attention: request i's KV list (its new token's slot last) becomes row i of the
@@ -255,13 +271,6 @@ class CudaGraphRunner(_StageBuffers):
         dev = h2d(host, self.dev)
         self.dl_rt[:bs, :w].copy_(dev[:, :w])
         self.dl_lens[:bs].copy_(dev[:, w])
-
-    def _record_plan(self, kind: str, bs: int) -> None:
-        if torch.device(self.dev).type != "cuda":
-            return
-        ev = torch.cuda.Event()
-        ev.record()
-        self.plan_events[(kind, bs)] = ev
 
     def _ctx(self, kind: str, bs: int) -> ForwardContext:
         q = self.q_len[kind]
@@ -590,42 +599,27 @@ class PrefillGraphRunner(_StageBuffers):
         _bind_flashinfer(self, runner, model.layers[0].self_attn)
         self.buckets = prefill_buckets(max_tokens)
         Tm = self.buckets[-1]
-        H = model.cfg.hidden_size
-        d, i64, i32 = self.dev, torch.int64, torch.int32
-        self.ids = torch.zeros(Tm, dtype=i64, device=d)
-        self.pos = torch.zeros(Tm, dtype=i64, device=d)
-        self.loc = torch.zeros(Tm, dtype=i64, device=d)
-        self.hidden = None if model.is_first else torch.zeros(Tm, H, dtype=self.dtype, device=d)
-        self.residual = None if model.is_first else torch.zeros(Tm, H, dtype=self.dtype, device=d)
+        self._init_buffers(model, Tm)
+        d, i32 = self.dev, torch.int32
         self.qo_indptr = torch.zeros(2, dtype=i32, device=d)
         self.kv_indptr = torch.zeros(2, dtype=i32, device=d)
         self.kv_indices = torch.zeros(Tm, dtype=i32, device=d)
         self.last_page = torch.ones(1, dtype=i32, device=d)
         self.workspace = torch.zeros_like(self.backend.workspace)     # FlashInfer float workspace of its own
-        self.graphs: dict = {}
-        self.outputs: dict = {}
-        self.wrappers: dict = {}
-        self.plan_events: dict = {}
-        self.pool = None
-        self.num_replays = 0
         for Tb in reversed(self.buckets):            # largest first: the smaller ones reuse its pool memory
             self._capture(Tb)
 
     def _plan(self, Tb: int) -> None:
         """Plan bucket ``Tb``'s wrapper: one request, ``Tb`` queries over ``Tb`` KV slots (``self.loc[:Tb]``)."""
         w = self.wrappers[Tb]
-        ev = self.plan_events.get(Tb)
-        if ev is not None:                           # plan() reuses its pinned staging buffer
-            ev.synchronize()
+        self._wait_plan(Tb)
         hq, hk, D, scale, dtype = self.key
         indptr = torch.tensor([0, Tb], dtype=torch.int32)
         # no split-KV: one request of Tb queries fills the SMs with query tiles, and a graph-mode plan with split-KV
         # sizes its merge buffers for the largest grid (at the 8B shape, 2048 tokens: more than the workspace)
         w.plan(indptr, indptr, self.loc[:Tb].to(torch.int32), torch.ones(1, dtype=torch.int32), hq, hk, D, 1,
                causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, disable_split_kv=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.plan_events[Tb] = ev
+        self._record_plan(Tb)
 
     @torch.inference_mode()
     def _capture(self, Tb: int) -> None:

@@ -133,3 +133,34 @@ def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
     assert o.ids.tolist() == [7, 8, 0, 0, 0, 5, 6, 7]
     assert o.pos.tolist() == [5, 6, 0, 0, 0, 15, 16, 17]
     assert o.loc.tolist() == [3, 4, 0, 0, 0, 25, 26, 27]
+
+
+def test_stage_buffers_init_and_prefill_plan_on_cpu():
+    """Host side of PrefillGraphRunner without a GPU: the shared buffer setup (_StageBuffers._init_buffers: inputs
+    for the largest bucket, hidden/residual only on later PP stages, empty bookkeeping) and one re-plan of a bucket
+    (one request of Tb queries over the Tb slots in ``loc``, causal, no split-KV)."""
+    from engine import cuda_graph
+
+    class Wrapper:
+        def plan(self, *args, **kw):
+            self.args, self.kw = args, kw
+
+    g = PrefillGraphRunner.__new__(PrefillGraphRunner)
+    g.dev, g.dtype, g.key = torch.device("cpu"), torch.float32, (4, 2, 16, 0.25, torch.float32)
+    first = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_size=8), is_first=True)
+    g._init_buffers(first, 128)
+    assert g.ids.shape == g.pos.shape == g.loc.shape == (128,) and g.hidden is None and g.residual is None
+    assert (g.graphs, g.outputs, g.wrappers, g.plan_events, g.pool, g.num_replays) == ({}, {}, {}, {}, None, 0)
+    later = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_size=8), is_first=False)
+    h = cuda_graph._StageBuffers.__new__(cuda_graph._StageBuffers)
+    h.dev, h.dtype = torch.device("cpu"), torch.bfloat16
+    h._init_buffers(later, 32)
+    assert h.hidden.shape == h.residual.shape == (32, 8) and h.hidden.dtype == torch.bfloat16
+    g.wrappers[64] = Wrapper()
+    g.loc[:64] = torch.arange(64) + 500
+    g._plan(64)
+    a, kw = g.wrappers[64].args, g.wrappers[64].kw
+    assert a[0].tolist() == a[1].tolist() == [0, 64] and a[2].tolist() == list(range(500, 564))
+    assert a[2].dtype == torch.int32 and a[3].tolist() == [1] and a[4:8] == (4, 2, 16, 1)
+    assert kw["causal"] is True and kw["disable_split_kv"] is True and kw["sm_scale"] == 0.25
+    assert g.plan_events == {}                          # CPU: no CUDA event recorded
