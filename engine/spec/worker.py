@@ -254,16 +254,17 @@ def prefill_draft(runner, batch, feature: torch.Tensor, done: list[int], sampled
         pos.append(torch.arange(st, en))
     ids_d = h2d(torch.cat(ids), dev)
     if done:
-        ids_d[h2d(torch.tensor([qo[i + 1] - 1 for i in done]), dev)] = sampled.to(dev)
+        root = sampled.to(dev)
+        last_rows = h2d(torch.tensor([qo[i + 1] - 1 for i in done]), dev)    # each completed chunk's last row
+        ids_d[last_rows] = root
     hid = draft_extend(runner, ids_d, feature, torch.cat(pos), torch.cat(locs), kv, qo)
     B = len(batch.reqs)
     tokens, parents, tsi = [t.clone() for t in empty_tree(runner, B)]
     if done:
-        root = sampled.to(dev)
         if runner.spec.draft_after_prefill:
             rows = [rt[batch.reqs[i].row] for i in done]
             L_new = [batch.chunks[i][1] for i in done]
-            last_h = hid[h2d(torch.tensor([qo[i + 1] - 1 for i in done]), hid.device)]
+            last_h = hid[last_rows]
             tree = tail_draft(runner, [batch.reqs[i] for i in done], rows, L_new, root, last_h)
         else:
             spec = runner.spec
