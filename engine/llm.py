@@ -289,8 +289,8 @@ class LLM:
         CLI run in twelve ended with the tracker's "There appear to be 1 leaked semaphore objects ... No such file
         or directory" warnings on stderr (session 11). Feeder threads get a bounded join: a rank that died unread
         must not hold up the exit."""
-        qs = list(getattr(self, "_cmd_qs", [])) + [q for q in [getattr(self, "_res_q", None)] if q is not None]
-        for q in qs:
+        res_q = getattr(self, "_res_q", None)
+        for q in [*getattr(self, "_cmd_qs", []), *([res_q] if res_q is not None else [])]:
             try:
                 q.close()
                 t = getattr(q, "_thread", None)          # the feeder thread (multiprocessing's, private)
