@@ -30,12 +30,27 @@ def save_rows(out: str, rows: list[dict]) -> None:
     Path(out).write_text(json.dumps(rows, indent=1))
 
 
+def torch_tables(prof, cuda_rows: int, cpu_rows: int) -> str:
+    """A finished torch profiler's op table by self CUDA time, then by self CPU time."""
+    ka = prof.key_averages()
+    return (ka.table(sort_by="self_cuda_time_total", row_limit=cuda_rows) + "\n\n"
+            + ka.table(sort_by="self_cpu_time_total", row_limit=cpu_rows))
+
+
+def cprofile_text(cp, *sorts: tuple[str, int]) -> str:
+    """A cProfile's statistics, once per (sort key, rows)."""
+    import io
+    import pstats
+    buf = io.StringIO()
+    for key, rows in sorts:
+        pstats.Stats(cp, stream=buf).sort_stats(key).print_stats(rows)
+    return buf.getvalue()
+
+
 def profile_prefill(llm, prompts: list[list[int]], path: str) -> None:
     """Where a TTFT goes: ``max_new_tokens=1`` generates (prefill + first token) timed 5 times, then one under the
     torch profiler (kernel table by CUDA time, op table by CPU time, GPU busy time vs wall) and one under cProfile."""
     import cProfile
-    import io
-    import pstats
 
     import torch
     import torch.profiler as tp
@@ -52,18 +67,14 @@ def profile_prefill(llm, prompts: list[list[int]], path: str) -> None:
     with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, one)
         torch.cuda.synchronize()
-    ka = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in ka if e.device_type == tp.DeviceType.CUDA) / 1e3
+    busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == tp.DeviceType.CUDA) / 1e3
     cp = cProfile.Profile()
     cp.enable()
     llm.generate(prompts, one)
     cp.disable()
-    buf = io.StringIO()
-    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(40)
     head = (f"one-token generate walls ms: {[round(w, 2) for w in walls]}; GPU kernel time in the profiled one: "
             f"{busy:.2f} ms\n\n")
-    Path(path).write_text(head + ka.table(sort_by="self_cuda_time_total", row_limit=45) + "\n\n"
-                          + ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n" + buf.getvalue())
+    Path(path).write_text(head + torch_tables(prof, 45, 30) + "\n\n" + cprofile_text(cp, ("tottime", 40)))
     print(json.dumps({"prefill_walls_ms": [round(w, 2) for w in walls], "gpu_busy_ms": round(busy, 2)}))
 
 
@@ -135,18 +146,11 @@ def main() -> None:
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t1
             if cprof is not None:
-                import io
-                import pstats
                 cprof.disable()
-                buf = io.StringIO()
-                pstats.Stats(cprof, stream=buf).sort_stats("cumulative").print_stats(60)
-                pstats.Stats(cprof, stream=buf).sort_stats("tottime").print_stats(40)
-                Path(a.cprofile).write_text(buf.getvalue())
+                Path(a.cprofile).write_text(cprofile_text(cprof, ("cumulative", 60), ("tottime", 40)))
             if prof is not None:
                 prof.__exit__(None, None, None)
-                Path(a.profile).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
-                                           + "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                                                row_limit=25))
+                Path(a.profile).write_text(torch_tables(prof, 40, 25))
             m = [request_metrics(o.arrival_time, o.token_times) for o in outs]
             tpots, ttft = [x["tpot"] for x in m], [x["ttft"] for x in m]
             acc = [x for o in outs for x in o.accept_lengths]
