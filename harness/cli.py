@@ -310,7 +310,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
              max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 128,
              temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
              set_: SetOpt = None) -> None:
-    """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --tp 1 --pp 2[/cyan]."""
+    """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --pp 2 --pp-spec[/cyan]."""
     with user_errors():
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))

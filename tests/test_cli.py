@@ -421,3 +421,17 @@ def test_shipped_bench_cells_fit_the_context(suite):
     from harness.bench import check_cells_fit
     from harness.config import resolve
     check_cells_fit(resolve(suite, {"device": "cpu", "dtype": "float32"}))     # the GPU suites, checked here
+
+
+def test_generate_help_example_runs(tiny_model_dir, tiny_draft_dir):
+    """Regression (QA, session 11): ``generate --help`` suggested ``ppspec generate 'Hi' --tp 1 --pp 2``, which fails
+    as written (PP with speculative decoding is gated behind --pp-spec). The example, run on the tiny model and its
+    draft, works."""
+    import re
+    import shlex
+    doc = app.registered_commands[[c.name or c.callback.__name__ for c in app.registered_commands].index("generate")]
+    example = re.search(r"\[cyan\]ppspec (generate .*?)\[/cyan\]", doc.callback.__doc__).group(1)
+    r = runner.invoke(app, shlex.split(example) + ["--model", tiny_model_dir, "--draft", tiny_draft_dir,
+                                                   "--max-new-tokens", "2"])
+    assert r.exit_code == 0, r.output
+    assert "[2 tokens" in r.output
