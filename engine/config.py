@@ -198,6 +198,16 @@ class SpecConfig:
         return self.num_draft_tokens + self.topk * self.num_steps
 
 
+def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
+    """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault, or None for any other value."""
+    if not fault or not fault.startswith("fail_token:"):
+        return None
+    parts = fault.split(":")[1:]
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine instance needs; one frozen value shared by all ranks."""
@@ -232,7 +242,9 @@ class EngineConfig:
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
-    fault: str | None = None              # fault injection: "drop_tree"
+    fault: str | None = None              # fault injection: "drop_tree" (degenerate relayed trees) or
+                                          # "fail_token:ID[:STAGE]" (that stage's forward raises on a batch
+                                          # holding a request whose prompt contains token ID; stage 0 default)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -268,8 +280,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2 (or unset), got {self.max_model_len}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.fault not in (None, "drop_tree"):
-            raise ConfigError(f"fault: {self.fault!r} (supported: drop_tree)")
+        if self.fault is not None and self.fault != "drop_tree" and fail_token_fault(self.fault) is None:
+            raise ConfigError(f"fault: {self.fault!r} (supported: drop_tree, fail_token:ID[:STAGE])")
         if self.spec.enabled and self.pp > 1:
             if not (self.spec.pp_spec or os.environ.get("PPSPEC_ENABLE_PP_SPEC") == "1"):
                 raise ConfigError(

@@ -22,7 +22,7 @@ import torch
 from .config import EngineConfig, SpecConfig
 from .dist import init_distributed
 from .sampling import SamplingParams
-from .scheduler import Req
+from .scheduler import Req, prompt_token_ids
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "ignore_eos")
 
@@ -58,7 +58,8 @@ def torchrun_main(argv: list[str] | None = None) -> None:
     now, reqs = time.perf_counter(), []
     for i, r in enumerate(rows):
         p = r["prompt"]
-        ids = tok.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
+        ids = prompt_token_ids(i, p, worker.runner.model_config.vocab_size,
+                               lambda text: tok.encode(text, add_special_tokens=False))
         sp = SamplingParams(**{f: r[f] for f in SAMPLING_FIELDS if f in r})
         reqs.append(Req(i, ids, sp, arrival_time=now))
     worker.run(reqs)
@@ -67,7 +68,8 @@ def torchrun_main(argv: list[str] | None = None) -> None:
             for r in reqs:
                 text = tok.decode(r.output_ids, skip_special_tokens=True) if tok else ""
                 f.write(json.dumps({"rid": r.rid, "token_ids": r.output_ids, "text": text,
-                                    "finish_reason": r.finish_reason, "accept_lengths": r.accept_lengths}) + "\n")
+                                    "finish_reason": r.finish_reason, "accept_lengths": r.accept_lengths,
+                                    "error": r.error}) + "\n")
     torch.distributed.destroy_process_group()
 
 

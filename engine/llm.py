@@ -22,7 +22,7 @@ from .config import ConfigError, EngineConfig
 from .dist import ParallelState, init_distributed, set_ps
 from .runner import check_topology, model_source
 from .sampling import SamplingParams
-from .scheduler import Req, prompt_length_error
+from .scheduler import Req, prompt_token_ids, request_error
 
 
 class EngineError(RuntimeError):
@@ -40,6 +40,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)   # per output token, as seen by rank 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
     num_retractions: int = 0
+    error: str | None = None               # finish_reason "error": why the engine failed this request
 
 
 def _free_port() -> int:
@@ -58,7 +59,7 @@ def _rank_info(worker) -> dict:
     r = worker.runner
     nbytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
     nparams = sum(p.numel() for p in r.model.parameters())
-    return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity}
+    return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity, "reserve": r.reserve}
 
 
 def _die_with_parent() -> None:
@@ -207,24 +208,39 @@ class LLM:
                  max_concurrency: int | None = None, progress=None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids). Outputs come back in input order.
 
-        Raises ConfigError for an empty prompt, a prompt longer than the context, or bad params;
-        EngineError when a rank fails (the whole group is stopped).
+        Every request is checked here, before any rank sees the call, so a call runs all its requests or none:
+        text must be valid Unicode (encodable as UTF-8); token ids must be integers in [0, vocab_size); the
+        prompt must be non-empty, leave room in the context, and (prompt + max_new_tokens + the per-request
+        reserve) must fit the KV pool. A request that still fails inside the engine comes back alone with
+        ``finish_reason`` "error" and its ``error``; the others are served.
+
+        Raises:
+            ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.
+            EngineError: a rank failed (the whole group is stopped).
         """
         if params is None:
             params = SamplingParams()
+        if isinstance(prompts, (str, bytes, bytearray)):
+            raise ConfigError("prompts must be a list of prompts (each a string or a list of token ids)")
+        prompts = list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError("params must be one SamplingParams or one per prompt")
         reqs, now = [], time.perf_counter()
-        for p, sp in zip(prompts, plist):
-            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            if not ids:
-                raise ConfigError("empty prompt")
-            too_long = prompt_length_error(len(ids), self._max_len())
-            if too_long:
-                raise ConfigError(too_long)
-            reqs.append(Req(self._next_rid, ids, sp, arrival_time=now))
-            self._next_rid += 1
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            if not isinstance(sp, SamplingParams):
+                raise ConfigError(f"prompt {i}: params must be a SamplingParams, got {type(sp).__name__}")
+            ids = prompt_token_ids(i, p, self.model_config.vocab_size, self.encode)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in sp.stop_token_ids if t >= vocab]
+            if bad:
+                raise ConfigError(f"prompt {i}: stop token id {bad[0]} is out of range [0, {vocab})")
+            err = request_error(len(ids), sp.max_new_tokens, self._max_len(), self._infos[0]["reserve"],
+                                self._infos[0]["kv_pool_tokens"])
+            if err:
+                raise ConfigError(f"prompt {i}: {err}")
+            reqs.append(Req(self._next_rid + i, ids, sp, arrival_time=now))
+        self._next_rid += len(reqs)
         if not reqs:
             return []
         if self.config.world_size == 1:
@@ -256,7 +272,8 @@ class LLM:
                 if s in text:
                     text = text[:text.index(s)]
         return RequestOutput(r.rid, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "length",
-                             r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions)
+                             r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions,
+                             r.error)
 
     def shutdown(self) -> None:
         # stop only live ranks, and never let a queue's feeder thread hold up interpreter exit (a front end

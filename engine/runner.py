@@ -14,7 +14,7 @@ from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
 from .loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from .model import LlamaForCausalLM, stage_layer_range
-from .sampling import processed_probs, request_coins, sample_from_probs
+from .sampling import coin_seed, processed_probs, request_coins, sample_from_probs
 from .scheduler import Req, ScheduledBatch, Scheduler
 
 
@@ -271,8 +271,9 @@ class ModelRunner:
         if all(r.params.greedy for r in reqs):
             return argmax_rows(logits)
         probs = self.target_probs(logits, reqs)
-        coins = torch.stack([request_coins(self._seed(r), r.rid, len(r.output_ids), 1)[0] for r in reqs])
+        coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
         return sample_from_probs(probs, coins.to(probs.device))
 
-    def _seed(self, r: Req) -> int:
-        return r.params.seed if r.params.seed is not None else self.config.seed
+    def coins(self, r: Req, count: int) -> torch.Tensor:
+        """``count`` sampling coins [count] float32 for ``r``'s next output position (``request_coins``)."""
+        return request_coins(coin_seed(r.params, r.rid, self.config.seed), len(r.output_ids), count)

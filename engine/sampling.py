@@ -1,6 +1,7 @@
 """Sampling parameters and the sampler (greedy, seeded temperature / top-k / top-p)."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -39,14 +40,34 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigError(f"{name} must be an integer, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop", _tuple_of("stop", self.stop, str, "strings"))
+        if any(s == "" for s in self.stop):
+            raise ConfigError("stop strings must be non-empty (an empty stop string matches at once)")
         ids = _tuple_of("stop_token_ids", self.stop_token_ids, numbers.Integral, "token ids (int)")
+        if any(isinstance(x, bool) or x < 0 for x in ids):
+            raise ConfigError(f"stop_token_ids must be token ids >= 0, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in ids))
 
     @property
@@ -80,7 +101,17 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return tok.clamp_max(probs.shape[1] - 1)
 
 
-def request_coins(seed: int, rid: int, step: int, count: int) -> torch.Tensor:
-    """Deterministic uniform coins for (request, step): identical on every rank for the same inputs."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + rid * 7919 + step * 104_729) % (2 ** 63))
+def coin_seed(params: SamplingParams, rid: int, engine_seed: int) -> int:
+    """The seed of a request's coin stream: its own ``seed`` alone when it has one, so the output is fixed by
+    the prompt and the parameters whatever else runs in the engine (batch position, earlier calls); else the
+    engine's seed and the request id (distinct streams for unseeded requests)."""
+    if params.seed is not None:
+        return int(params.seed) * 1_000_003
+    return int(engine_seed) * 1_000_003 + 7919 * (rid + 1)
+
+
+def request_coins(seed: int, step: int, count: int) -> torch.Tensor:
+    """``count`` uniform coins in [0, 1) float32 for output position ``step`` of the stream ``seed``
+    (``coin_seed``): identical on every rank for the same inputs."""
+    g = torch.Generator().manual_seed((seed + step * 104_729) % (2 ** 63))
     return torch.rand(count, generator=g)

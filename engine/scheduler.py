@@ -6,6 +6,7 @@ admission, chunked prefill, KV allocation, retraction and finish decisions agree
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,61 @@ def prompt_length_error(n: int, max_model_len: int) -> str | None:
     return None
 
 
+def prompt_token_ids(i: int, prompt, vocab_size: int, encode) -> list[int]:
+    """Token ids of prompt ``i`` of a call: text through ``encode`` (str -> ids), or a sequence (list, 1-D
+    tensor or array) of integer ids.
+
+    Raises:
+        ConfigError: naming prompt ``i``: text that is not valid Unicode (a lone surrogate, as from undecodable
+            bytes), bytes, a non-integer id, or an id outside [0, vocab_size).
+    """
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"prompt {i}: text is not valid Unicode (character {e.start} cannot be encoded "
+                              f"as UTF-8)") from None
+        return encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ConfigError(f"prompt {i}: bytes are not a prompt: decode them to a string, or pass token ids "
+                          f"as a list of int")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.reshape(-1).tolist()
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise ConfigError(f"prompt {i}: must be a string or a list of token ids, "
+                          f"got {type(prompt).__name__}") from None
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ConfigError(f"prompt {i}: token ids must be integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ConfigError(f"prompt {i}: token id {int(t)} is out of range [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
+def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int) -> int:
+    """KV slots one request can hold at most: its whole context (prompt + outputs, capped by the context
+    length) plus the ``reserve`` slots kept past seq_len."""
+    return min(prompt_len + max_new_tokens, max_model_len) + reserve
+
+
+def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int,
+                  capacity: int) -> str | None:
+    """Why a request cannot be served alone by an engine of this context and KV pool, or None. The
+    front end and every rank's scheduler apply the same check, so a call is refused before any rank runs."""
+    if prompt_len == 0:
+        return "empty prompt"
+    too_long = prompt_length_error(prompt_len, max_model_len)
+    if too_long:
+        return too_long
+    need = kv_need(prompt_len, max_new_tokens, max_model_len, reserve)
+    if need > capacity:
+        return (f"prompt + max_new_tokens + reserve = {need} tokens exceeds the KV pool ({capacity} tokens): "
+                f"lower max_new_tokens or raise max_num_tokens to at least {need}")
+    return None
+
+
 @dataclass
 class Req:
     rid: int
@@ -37,7 +93,8 @@ class Req:
     row: int = -1                         # req_to_token row
     seq_len: int = 0                      # tokens whose target KV is committed (the next root excluded)
     allocated_len: int = 0                # slots held in the row (committed + reserve)
-    fill_ids: list[int] = field(default_factory=list)   # tokens to prefill (prompt + outputs after retraction)
+    fill_ids: list[int] = field(default_factory=list)   # tokens to prefill (after a retraction: prompt +
+                                          # outputs but the last, which becomes the root again)
     prefilled: int = 0
     tree: dict | None = None              # next verify tree: tokens [n] (col 0 = root), parent_list, top_scores_index
     accept_lengths: list[int] = field(default_factory=list)
@@ -45,6 +102,8 @@ class Req:
     finish_reason: str | None = None
     num_retractions: int = 0
     trees_seeded: int = 0                 # verify trees seeded by a completed prefill (placeholder guard)
+    isolated: bool = False                # runs in batches of its own (it shared a batch that failed)
+    error: str | None = None              # why the engine failed this request (finish_reason "error")
 
     @property
     def root_token(self) -> int:
@@ -88,21 +147,38 @@ class Scheduler:
         return self.rows.req_to_token
 
     # ----------------------------------------------------------------------------------- intake
+    def check(self, req: Req) -> str | None:
+        """Why ``req`` cannot be served by this scheduler (``request_error``), or None."""
+        return request_error(len(req.prompt_ids), req.params.max_new_tokens, self.max_model_len, self.reserve,
+                             self.allocator.capacity)
+
     def add(self, req: Req) -> None:
-        """Queue a request. Raises ConfigError for an empty or too long prompt."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ConfigError(f"request {req.rid}: empty prompt")
-        too_long = prompt_length_error(n, self.max_model_len)
-        if too_long:
-            raise ConfigError(f"request {req.rid}: {too_long}")
-        need = min(n + req.params.max_new_tokens, self.max_model_len) + self.reserve
-        if need > self.allocator.capacity:
-            raise ConfigError(f"request {req.rid}: prompt + max_new_tokens + reserve = {need} tokens exceeds the "
-                              f"KV pool ({self.allocator.capacity} tokens)")
-        req.fill_ids = list(req.prompt_ids)
-        self.reqs[req.rid] = req
-        self.waiting.append(req)
+        """Queue one request. Raises ConfigError (naming the request) when it cannot be served alone."""
+        self.add_all([req])
+
+    def add_all(self, reqs: list[Req]) -> None:
+        """Queue every request of one call, or none: all are checked before any is queued.
+
+        Raises:
+            ConfigError: the first request that cannot be served alone (empty or too long prompt, or a
+                context that cannot fit the KV pool), named by its request id.
+        """
+        for req in reqs:
+            err = self.check(req)
+            if err:
+                raise ConfigError(f"request {req.rid}: {err}")
+        for req in reqs:
+            req.fill_ids = list(req.prompt_ids)
+            self.reqs[req.rid] = req
+            self.waiting.append(req)
+
+    def reset(self) -> None:
+        """Drop every request and give back all their KV slots and rows (after a failed call)."""
+        for r in self.reqs.values():
+            if r.row >= 0:
+                self._release(r)
+        self.reqs.clear()
+        self.waiting.clear()
 
     def all_finished(self) -> bool:
         return all(r.status == "finished" for r in self.reqs.values())
@@ -120,6 +196,9 @@ class Scheduler:
         if not running:
             return None
         running.sort(key=lambda r: r.rid)
+        isolated = [r for r in running if r.isolated]
+        if isolated:
+            running = isolated[:1]            # a request that shared a failed batch runs alone
         while running and not self._reserve_decode(running):
             self._retract(running.pop())
         if not running:
@@ -127,6 +206,10 @@ class Scheduler:
         return ScheduledBatch("verify" if self.spec else "decode", slot, running)
 
     def _schedule_prefill(self, slot: int) -> ScheduledBatch | None:
+        """Admit waiting requests into ``slot`` and give its prefilling requests their next chunks, within the
+        chunk budget. Admission takes every KV slot the request's prefill needs (the whole fill plus the
+        reserve) at once, so a request that has started prefilling never waits for memory: partial prefills
+        in different micro-batch slots cannot fill the pool between them and stall each other."""
         budget = self.max_prefill_tokens
         reqs, chunks = [], []
         cands = [r for r in self.reqs.values() if r.status == "prefilling" and r.slot == slot]
@@ -138,33 +221,37 @@ class Scheduler:
                 break
             if r.status == "waiting" and active >= limit:
                 break
+            if reqs and (r.isolated or reqs[0].isolated):   # such a request is prefilled alone
+                if r.status == "prefilling":
+                    continue
+                break
             start = r.prefilled
             end = min(len(r.fill_ids), start + budget)
             is_last = end == len(r.fill_ids)
-            need = (end + (self.reserve if is_last else 0)) - r.allocated_len
             if r.status == "waiting":
                 if not self.rows.free_rows:
                     break
-                slots = self.allocator.alloc(need)
+                slots = self.allocator.alloc(len(r.fill_ids) + self.reserve)
                 if slots is None:
                     break
                 self.waiting.remove(r)
                 r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
+                self._append_slots(r, slots)
                 active += 1
-            else:
-                slots = self.allocator.alloc(max(need, 0))
-                if slots is None:
-                    continue
-            self._append_slots(r, slots)
             reqs.append(r)
             chunks.append((start, end, is_last))
             budget -= end - start
         if not reqs:
-            if self.waiting and self.num_active() == 0 and not any(
-                    r.status == "prefilling" for r in self.reqs.values()):
-                raise KVCacheError("KV pool too small to admit any waiting request")
             return None
         return ScheduledBatch("prefill", slot, reqs, chunks)
+
+    def stall_error(self) -> str:
+        """One line for a scheduler that has unfinished requests but can run none of them."""
+        left = [r for r in self.reqs.values() if r.status != "finished"]
+        need = max(kv_need(len(r.prompt_ids), r.params.max_new_tokens, self.max_model_len, self.reserve)
+                   for r in left)
+        return (f"scheduler stalled with {len(left)} unfinished requests and {self.allocator.num_free} of "
+                f"{self.allocator.capacity} KV slots free: the pool needs at least {need} tokens")
 
     def _append_slots(self, r: Req, slots: list[int]) -> None:
         if slots:                          # through the numpy view: ~10x cheaper than a torch slice assignment
@@ -185,17 +272,44 @@ class Scheduler:
         r.row, r.allocated_len, r.seq_len = -1, 0, 0
 
     def _retract(self, r: Req) -> None:
-        """Preempt by recompute: free everything, requeue at the front with prompt + outputs as the new fill."""
+        """Preempt by recompute: free everything and requeue at the front. The new fill is the prompt and every
+        output token but the last; that one is the root again when the re-prefill completes (its KV is written
+        by the next decode or verify step, as before), so a re-prefill emits no token and the request's outputs,
+        accept lengths and sampling coins are those it would have had without the retraction."""
         self._release(r)
         r.status, r.slot, r.prefilled, r.tree = "waiting", -1, 0, None
-        r.fill_ids = r.prompt_ids + r.output_ids
+        r.fill_ids = r.prompt_ids + r.output_ids[:-1]
         r.num_retractions += 1
         self.waiting.insert(0, r)
+
+    def fail(self, rids: list[int], error: str) -> None:
+        """Apply a batch that failed inside the engine (identically on every stage). A request that ran alone
+        (or already ran isolated) finishes with ``finish_reason`` "error" and ``error``; the others of a
+        shared batch are retracted and run alone from then on, so only the request that fails alone fails."""
+        reqs = [self.reqs[rid] for rid in rids if self.reqs[rid].status != "finished"]
+        alone = len(reqs) == 1
+        for r in reversed(reqs):                       # requeued at the front in request order
+            if alone or r.isolated:
+                r.error = error
+                if r.row >= 0:
+                    self._finish(r, "error")
+                else:
+                    self.waiting.remove(r)
+                    r.status, r.finish_reason = "finished", "error"
+            else:
+                r.isolated = True
+                if r.status == "waiting":
+                    continue
+                self._retract(r)
+                r.num_retractions -= 1                 # not memory pressure: the count stays the scheduler's
 
     # ----------------------------------------------------------------------------------- results
     def process_output(self, out: dict) -> None:
         """Apply one relayed result (identical on every stage). Rows are matched by request id."""
         kind = out["kind"]
+        if kind == "error":
+            self.fail(out["rids"], out["error"])
+            return
         toks = out["tokens"].tolist()
         if kind == "verify":
             n = out["next_tokens"].shape[1] if "next_tokens" in out else out["num_draft_tokens"]
@@ -219,7 +333,8 @@ class Scheduler:
                 if self.spec:
                     r.tree = _tree_row(trees, i)
                     r.trees_seeded += 1
-                self._emit(r, toks[i][:1], accept_length=None)
+                if not r.output_ids:              # a re-prefill after a retraction emits nothing (_retract)
+                    self._emit(r, toks[i][:1], accept_length=None)
             elif kind == "decode":
                 r.seq_len += 1
                 self._emit(r, toks[i][:1], accept_length=1)
@@ -243,7 +358,7 @@ class Scheduler:
             n += 1
             if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
                 reason = "stop"
-            elif p.stop and self.detok is not None and any(s in self.detok(r.output_ids[-16:]) for s in p.stop):
+            elif p.stop and self.detok is not None and self._stop_string_hit(r):
                 reason = "stop"
             elif len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
                 reason = "length"
@@ -253,6 +368,22 @@ class Scheduler:
             r.accept_lengths.append(min(accept_length, n))
         if reason is not None:
             self._finish(r, reason)
+
+    def _stop_string_hit(self, r: Req) -> bool:
+        """Whether a stop string of ``r`` ends in its output text. Decodes the shortest suffix of output tokens
+        whose text is longer than the longest stop string (tokens that decode to nothing, such as skipped
+        special tokens, only widen it), plus two tokens of margin for text that a token boundary changes; a stop
+        string seen in the suffix is therefore seen whatever its length in tokens."""
+        longest = max(len(s) for s in r.params.stop)
+        out, n = r.output_ids, min(len(r.output_ids), longest + 2)
+        while True:
+            text = self.detok(out[-n:])
+            if len(text) > longest or n == len(out):
+                break
+            n = min(len(out), n + max(1, longest + 1 - len(text)))
+        if n < len(out):
+            text = self.detok(out[-min(len(out), n + 2):])
+        return any(s in text for s in r.params.stop)
 
     def _finish(self, r: Req, reason: str) -> None:
         r.status, r.finish_reason = "finished", reason

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import h2d
+from .config import fail_token_fault
 from .dist import ps, ring_exchange
 from .kv_cache import KVCacheError
 from .runner import ModelRunner
@@ -36,6 +37,10 @@ class RelayError(RuntimeError):
 
 def check_relay(out: dict, spec) -> None:
     """One schema for prefill, decode and verify results; raises RelayError on any mismatch."""
+    if out.get("kind") == "error":
+        if not isinstance(out.get("error"), str) or "rids" not in out:
+            raise RelayError("relay error message lacks its rids or error text")
+        return
     need = {"kind", "slot", "rids", "tokens"}
     if spec is not None:
         need |= {"accept_nodes", "accept_lens", "next_tokens", "next_parents", "next_top_scores"}
@@ -52,6 +57,29 @@ def check_relay(out: dict, spec) -> None:
         for key, shp in shapes.items():
             if tuple(out[key].shape) != shp:
                 raise RelayError(f"relay {key} has shape {tuple(out[key].shape)}, expected {shp}")
+
+
+def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """``sampled`` [R] with the rows of re-prefilled requests (retracted: outputs already emitted) set to their
+    last output token: the re-prefill ran up to the token before it, so that token is the root again
+    (``Scheduler._retract``), whatever this sampling step drew."""
+    again = [(i, r.output_ids[-1]) for i, r in enumerate(reqs) if r.output_ids]
+    if not again:
+        return sampled
+    idx, tok = zip(*again)
+    sampled = sampled.clone()
+    sampled[h2d(torch.tensor(idx), sampled.device)] = h2d(torch.tensor(tok), sampled.device)
+    return sampled
+
+
+_FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request
+
+
+def _failed_batch(batch: ScheduledBatch, e: Exception) -> dict:
+    """The relay result of a batch whose forward raised: every stage fails or isolates its requests alike."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return {"kind": "error", "slot": batch.slot, "rids": batch.rids, "tokens": torch.zeros(0, 1, dtype=torch.int64),
+            "error": f"{type(e).__name__}: {msg}"}
 
 
 def _report(reqs: list[Req], progress, finished: int) -> int:
@@ -111,11 +139,16 @@ class Worker:
         self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.spec.overlap)
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
         self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
+        self._fail_token = fail_token_fault(config.fault)
         freeze_startup_objects()
 
     # ------------------------------------------------------------------------------------ one batch
     def forward_batch(self, batch: ScheduledBatch, inbox: dict):
         r, s = self.runner, ps()
+        if self._fail_token is not None and self._fail_token[1] == s.pp_rank:
+            bad = [q.rid for q in batch.reqs if self._fail_token[0] in q.prompt_ids]
+            if bad:
+                raise IndexError(f"injected failure (fault fail_token): request {bad[0]}")
         tree = build_batch_tree(r, batch.reqs) if batch.kind == "verify" else None
         thash = tree_input_hash(tree) if tree is not None and self.config.debug_hash_rebuild else None
         if thash is not None and inbox.get("tree_hash") not in (None, thash):
@@ -143,6 +176,8 @@ class Worker:
         if done:
             logits = r.model.compute_logits(hidden[h2d(torch.tensor(rows), hidden.device)])
             sampled = r.sample(logits, [batch.reqs[i] for i in done])          # [len(done)] on the device
+            if batch.kind == "prefill":
+                sampled = _keep_roots(sampled, [batch.reqs[i] for i in done])
         if self.spec is not None:
             # the draft's prefill is launched before the sampled tokens are read back (prefill_draft)
             B, S = len(batch.reqs), self.spec.num_steps
@@ -158,20 +193,49 @@ class Worker:
 
     # ------------------------------------------------------------------------------------ event loop
     def run(self, reqs: list[Req], max_concurrency: int | None = None, progress=None) -> list[Req]:
-        """Serve ``reqs`` to completion; returns them (with outputs) in input order."""
-        s, sched = ps(), self.sched
-        P = s.pp_size
-        if os.environ.get("PPSPEC_TEST_FAIL_RANK") == str(s.rank):
+        """Serve ``reqs`` to completion; returns them (with outputs) in input order.
+
+        All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError naming the first that cannot
+        be served). A batch whose forward raises fails only the request that fails alone (``Scheduler.fail``:
+        finish_reason "error"). Any other exception leaves the scheduler empty (no request or KV slot of the
+        failed call survives it) and propagates.
+        """
+        sched = self.sched
+        if os.environ.get("PPSPEC_TEST_FAIL_RANK") == str(ps().rank):
             raise RuntimeError("injected failure (PPSPEC_TEST_FAIL_RANK)")
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
-        for req in reqs:
-            sched.add(req)
-        if self.config.use_overlap_schedule and P == 1 and self.spec is None:
-            return self._run_overlap(reqs, progress)
-        if getattr(self.runner, "round_runner", None) is not None:
-            return self._run_spec_overlap(reqs, progress)
+        sched.add_all(reqs)
+        try:
+            if self.config.use_overlap_schedule and ps().pp_size == 1 and self.spec is None:
+                return self._run_overlap(reqs, progress)
+            if getattr(self.runner, "round_runner", None) is not None:
+                return self._run_spec_overlap(reqs, progress)
+            return self._run_ring(reqs, progress)
+        except BaseException:
+            sched.reset()
+            raise
+
+    def _forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> dict:
+        """``forward_batch``, or on a stage whose forward raised (or that received a failed batch) the batch's
+        failure, passed along the ring in place of the proxy and relayed by the last stage as an error result."""
+        s = ps()
+        failed = inbox.get("failed")
+        if failed is None:
+            try:
+                return self.forward_batch(batch, inbox)
+            except _FATAL:
+                raise
+            except Exception as e:                       # noqa: BLE001 - the batch fails, the engine serves on
+                failed = _failed_batch(batch, e)
+        if not s.is_last_stage:
+            return {"failed": failed, "batch": (batch.kind, batch.rids)}
+        return failed
+
+    def _run_ring(self, reqs: list[Req], progress=None) -> list[Req]:
+        s, sched = ps(), self.sched
+        P = s.pp_size
         inbox: dict = {}
-        tick, end_tick, finished = 0, None, 0
+        tick, end_tick, finished, idle = 0, None, 0, 0
         while True:
             relay = inbox.get("relay")
             if relay is not None:
@@ -181,12 +245,15 @@ class Worker:
             if end_tick is None and sched.all_finished():
                 end_tick = tick - s.pp_rank + P - 1
             batch = sched.schedule((tick - s.pp_rank) % P) if end_tick is None and tick >= s.pp_rank else None
+            idle = 0 if batch is not None or relay is not None or end_tick is not None else idle + 1
+            if idle > 2 * P + 1:                         # nothing scheduled or in flight on any slot
+                raise KVCacheError(sched.stall_error())
             expect = inbox.get("batch")
             got = (batch.kind, batch.rids) if batch is not None else None
             if not s.is_first_stage and expect != got:
                 raise RelayError(f"PP stages diverged at tick {tick}: stage {s.pp_rank} scheduled {got}, "
                                  f"stage {s.pp_rank - 1} ran {expect}")
-            out = self.forward_batch(batch, inbox) if batch is not None else {}
+            out = self._forward_or_fail(batch, inbox) if batch is not None else {}
             if s.is_last_stage:
                 out = {"relay": out or None}
             else:
@@ -201,6 +268,9 @@ class Worker:
         sched = self.sched
         if sched.allocator.num_used != 0:
             raise KVCacheError(f"idle engine still holds {sched.allocator.num_used} KV slots (leak)")
+        if len(sched.rows.free_rows) != sched.max_reqs:
+            raise KVCacheError(f"idle engine still holds {sched.max_reqs - len(sched.rows.free_rows)} "
+                               f"req_to_token rows (leak)")
         sched.allocator.check()
         sched.reqs.clear()
         return reqs
@@ -231,11 +301,11 @@ class Worker:
                 break
             batch = sched.schedule(0)
             if batch is None:
-                raise RuntimeError("scheduler has unfinished requests but nothing to run")
+                raise KVCacheError(sched.stall_error())
             if batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
                 inflight = self._launch_decode(batch.reqs, None)
                 continue
-            sched.process_output(self.forward_batch(batch, {}))
+            sched.process_output(self._forward_or_fail(batch, {}))
             finished = _report(reqs, progress, finished)
         return self._finish_run(reqs)
 
@@ -290,13 +360,13 @@ class Worker:
         while not sched.all_finished():
             batch = sched.schedule(0)
             if batch is None:
-                raise RuntimeError("scheduler has unfinished requests but nothing to run")
+                raise KVCacheError(sched.stall_error())
             if (batch.kind == "verify" and len(batch.reqs) <= rr.max_bs and self.config.fault is None
                     and all(r.params.greedy and r.tree is not None for r in batch.reqs)
                     and self._round_fits(batch.reqs, None, 0)):
                 finished = self._spec_segment(batch.reqs, reqs, progress, finished)
                 continue
-            sched.process_output(self.forward_batch(batch, {}))
+            sched.process_output(self._forward_or_fail(batch, {}))
             finished = _report(reqs, progress, finished)
         return self._finish_run(reqs)
 

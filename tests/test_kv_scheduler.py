@@ -52,8 +52,90 @@ def test_retraction_frees_everything():
     s.process_output(dict(kind="decode", slot=0, rids=[0, 1], tokens=torch.tensor([[9], [10]])))
     b = s.schedule(0)                                          # next decode needs 2 more slots: none free
     assert b.kind == "decode" and b.rids == [0] and s.reqs[1].status == "waiting"
-    assert s.reqs[1].fill_ids == list(range(3, 12)) + [8, 10] and s.allocator.num_used == 11
+    # the re-prefill runs up to the last output token, which becomes the root again: no token is emitted twice
+    assert s.reqs[1].fill_ids == list(range(3, 12)) + [8] and s.allocator.num_used == 11
     assert s.reqs[1].num_retractions == 1 and s.reqs[1].row == -1
+    b = s.schedule(0)
+    while b.kind == "decode":                                  # request 0 runs to its length, then 1 is readmitted
+        assert b.rids == [0]
+        s.process_output(dict(kind="decode", slot=0, rids=[0], tokens=torch.tensor([[11]])))
+        b = s.schedule(0)
+    assert s.reqs[0].finish_reason == "length" and len(s.reqs[0].output_ids) == 9
+    assert b.kind == "prefill" and b.rids == [1] and b.chunks == [(0, 10, True)]
+    s.process_output(dict(kind="prefill", slot=0, rids=[1], chunks=b.chunks, tokens=torch.tensor([[10]])))
+    r = s.reqs[1]
+    assert r.output_ids == [8, 10] and r.seq_len == 10 and r.root_token == 10 and r.accept_lengths == [1]
+
+
+def drive(s: Scheduler, num_slots: int, max_ticks: int = 10_000, token: int = 5) -> int:
+    """Run ``s`` as the PP ring does with no model: tick t schedules slot t % num_slots, and a batch's result
+    (every token ``token``) is processed num_slots ticks later, just before its slot is scheduled again.
+    Returns the ticks taken; fails the test when ``max_ticks`` pass first."""
+    import torch
+    pending: dict[int, dict] = {}
+    for t in range(max_ticks):
+        slot = t % num_slots
+        if slot in pending:
+            s.process_output(pending.pop(slot))
+        if s.all_finished() and not pending:
+            return t
+        b = s.schedule(slot)
+        if b is not None:
+            out = dict(kind=b.kind, slot=slot, rids=b.rids, tokens=torch.full((len(b.reqs), 1), token))
+            if b.kind == "prefill":
+                out["chunks"] = b.chunks
+            pending[slot] = out
+    raise AssertionError(f"not finished after {max_ticks} ticks: "
+                         f"{[(r.rid, r.status, r.prefilled) for r in s.reqs.values()]}")
+
+
+@pytest.mark.parametrize("num_slots", [2, 4])
+def test_chunked_prefill_in_two_slots_cannot_fill_the_pool(num_slots):
+    """Regression: each slot admitted and chunk-prefilled its own long prompt; the two partial prefills filled
+    the pool (both stuck at 198 of 223 / 215 tokens, 0 free slots), nothing was retractable and the ring ticked
+    on with empty batches forever. Admission now takes the whole prefill's slots, so both finish."""
+    s = Scheduler(capacity=396, max_reqs=8, max_model_len=4096, reserve=4, spec=False, max_prefill_tokens=33,
+                  num_slots=num_slots, eos_ids=(2,))
+    s.add(Req(0, list(range(3, 226)), SamplingParams(max_new_tokens=8)))
+    s.add(Req(1, list(range(3, 218)), SamplingParams(max_new_tokens=8)))
+    drive(s, num_slots)
+    assert [len(r.output_ids) for r in s.reqs.values()] == [8, 8]
+    assert [r.finish_reason for r in s.reqs.values()] == ["length", "length"]
+    assert s.allocator.num_used == 0 and len(s.rows.free_rows) == 8
+
+
+def test_call_is_admitted_whole_or_not_at_all():
+    """Regression: of three requests, the third too large for the pool raised, but the first two stayed queued
+    and ran in the next call."""
+    from engine.config import ConfigError
+    s = Scheduler(capacity=100, max_reqs=4, max_model_len=512, reserve=1, spec=False, max_prefill_tokens=64,
+                  num_slots=1, eos_ids=(2,))
+    ok = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"request 2: prompt \+ max_new_tokens \+ reserve = 151 tokens exceeds "
+                                          r"the KV pool \(100 tokens\)"):
+        s.add_all([Req(0, [5] * 10, ok), Req(1, [5] * 10, ok), Req(2, [5] * 50, SamplingParams(max_new_tokens=100))])
+    assert not s.reqs and not s.waiting
+
+
+def test_failed_batch_fails_only_the_request_that_fails_alone():
+    """A batch that raised inside the engine: its requests are retracted and run alone; the one that then fails
+    alone finishes with "error", the other finishes normally; nothing stays allocated."""
+    import torch
+    s = Scheduler(capacity=200, max_reqs=4, max_model_len=512, reserve=1, spec=False, max_prefill_tokens=64,
+                  num_slots=1, eos_ids=(2,))
+    s.add_all([Req(0, [5] * 6, SamplingParams(max_new_tokens=3)), Req(1, [6] * 6, SamplingParams(max_new_tokens=3))])
+    b = s.schedule(0)
+    assert b.rids == [0, 1]
+    s.process_output(dict(kind="error", slot=0, rids=[0, 1], error="IndexError: index out of range"))
+    assert [r.status for r in s.reqs.values()] == ["waiting", "waiting"] and s.allocator.num_used == 0
+    b = s.schedule(0)
+    assert b.kind == "prefill" and b.rids == [0]                 # alone
+    s.process_output(dict(kind="error", slot=0, rids=[0], error="IndexError: index out of range"))
+    r0 = s.reqs[0]
+    assert r0.status == "finished" and r0.finish_reason == "error" and r0.error.startswith("IndexError")
+    assert drive(s, 1) > 0
+    assert s.reqs[1].finish_reason == "length" and s.reqs[1].output_ids == [5, 5, 5]
+    assert s.allocator.num_used == 0 and len(s.rows.free_rows) == 4
 
 
 def test_allocator_check_large_pool_detects_corruption(monkeypatch):

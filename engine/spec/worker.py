@@ -13,7 +13,6 @@ import torch
 from ..argmax import argmax_rows
 from ..attention import ForwardContext, h2d, tree_to_host
 from ..kv_cache import commit_order
-from ..sampling import request_coins
 from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results,
                    verify_tree_greedy_host, verify_tree_sampling)
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
@@ -291,7 +290,7 @@ def verify_round(runner, batch, feature: torch.Tensor, tree, qo: list[int]) -> d
     else:
         dev_tree = type(tree)(*[h2d(getattr(tree, f), logits.device) for f in tree.__dataclass_fields__])
         probs = runner.target_probs(logits, reqs, repeat=n).view(B, n, -1)
-        c = torch.stack([request_coins(runner._seed(r), r.rid, len(r.output_ids), n + 1) for r in reqs])
+        c = torch.stack([runner.coins(r, n + 1) for r in reqs])
         c = h2d(c, logits.device)
         res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
     # one device->host copy of the result (a no-op when the walk ran on the host)
