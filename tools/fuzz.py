@@ -332,7 +332,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     with llm:
         phase("generate")
         try:
-            outs = llm.generate([r.prompt for r in case.reqs], params)
+            outs = llm.generate([r.prompt for r in case.reqs], params,
+                                progress=lambda done, total: phase(f"generate ({done}/{total} finished)"))
         except Exception as e:                              # noqa: BLE001
             fail(_classify(e), f"generate: {_one_line(e)}")
             outs = None
