@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1]))          # the tools package (tools.tiny, tools.fuzz)
 
 
 @pytest.fixture(scope="session")
@@ -18,28 +19,21 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama (4 layers, 4 heads, 2 KV heads) with the SmolLM2 tokenizer."""
-    from tiny import make_tiny_model
+def tiny_model_dir():
+    """A tiny random Llama (4 layers, 4 heads, 2 KV heads) with the SmolLM2 tokenizer (built once into
+    ``.cache/tiny``, keyed by its recipe: ``tools.tiny.cached_tiny``)."""
+    from tiny import cached_tiny
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    return cached_tiny()[0]
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
-    """An EAGLE head for the tiny model, trained by ``ppspec train-draft``'s function (self-distillation)."""
-    import json
+def tiny_draft_dir(tiny_model_dir):
+    """An EAGLE head for the tiny model, trained by ``ppspec train-draft``'s function (self-distillation;
+    cached with the model)."""
+    from tiny import cached_tiny
 
-    from engine.spec.train import train_draft
-    from tiny import gsm8k_prompts
-
-    d = tmp_path_factory.mktemp("tiny_draft")
-    data = d / "train.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": p}) for p in gsm8k_prompts(64, 100)))
-    out = d / "draft"
-    train_draft(tiny_model_dir, data, out, epochs=12, lr=1.5e-2, max_new_tokens=64, batch_tokens=512,
-                save_dtype="float32", log=lambda *_: None)
-    return str(out)
+    return cached_tiny()[1]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,51 @@
+"""The differential fuzzer (tools.fuzz): its drawing and expected-output rules, and a fixed list of case seeds,
+each run in its own process under the fuzzer's watchdog (``python -m tools.fuzz --case SEED`` reproduces one)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SpecConfig
+from engine.loader import load_model_config, load_tokenizer
+from tools.fuzz import draw_case, expected_output, run_isolated
+
+# seed: what the case covers (python -m tools.fuzz --describe --case SEED prints its draw)
+CI_CASES = {
+    1679: "pp1-tree-tiny-pool-tiny-chunk-stops",
+    605: "pp1-tree-seeded-long-stop-rejected-generate",
+    9: "pp2-chain-barely-pool-chunked-long-prompts",
+    639: "pp3-tree-barely-pool-chunk10-seeded",
+    848: "tp2xpp2-chain-tiny-pool-retractions-seeded-bad-token-id",
+    750: "pp2-plain-stops-seeded",
+}
+TIMEOUT_S = 120
+
+
+def test_draw_is_reproducible_and_valid(tiny_model_dir):
+    mc, tok = load_model_config(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    for seed in range(60):
+        c = draw_case(seed, mc, tok)
+        assert c == draw_case(seed, mc, tok)
+        if c.spec is not None:
+            spec = SpecConfig("eagle", draft="x", **c.spec)          # validates the shape
+            reserve = spec.reserve_per_req
+        else:
+            reserve = 1
+        assert max(len(r.prompt) + r.max_new for r in c.reqs) + reserve <= c.max_num_tokens
+        assert all(0 <= t < mc.vocab_size for r in c.reqs for t in r.prompt)
+        assert 3 <= len(c.reqs) <= 16 and c.max_prefill_tokens >= 4 and 1 <= c.max_running_requests <= 8
+
+
+def test_expected_output_rules():
+    detok = lambda ids: "".join(chr(97 + t) for t in ids if t != 2)        # noqa: E731
+    ref = [0, 1, 2, 3, 4, 5]
+    assert expected_output(ref, 6, True, (), (), {2}, detok) == (ref, "length")
+    assert expected_output(ref, 6, False, (), (), {2}, detok) == ([0, 1, 2], "stop")
+    assert expected_output(ref, 4, True, (1,), (), {2}, detok) == ([0, 1], "stop")
+    assert expected_output(ref, 6, True, (), ("de",), {2}, detok) == ([0, 1, 2, 3, 4], "stop")
+    assert expected_output(ref, 3, True, (), ("ef",), {2}, detok) == ([0, 1, 2], "length")
+
+
+@pytest.mark.parametrize("seed", list(CI_CASES), ids=[f"{s}-{w}" for s, w in CI_CASES.items()])
+def test_fuzz_case(seed, tiny_model_dir, tiny_draft_dir):
+    r = run_isolated(seed, tiny_model_dir, tiny_draft_dir, TIMEOUT_S)
+    assert not r.failures, r.report()
