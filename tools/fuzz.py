@@ -15,8 +15,8 @@ process of its own (``--child``), killed with its process group after ``--timeou
   stop string ("stop");
 - seeded sampled outputs equal the same request run alone on the same engine ("seeded");
 - ``1 + sum(accept_lengths) == len(token_ids)`` for every speculative request ("accept");
-- zero KV slots (the engine's own check at the end of every ``generate``, every rank) and zero ``req_to_token``
-  rows (:func:`install_row_check`, every rank) held at idle, and nothing left queued after a rejected
+- zero KV slots and zero ``req_to_token`` rows held at idle (the engine's own check at the end of every
+  ``generate``, every rank), and nothing left queued after a rejected
   ``generate`` on a one-rank engine ("leak");
 - sometimes a poisoned ``generate`` (an out-of-range token id, or a request larger than the pool, last in a
   list of good ones) must raise ConfigError and leave the engine serving ("poison").
@@ -193,37 +193,7 @@ def expected_output(ref: list[int], max_new: int, ignore_eos: bool, stop_ids, st
     return out, "length"
 
 
-# --------------------------------------------------------------------------------------------- engine hooks
-def install_row_check() -> None:
-    """Wrap ``Worker._finish_run`` (this process) so an idle engine holding ``req_to_token`` rows raises
-    KVCacheError, like the engine's own check of KV slots; and have ranks spawned from here do the same."""
-    import engine.llm as llm_mod
-    from engine.kv_cache import KVCacheError
-    from engine.worker import Worker
-    if not getattr(Worker._finish_run, "fuzz_rows", False):
-        orig = Worker._finish_run
-
-        def _finish_run(self, reqs):
-            out = orig(self, reqs)
-            rows = self.sched.rows
-            held = rows.req_to_token.shape[0] - len(rows.free_rows)
-            if held:
-                raise KVCacheError(f"idle engine still holds {held} req_to_token rows (leak)")
-            return out
-        _finish_run.fuzz_rows = True
-        Worker._finish_run = _finish_run
-    if llm_mod._rank_main is not rank_main:
-        llm_mod.real_rank_main = llm_mod._rank_main
-        llm_mod._rank_main = rank_main
-
-
-def rank_main(*args) -> None:
-    """A rank's entry point under the fuzzer: the row check, then the engine's own ``_rank_main``."""
-    install_row_check()
-    import engine.llm as llm_mod
-    llm_mod.real_rank_main(*args)
-
-
+# --------------------------------------------------------------------------------------------- engine state
 def idle_problem(llm) -> str | None:
     """What a one-rank engine still holds between ``generate`` calls (queued or known requests, KV slots, rows),
     or None; multi-rank engines are checked by their ranks (None here)."""
@@ -286,7 +256,6 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from engine.loader import load_model_config, load_tokenizer, resolve_model_path
-    install_row_check()
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     mc = load_model_config(path)
