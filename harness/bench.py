@@ -115,6 +115,11 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
                 wall = time.perf_counter() - t0
+                failed = [o for o in outs if o.finish_reason == "error"]
+                if failed:
+                    from engine import EngineError
+                    raise EngineError(f"{len(failed)} of {len(outs)} requests failed inside the engine "
+                                      f"(first: {failed[0].error}); their cell is not measured")
                 runs.append(stats.serving_summary(outs, wall))
                 outs_all.extend(outs)
                 for o in outs:

@@ -316,6 +316,9 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         with LLM(cfg.engine) as llm:
             o = llm.generate([prompt], SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))[0]
+        if o.finish_reason == "error":
+            err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
+            raise typer.Exit(1)
         typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
         spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
