@@ -123,8 +123,22 @@ def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads
         os._exit(0)
 
 
+def _death(rank: int, exitcode: int | None) -> str:
+    """How a rank that reported nothing ended: ``rank 0 died (killed by SIGKILL)`` for a signal (a negative exit
+    code), ``rank 1 exited without reporting (exit code 3)`` otherwise."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} died (killed by {name})"
+    return f"rank {rank} exited without reporting (exit code {exitcode})"
+
+
 class LLM:
     """The engine front end. Raises ConfigError (one line) on bad config, model path or topology."""
+
+    FAIL_GRACE_S = 1.5          # after a rank's error, how long the group may take to show a rank that died
 
     def __init__(self, config: EngineConfig):
         config = config.with_fault_from_env()
@@ -166,23 +180,70 @@ class LLM:
         self._infos = [infos[r] for r in range(W)]
 
     def _get(self):
+        """The next message from the ranks. A rank that reports an error, or that dies without reporting, stops
+        the group and raises (see :meth:`_fail`)."""
         while True:
             try:
                 msg = self._res_q.get(timeout=0.5)
             except queue.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self.shutdown()                  # empties self._procs: read the exit code first
-                    raise EngineError(f"rank {dead[0][0]} exited without reporting (exit code {dead[0][1]})")
+                if any(not p.is_alive() for p in self._procs):
+                    self._fail(None)
                 continue
             if msg[0] == "error":
-                self.shutdown()
-                if os.environ.get("PPSPEC_DEBUG"):
-                    print(msg[3])
-                if msg[2].startswith("ConfigError: "):
-                    raise ConfigError(msg[2][len("ConfigError: "):])
-                raise EngineError(f"rank {msg[1]} failed: {msg[2]}")
+                self._fail(msg)
             return msg
+
+    def _fail(self, first) -> None:
+        """Stop the group and raise one line naming what went wrong, the root cause first.
+
+        ``first`` is the error message that arrived (``("error", rank, "Type: text", traceback)``), or None when a
+        rank was found dead. A rank that dies (a signal, a crash) reports nothing, and the ranks it talked to then
+        fail with connection errors, often before its death is seen here; so after an error the group gets up to
+        ``FAIL_GRACE_S`` to show a dead rank, and a rank dead without reporting is named before the errors.
+        Raises ConfigError when the root cause is a rank's ConfigError, else EngineError, e.g.
+        ``rank 0 died (killed by SIGKILL); rank 1 failed: RuntimeError: ... Connection reset by peer``.
+        """
+        errors = {} if first is None else {first[1]: first}           # rank -> message, in arrival order
+        deadline = time.monotonic() + (self.FAIL_GRACE_S if first is not None else 0.0)
+        W = len(self._procs)
+        while True:
+            dead = self._dead_unreported(errors)
+            if any(code != 0 for _, code in dead) or len(errors) + len(dead) >= W:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                msg = self._res_q.get(timeout=min(0.1, left))
+            except queue.Empty:
+                continue
+            if msg[0] == "error":
+                errors.setdefault(msg[1], msg)
+        while True:                                                   # errors already sent: shown too
+            try:
+                msg = self._res_q.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                break
+            if msg[0] == "error":
+                errors.setdefault(msg[1], msg)
+        dead = self._dead_unreported(errors)
+        self.shutdown()
+        if os.environ.get("PPSPEC_DEBUG"):
+            for m in errors.values():
+                print(m[3])
+        if not dead:
+            head = next(iter(errors.values()))
+            if head[2].startswith("ConfigError: "):
+                raise ConfigError(head[2][len("ConfigError: "):])
+        parts = [_death(rank, code) for rank, code in dead]
+        parts += [f"rank {m[1]} failed: {m[2]}" for m in errors.values()]
+        raise EngineError("; ".join(parts))
+
+    def _dead_unreported(self, errors: dict) -> list[tuple[int, int]]:
+        """``[(rank, exit code)]`` of the ranks that have exited without reporting an error: a negative code is
+        the signal that killed the rank; ranks killed by a signal first, then the other codes, by rank."""
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if i not in errors and not p.is_alive()]
+        return sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
 
     @property
     def info(self) -> dict:

@@ -214,6 +214,36 @@ def test_rank_dying_silently_is_reported(tiny_model_dir, monkeypatch):
         LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
 
 
+@pytest.mark.parametrize("when", ["during", "between"])
+def test_killed_rank_is_named_first(tiny_model_dir, when):
+    """A PP3 rank killed by SIGKILL (during a generate, or between two) reports nothing; the ranks it talked to fail
+    with gloo connection errors. The one-line EngineError names the killed rank and its signal first, then the
+    others' errors, and every rank is gone afterwards."""
+    import os
+    import re
+    import signal
+    llm = LLM(EngineConfig(model=tiny_model_dir, pp=3, dist_timeout_s=30))
+    procs = list(llm._procs)
+    victim = procs[0].pid
+    params = [SamplingParams(max_new_tokens=1)] + [SamplingParams(max_new_tokens=4000, ignore_eos=True)] * 3
+
+    def kill_on_first_finish(done, total):
+        if done >= 1 and procs[0].is_alive():
+            os.kill(victim, signal.SIGKILL)
+    if when == "between":
+        llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        os.kill(victim, signal.SIGKILL)
+        procs[0].join(timeout=10)
+    with pytest.raises(EngineError) as e:
+        llm.generate([[5, 6, 7]] * 4, params, progress=kill_on_first_finish)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("rank 0 died (killed by SIGKILL); rank "), msg
+    assert re.fullmatch(r"rank 0 died \(killed by SIGKILL\)(; rank [12] failed: RuntimeError: [^;]*){1,2}", msg), msg
+    assert [p.exitcode for p in procs] == [-9, 0, 0]
+    assert llm._procs == [] and llm._res_q is None
+
+
 def _spawned_ranks(pid: int) -> list[int]:
     """PIDs of the multiprocessing-spawned children of ``pid`` (Linux /proc), not the resource tracker."""
     from pathlib import Path
