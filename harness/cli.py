@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -444,9 +446,48 @@ def check_train_kwargs(fn, kwargs: dict) -> None:
             raise HarnessConfigError(f"train-draft: train.{k} = {v!r} should be {type(d).__name__}")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the front end. A BaseException (like KeyboardInterrupt, but not caught by Click's
+    own KeyboardInterrupt handling), so it unwinds the command through every ``with LLM`` / ``finally``, which stop
+    and reap the engine's ranks; ``ranks`` is how many rank processes were running when the signal came."""
+
+    def __init__(self, signum: int, ranks: int):
+        super().__init__(signum, ranks)
+        self.signum, self.ranks = signum, ranks
+
+
+def _running_ranks() -> int:
+    llm = sys.modules.get("engine.llm")                  # not imported: no engine, no ranks
+    return llm.running_ranks() if llm is not None else 0
+
+
+def _on_signal(signum: int, frame) -> None:
+    """Raise Interrupted once; a second SIGINT / SIGTERM while the ranks are being stopped is ignored (that
+    shutdown is bounded)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum, _running_ranks())
+
+
 def main() -> None:
-    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``)."""
-    app(prog_name="ppspec")
+    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``).
+
+    SIGINT and SIGTERM end the run with one stderr line, ``ppspec: interrupted (SIGINT); stopped 2 ranks``, and
+    exit code 128 + the signal number (130, 143), every rank reaped first.
+    """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _on_signal)
+    try:
+        app(prog_name="ppspec")
+    except Interrupted as e:
+        llm = sys.modules.get("engine.llm")
+        if llm is not None:
+            llm.shutdown_all()                           # engines the unwinding did not reach
+        n = e.ranks
+        stopped = f"; stopped {n} rank{'s' if n != 1 else ''}" if n else ""
+        err.print(f"ppspec: interrupted ({signal.Signals(e.signum).name}){stopped}", markup=False, highlight=False)
+        raise SystemExit(128 + e.signum) from None
+
 
 if __name__ == "__main__":
     main()
