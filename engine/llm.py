@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,7 @@ def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads
     if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
         os._exit(3)
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's ^C reaches the whole group: the front end decides
     try:
         torch.set_num_threads(threads)
         from .worker import Worker
@@ -124,8 +126,51 @@ def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads
         os._exit(0)
 
 
+def _join_all(procs, timeout: float) -> None:
+    """Join every process, all within one ``timeout`` (seconds) in total."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _death(rank: int, exitcode: int | None) -> str:
+    """How a rank that reported nothing ended: ``rank 0 died (killed by SIGKILL)`` for a signal (a negative exit
+    code), ``rank 1 exited without reporting (exit code 3)`` otherwise."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} died (killed by {name})"
+    return f"rank {rank} exited without reporting (exit code {exitcode})"
+
+
+_ENGINES: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose ranks have not been shut down
+
+
+def running_ranks() -> int:
+    """How many rank processes of this process's engines are alive now."""
+    return sum(p.is_alive() for llm in list(_ENGINES) for p in llm._procs)
+
+
+def shutdown_all() -> int:
+    """Shut down every engine of this process that still has ranks (:meth:`LLM.shutdown`, terminating ranks in the
+    middle of work); returns how many rank processes were alive before."""
+    n = running_ranks()
+    for llm in list(_ENGINES):
+        llm._busy = True
+        llm.shutdown()
+    return n
+
+
 class LLM:
-    """The engine front end. Raises ConfigError (one line) on bad config, model path or topology."""
+    """The engine front end. Raises ConfigError (one line) on bad config, model path or topology.
+
+    A context manager: leaving the ``with`` block, normally or by an exception (KeyboardInterrupt included), shuts
+    the ranks down and reaps them (:meth:`shutdown`).
+    """
+
+    FAIL_GRACE_S = 1.5          # after a rank's error, how long the group may take to show a rank that died
 
     def __init__(self, config: EngineConfig):
         config = config.with_fault_from_env()
@@ -134,6 +179,7 @@ class LLM:
         check_topology(self.model_config, config.tp, config.pp)
         self._next_rid = 0
         self._procs = []
+        self._busy = False                   # ranks starting up or running a generate: they read no stop message
         self.last_peak_memory = 0
         if config.world_size == 1:
             from .worker import Worker
@@ -142,9 +188,13 @@ class LLM:
             self._infos = [_rank_info(self._worker)]
             self.tokenizer = self._worker.runner.tokenizer
         else:
-            self._start_ranks()
-            from .loader import load_tokenizer
-            self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
+            try:
+                self._start_ranks()
+                from .loader import load_tokenizer
+                self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
+            except BaseException:
+                self.shutdown()
+                raise
 
     def _start_ranks(self) -> None:
         cfg = self.config
@@ -154,6 +204,8 @@ class LLM:
         self._res_q = ctx.Queue()
         threads = max(1, (os.cpu_count() or 1) // W)
         port = _free_port()
+        self._busy = True
+        _ENGINES.add(self)
         for rank in range(W):
             p = ctx.Process(target=_rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
                             daemon=True)
@@ -165,25 +217,74 @@ class LLM:
             if msg[0] == "ready":
                 infos[msg[1]] = msg[2]
         self._infos = [infos[r] for r in range(W)]
+        self._busy = False
 
     def _get(self):
+        """The next message from the ranks. A rank that reports an error, or that dies without reporting, stops
+        the group and raises (see :meth:`_fail`)."""
         while True:
             try:
                 msg = self._res_q.get(timeout=0.5)
             except queue.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self.shutdown()                  # empties self._procs: read the exit code first
-                    raise EngineError(f"rank {dead[0][0]} exited without reporting (exit code {dead[0][1]})")
+                if any(not p.is_alive() for p in self._procs):
+                    self._fail(None)
                 continue
             if msg[0] == "error":
-                self.shutdown()
-                if os.environ.get("PPSPEC_DEBUG"):
-                    print(msg[3])
-                if msg[2].startswith("ConfigError: "):
-                    raise ConfigError(msg[2][len("ConfigError: "):])
-                raise EngineError(f"rank {msg[1]} failed: {msg[2]}")
+                self._fail(msg)
             return msg
+
+    def _fail(self, first) -> None:
+        """Stop the group and raise one line naming what went wrong, the root cause first.
+
+        ``first`` is the error message that arrived (``("error", rank, "Type: text", traceback)``), or None when a
+        rank was found dead. A rank that dies (a signal, a crash) reports nothing, and the ranks it talked to then
+        fail with connection errors, often before its death is seen here; so after an error the group gets up to
+        ``FAIL_GRACE_S`` to show a dead rank, and a rank dead without reporting is named before the errors.
+        Raises ConfigError when the root cause is a rank's ConfigError, else EngineError, e.g.
+        ``rank 0 died (killed by SIGKILL); rank 1 failed: RuntimeError: ... Connection reset by peer``.
+        """
+        errors = {} if first is None else {first[1]: first}           # rank -> message, in arrival order
+        deadline = time.monotonic() + (self.FAIL_GRACE_S if first is not None else 0.0)
+        W = len(self._procs)
+        while True:
+            dead = self._dead_unreported(errors)
+            if any(code != 0 for _, code in dead) or len(errors) + len(dead) >= W:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                msg = self._res_q.get(timeout=min(0.1, left))
+            except queue.Empty:
+                continue
+            if msg[0] == "error":
+                errors.setdefault(msg[1], msg)
+        while True:                                                   # errors already sent: shown too
+            try:
+                msg = self._res_q.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                break
+            if msg[0] == "error":
+                errors.setdefault(msg[1], msg)
+        dead = self._dead_unreported(errors)
+        self._busy = True                    # the others may be blocked in a collective: terminate them
+        self.shutdown()
+        if os.environ.get("PPSPEC_DEBUG"):
+            for m in errors.values():
+                print(m[3])
+        if not dead:
+            head = next(iter(errors.values()))
+            if head[2].startswith("ConfigError: "):
+                raise ConfigError(head[2][len("ConfigError: "):])
+        parts = [_death(rank, code) for rank, code in dead]
+        parts += [f"rank {m[1]} failed: {m[2]}" for m in errors.values()]
+        raise EngineError("; ".join(parts))
+
+    def _dead_unreported(self, errors: dict) -> list[tuple[int, int]]:
+        """``[(rank, exit code)]`` of the ranks that have exited without reporting an error: a negative code is
+        the signal that killed the rank; ranks killed by a signal first, then the other codes, by rank."""
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if i not in errors and not p.is_alive()]
+        return sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
 
     @property
     def info(self) -> dict:
@@ -249,6 +350,10 @@ class LLM:
         else:
             if getattr(self, "_res_q", None) is None:
                 raise EngineError("the engine is shut down (its ranks have stopped): start a new LLM")
+            if self._busy:
+                raise EngineError("the engine's ranks are still running an interrupted generate: shut it down "
+                                  "and start a new LLM")
+            self._busy = True
             for q in self._cmd_qs:
                 q.put(("generate", reqs, max_concurrency))
             while True:
@@ -258,6 +363,7 @@ class LLM:
                 elif msg[0] == "result":
                     done, self.last_peak_memory = msg[1], msg[2]
                     break
+            self._busy = False
         return [self._output(r) for r in done]
 
     def _max_len(self) -> int:
@@ -276,11 +382,20 @@ class LLM:
                              r.error)
 
     def shutdown(self) -> None:
+        """Stop and reap every rank, then release the queues. Idempotent; safe from ``__del__``, from a ``finally``
+        or ``with`` exit while an exception (KeyboardInterrupt, a signal's) unwinds, and after a rank failed.
+
+        Idle ranks get a stop message and up to 2 s to leave; ranks that are starting up or running a generate
+        (they read no message until it ends) are terminated (SIGTERM) at once. Ranks still alive 2 s after their
+        SIGTERM are killed (SIGKILL). Bounded: about 4 s at worst, plus up to 1 s per queue with unsent data.
+        """
+        procs = list(self._procs)
+        graceful = not getattr(self, "_busy", False)
         # stop only live ranks, and never let a queue's feeder thread hold up interpreter exit (a front end
         # whose ranks never started, e.g. a script without a __main__ guard re-run by spawn, must just exit)
-        for q, p in zip(getattr(self, "_cmd_qs", []), self._procs):
+        for q, p in zip(getattr(self, "_cmd_qs", []), procs):
             try:
-                if p.is_alive():
+                if graceful and p.is_alive():
                     q.put(("stop",))
                 q.cancel_join_thread()
             except Exception:
@@ -289,14 +404,19 @@ class LLM:
             from .worker import thaw_startup_objects
             self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
-        for p in self._procs:
-            p.join(timeout=2)
+        if graceful:
+            _join_all(procs, 2.0)
+        for p in procs:
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=2)
+        _join_all(procs, 2.0)
+        for p in procs:
             if p.is_alive():
                 p.kill()
+        _join_all(procs, 2.0)
         self._procs = []
+        self._busy = False
+        _ENGINES.discard(self)
         self._release_queues()
 
     def _release_queues(self) -> None:

@@ -6,6 +6,9 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,16 +99,54 @@ def load(config: str | None, ov: dict) -> RunConfig:
     return cfg
 
 
-def check_out(out: Path | None) -> None:
-    """Refuse, before any work starts, an --out that exists and is not a directory, or that already holds a
-    finished result (its summary.json): a new run must not overwrite an earlier one."""
+def check_writable(d: str | Path, what: str = "--out") -> None:
+    """Check, before any work starts, that result files can be written in directory ``d``: create it (and missing
+    parents) if needed, write and delete a probe file, then remove the directories this check created (the run
+    makes them again when it writes). Raises HarnessConfigError, one line naming ``what`` and the OS's reason."""
+    d = Path(d)
+    created: list[Path] = []
+    try:
+        missing, p = [], d
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for m in reversed(missing):
+            m.mkdir()
+            created.append(m)
+        probe = d / f".ppspec-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise HarnessConfigError(f"{what} {d} is not writable ({e.strerror or type(e).__name__})") from None
+    finally:
+        for m in reversed(created):
+            try:
+                m.rmdir()
+            except OSError:
+                pass
+
+
+def check_out(out: Path | None, finished_ok: bool = False) -> None:
+    """Refuse, before any work starts, an --out that exists and is not a directory, that cannot be written
+    (:func:`check_writable`), or (unless ``finished_ok``: commands that resume or add to a directory) that already
+    holds a finished result (its summary.json): a new run must not overwrite an earlier one."""
     if out is None:
         return
     if Path(out).exists() and not Path(out).is_dir():
         raise HarnessConfigError(f"--out {out} exists and is not a directory")
-    if (Path(out) / "summary.json").is_file():
+    if not finished_ok and (Path(out) / "summary.json").is_file():
         raise HarnessConfigError(f"--out {out} already holds a result (summary.json): choose another directory "
                                  "or delete it first")
+    check_writable(out)
+
+
+def run_dir(cfg: RunConfig, kind: str, out: Path | None) -> Path:
+    """The directory a run writes: ``out``, or a new ``results/<suite>/<timestamp>-<kind>`` once the results
+    directory is checked writable. Not created here."""
+    from harness.results import make_run_dir
+    if out is None:
+        check_writable(cfg.paths.results, "results directory")
+    return make_run_dir(cfg, kind, out, create=False)
 
 
 @contextmanager
@@ -195,18 +236,26 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
           max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
           max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
+          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again.")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy."""
+    """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
+
+    Records are written as the questions finish (in batches of the engine's concurrency), so an interrupted run
+    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it."""
     from harness.gsm8k import render, run_gsm8k
     with user_errors():
+        if resume and out is None:
+            raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
+        d = run_dir(cfg, "gsm8k", out)
         with progress_bars(progress) as cb:
-            summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None)
+            summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
+                                         run_dir=d, resume=resume)
         rend, md = render(summary, f"GSM8K {cfg.name}")
         show(rend)
-        save(cfg, "gsm8k", summary, records, md, out)
+        save(cfg, "gsm8k", summary, records, md, d)
 
 
 @app.command()
@@ -231,11 +280,12 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
             floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup)))
+        d = run_dir(cfg, "bench", out)
         with progress_bars(progress) as cb:
             summary, records = run_bench(cfg, progress=cb)
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
         show(rend)
-        save(cfg, "bench", summary, records, md, out)
+        save(cfg, "bench", summary, records, md, d)
 
 
 @app.command()
@@ -251,11 +301,12 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
             limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
+        d = run_dir(cfg, "gate", out)
         with progress_bars(progress) as cb:
             summary, records = run_gate(cfg, progress=cb)
         rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
         show(rend)
-        save(cfg, "gate", summary, records, md, out)
+        save(cfg, "gate", summary, records, md, d)
     if not summary["verdict"]["passed"]:
         raise typer.Exit(1)
 
@@ -268,6 +319,8 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
     """Run a TP x PP x spec matrix, one fresh process per cell, resumable; render the comparison table."""
     from harness.sweep import load_matrix, run_matrix
     with user_errors():
+        if not dry_run:
+            check_out(out, finished_ok=True)           # a sweep directory is resumed: its summary is rewritten
         if dry_run:
             from harness.sweep import check_cell
             m = load_matrix(matrix)
@@ -298,6 +351,7 @@ def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (
     """Side-by-side tables, paired McNemar/bootstrap tests with the minimum detectable difference, plots."""
     from harness.compare import write_compare
     with user_errors():
+        check_out(out, finished_ok=True)
         rend, d = write_compare(dirs, out, plots)
         show(rend)
         err.print(f"results: {d}", markup=False, highlight=False)
@@ -346,6 +400,7 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
         check_train_kwargs(_train, kwargs)
+        check_out(Path(kwargs["out"]), finished_ok=True)
         with progress_bars(progress) as cb:
             if cb:
                 kwargs.setdefault("progress", lambda step, total, st: cb("train-draft", step, total))
@@ -364,6 +419,7 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
         cfg = load(config, overrides(model=model))
         if out.exists():
             raise HarnessConfigError(f"--out {out} already exists: choose another file or delete it first")
+        check_writable(out.parent if str(out.parent) else Path("."), f"--out {out}: directory")
         try:
             summary = make_token_map(cfg.engine.model, cfg.paths.data, size, out)
         except ValueError as e:
@@ -393,9 +449,47 @@ def check_train_kwargs(fn, kwargs: dict) -> None:
             raise HarnessConfigError(f"train-draft: train.{k} = {v!r} should be {type(d).__name__}")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the front end. A BaseException (like KeyboardInterrupt, but not caught by Click's
+    own KeyboardInterrupt handling), so it unwinds the command through every ``with LLM`` / ``finally``, which stop
+    and reap the engine's ranks; ``ranks`` is how many rank processes were running when the signal came."""
+
+    def __init__(self, signum: int, ranks: int):
+        super().__init__(signum, ranks)
+        self.signum, self.ranks = signum, ranks
+
+
+def _running_ranks() -> int:
+    llm = sys.modules.get("engine.llm")                  # not imported: no engine, no ranks
+    return llm.running_ranks() if llm is not None else 0
+
+
+def _on_signal(signum: int, frame) -> None:
+    """Raise Interrupted once; a second SIGINT / SIGTERM while the ranks are being stopped is ignored (that
+    shutdown is bounded)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum, _running_ranks())
+
+
 def main() -> None:
-    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``)."""
-    app(prog_name="ppspec")
+    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``).
+
+    SIGINT and SIGTERM end the run with one stderr line, ``ppspec: interrupted (SIGINT); stopped 2 ranks``, and
+    exit code 128 + the signal number (130, 143), every rank reaped first.
+    """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _on_signal)
+    try:
+        app(prog_name="ppspec")
+    except Interrupted as e:
+        llm = sys.modules.get("engine.llm")
+        if llm is not None:
+            llm.shutdown_all()                           # engines the unwinding did not reach
+        n = e.ranks
+        stopped = f"; stopped {n} rank{'s' if n != 1 else ''}" if n else ""
+        err.print(f"ppspec: interrupted ({signal.Signals(e.signum).name}){stopped}", markup=False, highlight=False)
+        raise SystemExit(128 + e.signum) from None
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ lm-eval's per-question verdicts (``scorer_mismatches`` in the summary must be 0)
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -84,14 +85,32 @@ def _quiet() -> None:
         pass
 
 
-def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None] | None = None) -> tuple[dict, list[dict]]:
+RECORDS = "records.jsonl"
+JOURNAL = "journal.jsonl"
+
+
+def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None] | None = None,
+              run_dir: str | Path | None = None, resume: bool = False) -> tuple[dict, list[dict]]:
     """Run ``cfg.gsm8k.runs`` full evaluations; returns (summary, per-question records).
 
     Run r shuffles arrival order with seed r and samples with seed r; questions and prompts
     never change. ``progress(run, finished, total)`` is called as requests finish.
     ``llm`` may be a live engine (kept open); otherwise one is built from ``cfg.engine``.
+
+    ``run_dir``: questions are answered in batches of the engine's concurrency, and each batch's records are
+    appended to ``run_dir/records.jsonl`` (flushed) as it finishes, with its wall time in ``run_dir/journal.jsonl``
+    (and the config hash), so an interrupted run keeps what it finished. ``resume``: reuse the records already there
+    (their questions are not asked again) and finish the run; summary and records are those of an uninterrupted
+    run. Raises HarnessConfigError before any work when ``run_dir`` holds records and ``resume`` is off, or when
+    resuming under another config than the one that wrote them.
     """
     _quiet()
+    g = cfg.gsm8k
+    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
+    if g.num_fewshot > n_train:
+        raise HarnessConfigError(f"gsm8k.num_fewshot={g.num_fewshot} exceeds the {n_train} train questions the "
+                                 "shots are drawn from")
+    journal = _Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
     import functools
 
     import lm_eval
@@ -101,11 +120,6 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
     lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)   # its context-building bar; we draw ours
 
     from harness.lmeval_model import PPSpecLM
-    g = cfg.gsm8k
-    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
-    if g.num_fewshot > n_train:
-        raise HarnessConfigError(f"gsm8k.num_fewshot={g.num_fewshot} exceeds the {n_train} train questions the "
-                                 "shots are drawn from")
     own = llm is None
     if own:
         from engine import LLM
@@ -118,21 +132,121 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
             tm = TaskManager(include_path=tmp, include_defaults=False)
             for r in range(g.runs):
                 cb = (lambda f, t, r=r: progress(r, f, t)) if progress else None
-                lm.reset(order_seed=r, seed=r, progress=cb)
+                if journal is None:
+                    lm.reset(order_seed=r, seed=r, progress=cb)
+                else:
+                    lm.reset(order_seed=r, seed=r, progress=cb, done=journal.done(r),
+                             on_batch=lambda items, wall, r=r: journal.add(r, items, wall))
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=[TASK], task_manager=tm, num_fewshot=g.num_fewshot, limit=g.limit,
                     log_samples=True, bootstrap_iters=0)
-                run_summary, run_records = _collect_run(r, res, lm)
+                walls = journal.walls(r) if journal is not None else [c["wall_time_s"] for c in lm.calls]
+                run_summary, run_records = _collect_run(r, res, lm, walls)
                 runs.append(run_summary)
                 records.extend(run_records)
         info = dict(llm.info)
     finally:
         if own:
             llm.shutdown()
+        if journal is not None:
+            journal.close()
     return _overall(cfg, runs, records, info), records
 
 
-def _collect_run(r: int, res: dict, lm) -> tuple[dict, list[dict]]:
+def question_record(run: int, inst, response: str, metrics: dict) -> dict:
+    """One question's record, as records.jsonl holds it: run, doc_id, question, target (the reference answer after
+    ``#### ``), response, each filter's ``{"extracted", "exact_match"}`` (:func:`score_response`), then the
+    request's metrics (arrival_rank, prompt/output tokens, finish_reason, accept_lengths, ttft, tpot, e2e)."""
+    target = inst.doc["answer"].split("#### ")[-1].strip()
+    return {"run": run, "doc_id": inst.doc_id, "question": inst.doc["question"], "target": target,
+            "response": response, **score_response(response, "#### " + target), **metrics}
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The complete records of a records.jsonl; a last line cut short (the process died while writing it) is
+    dropped from the file too, so appending continues after the last whole record."""
+    lines = path.read_text().splitlines(keepends=True)
+    out = []
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k != len(lines) - 1:
+                raise HarnessConfigError(f"--resume: {path} line {k + 1} is not a JSON record") from None
+            lines = lines[:k]
+            path.write_text("".join(lines))
+    if lines and not lines[-1].endswith("\n"):
+        with open(path, "a") as f:
+            f.write("\n")
+    return out
+
+
+class _Journal:
+    """A run directory's records.jsonl (one record per finished question, appended and flushed batch by batch)
+    and journal.jsonl (``{"config_hash"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch). Both are
+    checked here, before any work: HarnessConfigError for records without ``resume``, for records without a
+    journal, or for a journal written under another config."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool):
+        self.dir, self.hash = run_dir, cfg.config_hash()
+        self.records_path, self.journal_path = run_dir / RECORDS, run_dir / JOURNAL
+        self.prior: list[dict] = []
+        self.batches: list[dict] = []
+        has = self.records_path.is_file() and self.records_path.stat().st_size > 0
+        if has and not resume:
+            raise HarnessConfigError(f"{run_dir} holds an unfinished run ({RECORDS}, no summary.json): add --resume "
+                                     "to finish it, or choose another directory")
+        if resume and has:
+            if not self.journal_path.is_file():
+                raise HarnessConfigError(f"--resume: {run_dir} has {RECORDS} but no {JOURNAL}: cannot tell which "
+                                         "config wrote it")
+            lines = [json.loads(x) for x in self.journal_path.read_text().splitlines() if x.strip()]
+            hashes = {x["config_hash"] for x in lines if "config_hash" in x}
+            if hashes != {self.hash}:
+                raise HarnessConfigError(f"--resume: {run_dir} was written under another config (hash "
+                                         f"{', '.join(sorted(hashes))}; this run's is {self.hash}): run the same "
+                                         "command, or choose another directory")
+            self.batches = [x for x in lines if "run" in x]
+            self.prior = _read_records(self.records_path)
+        self._records = self._journal = None
+        self._append = resume and has
+
+    def done(self, run: int) -> dict[tuple, dict]:
+        """Earlier records of ``run`` keyed as PPSpecLM's ``done``."""
+        return {(TASK, d["doc_id"]): d for d in self.prior if d["run"] == run}
+
+    def walls(self, run: int) -> list[float]:
+        """Wall-clock seconds of each engine batch of ``run``, earlier ones included."""
+        return [b["wall_time_s"] for b in self.batches if b["run"] == run]
+
+    def add(self, run: int, items, wall: float) -> None:
+        """Append one finished batch: its records, then its wall time; flushed."""
+        if self._records is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            mode = "a" if self._append else "w"
+            self._records = open(self.records_path, mode)
+            self._journal = open(self.journal_path, mode)
+            self._journal.write(json.dumps({"config_hash": self.hash}) + "\n")
+        for inst, response, metrics in items:
+            self._records.write(json.dumps(question_record(run, inst, response, metrics)) + "\n")
+        self._records.flush()
+        batch = {"run": run, "requests": len(items), "wall_time_s": wall}
+        self.batches.append(batch)
+        self._journal.write(json.dumps(batch) + "\n")
+        self._journal.flush()
+
+    def close(self) -> None:
+        for f in (self._records, self._journal):
+            if f is not None:
+                f.close()
+        self._records = self._journal = None
+
+
+def _collect_run(r: int, res: dict, lm, walls: list[float]) -> tuple[dict, list[dict]]:
+    """The run's summary and records (doc_id order) from lm-eval's samples and the adapter's per-request metrics;
+    serving figures over the records, throughput over ``walls`` (the run's engine batches, seconds)."""
     by_doc: dict[int, dict] = {}
     for s in res["samples"][TASK]:
         d = by_doc.setdefault(s["doc_id"], {
@@ -146,17 +260,19 @@ def _collect_run(r: int, res: dict, lm) -> tuple[dict, list[dict]]:
         mismatches += any(ours[f] != d[f] for f in FILTERS)
         d.update(lm.records.get((TASK, doc_id), {}))
         recs.append(d)
-    call = lm.calls[-1] if lm.calls else {}
     n = len(recs)
+    out_tokens = sum(d.get("output_tokens") or 0 for d in recs) if recs and "output_tokens" in recs[0] else None
+    wall = float(sum(walls)) if walls else None
     summary = {
         "run": r, "n": n,
         "accuracy": {f: float(res["results"][TASK][f"exact_match,{f}"]) for f in FILTERS},
         "invalid_rate": {f: sum(d[f]["extracted"] == INVALID for d in recs) / max(n, 1) for f in FILTERS},
         "ci95": {f: stats.bootstrap_ci([d[f]["exact_match"] for d in recs], seed=r) for f in FILTERS},
         "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs]),
-        "output_tokens": call.get("output_tokens"), "wall_time_s": call.get("wall_time_s"),
-        "output_throughput": call.get("output_throughput"),
-        "ttft": call.get("ttft"), "tpot": call.get("tpot"), "scorer_mismatches": mismatches,
+        "output_tokens": out_tokens, "wall_time_s": wall,
+        "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
+        "ttft": stats.summarize([d.get("ttft") for d in recs]) if walls else None,
+        "tpot": stats.summarize([d.get("tpot") for d in recs]) if walls else None, "scorer_mismatches": mismatches,
     }
     return summary, recs
 

@@ -1,15 +1,17 @@
 """Our engine as an lm-eval model: ``@register_model("ppspec")``.
 
 ``generate_until`` submits every request of the call to one ``llm.generate`` so continuous
-batching sees the whole workload; results come back in lm-eval's original order. Stop strings
-(``until`` plus the tokenizer's EOS string, as lm-eval's backends do) are also cut post hoc.
+batching sees the whole workload, or, when a batch sink is set (``reset(on_batch=...)``), in batches of
+the engine's concurrency, each handed to the sink as it finishes; results come back in lm-eval's
+original order. Stop strings (``until`` plus the tokenizer's EOS string, as lm-eval's backends do) are
+also cut post hoc.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -75,6 +77,9 @@ class PPSpecLM(LM):
         self.max_concurrency = max_concurrency
         self.reset(order_seed=order_seed, seed=seed)
 
+    METRICS = ("arrival_rank", "prompt_tokens", "output_tokens", "finish_reason", "accept_lengths", "ttft", "tpot",
+               "e2e")
+
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PPSpecLM":
         """Build from ``--model_args`` only: lm-eval's own ``--device``/``--batch_size`` defaults (cuda,
@@ -88,9 +93,19 @@ class PPSpecLM(LM):
         return cls(**arg_dict)
 
     def reset(self, order_seed: int | None = None, seed: int | None = None,
-              progress: Callable[[int, int], None] | None = None) -> None:
-        """Start a new run: arrival-order shuffle seed, sampling seed, progress callback; clear records."""
+              progress: Callable[[int, int], None] | None = None, done: dict[tuple, dict] | None = None,
+              on_batch: Callable[[Sequence[tuple], float], None] | None = None) -> None:
+        """Start a new run: arrival-order shuffle seed, sampling seed, progress callback; clear records.
+
+        ``done``: ``{(task_name, doc_id): {"response": str, <METRICS>...}}``, requests answered earlier (a resumed
+        run): they are not sent to the engine; their response and metrics are reused as they are.
+        ``on_batch(items, wall_time_s)``: when given, requests go to the engine in batches of ``max_concurrency``
+        (else the engine's ``max_running_requests``), and after each batch the sink gets
+        ``[(instance, response, metrics), ...]`` in arrival order and the batch's wall-clock seconds.
+        """
         self.order_seed, self.seed, self.progress = order_seed, seed, progress
+        self.done = dict(done or {})
+        self.on_batch = on_batch
         self.records: dict[tuple, dict] = {}
         self.calls: list[dict] = []
 
@@ -121,29 +136,52 @@ class PPSpecLM(LM):
         return params, until
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """One ``llm.generate`` over all requests (arrival order shuffled by ``order_seed``)."""
+        """Answer every request (arrival order shuffled by ``order_seed``): those in ``done`` from their earlier
+        answer, the rest with one ``llm.generate``, or batch by batch when ``on_batch`` is set (see :meth:`reset`)."""
         if not requests:
             return []
         built = [self._params(inst.args[1]) for inst in requests]
         order = list(range(len(requests)))
         if self.order_seed is not None:
             random.Random(self.order_seed).shuffle(order)
-        if self.progress:
-            self.progress(0, len(requests))
-        t0 = time.perf_counter()
-        outs = self.llm.generate([requests[i].args[0] for i in order], [built[i][0] for i in order],
-                                 max_concurrency=self.max_concurrency, progress=self.progress)
-        wall = time.perf_counter() - t0
-        self.calls.append({"wall_time_s": wall, **stats.serving_summary(outs, wall)})
+        rank = {i: pos for pos, i in enumerate(order)}
         results: list[str] = [""] * len(requests)
-        for pos, i in enumerate(order):
-            o, inst = outs[pos], requests[i]
-            results[i] = _cut(o.text, built[i][1])
-            m = stats.request_metrics(o.arrival_time, o.token_times)
-            self.records[(inst.task_name, inst.doc_id)] = {
-                "arrival_rank": pos, "prompt_tokens": len(o.prompt_token_ids),
-                "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
-                "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"]}
+        todo = []
+        for i in order:
+            key = (requests[i].task_name, requests[i].doc_id)
+            if key in self.done:
+                results[i] = self.done[key]["response"]
+                self.records[key] = {k: self.done[key].get(k) for k in self.METRICS}
+            else:
+                todo.append(i)
+        total, finished = len(requests), len(requests) - len(todo)
+        if self.progress:
+            self.progress(finished, total)
+        step = len(todo) or 1
+        if self.on_batch is not None:
+            step = self.max_concurrency or getattr(getattr(self.llm, "config", None), "max_running_requests",
+                                                   None) or step
+        for b in range(0, len(todo), step):
+            batch = todo[b:b + step]
+            prog = (lambda d, t, f=finished: self.progress(f + d, total)) if self.progress else None
+            t0 = time.perf_counter()
+            outs = self.llm.generate([requests[i].args[0] for i in batch], [built[i][0] for i in batch],
+                                     max_concurrency=self.max_concurrency, progress=prog)
+            wall = time.perf_counter() - t0
+            self.calls.append({"wall_time_s": wall, **stats.serving_summary(outs, wall)})
+            items = []
+            for o, i in zip(outs, batch):
+                inst = requests[i]
+                results[i] = _cut(o.text, built[i][1])
+                m = stats.request_metrics(o.arrival_time, o.token_times)
+                rec = {"arrival_rank": rank[i], "prompt_tokens": len(o.prompt_token_ids),
+                       "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
+                       "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"]}
+                self.records[(inst.task_name, inst.doc_id)] = rec
+                items.append((inst, results[i], rec))
+            finished += len(batch)
+            if self.on_batch is not None:
+                self.on_batch(items, wall)
         return results
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):

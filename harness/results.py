@@ -2,7 +2,8 @@
 
 summary.json schema (every kind): ``{"schema": 1, "kind": "gsm8k"|"bench"|"gate", "meta": {...},
 "config": RunConfig.to_dict(), ...kind-specific keys}``; records.jsonl holds one JSON object per
-request (raw per-request data). Raw logs of subprocesses go under ``results/raw`` (git-ignored).
+request (raw per-request data); gsm8k appends to it while it runs and keeps journal.jsonl (config hash, engine
+batches' wall times) next to it for ``--resume``. Raw logs of subprocesses go under ``results/raw`` (git-ignored).
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def run_metadata(cfg: RunConfig, kind: str) -> dict:
     }
 
 
-def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None) -> Path:
-    """``out`` if given, else ``<results>/<suite>/<UTC timestamp>-<kind>`` (made unique)."""
+def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, create: bool = True) -> Path:
+    """``out`` if given, else ``<results>/<suite>/<UTC timestamp>-<kind>`` (made unique); created unless
+    ``create`` is False."""
     if out is not None:
         d = Path(out)
     else:
@@ -88,7 +90,8 @@ def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None) -> Pa
         d, i = base / f"{stamp}-{kind}", 1
         while d.exists():
             d, i = base / f"{stamp}-{kind}-{i}", i + 1
-    d.mkdir(parents=True, exist_ok=True)
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
     return d
 
 
@@ -96,9 +99,12 @@ def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dic
     """Write summary.json, summary.md and records.jsonl into ``run_dir``; returns summary.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.md").write_text(markdown.rstrip() + "\n")
-    with open(run_dir / "records.jsonl", "w") as f:
+    rec = run_dir / "records.jsonl"
+    tmp = rec.with_suffix(".jsonl.tmp")      # replaced whole: records written during the run stay until then
+    with open(tmp, "w") as f:
         for r in records:
             f.write(json.dumps(r, default=_json_default) + "\n")
+    tmp.replace(rec)
     path = run_dir / "summary.json"
     tmp = path.with_suffix(".json.tmp")      # summary.json last and atomic: it marks a finished run
     tmp.write_text(json.dumps({"schema": SCHEMA_VERSION, **summary}, indent=1, default=_json_default))

@@ -115,7 +115,7 @@ def test_precedence_through_the_cli(tmp_path, monkeypatch):
     seen = []
     import harness.gsm8k as g
 
-    def fake_run(cfg, llm=None, progress=None):
+    def fake_run(cfg, llm=None, progress=None, run_dir=None, resume=False):
         seen.append(cfg)
         raise HarnessConfigError("stop here")
     monkeypatch.setattr(g, "run_gsm8k", fake_run)
@@ -435,3 +435,121 @@ def test_generate_help_example_runs(tiny_model_dir, tiny_draft_dir):
                                                    "--max-new-tokens", "2"])
     assert r.exit_code == 0, r.output
     assert "[2 tokens" in r.output
+
+
+WRITE_COMMANDS = [["gsm8k"], ["bench"], ["gate"], ["sweep", "--matrix", "suites/matrix_cpu.yaml"], ["compare", "results"],
+                  ["train-draft"]]
+
+
+def _unwritable(tmp_path: Path, kind: str) -> Path:
+    if kind == "under a file":
+        (tmp_path / "afile").write_text("x")
+        return tmp_path / "afile" / "out"
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d / "out"
+
+
+@pytest.mark.parametrize("kind", ["under a file", pytest.param("read-only", marks=pytest.mark.skipif(
+    __import__("os").geteuid() == 0, reason="root writes into a mode-555 directory"))])
+def test_unwritable_out_is_refused_before_any_work(tmp_path, fake_engine, kind):
+    """Every command taking --out checks, before the engine starts, that it can write there: one line, exit 2, no
+    engine built, nothing left behind; token-map checks its file's directory."""
+    out = _unwritable(tmp_path, kind)
+    why = "Not a directory" if kind == "under a file" else "Permission denied"
+    for cmd in WRITE_COMMANDS:
+        r = runner.invoke(app, [*cmd, "--out", str(out)])
+        assert r.exit_code == 2, (cmd, r.output)
+        assert r.output.splitlines() == [f"Error: --out {out} is not writable ({why})"], (cmd, r.output)
+    r = runner.invoke(app, ["token-map", "--out", str(out / "hot.json")])
+    assert r.exit_code == 2 and r.output.splitlines() == [f"Error: --out {out / 'hot.json'}: directory {out} is not "
+                                                          f"writable ({why})"], r.output
+    assert fake_engine.instances == [] and not out.exists()
+
+
+def test_writable_out_check_leaves_no_trace(tmp_path):
+    from harness.cli import check_writable
+    check_writable(tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "c").mkdir()
+    check_writable(tmp_path / "c")
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+def _answer_by_prompt(self, prompts, params, max_concurrency=None, progress=None):
+    """FakeLLM.generate with a per-question answer (the prompt's length mod 7), so records tell questions apart."""
+    outs = FakeLLM.generate(self, prompts, params, max_concurrency, progress)
+    for p, o in zip(prompts, outs):
+        o.text = f" so it is {len(p) % 7}.\n#### {len(p) % 7}\n\n"
+    return outs
+
+
+class _Crash(FakeLLM):
+    """Answers ``calls_left`` engine batches, then fails as a dead rank does."""
+
+    calls_left = 0
+    prompts_seen: list = []
+
+    def generate(self, prompts, params, max_concurrency=None, progress=None):
+        if _Crash.calls_left == 0:
+            raise engine.EngineError("rank 0 died (killed by SIGKILL)")
+        _Crash.calls_left -= 1
+        _Crash.prompts_seen += list(prompts)
+        return _answer_by_prompt(self, prompts, params, max_concurrency, progress)
+
+
+def _comparable(summary: dict) -> dict:
+    """A gsm8k summary without what differs between two runs of one command: metadata and wall times."""
+    s = json.loads(json.dumps(summary))
+    s.pop("meta")
+    for r in s["runs"]:
+        r.pop("wall_time_s"), r.pop("output_throughput")
+    s["overall"].pop("output_throughput_mean")
+    return s
+
+
+def test_gsm8k_interrupted_run_keeps_records_and_resumes(tmp_path, monkeypatch):
+    """gsm8k writes each engine batch's records as it finishes: a run that fails in its 5th batch (5 questions x
+    2 runs, batches of 2) leaves the 7 records of the 4 batches done and no summary. Re-running it plainly is refused;
+    --resume asks only the 3 missing questions (a record cut short by the failure is dropped) and ends with the
+    records and summary of an uninterrupted run."""
+    monkeypatch.setattr(engine, "LLM", _Crash)
+    args = ["gsm8k", "--limit", "5", "--runs", "2", "--max-concurrency", "2", "--no-spec", "--no-progress"]
+    _Crash.calls_left = 100
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "whole")])
+    assert r.exit_code == 0, r.output
+    assert len(_Crash.prompts_seen) == 10
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    whole_records = (tmp_path / "whole" / "records.jsonl").read_text().splitlines()
+
+    d = tmp_path / "cut"
+    _Crash.calls_left, _Crash.prompts_seen = 4, []
+    r = runner.invoke(app, [*args, "--out", str(d)])
+    assert r.exit_code == 1 and r.output.splitlines()[-1] == (
+        "Error: rank 0 died (killed by SIGKILL) (PPSPEC_DEBUG=1 shows the rank's traceback)"), r.output
+    kept = [json.loads(x) for x in (d / "records.jsonl").read_text().splitlines()]
+    assert [(x["run"], x["arrival_rank"]) for x in kept] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (1, 1)]
+    assert not (d / "summary.json").exists()
+    by_key = {(x["run"], x["doc_id"]): x for x in map(json.loads, whole_records)}
+    assert kept == [by_key[(k["run"], k["doc_id"])] for k in kept]        # the final records' format and values
+    with open(d / "records.jsonl", "a") as f:
+        f.write('{"run": 1, "doc_id": 4, "quest')
+
+    r = runner.invoke(app, [*args, "--out", str(d)])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        f"Error: {d} holds an unfinished run (records.jsonl, no summary.json): add --resume to finish it, or "
+        "choose another directory"], r.output
+    r = runner.invoke(app, [*args, "--limit", "4", "--out", str(d), "--resume"])
+    assert r.exit_code == 2 and "written under another config" in r.output, r.output
+
+    _Crash.calls_left, _Crash.prompts_seen = 100, []
+    r = runner.invoke(app, [*args, "--out", str(d), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert len(_Crash.prompts_seen) == 3
+    assert (d / "records.jsonl").read_text().splitlines() == whole_records
+    resumed = json.loads((d / "summary.json").read_text())
+    assert _comparable(resumed) == _comparable(whole)
+    assert resumed["runs"][1]["output_tokens"] == whole["runs"][1]["output_tokens"] == 5 * 6
+    r = runner.invoke(app, [*args, "--out", str(d), "--resume"])
+    assert r.exit_code == 2 and "already holds a result (summary.json)" in r.output

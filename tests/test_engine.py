@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -214,6 +215,38 @@ def test_rank_dying_silently_is_reported(tiny_model_dir, monkeypatch):
         LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
 
 
+@pytest.mark.parametrize("when", ["during", "between"])
+def test_killed_rank_is_named_first(tiny_model_dir, when):
+    """A PP3 rank killed by SIGKILL (during a generate, or between two) reports nothing; the ranks it talked to fail
+    with gloo connection errors. The one-line EngineError names the killed rank and its signal first, then the
+    others' errors that had arrived, and every rank is gone afterwards."""
+    import os
+    import re
+    import signal
+    llm = LLM(EngineConfig(model=tiny_model_dir, pp=3, dist_timeout_s=30))
+    procs = list(llm._procs)
+    victim = procs[0].pid
+    params = [SamplingParams(max_new_tokens=1)] + [SamplingParams(max_new_tokens=4000, ignore_eos=True)] * 3
+
+    def kill_on_first_finish(done, total):
+        if done >= 1 and procs[0].is_alive():
+            os.kill(victim, signal.SIGKILL)
+    if when == "between":
+        llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        os.kill(victim, signal.SIGKILL)
+        procs[0].join(timeout=10)
+    with pytest.raises(EngineError) as e:
+        llm.generate([[5, 6, 7]] * 4, params, progress=kill_on_first_finish)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("rank 0 died (killed by SIGKILL)"), msg
+    # the peers' connection errors follow when they arrived before the death was seen
+    assert re.fullmatch(r"rank 0 died \(killed by SIGKILL\)(; rank [12] failed: RuntimeError: [^;]*){0,2}", msg), msg
+    assert procs[0].exitcode == -9 and not any(p.is_alive() for p in procs)
+    assert {p.exitcode for p in procs[1:]} <= {0, -15}      # reported and left, or stopped by the front end
+    assert llm._procs == [] and llm._res_q is None
+
+
 def _spawned_ranks(pid: int) -> list[int]:
     """PIDs of the multiprocessing-spawned children of ``pid`` (Linux /proc), not the resource tracker."""
     from pathlib import Path
@@ -279,6 +312,116 @@ def test_multi_rank_run_prints_no_teardown_noise(tiny_model_dir):
     assert r.returncode == 0, r.stderr[-500:]
     assert "leaked" not in r.stderr and "nanobind" not in r.stderr
     assert r.stdout.strip() and "[3 tokens, length]" in r.stderr
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _rank_sockets(pid: int) -> int:
+    from pathlib import Path
+    try:
+        return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:"))
+    except OSError:
+        return 0
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig,code,command", [
+    ("SIGTERM", 143, "generate"),
+    ("SIGINT", 130, "gsm8k"),
+])
+def test_signal_to_the_cli_stops_and_reaps_the_ranks(tiny_model_dir, tmp_path, sig, code, command):
+    """SIGTERM / SIGINT to a ``--pp 2`` ppspec front end, once its ranks have joined their process group (generate)
+    or once gsm8k has written its first records: exit 128 + the signal number, stderr ends with one line
+    ``ppspec: interrupted (SIG...); stopped 2 ranks``, no traceback or resource-tracker warning, every rank gone
+    (reaped, not a zombie) within 5 s; gsm8k keeps the records it finished."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "out"
+    if command == "generate":
+        argv = ["generate", "The answer is", "--max-new-tokens", "4000"]
+    else:
+        argv = ["gsm8k", "--limit", "40", "--max-concurrency", "1", "--max-new-tokens", "48", "--num-fewshot", "1",
+                "--out", str(out), "--no-progress"]
+    p = subprocess.Popen([sys.executable, "-m", "harness", *argv, "--model", tiny_model_dir, "--pp", "2", "--no-spec"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert _wait_for(lambda: len(_spawned_ranks(p.pid)) == 2, 120)
+        ranks = _spawned_ranks(p.pid)
+        if command == "generate":
+            assert _wait_for(lambda: all(_rank_sockets(r) > 0 for r in ranks), 120)
+        else:
+            assert _wait_for(lambda: (out / "records.jsonl").is_file() and (out / "records.jsonl").stat().st_size, 180)
+        assert p.poll() is None
+        t0 = time.monotonic()
+        os.kill(p.pid, getattr(signal, sig))
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == code, err
+        assert _wait_for(lambda: not any(_alive(r) for r in ranks), 5.0 - (time.monotonic() - t0))
+        assert err.strip().splitlines()[-1] == f"ppspec: interrupted ({sig}); stopped 2 ranks", err
+        assert "Traceback" not in err and "leaked" not in err and "resource_tracker" not in err, err
+        if command == "gsm8k":
+            recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+            assert recs and [x["arrival_rank"] for x in recs] == list(range(len(recs)))
+            assert not (out / "summary.json").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_keyboard_interrupt_in_with_block_reaps_the_ranks(tiny_model_dir, tmp_path):
+    """KeyboardInterrupt during a PP2 generate inside ``with LLM(...)`` (one request finished, one still decoding):
+    leaving the block terminates the busy ranks at once and reaps them, so both are gone (no zombie) within 1.5 s,
+    by the time the exception reaches the caller, who is still alive."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "interrupt.py"
+    script.write_text(
+        "import time\nfrom engine import LLM, EngineConfig, SamplingParams\nif __name__ == '__main__':\n"
+        "    try:\n"
+        f"        with LLM(EngineConfig(model={str(tiny_model_dir)!r}, pp=2, dist_timeout_s=30)) as llm:\n"
+        "            def show(done, total):\n"
+        "                if done == 1:\n"
+        "                    print(*[p.pid for p in llm._procs], flush=True)\n"
+        "            llm.generate([[5, 6, 7]] * 2, [SamplingParams(max_new_tokens=1),\n"
+        "                         SamplingParams(max_new_tokens=4000, ignore_eos=True)], progress=show)\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+        "    print('interrupted', flush=True)\n    time.sleep(300)\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        ranks = [int(x) for x in p.stdout.readline().split()]
+        assert len(ranks) == 2 and all(_alive(r) for r in ranks)
+        t0 = time.monotonic()
+        os.kill(p.pid, signal.SIGINT)
+        assert p.stdout.readline().strip() == "interrupted"
+        assert [_alive(r) for r in ranks] == [False, False] and p.poll() is None
+        assert time.monotonic() - t0 < 1.5             # terminated at once: a busy rank reads no stop message
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_script_without_main_guard_fails_fast(tiny_model_dir, tmp_path):
