@@ -271,7 +271,7 @@ class Scheduler:
         self.rows.free(r.row)
         r.row, r.allocated_len, r.seq_len = -1, 0, 0
 
-    def _retract(self, r: Req) -> None:
+    def _retract(self, r: Req, preempted: bool = True) -> None:
         """Preempt by recompute: free everything and requeue at the front. The new fill is the prompt and every
         output token but the last; that one is the root again when the re-prefill completes (its KV is written
         by the next decode or verify step, as before), so a re-prefill emits no token and the request's outputs,
@@ -279,7 +279,7 @@ class Scheduler:
         self._release(r)
         r.status, r.slot, r.prefilled, r.tree = "waiting", -1, 0, None
         r.fill_ids = r.prompt_ids + r.output_ids[:-1]
-        r.num_retractions += 1
+        r.num_retractions += preempted            # counts memory pressure only
         self.waiting.insert(0, r)
 
     def fail(self, rids: list[int], error: str) -> None:
@@ -300,8 +300,7 @@ class Scheduler:
                 r.isolated = True
                 if r.status == "waiting":
                     continue
-                self._retract(r)
-                r.num_retractions -= 1                 # not memory pressure: the count stays the scheduler's
+                self._retract(r, preempted=False)
 
     # ----------------------------------------------------------------------------------- results
     def process_output(self, out: dict) -> None:
