@@ -1,7 +1,7 @@
 """ppspec engine: pipeline parallelism x EAGLE speculative decoding."""
 from .config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from .llm import LLM, EngineError, RequestOutput
-from .sampling import SamplingParams
+from .model.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "SpecConfig", "ModelConfig", "ConfigError", "EngineError",
            "RequestOutput"]

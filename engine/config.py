@@ -160,7 +160,7 @@ class SpecConfig:
     pp_spec: bool = False                 # gate for PP x spec
     draft_after_prefill: bool = True      # tail-draft right after prefill (False = reference degenerate first round)
     adaptive: bool = False                # adaptive n is refused under PP
-    token_map: str | None = None          # FR-Spec draft vocabulary (engine.spec.token_map): .json / .pt of hot ids;
+    token_map: str | None = None          # FR-Spec draft vocabulary (engine.speculative.token_map): .json / .pt of hot ids;
                                           # drafts are mapped back to target ids, so PP relays target ids
     eagle_version: int = 2
 
@@ -227,7 +227,7 @@ class EngineConfig:
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
     cuda_graph_prefill_max_tokens: int = 2048   # capture one-request prefills from position 0 padded to token
-                                          # buckets up to this many tokens (engine.cuda_graph.PrefillGraphRunner;
+                                          # buckets up to this many tokens (engine.graphs.PrefillGraphRunner;
                                           # capped at max_prefill_tokens); 0: prefill always eager
     # The three options below: None (auto) = on for device cuda, off on CPU (H200 A/B, results/gpu/session5).
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
@@ -237,7 +237,7 @@ class EngineConfig:
                                           # the draft tree stays on the device (Triton tree build / verify walk /
                                           # mask packing on CUDA), one device->host copy per round
     spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
-                                          # (engine.spec.overlap) and round t+1 is launched before round t is
+                                          # (engine.speculative.device_round) and round t+1 is launched before round t is
                                           # read back; implies the device tree
     seed: int = 0
     dist_timeout_s: float = 300.0

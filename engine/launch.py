@@ -21,7 +21,7 @@ import torch
 
 from .config import EngineConfig, SpecConfig
 from .dist import init_distributed
-from .sampling import SamplingParams
+from .model.sampling import SamplingParams
 from .scheduler import Req, prompt_token_ids
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "ignore_eos")

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from .config import ConfigError, EngineConfig
 from .dist import ParallelState, init_distributed, set_ps
 from .runner import check_topology, model_source
-from .sampling import SamplingParams
+from .model.sampling import SamplingParams
 from .scheduler import Req, prompt_token_ids, request_error
 
 
@@ -190,7 +190,7 @@ class LLM:
         else:
             try:
                 self._start_ranks()
-                from .loader import load_tokenizer
+                from .model.loader import load_tokenizer
                 self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
             except BaseException:
                 self.shutdown()

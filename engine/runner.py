@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from .argmax import argmax_rows
-from .attention import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
+from .kernels.argmax import argmax_rows
+from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .config import ConfigError, EngineConfig, ModelConfig, env_int
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
-from .loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
-from .model import LlamaForCausalLM, stage_layer_range
-from .sampling import coin_seed, processed_probs, request_coins, sample_from_probs
+from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from .model.llama import LlamaForCausalLM, stage_layer_range
+from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
 from .scheduler import Req, ScheduledBatch, Scheduler
 
 
@@ -71,10 +71,10 @@ class ModelRunner:
             self.draft.to(self.device)
         self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map), last stage only
         if self.draft is not None and self.spec.token_map:
-            from .spec.token_map import HotHead, load_token_map
+            from .speculative.token_map import HotHead, load_token_map
             self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))
         if self.draft is not None and self.spec.is_chain:
-            from .spec.worker import chain_constants
+            from .speculative.eagle_worker import chain_constants
             chain_constants(1, self.spec.num_steps, self.device)   # before any graph capture uses them
         self._init_kv()
         self._init_cuda_graphs()
@@ -84,7 +84,7 @@ class ModelRunner:
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
         if self.spec_overlap and self.draft is not None:
-            from .spec.overlap import SpecRoundRunner
+            from .speculative.device_round import SpecRoundRunner
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
                 else config.max_running_requests
             self.round_runner = SpecRoundRunner(self, max_bs, use_graphs=config.cuda_graph)
@@ -94,7 +94,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:
         if self.device.type == "cuda":
-            from .kernels import apply_blas_knobs
+            from .kernels.fused import apply_blas_knobs
             apply_blas_knobs()
         name = self.config.attention_backend
         if name == "auto":
@@ -103,13 +103,13 @@ class ModelRunner:
         if name == "flashinfer":
             if self.device.type != "cuda":
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
-            from .flashinfer_backend import FlashInferBackend
+            from .attention.flashinfer import FlashInferBackend
             set_backend(FlashInferBackend(self.device, self.dtype))
         else:
             set_backend(TorchBackend())
 
     def _build_draft(self, weights, max_pos):
-        from .spec.eagle import EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights
+        from .speculative.eagle import (EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights)
         if not self.spec.draft:
             raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
         dcfg = draft_config(self.model_config, self.spec.draft)
@@ -194,7 +194,7 @@ class ModelRunner:
         return ids_d, pos_d, ctx
 
     def _init_cuda_graphs(self) -> None:
-        """Capture decode/verify graphs (CUDA + flashinfer only; see engine.cuda_graph)."""
+        """Capture decode/verify graphs (CUDA + flashinfer only; see engine.graphs)."""
         self.graphs = None
         self.draft_graphs = None
         self.prefill_graphs = None
@@ -203,16 +203,16 @@ class ModelRunner:
             return
         if s.tp_size > 1 and s.staged:            # gloo collectives cannot be captured
             return
-        from .cuda_graph import CudaGraphRunner
+        from .graphs import CudaGraphRunner
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
         if max_tok > 0:
-            from .cuda_graph import PrefillGraphRunner
+            from .graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
-            from .cuda_graph import DraftGraphRunner
+            from .graphs import DraftGraphRunner
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.use_cuda_graph_draft_extend)
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ import torch
 
 from .config import ConfigError
 from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
-from .sampling import SamplingParams
+from .model.sampling import SamplingParams
 
 
 def prompt_length_error(n: int, max_model_len: int) -> str | None:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import h2d
+from .attention.backend import h2d
 from .config import fail_token_fault
 from .dist import ps, ring_exchange
 from .kv_cache import KVCacheError
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
-from .spec.tree import tree_input_hash
-from .spec.worker import build_batch_tree, prefill_draft, verify_round
+from .speculative.tree import tree_input_hash
+from .speculative.eagle_worker import build_batch_tree, prefill_draft, verify_round
 
 
 class RelayError(RuntimeError):
@@ -136,7 +136,7 @@ class Worker:
         self.spec = self.runner.spec
         self.config = config
         self.num_lookahead = 0                # decode steps launched before the previous step was read back
-        self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.spec.overlap)
+        self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.speculative.device_round)
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
         self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
         self._fail_token = fail_token_fault(config.fault)
@@ -351,7 +351,7 @@ class Worker:
 
     # ------------------------------------------------------------------------------------ overlapped spec rounds
     def _run_spec_overlap(self, reqs: list[Req], progress=None) -> list[Req]:
-        """One-stage EAGLE with the overlapped round (``engine.spec.overlap``): greedy verify batches run as
+        """One-stage EAGLE with the overlapped round (``engine.speculative.device_round``): greedy verify batches run as
         segments of device-resident rounds, round t+1 launched before round t is read back; prefill, sampling
         and batches that must change shape take the normal path (:meth:`forward_batch`). Tokens and accept
         lengths are identical to :meth:`run`'s."""

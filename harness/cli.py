@@ -374,7 +374,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
             err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
             raise typer.Exit(1)
         typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
-        spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
+        spec_on = cfg.engine.speculative.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
                else "")
@@ -387,14 +387,14 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
                 set_: SetOpt = None, progress: ProgressOpt = True) -> None:
-    """Train an EAGLE draft head ([cyan]engine.spec.train.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
+    """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
         flags = {k: v for k, v in dict(model=model, data=data, out=out).items() if v is not None}
         cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}))
         try:
-            from engine.spec.train import train_draft as _train
+            from harness.train_draft import train_draft as _train
         except ImportError as e:
-            raise HarnessConfigError(f"train-draft: engine.spec.train is not available ({e})") from None
+            raise HarnessConfigError(f"train-draft: harness.train_draft is not available ({e})") from None
         kwargs = dict(cfg.train)
         for k in ("model", "data", "out"):
             if k not in kwargs:
@@ -421,7 +421,7 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
             raise HarnessConfigError(f"--out {out} already exists: choose another file or delete it first")
         check_writable(out.parent if str(out.parent) else Path("."), f"--out {out}: directory")
         try:
-            summary = make_token_map(cfg.engine.model, cfg.paths.data, size, out)
+            summary = make_token_map(cfg.engine.model.llama, cfg.paths.data, size, out)
         except ValueError as e:
             raise HarnessConfigError(str(e)) from None
         short = f" (all the distinct tokens of the corpus)" if summary["size"] < size else ""

@@ -10,7 +10,7 @@ Two ceilings are measured in the bench process itself (:func:`measure`):
   (n = 8192 on CUDA in the engine's dtype, normally bf16; n = 1024 in float32 on CPU). Best of ``reps``.
 
 From those and the model shape (``engine.config.ModelConfig``; parameters counted with
-``engine.loader.hf_weight_shapes``) the per-cell floors are (all times in seconds):
+``engine.model.loader.hf_weight_shapes``) the per-cell floors are (all times in seconds):
 
 * ``P_layers`` = parameters of the decoder layers + final norm (everything but ``embed_tokens`` and
   ``lm_head``, Kaplan et al. 2020's "non-embedding" N); ``P_head`` = vocab * hidden (the lm_head
@@ -157,7 +157,7 @@ def param_counts(cfg: ModelConfig) -> dict:
     (a tied head is not counted twice), ``lm_head`` = vocab * hidden (the head matmul, tied or not),
     ``layers`` = decoder layers + final norm ("non-embedding" parameters).
     """
-    from engine.loader import hf_weight_shapes
+    from engine.model.loader import hf_weight_shapes
     shapes = hf_weight_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     emb = math.prod(shapes["model.embed_tokens.weight"])

@@ -17,7 +17,7 @@ Variants: ``hf`` (plain greedy) and ``hf-prompt-lookup`` (``prompt_lookup_num_to
 transformers' n-gram speculation; batch-1 cells only, as transformers requires).
 
 The model: a checkpoint directory loads with ``AutoModelForCausalLM.from_pretrained``; a GGUF (the
-bundled SmolLM2) is dequantised by ``engine.loader.iter_weights`` -- the very tensors the engine
+bundled SmolLM2) is dequantised by ``engine.model.loader.iter_weights`` -- the very tensors the engine
 loads -- and written to a temporary safetensors checkpoint with ``save_hf_checkpoint``;
 ``load_format: dummy`` builds ``AutoModelForCausalLM.from_config`` directly on the device in the
 target dtype with transformers' random init (labelled "random weights": not the engine's random
@@ -106,7 +106,7 @@ def load_peer(engine_cfg) -> Iterator[tuple[object, dict]]:
     ``weights`` is ``"random weights"`` for ``load_format: dummy``, else ``"checkpoint"``.
     """
     transformers = import_transformers()
-    from engine.loader import iter_weights, load_model_config, resolve_model_path, save_hf_checkpoint
+    from engine.model.loader import iter_weights, load_model_config, resolve_model_path, save_hf_checkpoint
     path = resolve_model_path(engine_cfg.model)
     mc = load_model_config(path)
     dev, dtype = _device(engine_cfg.device), peer_dtype(engine_cfg.device, engine_cfg.dtype)
@@ -126,7 +126,7 @@ def load_peer(engine_cfg) -> Iterator[tuple[object, dict]]:
                     tmp = tempfile.TemporaryDirectory(prefix="ppspec-peer-")
                     save_hf_checkpoint(tmp.name, mc, iter_weights(path, dtype=dtype))
                     model = transformers.AutoModelForCausalLM.from_pretrained(tmp.name, **kw)
-                    source = f"{path.name} dequantised by engine.loader, saved as safetensors"
+                    source = f"{path.name} dequantised by engine.model.loader, saved as safetensors"
                 else:
                     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kw)
                     source = str(path)

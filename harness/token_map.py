@@ -23,8 +23,8 @@ def make_token_map(model: str, data_dir: str | Path, size: int, out: str | Path)
         FileNotFoundError: the GSM8K split files are missing.
         engine.config.ConfigError: unknown model.
     """
-    from engine.loader import load_model_config, load_tokenizer, resolve_model_path
-    from engine.spec.token_map import build_token_map, coverage
+    from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
+    from engine.speculative.token_map import build_token_map, coverage
     out = Path(out)
     if out.suffix not in (".json", ".pt"):
         raise ValueError(f"--out {out}: use a .json or .pt file name")

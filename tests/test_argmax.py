@@ -1,4 +1,4 @@
-"""engine.argmax (Triton two-pass row argmax, issue 7) against torch.argmax: through Triton's CPU interpreter
+"""engine.kernels.argmax (Triton two-pass row argmax, issue 7) against torch.argmax: through Triton's CPU interpreter
 here (in a subprocess: TRITON_INTERPRET must be set before Triton is imported), compiled on the GPU in
 tests/test_cuda_graph.py. Ties across and within blocks must resolve to the first index, as torch's."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from test_rope_store import _run
 
 KERNEL = r'''
 import torch
-from engine.argmax import argmax_rows, enabled, BLOCK
+from engine.kernels.argmax import argmax_rows, enabled, BLOCK
 g = torch.Generator().manual_seed(0)
 cases = []
 for R, V in ((1, 7), (3, BLOCK), (2, BLOCK + 1), (4, 3 * BLOCK + 5), (1, 49152 // 8)):
@@ -38,7 +38,7 @@ def test_argmax_kernel_matches_torch():
 
 
 def test_argmax_cpu_is_torch(monkeypatch):
-    from engine.argmax import argmax_rows, enabled
+    from engine.kernels.argmax import argmax_rows, enabled
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 1000)
     assert not enabled(x) and torch.equal(argmax_rows(x), x.argmax(-1))

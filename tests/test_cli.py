@@ -105,7 +105,7 @@ def test_precedence_toml_yaml_flags(tmp_path, monkeypatch):
     c = resolve(str(run_yaml), {"dtype": "float16", "gsm8k": {"limit": 7}})
     assert (c.gsm8k.limit, c.gsm8k.runs, c.engine.dtype) == (7, 3, "float16")
     assert c.sources == (str(toml), str(run_yaml.resolve()), "command line")
-    assert not c.engine.spec.enabled and "not found" in c.notes[0]   # missing draft -> spec off, warned
+    assert not c.engine.speculative.enabled and "not found" in c.notes[0]   # missing draft -> spec off, warned
 
 
 def test_precedence_through_the_cli(tmp_path, monkeypatch):
@@ -290,9 +290,9 @@ def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
     assert "#### 18" in r.output and fake_engine.instances[-1].config.pp == 2
     assert "accept length" not in r.output          # regression: plain decoding printed "accept length 1.00"
     got = {}
-    mod = ModuleType("engine.spec.train")
+    mod = ModuleType("harness.train_draft")
     mod.train_draft = lambda **kw: got.update(kw) or "trained"
-    monkeypatch.setitem(sys.modules, "engine.spec.train", mod)
+    monkeypatch.setitem(sys.modules, "harness.train_draft", mod)
     r = runner.invoke(app, ["train-draft", "--out", str(tmp_path / "d"), "--set", "train.epochs=2"])
     assert r.exit_code == 0, r.output
     assert callable(got.pop("progress"))
@@ -346,7 +346,7 @@ def test_generate_prints_the_completion_unwrapped(fake_engine, monkeypatch):
 def test_train_section_checked_before_training():
     """Regression: an unknown train.* key gave a traceback, a mistyped one failed only after the
     (minutes-long) self-distillation generation."""
-    from engine.spec.train import train_draft as real
+    from harness.train_draft import train_draft as real
     from harness.cli import check_train_kwargs
     base = {"model": "m", "data": "d", "out": "o"}
     check_train_kwargs(real, {**base, "epochs": 2, "lr": 2e-3, "device": "cuda", "prompt_weight": 0.1})
@@ -363,7 +363,7 @@ def test_device_tree_under_pp_is_noted(draft_dir):
     """spec_device_tree is a one-stage option: under PP the resolver says it does not apply (no silent ignore)."""
     ov = {"pp": 2, "spec_device_tree": True, "spec": {"algorithm": "eagle", "draft": str(draft_dir), "pp_spec": True}}
     c = resolve(None, ov)
-    assert c.engine.spec.enabled and c.engine.spec_device_tree
+    assert c.engine.speculative.enabled and c.engine.spec_device_tree
     assert "note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host" in c.notes
     assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
     auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note
@@ -378,11 +378,11 @@ def test_device_tree_under_pp_is_noted(draft_dir):
 def test_decode_speed_without_gpu_is_one_line(tmp_path):
     """Regression (QA, session 5): the GPU A/B tool ended in a ConfigError traceback on a CPU-only machine."""
     import subprocess
-    r = subprocess.run([sys.executable, "-m", "harness.decode_speed", "--model", "smollm2", "--out", str(tmp_path / "o.json")],
+    r = subprocess.run([sys.executable, "-m", "tools.decode_speed", "--model", "smollm2", "--out", str(tmp_path / "o.json")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["Error: device=cuda but this torch build sees no CUDA device"]
     assert not (tmp_path / "o.json").exists()
-    r = subprocess.run([sys.executable, "-m", "harness.decode_speed", "--model", "smollm2", "--shape", "3,1",
+    r = subprocess.run([sys.executable, "-m", "tools.decode_speed", "--model", "smollm2", "--shape", "3,1",
                         "--out", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "argument --shape: expected num_steps,topk,num_draft_tokens (e.g. 3,1,4), got '3,1'")

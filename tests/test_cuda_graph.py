@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from engine import kernels  # noqa: E402
-from engine.attention import TorchBackend, set_backend  # noqa: E402
+from engine.kernels import fused as kernels  # noqa: E402
+from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -43,7 +43,7 @@ def test_fused_kernels_match_reference():
         y = torch.randn(T, 2 * I, generator=g).to(DEV, torch.bfloat16)
         gg, u = y.chunk(2, -1)
         _close(kernels.silu_and_mul(y), torch.nn.functional.silu(gg) * u)
-        from engine.layers import RotaryEmbedding
+        from engine.model.layers import RotaryEmbedding
         rot = RotaryEmbedding(D, 4096, 100000.0, None).to(DEV)
         qkv = torch.randn(T, (hq + 2 * hk) * D, generator=g).to(DEV, torch.bfloat16)
         pos = torch.randint(0, 4000, (T,), generator=g).to(DEV)
@@ -182,9 +182,9 @@ def test_graph_eagle_device_tree_matches_host_tree(setup):
 
 
 def test_graph_spec_overlap_matches_normal_path(setup):
-    """spec_overlap on the GPU (engine.spec.overlap: the whole round as one graph, Triton attention over device
+    """spec_overlap on the GPU (engine.speculative.device_round: the whole round as one graph, Triton attention over device
     layouts, round t+1 replayed before round t is read back): the greedy tokens of the normal graphed path up to
-    bf16 near-ties (the attention kernels differ: engine.dev_attention vs FlashInfer), similar acceptance.
+    bf16 near-ties (the attention kernels differ: engine.attention.device vs FlashInfer), similar acceptance.
     Requests finish at different lengths and at most 3 run, so segments end and restart."""
     model, draft, prompts, logits = setup
     kw = dict(max_running=3, lens=[12, 30, 20, 41, 25])
@@ -198,9 +198,9 @@ def test_graph_spec_overlap_matches_normal_path(setup):
 
 
 def test_graph_spec_overlap_chain_and_token_map(setup, tmp_path):
-    """A chain (S=3, k=1, n=4: the fast search path, engine.spec.worker._chain_search, constant parent_list /
+    """A chain (S=3, k=1, n=4: the fast search path, engine.speculative.eagle_worker._chain_search, constant parent_list /
     top_scores_index) in the overlapped round: the normal graphed path's greedy tokens up to bf16 near-ties. With an
-    FR-Spec map of every token (the argmax's index map compiled, engine.spec.token_map) exactly the unmapped overlap's
+    FR-Spec map of every token (the argmax's index map compiled, engine.speculative.token_map) exactly the unmapped overlap's
     tokens and accept lengths; with a map of half the vocabulary, the same tokens (lossless) up to near-ties."""
     import json
     model, draft, prompts, logits = setup
@@ -222,7 +222,7 @@ def test_graph_spec_overlap_chain_and_token_map(setup, tmp_path):
 
 
 def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):
-    """Decode graphs of batch size <= PPSPEC_DEV_ATTN_DECODE_MAX_BS (default 8) attend with engine.dev_attention
+    """Decode graphs of batch size <= PPSPEC_DEV_ATTN_DECODE_MAX_BS (default 8) attend with engine.attention.device
     (no FlashInfer plan): the greedy tokens of the FlashInfer graphs (=0) up to bf16 near-ties, with and without
     the overlap schedule (5 prompts: the bs=8 graph, padded)."""
     model, _, prompts, logits = setup
@@ -236,9 +236,9 @@ def test_graph_plain_dev_attention_decode_matches(setup, monkeypatch):
 
 
 def test_argmax_compiled():
-    """engine.argmax compiled (bf16 LM-head outputs, SmolLM2 and Llama-3 vocabularies): torch.argmax's indices,
+    """engine.kernels.argmax compiled (bf16 LM-head outputs, SmolLM2 and Llama-3 vocabularies): torch.argmax's indices,
     ties resolved to the first index."""
-    from engine.argmax import argmax_rows, enabled
+    from engine.kernels.argmax import argmax_rows, enabled
     g = torch.Generator().manual_seed(5)
     for R, V in ((1, 49152), (4, 49152), (32, 49152), (3, 128256)):
         x = torch.randn(R, V, generator=g).to(DEV, torch.bfloat16)
@@ -248,8 +248,8 @@ def test_argmax_compiled():
 
 
 def test_dev_attention_compiled():
-    """engine.dev_attention's Triton kernels compiled on the GPU (bf16) against the float32 torch reference."""
-    from engine.dev_attention import DeviceLayout, attention, attention_ref, enabled
+    """engine.attention.device's Triton kernels compiled on the GPU (bf16) against the float32 torch reference."""
+    from engine.attention.device import DeviceLayout, attention, attention_ref, enabled
     g = torch.Generator().manual_seed(3)
     for hq, hk, Q, Qt, B in ((9, 3, 4, 4, 3), (32, 8, 4, 4, 2), (9, 3, 1, 3, 5), (4, 2, 6, 6, 4)):
         D, slots = 64, 6000
@@ -284,7 +284,7 @@ def test_graph_eagle_matches_eager(setup):
 
 
 def test_rope_store_matches_two_kernel_path(setup, monkeypatch):
-    """PPSPEC_ROPE_STORE=1 (the default; engine.rope_store: RoPE + KV store in one Triton kernel per layer), graphs on:
+    """PPSPEC_ROPE_STORE=1 (the default; engine.kernels.rope_store: RoPE + KV store in one Triton kernel per layer), graphs on:
     the same greedy tokens as FlashInfer RoPE + indexed store, up to bf16 near-ties; plain and EAGLE."""
     model, draft, prompts, logits = setup
     for d in (None, draft):
@@ -298,9 +298,9 @@ def test_rope_store_matches_two_kernel_path(setup, monkeypatch):
 
 
 def test_skinny_kernels_match_reference(monkeypatch):
-    """engine.skinny in bf16 on the GPU (compiled Triton, tensor-core tl.dot) against the unfused torch path,
+    """engine.kernels.skinny in bf16 on the GPU (compiled Triton, tensor-core tl.dot) against the unfused torch path,
     at SmolLM2's and odd shapes, 1-16 rows: the residual sum bit-exact, the GEMM within bf16 rounding."""
-    from engine import skinny
+    from engine.kernels import skinny
     monkeypatch.setenv("PPSPEC_SKINNY", "1")
     g = torch.Generator(device="cpu").manual_seed(3)
     with torch.inference_mode():
@@ -322,7 +322,7 @@ def test_skinny_kernels_match_reference(monkeypatch):
 def test_skinny_matches_unfused_path(setup, monkeypatch):
     """PPSPEC_SKINNY=1 (add-RMSNorm / SiLU-and-mul folded into the decode GEMMs, size limit lifted), graphs on: the same greedy
     tokens as the unfused path up to bf16 near-ties, plain and EAGLE; the fused kernels actually ran."""
-    from engine import skinny
+    from engine.kernels import skinny
     model, draft, prompts, logits = setup
     for d in (None, draft):
         monkeypatch.setenv("PPSPEC_SKINNY", "0")
@@ -337,9 +337,9 @@ def test_skinny_matches_unfused_path(setup, monkeypatch):
 
 
 def test_gemv_kernels_match_reference(monkeypatch):
-    """engine.gemv in bf16 on the GPU (compiled Triton) at the Llama-3-8B shape's linears and odd shapes, one row:
+    """engine.kernels.gemv in bf16 on the GPU (compiled Triton) at the Llama-3-8B shape's linears and odd shapes, one row:
     the residual sum bit-exact, the folded norm / GEMV / SiLU epilogue within bf16 rounding of the unfused path."""
-    from engine import gemv, skinny
+    from engine.kernels import gemv, skinny
     monkeypatch.setenv("PPSPEC_GEMV", "1")
     g = torch.Generator(device="cpu").manual_seed(5)
     with torch.inference_mode():
@@ -362,7 +362,7 @@ def test_gemv_matches_unfused_path(setup, monkeypatch):
     """PPSPEC_GEMV=1 with the size floor lifted, graphs on, one request at a time (batch-1 decode): the same greedy
     tokens as without the GEMVs up to bf16 near-ties, plain and EAGLE (chain: its draft steps have one row); the GEMV
     kernels ran for plain decoding."""
-    from engine import gemv
+    from engine.kernels import gemv
     model, draft, prompts, logits = setup
     for d in (None, draft):
         shape = (3, 1, 4)
@@ -380,10 +380,10 @@ def test_gemv_matches_unfused_path(setup, monkeypatch):
 
 
 def test_pdl_launches_match_plain_launches(setup, monkeypatch):
-    """engine.pdl (the engine's Triton kernels launched with programmatic dependent launch, graphs on): the same
+    """engine.kernels.pdl (the engine's Triton kernels launched with programmatic dependent launch, graphs on): the same
     greedy tokens as plain stream-ordered launches, exactly (same kernels on the same inputs: a missing wait would
     show as a race), for batch-1 GEMV decode, batched skinny decode and EAGLE."""
-    from engine import pdl
+    from engine.kernels import pdl
     model, draft, prompts, _ = setup
     x = torch.zeros(1, device=DEV)
     monkeypatch.delenv("PPSPEC_PDL", raising=False)
@@ -399,7 +399,7 @@ def test_pdl_launches_match_plain_launches(setup, monkeypatch):
 
 @pytest.mark.parametrize("spec", [None, "chain", "chain-overlap"])
 def test_prefill_graph_matches_eager_prefill(setup, spec):
-    """engine.cuda_graph.PrefillGraphRunner: every prompt (5-260 tokens, max_prefill_tokens 512) is prefilled by one
+    """engine.graphs.PrefillGraphRunner: every prompt (5-260 tokens, max_prefill_tokens 512) is prefilled by one
     bucket-graph replay, padded at the end; greedy tokens match eager prefill (same decode graphs) up to bf16
     near-ties (padded GEMMs may pick other cuBLAS kernels), for plain decoding and an EAGLE chain. One request at a
     time (max_running 1): with more, the scheduler packs several short prompts into one prefill step, which runs

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cuda_graph import ladder, pack_masks
+from engine.graphs import ladder, pack_masks
 
 
 def test_ladder():
@@ -34,7 +34,7 @@ def test_pack_masks_layout():
 
 
 def test_page_table_flattens_host_lists(monkeypatch):
-    from engine.flashinfer_backend import decode_tensor_cores, page_table
+    from engine.attention.flashinfer import decode_tensor_cores, page_table
     indptr, indices = page_table([torch.tensor([5, 6, 7]), torch.tensor([9]), torch.zeros(2, dtype=torch.int64)], "cpu")
     assert indptr.tolist() == [0, 3, 4, 6] and indptr.dtype == torch.int32
     assert indices.tolist() == [5, 6, 7, 9, 0, 0] and indices.dtype == torch.int32
@@ -56,7 +56,7 @@ def test_page_table_flattens_host_lists(monkeypatch):
 def test_graph_plan_arguments_with_padding():
     """The graph runner's re-plan hands FlashInfer the flattened page table (padding requests on slot 0)
     and, for verify, the packed masks with a byte indptr written into its own buffer."""
-    from engine.cuda_graph import CudaGraphRunner
+    from engine.graphs import CudaGraphRunner
 
     class Wrapper:
         def plan(self, *args, **kw):
@@ -82,7 +82,7 @@ def test_draft_graph_host_layout():
     """DraftGraphRunner's host page tables: lane (b, j) at step s attends to rows[b][:L_new[b]] then s
     ancestry slots, which the graph writes at ``hist_pos``; padding requests attend to slot 0 only."""
     import numpy as np
-    from engine.cuda_graph import DraftGraphRunner
+    from engine.graphs import DraftGraphRunner
     g = DraftGraphRunner.__new__(DraftGraphRunner)          # host-side state only, no capture
     g.k, g.S, g.max_kv = 2, 3, 64
     rows = [torch.arange(100, 120), torch.arange(200, 220)]
@@ -109,8 +109,8 @@ def test_draft_graph_host_layout():
 def test_graph_runners_need_flashinfer_and_take_its_plan_key():
     from types import SimpleNamespace
 
-    import engine.attention as A
-    from engine.cuda_graph import _bind_flashinfer
+    import engine.attention.backend as A
+    from engine.graphs import _bind_flashinfer
     attn = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, scale=0.125)
     runner = SimpleNamespace(device="cuda:0", dtype=torch.bfloat16)
     o = SimpleNamespace()
@@ -128,7 +128,7 @@ def test_graph_runners_need_flashinfer_and_take_its_plan_key():
 def test_draft_round_host_inputs():
     """DraftGraphRunner.run_round (draft extend + tail draft in one graph): the W rows per request, the
     verify-hidden rows gathered, padding requests, and the causal extend plan (graph replay mocked)."""
-    from engine.cuda_graph import DraftGraphRunner
+    from engine.graphs import DraftGraphRunner
 
     class Wrapper:
         def plan(self, *args, **kw):
@@ -181,7 +181,7 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
     import contextlib
     import gc
 
-    from engine import cuda_graph
+    from engine import graphs as cuda_graph
     seen = {}
 
     @contextlib.contextmanager
@@ -221,10 +221,10 @@ def test_env_int(monkeypatch):
 
 
 def test_blas_knobs_refuse_bad_values(monkeypatch):
-    """PPSPEC_BLAS / PPSPEC_BF16_RPR (engine.kernels.apply_blas_knobs, read at a CUDA runner's start): a value outside
+    """PPSPEC_BLAS / PPSPEC_BF16_RPR (engine.kernels.fused.apply_blas_knobs, read at a CUDA runner's start): a value outside
     the choices is a one-line ConfigError naming the knob, raised before any torch setting changes."""
     from engine import ConfigError
-    from engine.kernels import apply_blas_knobs
+    from engine.kernels.fused import apply_blas_knobs
     before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     monkeypatch.setenv("PPSPEC_BLAS", "cublaslt")
     monkeypatch.setenv("PPSPEC_BF16_RPR", "2")

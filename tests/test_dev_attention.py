@@ -1,4 +1,4 @@
-"""Device-planned paged attention (engine.dev_attention): the Triton kernels (through Triton's CPU interpreter, in
+"""Device-planned paged attention (engine.attention.device): the Triton kernels (through Triton's CPU interpreter, in
 a subprocess: TRITON_INTERPRET must be set before Triton is imported) and the torch reference against an
 independent per-row float64 loop; mixed prefixes, GQA groups 1/3/4, draft-step / causal / tree tail masks, split
 counts below and above the number of blocks, strided q, shuffled req_to_token rows, rows that see nothing; the
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import dev_attention as da
-from engine.dev_attention import DeviceLayout
+from engine.attention import device as da
+from engine.attention.device import DeviceLayout
 from test_rope_store import _run
 
 TESTS = Path(__file__).resolve().parent

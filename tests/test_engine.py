@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, EngineConfig, EngineError, SamplingParams
-from engine.attention import ForwardContext, TorchBackend, set_backend, set_context
+from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
 from engine.config import ModelConfig
 from engine.dist import ParallelState, set_ps
-from engine.loader import hf_weight_shapes, iter_weights, load_model_config, save_hf_checkpoint
-from engine.model import LlamaForCausalLM, stage_layer_range
+from engine.model.loader import hf_weight_shapes, iter_weights, load_model_config, save_hf_checkpoint
+from engine.model.llama import LlamaForCausalLM, stage_layer_range
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -78,14 +78,14 @@ def test_logits_match_transformers(tmp_path, arch, extra):
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2_path):
-    from engine.loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     from tiny import gsm8k_prompts
     tok = load_tokenizer(smollm2_path)
     ids = tok.encode(gsm8k_prompts(1, 0, "test")[0], add_special_tokens=False)
     ours = our_logits(smollm2_path, ids)
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from engine.loader import iter_weights as iw
+    from engine.model.loader import iter_weights as iw
     hf_cfg = transformers.LlamaConfig(**load_model_config(smollm2_path).to_hf())
     ref_model = transformers.LlamaForCausalLM(hf_cfg)
     ref_model.load_state_dict(dict(iw(smollm2_path)), strict=False)

@@ -22,10 +22,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from engine.attention import ForwardContext, TorchBackend, set_backend, set_context  # noqa: E402
+from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 from engine.kv_cache import KVPool  # noqa: E402
-from engine.flashinfer_backend import FlashInferBackend  # noqa: E402
+from engine.attention.flashinfer import FlashInferBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -209,7 +209,7 @@ TINY_GPU = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=
 def make_model(out, seed: int = 0):
     """Sharp next-token distributions (large embedding / head, small layers), no tokenizer."""
     from engine.config import ModelConfig
-    from engine.loader import hf_weight_shapes, save_hf_checkpoint
+    from engine.model.loader import hf_weight_shapes, save_hf_checkpoint
     cfg = ModelConfig.from_hf(TINY_GPU)
     g = torch.Generator().manual_seed(seed)
     state = {}
@@ -228,7 +228,7 @@ def make_model(out, seed: int = 0):
 
 def make_draft(out, cfg, seed: int = 1):
     """EAGLE head whose fc passes the token embedding through, so it agrees with the target often."""
-    from engine.spec.eagle import save_draft
+    from engine.speculative.eagle import save_draft
     H, I = cfg.hidden_size, cfg.intermediate_size
     hq, hk = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     g = torch.Generator().manual_seed(seed)
@@ -268,8 +268,8 @@ def reference_logits(model_dir, device=DEV):
     """Dense (no KV pool) TorchBackend forward of the target in float32 and bfloat16:
     f(tokens) -> (fp32 logits, bf16 logits) of the next token after ``tokens``."""
     from engine.dist import ParallelState, set_ps
-    from engine.loader import iter_weights, load_model_config
-    from engine.model import LlamaForCausalLM
+    from engine.model.loader import iter_weights, load_model_config
+    from engine.model.llama import LlamaForCausalLM
     set_ps(ParallelState(device=torch.device(device)))
     mc = load_model_config(model_dir)
     mods = {}

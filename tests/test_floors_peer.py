@@ -211,12 +211,12 @@ def test_dummy_weights_are_labelled_random_weights(tiny_model_dir, tmp_path):
 def test_peer_on_bundled_gguf_matches_engine():
     """SmolLM2 GGUF -> the engine's dequantised tensors as a temp HF checkpoint -> transformers; greedy agrees."""
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.loader import load_tokenizer, resolve_model_path
+    from engine.model.loader import load_tokenizer, resolve_model_path
     from harness.peer import load_peer, measure_cell, prefix_match
     ids = load_tokenizer(resolve_model_path("smollm2")).encode("Question: What is 7*6?\nAnswer:", add_special_tokens=False)
     cfg = EngineConfig()
     with load_peer(cfg) as (model, info):
-        assert info["weights"] == "checkpoint" and "dequantised by engine.loader" in info["source"]
+        assert info["weights"] == "checkpoint" and "dequantised by engine.model.loader" in info["source"]
         r = measure_cell(model, [ids], output_len=6, runs=1, warmup=0)
     with LLM(cfg) as llm:
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SpecConfig
-from engine.loader import load_model_config, load_tokenizer
+from engine.model.loader import load_model_config, load_tokenizer
 from tools.fuzz import draw_case, expected_output, run_isolated
 
 # seed: what the case covers (python -m tools.fuzz --describe --case SEED prints its draw)

@@ -1,4 +1,4 @@
-"""Batch-1 GEMV kernels (engine.gemv: y = x W^T, add-RMSNorm folded into QKV, add-RMSNorm + SiLU-and-mul folded into
+"""Batch-1 GEMV kernels (engine.kernels.gemv: y = x W^T, add-RMSNorm folded into QKV, add-RMSNorm + SiLU-and-mul folded into
 gate_up, for exactly one row) against the unfused torch computation through Triton's CPU interpreter (a subprocess:
 TRITON_INTERPRET must be set before Triton is imported), then end to end: a tiny model decoding one request at a
 time generates the same tokens with the GEMV layers as without them (plain at TP1 and TP2, EAGLE chain at TP1)."""
@@ -11,7 +11,7 @@ from test_rope_store import _run
 
 KERNEL = '''
 import os, torch
-from engine import gemv, skinny
+from engine.kernels import gemv, skinny
 g = torch.Generator().manual_seed(0)
 worst, cases = 0.0, 0
 # (N, K, pad, config): odd N (masked last program), K not a multiple of BLOCK_K (masked tail), strided x rows
@@ -73,7 +73,8 @@ print("CASES", cases, "WORST", worst)
 
 E2E = '''
 import json, sys
-from engine import LLM, EngineConfig, SamplingParams, SpecConfig, gemv
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.kernels import gemv
 model, draft = sys.argv[1], sys.argv[2]
 prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 19, 3, 28, 11, 50, 4, 8]]
 out = {}
@@ -119,7 +120,8 @@ def test_gemv_dispatch(monkeypatch):
     """On by default for CUDA half precision (not testable here); on CPU only under Triton's interpreter when
     PPSPEC_GEMV=1 is named; exactly one row; weights above PPSPEC_GEMV_MIN_W elements; ops in PPSPEC_GEMV_OPS."""
     import torch
-    from engine import ConfigError, gemv
+    from engine import ConfigError
+    from engine.kernels import gemv
     x, w = torch.zeros(1, 64), torch.zeros(128, 64)
     for k in ("TRITON_INTERPRET", "PPSPEC_GEMV", "PPSPEC_GEMV_MIN_W", "PPSPEC_GEMV_OPS", "PPSPEC_GEMV_CFG"):
         monkeypatch.delenv(k, raising=False)
@@ -162,10 +164,11 @@ def test_gemv_dispatch(monkeypatch):
 
 
 def test_pdl_dispatch(monkeypatch):
-    """engine.pdl: never on CPU tensors or under the interpreter (kernels then launch plainly, USE_PDL False);
+    """engine.kernels.pdl: never on CPU tensors or under the interpreter (kernels then launch plainly, USE_PDL False);
     PPSPEC_PDL accepts 0 / 1 only."""
     import torch
-    from engine import ConfigError, pdl
+    from engine import ConfigError
+    from engine.kernels import pdl
     monkeypatch.delenv("PPSPEC_PDL", raising=False)
     x = torch.zeros(2)
     assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {"USE_PDL": False}

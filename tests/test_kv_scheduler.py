@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_cache import KVCacheError, SlotAllocator
-from engine.sampling import SamplingParams
+from engine.model.sampling import SamplingParams
 from engine.scheduler import Req, Scheduler
 
 

@@ -1,4 +1,4 @@
-"""engine.loader: model location, config, tokenizer and HF-named weights from safetensors and GGUF."""
+"""engine.model.loader: model location, config, tokenizer and HF-named weights from safetensors and GGUF."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.loader import (dummy_weights, hf_weight_shapes, iter_weights, load_model_config, load_tokenizer,
-                           resolve_model_path, save_hf_checkpoint, unpermute_qk)
+from engine.model.loader import (dummy_weights, hf_weight_shapes, iter_weights, load_model_config, load_tokenizer, resolve_model_path, save_hf_checkpoint, unpermute_qk)
 
 GSM8K_PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many "
                 "clips to her friends in May. How many clips did Natalia sell altogether in April and May?\n"
@@ -151,7 +150,7 @@ def _transformers_gguf_reference(path):
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers_gguf(smollm2_path):
     """Our dequantised + un-permuted GGUF weights in HF's Llama give transformers' own GGUF logits."""
-    import engine.loader as loader
+    import engine.model.loader as loader
 
     cfg = load_model_config(smollm2_path)
     ids = torch.tensor([load_tokenizer(smollm2_path)(GSM8K_PROMPT)["input_ids"]])
@@ -336,7 +335,7 @@ def test_config_only_draft_gets_random_weights_under_dummy(tiny_model_dir, tiny_
     decoding of the same random target); without dummy such a directory is a clear error."""
     import shutil
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from engine.spec.eagle import dummy_draft_weights, has_draft_weights
+    from engine.speculative.eagle import dummy_draft_weights, has_draft_weights
     d = tmp_path / "draft_cfg"
     d.mkdir()
     shutil.copy(Path(tiny_draft_dir) / "config.json", d)
@@ -349,7 +348,7 @@ def test_config_only_draft_gets_random_weights_under_dummy(tiny_model_dir, tiny_
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert all(1 <= a <= 4 for o in outs for a in o.accept_lengths)
-    from engine.spec.eagle import draft_config
+    from engine.speculative.eagle import draft_config
     dcfg = draft_config(load_model_config(tiny_model_dir), d)
     names = [n for n, _ in dummy_draft_weights(dcfg)]
     assert names[:2] == ["fc.weight", "fc.bias"] and all(n.startswith("model.layers.0.") for n in names[2:])

@@ -194,7 +194,7 @@ def test_device_tree_composition_sampling_and_fault(tiny_model_dir, tiny_draft_d
 def test_stack_rows_mixed_host_and_device_rows():
     """build_batch_tree's row assembly when some requests' trees are still on the host (first tree, from
     prefill) and others on the device: every row lands at its request's index."""
-    from engine.spec.worker import _stack_rows
+    from engine.speculative.eagle_worker import _stack_rows
     rows = [torch.tensor([i, 10 + i, 20 + i]) for i in range(5)]
     want = torch.stack(rows)
     for host in ([], [0, 2], [1, 3, 4], [0, 1, 2, 3, 4]):

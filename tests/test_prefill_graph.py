@@ -1,4 +1,4 @@
-"""Prefill CUDA graphs (engine.cuda_graph.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
+"""Prefill CUDA graphs (engine.graphs.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
 graph may take, the config knob, and the padding argument the graphs rest on (padding rows at the end change no
 real row of a causal prefill), checked with the torch backend on the tiny model.
 GPU replay: tests/test_cuda_graph.py."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, EngineConfig
-from engine.attention import ForwardContext
-from engine.cuda_graph import PrefillGraphRunner, prefill_bucket, prefill_buckets
+from engine.attention.backend import ForwardContext
+from engine.graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
 
 
 def test_prefill_buckets_ladder():
@@ -81,13 +81,13 @@ def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
 
 
 def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
-    """The shared capture / input-loading code of the graph runners (engine.cuda_graph.capture_forward,
+    """The shared capture / input-loading code of the graph runners (engine.graphs.capture_forward,
     _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
     captured, all under ``ctx``; the pool is taken from the first graph; _load copies t rows and zeroes t:T."""
     import contextlib
 
-    from engine import cuda_graph
-    from engine.attention import get_context
+    from engine import graphs as cuda_graph
+    from engine.attention.backend import get_context
 
     class FakeGraph:
         def pool(self):
@@ -139,7 +139,7 @@ def test_stage_buffers_init_and_prefill_plan_on_cpu():
     """Host side of PrefillGraphRunner without a GPU: the shared buffer setup (_StageBuffers._init_buffers: inputs
     for the largest bucket, hidden/residual only on later PP stages, empty bookkeeping) and one re-plan of a bucket
     (one request of Tb queries over the Tb slots in ``loc``, causal, no split-KV)."""
-    from engine import cuda_graph
+    from engine import graphs as cuda_graph
 
     class Wrapper:
         def plan(self, *args, **kw):

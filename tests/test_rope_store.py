@@ -1,4 +1,4 @@
-"""Fused RoPE + KV store (engine.rope_store) against kernels.rope_ref + KVPool.store, through Triton's CPU
+"""Fused RoPE + KV store (engine.kernels.rope_store) against kernels.rope_ref + KVPool.store, through Triton's CPU
 interpreter (a subprocess: TRITON_INTERPRET must be set before Triton is imported); then end to end: a
 tiny model generates the same tokens with the fused path as without it (plain and EAGLE)."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 KERNEL = textwrap.dedent('''
     import torch
-    from engine import rope_store
-    from engine.kernels import rope_ref
+    from engine.kernels import rope_store
+    from engine.kernels.fused import rope_ref
     from engine.kv_cache import KVPool
-    from engine.layers import RotaryEmbedding
+    from engine.model.layers import RotaryEmbedding
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     for T, hq, hk, D, dtype, pad in [(5, 4, 2, 16, torch.float32, 0), (9, 6, 3, 8, torch.float32, 24),

@@ -1,4 +1,4 @@
-"""Fused skinny GEMMs (engine.skinny: add-RMSNorm + GEMM, add-RMSNorm + gate_up GEMM + SiLU-and-mul, plain
+"""Fused skinny GEMMs (engine.kernels.skinny: add-RMSNorm + GEMM, add-RMSNorm + gate_up GEMM + SiLU-and-mul, plain
 GEMM, for few rows) against the unfused torch computation, through Triton's CPU interpreter (a subprocess: TRITON_INTERPRET must
 be set before Triton is imported); then end to end: a tiny model generates the same tokens and accept lengths
 with the fused layers as without them (plain and EAGLE at TP1, plain at TP2: the row-parallel reduce after the fused
@@ -12,7 +12,7 @@ from test_rope_store import _run
 
 KERNEL = '''
 import torch
-from engine import skinny
+from engine.kernels import skinny
 g = torch.Generator().manual_seed(0)
 worst, cases = 0.0, 0
 for M, N, K, pad in [(1, 40, 96, 0), (3, 34, 70, 8), (16, 64, 300, 0), (17, 20, 300, 5), (5, 96, 16, 0)]:
@@ -54,7 +54,8 @@ print("CASES", cases, "WORST", worst)
 
 E2E = '''
 import json, sys
-from engine import LLM, EngineConfig, SamplingParams, SpecConfig, skinny
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.kernels import skinny
 model, draft = sys.argv[1], sys.argv[2]
 prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 19, 3, 28, 11, 50, 4, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 out = {}
@@ -94,7 +95,7 @@ def test_skinny_dispatch(monkeypatch):
     """On by default for CUDA bf16 (not testable here); on CPU only under Triton's interpreter and only when
     PPSPEC_SKINNY=1 is named; at most PPSPEC_SKINNY_MAX_M rows and PPSPEC_SKINNY_MAX_W weight elements."""
     import torch
-    from engine import skinny
+    from engine.kernels import skinny
     x, w = torch.zeros(4, 64), torch.zeros(128, 64)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PPSPEC_SKINNY", raising=False)

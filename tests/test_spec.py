@@ -69,7 +69,7 @@ def test_sampling_spec_is_seeded_and_valid(tiny_model_dir, tiny_draft_dir, tiny_
 
 def test_save_load_round_trip(tiny_model_dir, tiny_draft_dir, tiny_prompts, tmp_path):
     from engine.config import ModelConfig
-    from engine.spec.eagle import draft_config, iter_draft_weights, save_draft
+    from engine.speculative.eagle import draft_config, iter_draft_weights, save_draft
     mc = ModelConfig.from_hf(__import__("json").loads((__import__("pathlib").Path(tiny_model_dir) / "config.json").read_text()))
     state = dict(iter_draft_weights(tiny_draft_dir))
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= state.keys()

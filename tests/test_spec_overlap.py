@@ -1,4 +1,4 @@
-"""The overlapped EAGLE round (engine.spec.overlap, issue 7): whole rounds on the device, round t+1 launched
+"""The overlapped EAGLE round (engine.speculative.device_round, issue 7): whole rounds on the device, round t+1 launched
 before round t is read back. On CPU the same round runs eagerly with the torch reference attention over the
 device layout; outputs must equal the normal path's exactly (tokens and accept lengths), with rounds really
 launched ahead, requests finishing inside a segment (length and stop tokens), joining, retracted and sampled."""
@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
 from engine.kv_cache import commit_order
-from engine.spec.overlap import commit_order_device
+from engine.speculative.device_round import commit_order_device
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
@@ -92,7 +92,7 @@ def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
     """What startup capture runs (SpecRoundRunner.capture_all, CUDA): a round on the all-padding state of every
     ladder size touches slot 0 only, keeps seq_len 0 and leaves a valid degenerate tree; the KV of real slots is
     untouched."""
-    from engine.spec.overlap import spec_round
+    from engine.speculative.device_round import spec_round
     spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **TREE)
     with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True, max_running_requests=5)) as llm:
         r = llm._worker.runner
@@ -128,10 +128,10 @@ def test_startup_states_are_normal_tensors(tiny_model_dir, tiny_draft_dir, tiny_
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_chain_search_equals_beam_search(tiny_model_dir, tiny_draft_dir, tiny_prompts, overlap, monkeypatch):
-    """The chain fast path (engine.spec.worker._chain_search: no beam bookkeeping, constant parent_list /
+    """The chain fast path (engine.speculative.eagle_worker._chain_search: no beam bookkeeping, constant parent_list /
     top_scores_index, the overlapped round skipping their copies) gives the general beam search's exact tokens and
     accept lengths, with and without the overlapped round."""
-    import engine.spec.worker as W
+    import engine.speculative.eagle_worker as W
     fast, _ = gen(tiny_model_dir, tiny_prompts, tiny_draft_dir, CHAIN, spec_overlap=overlap)
     calls = []
     monkeypatch.setattr(W, "_chain_search", lambda *a: calls.append(1) or W._beam_search(*a))

@@ -1,4 +1,4 @@
-"""FR-Spec draft vocabulary (engine.spec.token_map, spec.token_map; issue 7): the draft scores a hot subset of the
+"""FR-Spec draft vocabulary (engine.speculative.token_map, spec.token_map; issue 7): the draft scores a hot subset of the
 target's LM head and maps its choices back to target ids. Lossless: outputs equal the run without a map (and plain
 decoding); a map of every token in id order changes nothing at all; a small map lowers the accept length only.
 Works at TP 2 (the head is gathered once) and under PP (the relay carries target ids)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, EngineConfig, SamplingParams, SpecConfig
-from engine.spec.token_map import HotHead, build_token_map, coverage, load_token_map
+from engine.speculative.token_map import HotHead, build_token_map, coverage, load_token_map
 
 P = SamplingParams(max_new_tokens=32, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
@@ -139,7 +139,7 @@ def test_small_map_is_lossless_and_lowers_acceptance(tiny_model_dir, tiny_draft_
 
 def test_small_map_drafts_only_hot_tokens(tiny_model_dir, tiny_draft_dir, tiny_prompts, maps):
     """The drafted trees hold hot ids only (the root is the target's own token)."""
-    from engine.spec import worker as W
+    from engine.speculative import eagle_worker as W
     seen = []
     orig = W.draft_beam_search
 
@@ -172,7 +172,7 @@ def test_token_map_config_errors(tiny_model_dir, tiny_draft_dir, tmp_path):
     # regression (QA, session 9): a directory was reported as 'file not found'
     with pytest.raises(ConfigError, match=r"^spec.token_map: a directory, not a file: "):
         SpecConfig(algorithm="eagle", draft=tiny_draft_dir, token_map=str(tmp_path))
-    from engine.spec.token_map import load_token_map
+    from engine.speculative.token_map import load_token_map
     with pytest.raises(ConfigError, match=r"^spec.token_map: a directory, not a file: "):
         load_token_map(tmp_path, 49152)
     bad = write_map(tmp_path / "big.json", [1, 60000])
@@ -185,7 +185,7 @@ def test_harness_resolves_token_map_next_to_the_draft(tiny_draft_dir, tmp_path):
     from pathlib import Path
     write_map(Path(tiny_draft_dir) / "hot_test.json", [1, 2, 3])
     cfg = resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "hot_test.json"}})
-    assert cfg.engine.spec.token_map == str(Path(tiny_draft_dir, "hot_test.json").resolve())
+    assert cfg.engine.speculative.token_map == str(Path(tiny_draft_dir, "hot_test.json").resolve())
     with pytest.raises(HarnessConfigError, match="spec.token_map 'nope.json' not found"):
         resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "nope.json"}})
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import TorchBackend, set_backend
+from engine.attention.backend import TorchBackend, set_backend
 from engine.dist import ParallelState, set_ps
-from engine.loader import iter_weights, load_model_config
-from engine.model import LlamaForCausalLM
-from engine.spec.eagle import EagleDraft
-from engine.spec.train import _init_from_target, _token_batches, draft_loss, row_weights, target_features
+from engine.model.loader import iter_weights, load_model_config
+from engine.model.llama import LlamaForCausalLM
+from engine.speculative.eagle import EagleDraft
+from harness.train_draft import _init_from_target, _token_batches, draft_loss, row_weights, target_features
 
 
 def test_row_weights_values():
@@ -63,7 +63,7 @@ def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
     import gzip
     import json
 
-    from engine.spec.train import read_jsonl
+    from harness.train_draft import read_jsonl
     from harness.prompts import train_prompts
 
     from pathlib import Path
@@ -80,7 +80,7 @@ def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
 def test_tf32_flag_restored_after_cuda_training_scope():
     """Regression: train_draft left TF32 on for the whole process, so the quick accept-length eval run
     after it on the GPU was not fp32 (2.780 vs 2.705 on CPU for the same 20 questions)."""
-    from engine.spec.train import tf32_matmul
+    from harness.train_draft import tf32_matmul
     torch.backends.cuda.matmul.allow_tf32 = False
     with tf32_matmul("cuda"):
         assert torch.backends.cuda.matmul.allow_tf32 is True

@@ -1,4 +1,4 @@
-"""Tests for engine/spec/tree.py: worked examples of pp-spec-notes §2.4, SGLang's unit-test vectors,
+"""Tests for engine/speculative/tree.py: worked examples of pp-spec-notes §2.4, SGLang's unit-test vectors,
 invalid trees (pitfall 19), the chain fallback, exactness of tree rejection sampling, and exact
 agreement of the host (numpy) twins build_tree_host / verify_tree_greedy_host with the torch ones."""
 from __future__ import annotations
@@ -7,9 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.spec.tree import (TreeInfo, VerifyResult, build_tree, build_tree_host, chain_fallback,
-                              draft_step_select, organize_draft_results, tree_input_hash,
-                              verify_tree_greedy, verify_tree_greedy_host, verify_tree_sampling)
+from engine.speculative.tree import (TreeInfo, VerifyResult, build_tree, build_tree_host, chain_fallback, draft_step_select, organize_draft_results, tree_input_hash, verify_tree_greedy, verify_tree_greedy_host, verify_tree_sampling)
 
 T = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
 

@@ -1,4 +1,4 @@
-"""Triton spec-loop kernels (engine.spec.tree_kernels) against the torch references, bit for bit.
+"""Triton spec-loop kernels (engine.speculative.tree_kernels) against the torch references, bit for bit.
 
 The kernels run on CPU through Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
 imported, hence a subprocess); on a GPU the same checks run compiled (tests/test_cuda_graph.py).
@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 CHECK = textwrap.dedent('''
     import sys
     import numpy as np, torch
-    from engine.spec import tree_kernels as K
-    from engine.spec.tree import build_tree, verify_tree_greedy
-    from engine.cuda_graph import pack_masks
+    from engine.speculative import tree_kernels as K
+    from engine.speculative.tree import build_tree, verify_tree_greedy
+    from engine.graphs import pack_masks
     dev = sys.argv[1]
     assert K.triton_enabled(torch.zeros(1, device=dev)), "Triton kernels not selected"
     g = torch.Generator().manual_seed(0)
@@ -86,8 +86,8 @@ def test_pack_verify_mask_host_matches_pack_masks():
     packing each request's full [n, L + n] mask, padding requests (L = 0, all-ones block) included."""
     import numpy as np
     import torch
-    from engine.cuda_graph import pack_masks
-    from engine.spec.tree_kernels import pack_verify_mask
+    from engine.graphs import pack_masks
+    from engine.speculative.tree_kernels import pack_verify_mask
     g = torch.Generator().manual_seed(3)
     for B, n in ((1, 4), (5, 6), (3, 12)):
         tm = torch.rand(B, n, n, generator=g) < 0.5

@@ -212,10 +212,10 @@ def top2_diagnosis(model: str, context: list[int], want: int, got: int) -> str:
     """The target's logits after ``context`` (PP1, eager): the top-2 gap and want-vs-got difference, labelled a
     near-tie when the two tokens' logits are within 1e-4."""
     import torch
-    from engine.attention import ForwardContext, TorchBackend, set_backend, set_context
+    from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
     from engine.dist import ParallelState, set_ps
-    from engine.loader import iter_weights, load_model_config, resolve_model_path
-    from engine.model import LlamaForCausalLM
+    from engine.model.loader import iter_weights, load_model_config, resolve_model_path
+    from engine.model.llama import LlamaForCausalLM
     path = resolve_model_path(model)
     set_ps(ParallelState())
     set_backend(TorchBackend())
@@ -255,7 +255,7 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     import torch
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from engine.loader import load_model_config, load_tokenizer, resolve_model_path
+    from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     mc = load_model_config(path)
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)                                         # skip interpreter teardown of engine threads
     model, draft = default_model(a.model, a.draft)
     if a.describe:
-        from engine.loader import load_model_config, load_tokenizer, resolve_model_path
+        from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
         path = resolve_model_path(model)
         mc, tok = load_model_config(path), load_tokenizer(path)
         for s in seeds:

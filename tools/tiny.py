@@ -24,7 +24,7 @@ def make_tiny_model(out: Path, seed: int = 0, std: float = 0.05) -> Path:
     import torch
 
     from engine.config import ModelConfig
-    from engine.loader import hf_weight_shapes, load_tokenizer, resolve_model_path, save_hf_checkpoint
+    from engine.model.loader import hf_weight_shapes, load_tokenizer, resolve_model_path, save_hf_checkpoint
 
     cfg = ModelConfig.from_hf(TINY)
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ def make_tiny_model(out: Path, seed: int = 0, std: float = 0.05) -> Path:
 def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:
     """An EAGLE head for ``model_dir`` trained by ``ppspec train-draft``'s function (self-distillation on
     GSM8K train questions, ``DRAFT_RECIPE``); writes ``out`` (and ``out.parent/train.jsonl``)."""
-    from engine.spec.train import train_draft
+    from harness.train_draft import train_draft
 
     r = DRAFT_RECIPE
     data = out.parent / "train.jsonl"

@@ -33,7 +33,7 @@ Dispatch: :func:`use` per linear. The kernels run for CUDA bf16/fp16 activations
 (the default; 0 = the unfused path), for at most ``PPSPEC_SKINNY_MAX_M`` rows (default 16) and weights of at most
 ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22). Under Triton's CPU interpreter they run only when
 ``PPSPEC_SKINNY=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, overridable with
-``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m harness.kernel_bench``).
+``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m tools.kernel_bench``).
 Raises ValueError for layouts the kernels do not take.
 
 Measured on the H200 (results/gpu/session6/ab6, same lease, SmolLM2 shape, 2048-token prompts): kernel bench per
@@ -50,7 +50,7 @@ import os
 import torch
 
 from . import pdl
-from .config import ConfigError, env_int
+from ..config import ConfigError, env_int
 
 try:
     import triton
@@ -77,7 +77,7 @@ def enabled(x: torch.Tensor) -> bool:
         if os.environ.get("PPSPEC_SKINNY") != "1":
             return False
     else:
-        from .kernels import use_fused
+        from .fused import use_fused
         if not use_fused(x):
             return False
     return x.shape[0] <= max_rows()
@@ -142,7 +142,7 @@ if triton is not None:
                        stride_ym, M, N, K, eps,
                        NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         pid_n = tl.program_id(0)
@@ -259,7 +259,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def reference(x, w, residual=None, gamma=None, eps: float = 0.0, bias=None, norm: bool = False,
               gated: bool = False):
     """The unfused torch computation (the test oracle): (y, h or None)."""
-    from .kernels import rmsnorm_ref
+    from .fused import rmsnorm_ref
     import torch.nn.functional as F
     h = x + residual if residual is not None else x
     y = F.linear(rmsnorm_ref(h, gamma, eps) if norm else h, w, bias)

@@ -1,7 +1,7 @@
 """Draft-head tuning driver (issue 5): one self-distillation set, several training tries, each scored
 by accept length on GSM8K test prompts; the best try is evaluated in full and kept.
 
-  python -m harness.draft_tune --model M --train train.jsonl --test test200.jsonl --out DIR \
+  python -m tools.draft_tune --model M --train train.jsonl --test test200.jsonl --out DIR \
       --try lr=1e-3,epochs=2,noise=0.1 --try lr=3e-4,epochs=3,noise=0.2 --device cuda
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=200)
     ap.add_argument("--try", dest="tries", action="append", default=[])
     a = ap.parse_args()
-    from engine.spec.train import train_draft
-    from harness.speceval import evaluate
+    from harness.train_draft import train_draft
+    from tools.speceval import evaluate
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..argmax import argmax_rows
+from ..kernels.argmax import argmax_rows
 from ..config import ConfigError, token_map_file
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import gemv, rope_store, skinny
-from .argmax import argmax_rows
-from .attention import attend, get_context
-from .config import ModelConfig
-from .dist import ps, tp_all_reduce
-from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                     VocabParallelEmbedding, silu_and_mul)
+from ..kernels import gemv, rope_store, skinny
+from ..kernels.argmax import argmax_rows
+from ..attention.backend import attend, get_context
+from ..config import ModelConfig
+from ..dist import ps, tp_all_reduce
+from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -93,13 +92,13 @@ class DecoderLayer(nn.Module):
         """hidden, residual [T, H] (residual None on the first layer) -> (mlp output, new residual).
 
         At decode sizes on the GPU (``skinny.enabled``, then ``skinny.fits`` per linear) add-RMSNorm folds into the QKV GEMM, add-RMSNorm
-        and SiLU-and-mul into the gate_up GEMM, and o_proj / down_proj run as skinny GEMMs (engine/skinny.py);
+        and SiLU-and-mul into the gate_up GEMM, and o_proj / down_proj run as skinny GEMMs (engine/kernels/skinny.py);
         otherwise FlashInfer / torch kernels run. With exactly one row (``gemv.enabled``), the linears whose weights are
         too large for the skinny tiles run as batch-1 GEMVs with the same fusions (``gemv.use`` per linear,
-        engine/gemv.py)."""
+        engine/kernels/gemv.py)."""
         attn, mlp = self.self_attn, self.mlp
         fused = skinny.enabled(hidden)            # every linear below sees the same rows, dtype and device
-        one = gemv.enabled(hidden)                # one row: batch-1 GEMVs for the large weights (engine/gemv.py)
+        one = gemv.enabled(hidden)                # one row: batch-1 GEMVs for the large weights (engine/kernels/gemv.py)
         if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
             if residual is not None:
                 hidden = hidden + residual
@@ -212,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(feature).float()
 
     def greedy_tokens(self, feature: torch.Tensor) -> torch.Tensor:
-        """feature [R, H] -> argmax token ids [R] int64 (``engine.argmax``: the LM head's output read in its own
+        """feature [R, H] -> argmax token ids [R] int64 (``engine.kernels.argmax``: the LM head's output read in its own
         dtype, no float32 logits)."""
         return argmax_rows(self.lm_head(feature))
 

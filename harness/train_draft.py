@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..attention import ForwardContext, TorchBackend, set_backend, set_context
-from ..config import ConfigError, EngineConfig
-from ..dist import ParallelState, set_ps
-from ..loader import iter_weights, load_model_config, load_tokenizer, resolve_model_path
-from ..model import LlamaForCausalLM
-from .eagle import EagleDraft, draft_state_dict, save_draft
+from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+from engine.config import ConfigError, EngineConfig
+from engine.dist import ParallelState, set_ps
+from engine.model.loader import iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from engine.model.llama import LlamaForCausalLM
+from engine.speculative.eagle import EagleDraft, draft_state_dict, save_draft
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -49,7 +49,7 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
     ``{"text": ...}`` rows are used as given (prompt length 0: every position is trained on);
     ``{"prompt": ...}`` rows get the target's own greedy continuation (prompt length = prompt tokens).
     """
-    from .. import LLM, SamplingParams
+    from engine import LLM, SamplingParams
     tok = load_tokenizer(resolve_model_path(model))
     seqs, plens, prompts = [], [], []
     for r in rows:

@@ -1,7 +1,7 @@
 """Decode-speed probe for one GPU (issue 7 development): TPOT / tok/s of the engine per batch size,
 CUDA graphs on or off, optional EAGLE, optional torch-profiler table of one timed run.
 
-  python -m harness.decode_speed --model suites/shapes/smollm2-135m --dummy --batch 1 --batch 32 \
+  python -m tools.decode_speed --model suites/shapes/smollm2-135m --dummy --batch 1 --batch 32 \
       --input-len 128 --output-len 128 [--no-graph] [--draft D --shape 3,1,4] [--profile F] --out r.json
 
 Prompts are seeded random token ids (``--dummy`` = random weights: label every figure so).
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--device-tree", action=argparse.BooleanOptionalAction, default=None,
                     help="EAGLE, one stage: spec_device_tree (one D2H per round); unset: the engine default (on)")
     ap.add_argument("--spec-overlap", action=argparse.BooleanOptionalAction, default=None,
-                    help="EAGLE, one stage, greedy: the overlapped device round (engine.spec.overlap); unset: the "
+                    help="EAGLE, one stage, greedy: the overlapped device round (engine.speculative.device_round); unset: the "
                          "engine default (on)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="cuda_graph_prefill_max_tokens (0: eager prefill); unset: the engine default")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def _tuple_of(name: str, value, kind: type, what: str) -> tuple:

@@ -1,11 +1,11 @@
 """GPU microbenchmark of one decoder layer's linears at decode sizes (issue 7 development): the unfused path
-(FlashInfer add-RMSNorm / SiLU-and-mul + cuBLAS) against engine.skinny's fused kernels per block config.
+(FlashInfer add-RMSNorm / SiLU-and-mul + cuBLAS) against engine.kernels.skinny's fused kernels per block config.
 
-  python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json
-  python -m harness.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out b.json
-  python -m harness.kernel_bench --model suites/shapes/llama3-8b --gemv --out g.json
+  python -m tools.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json
+  python -m tools.kernel_bench --model suites/shapes/llama3-8b --rows 1 --blas --out b.json
+  python -m tools.kernel_bench --model suites/shapes/llama3-8b --gemv --out g.json
 
-``--gemv`` times engine.gemv's batch-1 kernels (one row; add-RMSNorm folded into qkv, add-RMSNorm + SiLU-and-mul into
+``--gemv`` times engine.kernels.gemv's batch-1 kernels (one row; add-RMSNorm folded into qkv, add-RMSNorm + SiLU-and-mul into
 gate_up) per block config against the unfused path and against cuBLAS alone, and prints the best config per op as
 ``PPSPEC_GEMV_CFG_<OP>=...`` lines (for the engine's decode A/B in the same run).
 
@@ -77,14 +77,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, action="append", default=[])
     ap.add_argument("--out", required=True)
     ap.add_argument("--blas", action="store_true", help="time cuBLAS choices for the plain linear instead")
-    ap.add_argument("--gemv", action="store_true", help="time engine.gemv's batch-1 kernels per block config instead")
+    ap.add_argument("--gemv", action="store_true", help="time engine.kernels.gemv's batch-1 kernels per block config instead")
     a = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("Error: kernel_bench needs a CUDA device")
     import torch.nn.functional as F
     os.environ["PPSPEC_SKINNY"] = "1"
-    from engine import kernels, skinny
+    from engine.kernels import fused as kernels, skinny
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
@@ -151,11 +151,11 @@ GEMV_CONFIGS = [(2, 1024, 4, 1, 1), (4, 512, 4, 1, 1), (4, 1024, 4, 1, 1), (8, 2
 
 def _gemv_rows(ops, dev, dt) -> list[dict]:
     """One row per op: microseconds of the unfused path (FlashInfer add-RMSNorm, cuBLAS, SiLU-and-mul), of cuBLAS
-    alone, and of engine.gemv per block config (GEMV_CONFIGS; consecutive calls launched with PDL where engine.pdl
+    alone, and of engine.kernels.gemv per block config (GEMV_CONFIGS; consecutive calls launched with PDL where engine.kernels.pdl
 allows), with weight GB/s, the best config's error and its time without PDL."""
     import torch
     import torch.nn.functional as F
-    from engine import gemv, kernels, skinny
+    from engine.kernels import gemv, fused as kernels, skinny
     os.environ["PPSPEC_GEMV"] = "1"
     rows = []
     with torch.inference_mode():

@@ -9,9 +9,9 @@ Layout of one forward (B requests, T new tokens in total):
                     including the slots of its new tokens (written before attention).
   * ``custom_mask`` list of B bool tensors [q_len, kv_len] or None (None = causal, aligned to the end).
   * ``out_cache_loc`` [T] int64: the slot each new token's K/V is written to.
-  * ``device_layout`` (optional): a :class:`engine.dev_attention.DeviceLayout` (page table, lengths, tail
+  * ``device_layout`` (optional): a :class:`engine.attention.device.DeviceLayout` (page table, lengths, tail
                     slots and masks as device tensors, nothing planned on the host); :func:`attend` then runs
-                    ``engine.dev_attention`` instead of the backend (``kv_indices`` and ``qo_indptr`` unused).
+                    ``engine.attention.device`` instead of the backend (``kv_indices`` and ``qo_indptr`` unused).
   * ``tree_mask`` [B, n, n] bool (where the tree is: host, or device with ``spec_device_tree``) +
                     ``prefix_lens`` (B host ints): a verify forward; request i's mask is then
                     ``[n, prefix_lens[i] + n]`` = all committed tokens, then its tree block
@@ -37,7 +37,7 @@ class ForwardContext:
     backend_state: dict = field(default_factory=dict)
     tree_mask: torch.Tensor | None = None  # [B, n, n] bool verify tree masks, with prefix_lens
     prefix_lens: list[int] | None = None
-    device_layout: object = None           # engine.dev_attention.DeviceLayout: the whole layout in device
+    device_layout: object = None           # engine.attention.device.DeviceLayout: the whole layout in device
                                            # tensors (the overlapped EAGLE round); the backend is bypassed
 
 
@@ -128,7 +128,7 @@ class TorchBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int,
                 scale: float) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens; None: already in the pool at out_cache_loc, e.g.
-        by ``engine.rope_store``) -> [T, Hq, D]."""
+        by ``engine.kernels.rope_store``) -> [T, Hq, D]."""
         ctx = get_context()
         st = ctx.backend_state
         dev = q.device
@@ -163,11 +163,11 @@ _BACKEND = TorchBackend()
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int, scale: float) -> torch.Tensor:
     """Attention of one layer for the current context: q [T, Hq, D], k/v [T, Hk, D] or None (already stored)
     -> [T, Hq, D]. With ``ctx.device_layout`` the new K/V are stored at ``out_cache_loc`` and
-    :func:`engine.dev_attention.attention` runs over the device layout; otherwise the backend's ``forward``."""
+    :func:`engine.attention.device.attention` runs over the device layout; otherwise the backend's ``forward``."""
     ctx = get_context()
     if ctx.device_layout is None:
         return _BACKEND.forward(q, k, v, layer, scale)
-    from .dev_attention import attention
+    from .device import attention
     if k is not None:
         ctx.pool.store(layer, ctx.out_cache_loc, k, v)
     return attention(q, ctx.pool.kv_cache[layer], ctx.device_layout, scale)

@@ -3,7 +3,7 @@
 Runs where lm-eval is absent (the GPU box): prompts come from ``harness.prompts.lmeval_contexts``
 (exact lm-eval contexts and stop strings), answers are scored with ``harness.gsm8k.score_response``
 (checked against lm-eval's own filters in tests). Usage:
-  python -m harness.speceval --model M --draft D --prompts test200.jsonl --shape 3,1,4 --shape 4,4,12 --out r.json
+  python -m tools.speceval --model M --draft D --prompts test200.jsonl --shape 3,1,4 --shape 4,4,12 --out r.json
 """
 from __future__ import annotations
 

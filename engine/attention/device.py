@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import pdl
+from ..kernels import pdl
 
 try:
     import triton
@@ -193,7 +193,7 @@ if triton is not None:
                       Q: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                       M: tl.constexpr, M_PAD: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
                       TB: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)

@@ -1,7 +1,7 @@
 """Triton kernels for the device-side spec loop: tree build, greedy verify walk, verify-mask packing.
 
 Each is ONE launch per forward (one program per request) where the torch reference in
-:mod:`engine.spec.tree` issues ~15 tiny kernels per tree node (``build_tree``) or ~8 per walk step
+:mod:`engine.speculative.tree` issues ~15 tiny kernels per tree node (``build_tree``) or ~8 per walk step
 (``verify_tree_greedy``); they keep the EAGLE tree on the device for a single-stage engine, so a
 round copies device->host only once (issue 7; SGLang does the same work in its sgl-kernel CUDA
 kernels ``build_tree_kernel_efficient`` and ``verify_tree_greedy``).
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention import h2d
+from ..attention.backend import h2d
 from .tree import TreeInfo, VerifyResult, build_tree, verify_tree_greedy
 
 try:                                              # optional: CPU-only installs have no Triton
@@ -223,7 +223,7 @@ def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tens
 
     Request b's mask is ``[n, L_b + n]``: every query sees its L_b committed tokens, then the
     ``tree_mask [B, n, n]`` bool block; rows are packed row-major, little bit order, each request
-    padded to whole bytes (the layout of :func:`engine.cuda_graph.pack_masks` and FlashInfer).
+    padded to whole bytes (the layout of :func:`engine.graphs.pack_masks` and FlashInfer).
     ``prefix_lens``: the L_b (host ints); ``prefix_dev``: the same as int64 on the device (copied if
     None); ``out``: optional uint8 buffer to fill (its first ``indptr[-1]`` bytes).
     Returns (packed uint8 [indptr[-1]] on the device, byte indptr int32 [B+1] numpy).

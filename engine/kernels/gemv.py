@@ -5,12 +5,12 @@ profile
 (results/gpu/session9/lease1/l8b_b1_prof.txt) puts the gap in (a) cuBLAS's tiled GEMMs for one row launching 96-128
 CTAs for qkv / o_proj (73-76% of copy bandwidth), (b) cuBLAS split-K reduce kernels after o_proj and down_proj
 (2 us each) and (c) the element-wise launches between the GEMMs (add-RMSNorm 2.9 us x 2, SiLU-and-mul 3.7 us per
-layer). engine.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of 16-117M elements
+layer). engine.kernels.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of 16-117M elements
 (results/gpu/session6/ab4). These kernels take the other route for exactly one row: a GEMV where each program owns
 BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles with 16-byte loads, and multiplies by the
 activation vector on the CUDA cores (no tensor cores, no split-K, so no reduce kernel); many small programs
 (N / BLOCK_N, thousands) keep every SM busy to the tail. With ``prefetch`` a program keeps two weight tiles in
-flight (the next loads while the current one is multiplied), and launched with PDL (engine/pdl.py) it loads its
+flight (the next loads while the current one is multiplied), and launched with PDL (engine/kernels/pdl.py) it loads its
 first tile before waiting for the previous kernel, so the weight stream starts during that kernel's tail. The
 classic batch-1 decode kernel layout (as in FasterTransformer / TensorRT-LLM's GEMV and gpt-fast's compiled int8
 decode); the code is ours. Measured on the H200 (results/gpu/session10): 8B-shape b=1 decode TPOT 4.55 -> 4.41 ms
@@ -34,11 +34,11 @@ Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K]
 written. Accumulation, the statistic and the epilogue are float32.
 
 Dispatch (:func:`use`): CUDA bf16/fp16 activations of exactly one row, ``PPSPEC_GEMV`` not 0 (default 1), weights of
-more than ``PPSPEC_GEMV_MIN_W`` elements (default 1<<22: below it engine.skinny's fused tiles run), and the op named
+more than ``PPSPEC_GEMV_MIN_W`` elements (default 1<<22: below it engine.kernels.skinny's fused tiles run), and the op named
 in ``PPSPEC_GEMV_OPS`` (comma list of qkv, o, gate_up, down; default all). Under Triton's CPU interpreter only when
 ``PPSPEC_GEMV=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, per op overridable with
 ``PPSPEC_GEMV_CFG_<OP>`` (or ``PPSPEC_GEMV_CFG`` for all) = ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]``; ``python -m
-harness.kernel_bench --gemv`` sweeps them on the GPU.
+tools.kernel_bench --gemv`` sweeps them on the GPU.
 
 Raises ValueError for layouts the kernels do not take (see :func:`_launch`), ConfigError for bad knobs.
 """
@@ -49,7 +49,7 @@ import os
 import torch
 
 from . import pdl
-from .config import ConfigError, env_int
+from ..config import ConfigError, env_int
 
 try:
     import triton
@@ -74,7 +74,7 @@ def enabled(x: torch.Tensor) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":         # CPU interpreter: only when asked for by name (tests)
         return knob == "1"
-    from .kernels import use_fused
+    from .fused import use_fused
     return use_fused(x)
 
 
@@ -181,7 +181,7 @@ if triton is not None:
         wp = w_ptr + rows[:, None] * stride_wn + rk[None, :]
         up = w_ptr + (rows + N)[:, None] * stride_wn + rk[None, :]   # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
-        # the first weight tile(s) before the PDL wait: weights are never written (engine/pdl.py's contract)
+        # the first weight tile(s) before the PDL wait: weights are never written (engine/kernels/pdl.py's contract)
         if EVEN_K:
             w = tl.load(wp, eviction_policy="evict_first")
         else:

@@ -64,7 +64,7 @@ if triton is not None:
 def argmax_rows(x: torch.Tensor, index_map: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for ``x [R, V]`` (see the module doc): [R] int64 on x's device, no host sync.
     ``index_map`` [V] int64 (optional): return ``index_map[argmax]`` instead, looked up inside the final launch
-    (a draft vocabulary's hot ids, :mod:`engine.spec.token_map`)."""
+    (a draft vocabulary's hot ids, :mod:`engine.speculative.token_map`)."""
     if not enabled(x) or x.dim() != 2:
         best = x.argmax(-1)
         return best if index_map is None else index_map[best]

@@ -35,7 +35,7 @@ def enabled(x: torch.Tensor) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
-    from .kernels import use_fused
+    from .fused import use_fused
     return use_fused(x)
 
 
@@ -44,7 +44,7 @@ if triton is not None:
     def _rope_store_kernel(qkv_ptr, stride_t, pos_ptr, cos_sin_ptr, loc_ptr, kv_ptr,
                            HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP2: tl.constexpr,
                            USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)

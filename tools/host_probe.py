@@ -1,7 +1,7 @@
 """Host-overhead probe: the engine's per-round host work (scheduling, tree build/walk, relay, commit,
 page tables) with every model forward stubbed, so what is timed is the bookkeeping around the kernels.
 
-  python -m harness.host_probe --batch 1 --batch 8 --batch 32 [--no-spec] --out results/cpu/host_probe.json
+  python -m tools.host_probe --batch 1 --batch 8 --batch 32 [--no-spec] --out results/cpu/host_probe.json
 
 Diagnostic only: the target/draft forwards return random hidden states and ``compute_logits`` returns
 random logits over a 512-token vocabulary, so acceptance is meaningless; the attention backend's plan
@@ -21,7 +21,7 @@ STUB_VOCAB = 512
 
 def _stub_runner(max_tokens: int, hidden: int) -> None:
     """Forwards return rows of one pre-drawn random buffer (no per-call compute to speak of)."""
-    import engine.model as M
+    import engine.model.llama as M
     import engine.runner as R
     g = torch.Generator().manual_seed(0)
     H = torch.randn(max_tokens, hidden, generator=g)
@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(1)
     _stub_runner(max(a.batch or [1]) * a.input_len + 64, 576)
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from harness.decode_speed import emit, save_rows
+    from tools.decode_speed import emit, save_rows
     S, k, n = a.shape
     spec = SpecConfig() if a.no_spec else SpecConfig("eagle", "drafts/smollm2-eagle", S, k, n)
     cfg = EngineConfig(model="suites/shapes/smollm2-135m", load_format="dummy", device="cpu", dtype="float32",

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from ..layers import RotaryEmbedding, VocabParallelEmbedding
-from ..model import DecoderLayer, load_layer_weight
+from ..model.layers import RotaryEmbedding, VocabParallelEmbedding
+from ..model.llama import DecoderLayer, load_layer_weight
 
 
 class EagleDraft(nn.Module):
@@ -90,8 +90,8 @@ def has_draft_weights(draft_dir: str | Path) -> bool:
 def dummy_draft_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device=None):
     """Random EAGLE weights for a config-only draft under ``load_format=dummy`` (speed runs of shapes
     without a trained head; such a draft accepts almost nothing): ``fc`` normal(0, 0.02) with zero bias,
-    layer 0 as :func:`engine.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
-    from ..loader import dummy_weights
+    layer 0 as :func:`engine.model.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
+    from ..model.loader import dummy_weights
     dev = torch.device(device) if device is not None else torch.device("cpu")
     H = cfg.hidden_size
     g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + 7)

@@ -21,16 +21,16 @@ import gc
 import numpy as np
 import torch
 
-from .attention import ForwardContext, h2d, pinned, set_context
-from .flashinfer_backend import decode_plan_options, decode_tensor_cores, page_table
-from .spec.tree_kernels import pack_verify_mask
+from .attention.backend import ForwardContext, h2d, pinned, set_context
+from .attention.flashinfer import decode_plan_options, decode_tensor_cores, page_table
+from .speculative.tree_kernels import pack_verify_mask
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
 def dev_attention_decode_max_bs() -> int:
     """Captured decode graphs of batch size <= ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` (default 8; 0: none) attend with
-    :mod:`engine.dev_attention` (slot matrix and lengths copied to the device per replay, no FlashInfer plan, no
+    :mod:`engine.attention.device` (slot matrix and lengths copied to the device per replay, no FlashInfer plan, no
     FlashInfer merge) instead of FlashInfer's decode wrapper. Default from the H200 A/B (results/gpu/session7/ov,
     SmolLM2 shape, 2048-token prompts): TPOT b=1 1.068 -> 0.928 ms, b=8 1.300 -> 1.118 ms, but b=32 1.936 ->
     2.546 ms (FlashInfer's decode kernel wins at large batches).
@@ -62,7 +62,7 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
 def _bind_flashinfer(obj, runner, attn) -> None:
     """Common setup of a graph runner: the FlashInfer backend (RuntimeError for any other), device,
     dtype and the plan key (Hq, Hk, D, softmax scale, dtype) of the attention module ``attn``."""
-    from .attention import get_backend
+    from .attention.backend import get_backend
     obj.r = runner
     obj.backend = get_backend()
     if getattr(obj.backend, "name", "") != "flashinfer":
@@ -200,7 +200,7 @@ class CudaGraphRunner(_StageBuffers):
         self.qo_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
         self.mask_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=d)
         self.mask_buf = torch.zeros(self.max_bs * ((max_q * max_kv + 7) // 8 + 1), dtype=torch.uint8, device=d)
-        # decode attention planned on the device (engine.dev_attention) instead of FlashInfer: the page table is
+        # decode attention planned on the device (engine.attention.device) instead of FlashInfer: the page table is
         # a [bs, max_kv] slot matrix + lengths copied per replay, no host plan, no FlashInfer merge kernel
         self.dev_decode_max_bs = dev_attention_decode_max_bs() if decode else 0
         if self.dev_decode_max_bs:
@@ -257,7 +257,7 @@ class CudaGraphRunner(_StageBuffers):
         self._record_plan((kind, bs))
 
     def _fill_device_layout(self, bs: int, kvs: list[torch.Tensor]) -> None:
-        """Decode with engine.dev_attention: request i's KV list (its new token's slot last) becomes row i of the
+        """Decode with engine.attention.device: request i's KV list (its new token's slot last) becomes row i of the
         slot matrix (prefix = all but the last, which is ``out_cache_loc``) and its prefix length; padding rows
         get length 0. One pinned copy of [bs, max len] slots + lengths."""
         lens = [int(k.numel()) - 1 for k in kvs]
@@ -276,7 +276,7 @@ class CudaGraphRunner(_StageBuffers):
         q = self.q_len[kind]
         ctx = ForwardContext(list(range(0, bs * q + 1, q)), None, None, self.loc[:bs * q], self.r.kv_pool, kind)
         if kind == "decode" and bs <= self.dev_decode_max_bs:
-            from .dev_attention import DeviceLayout, default_splits
+            from .attention.device import DeviceLayout, default_splits
             splits = default_splits(bs, self.key[1], self.dl_max_kv, max_splits=32)
             ctx.device_layout = DeviceLayout(self.dl_rt[:bs], self.dl_rows[:bs], self.dl_lens[:bs],
                                              self.loc[:bs].view(bs, 1), self.dl_mask[:bs], splits)
@@ -397,7 +397,7 @@ class DraftGraphRunner:
     def _host_layout(self, bs: int, rows: list[torch.Tensor], L_new: list[int]):
         """Per step s: (kv_indptr [lanes+1] int32, kv_indices [sum] int32 with zeros where the graph writes
         the ancestry, hist_pos [lanes*s] int64, positions [lanes] int64), host numpy; scratch [bs,k,S-1]."""
-        from .spec.worker import scratch_slots
+        from .speculative.eagle_worker import scratch_slots
         k, S, B = self.k, self.S, len(rows)
         lanes = bs * k
         pad = (bs - B) * k
@@ -462,7 +462,7 @@ class DraftGraphRunner:
 
     def _round_body(self, bs: int, step_inputs):
         """Draft extend (W rows per request, causal) -> hidden of each request's last accepted row -> beam search."""
-        from .spec.worker import draft_beam_search
+        from .speculative.eagle_worker import draft_beam_search
         T = bs * self.W
         ctx = ForwardContext(list(range(0, T + 1, self.W)), None, None, self.e_in[2, :T], self.r.draft_pool, "extend")
         ctx.backend_state.update(fi={"kind": "extend", "dtype": self.dtype},
@@ -472,7 +472,7 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def _capture(self, bs: int, with_extend: bool = False) -> None:
-        from .spec.worker import draft_beam_search
+        from .speculative.eagle_worker import draft_beam_search
         lanes = bs * self.k
         for s, st in self.steps.items():
             if (s, bs) not in self.wrappers:
@@ -575,7 +575,7 @@ class PrefillGraphRunner(_StageBuffers):
     """Captured one-request prefill forwards of one stage over a ladder of token counts (``prefill_buckets``).
 
     Why: an eager prefill launches ~15 kernels per layer from Python. On the H200 a 2048-token SmolLM2-135M prefill
-    kept the GPU busy 4.4 ms of a 16-26 ms one-token generate (``harness.decode_speed --prefill-profile``,
+    kept the GPU busy 4.4 ms of a 16-26 ms one-token generate (``tools.decode_speed --prefill-profile``,
     results/gpu/session11): TTFT was host-bound. A replay launches the whole stage at once (the role of SGLang's
     piecewise / vLLM's compiled prefill graphs; here the attention is inside the graph, which the restriction below
     allows).

@@ -16,7 +16,7 @@ Here every input of round t+1 is an output of round t on the device:
        device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
     4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree,
     5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
-  Attention reads its layout from device tensors (:mod:`engine.dev_attention`), so nothing is planned on the
+  Attention reads its layout from device tensors (:mod:`engine.attention.device`), so nothing is planned on the
   host and the round is one CUDA graph per batch size (:class:`SpecRoundRunner`); on CPU it runs eagerly
   (same code, torch reference attention).
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import ForwardContext, h2d, pinned, set_context
-from ..dev_attention import DeviceLayout, default_splits
+from ..attention.backend import ForwardContext, h2d, pinned, set_context
+from ..attention.device import DeviceLayout, default_splits
 from .tree import chain_fallback
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
@@ -91,10 +91,10 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     """One greedy EAGLE round of the ``st.bs`` requests of ``st``, entirely on the device (see the module doc).
 
     ``runner``: the ModelRunner (model, draft, pools, spec); ``splits``: (verify / extend split-KV count,
-    draft-step split-KV count) of :mod:`engine.dev_attention`. Reads and updates ``st`` in place; the round's
+    draft-step split-KV count) of :mod:`engine.attention.device`. Reads and updates ``st`` in place; the round's
     result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by :class:`SpecRoundRunner`).
     """
-    from .worker import draft_beam_search
+    from .eagle_worker import draft_beam_search
     spec, model = runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B = st.bs
@@ -160,7 +160,7 @@ class SpecRoundRunner:
     """
 
     def __init__(self, runner, max_bs: int, use_graphs: bool):
-        from ..cuda_graph import ladder
+        from ..graphs import ladder
         spec = runner.spec
         self.r = runner
         self.S, self.k, self.n = spec.num_steps, spec.topk, spec.num_draft_tokens
@@ -275,7 +275,7 @@ class SpecRoundRunner:
     def _capture(self, st: RoundState):
         """Capture :func:`spec_round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
         saved first and restored afterwards: warm-up and capture runs advance it like real rounds."""
-        from ..cuda_graph import capturing
+        from ..graphs import capturing
         saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi)]   # rt: row copies
         splits = self._splits(st.bs)
         stream = torch.cuda.Stream(self.r.device)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..argmax import argmax_rows
-from ..attention import ForwardContext, h2d, tree_to_host
+from ..kernels.argmax import argmax_rows
+from ..attention.backend import ForwardContext, h2d, tree_to_host
 from ..kv_cache import commit_order
-from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results,
-                   verify_tree_greedy_host, verify_tree_sampling)
+from .tree import (build_tree_host, chain_fallback, draft_step_select, organize_draft_results, verify_tree_greedy_host, verify_tree_sampling)
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 
@@ -72,7 +71,7 @@ def _topk_probs(runner, hidden: torch.Tensor):
     on the H200 the full softmax took 12.9 us per draft step at R=1, V=49,152). A chain (k = 1, n - 1 = S) selects
     every candidate whatever the scores (``organize_draft_results`` keeps n - 1 of n - 1), so its probabilities
     are ones and only the argmax runs. With a draft vocabulary map (``runner.hot_head``, FR-Spec:
-    :mod:`engine.spec.token_map`) the scores cover the hot subset only and the ids are mapped back to target ids."""
+    :mod:`engine.speculative.token_map`) the scores cover the hot subset only and the ids are mapped back to target ids."""
     spec, hot = runner.spec, getattr(runner, "hot_head", None)
     if spec.is_chain:
         # a chain keeps every candidate, so the scores cannot change the tree: the argmax alone (ones as probs)
@@ -100,7 +99,7 @@ def draft_beam_search(runner, last_hidden: torch.Tensor, scratch: torch.Tensor, 
     for trees too. ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)``
     lays out step s's attention (eagerly from host page tables, or from a captured graph's buffers).
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
-    Captured as one CUDA graph by :class:`engine.cuda_graph.DraftGraphRunner`.
+    Captured as one CUDA graph by :class:`engine.graphs.DraftGraphRunner`.
     """
     if runner.spec.is_chain:
         return _chain_search(runner, last_hidden, scratch, step_inputs)

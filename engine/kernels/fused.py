@@ -117,7 +117,7 @@ def apply_blas_knobs() -> dict:
     Raises:
         ConfigError: a knob holds a value outside the choices above (one line naming it).
     """
-    from .config import ConfigError
+    from ..config import ConfigError
     lib = os.environ.get("PPSPEC_BLAS", "").strip().lower()
     if lib not in BLAS_CHOICES:
         raise ConfigError(f"PPSPEC_BLAS must be one of cublas, cublaslt (or unset), got {lib!r}")

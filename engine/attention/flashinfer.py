@@ -1,4 +1,4 @@
-"""FlashInfer attention backend (GPU): the semantics of :class:`engine.attention.TorchBackend`, run by
+"""FlashInfer attention backend (GPU): the semantics of :class:`engine.attention.backend.TorchBackend`, run by
 FlashInfer's paged kernels over the slot pool (page_size 1, NHD: the pool's ``[slots, 2, Hk, D]`` tensor
 viewed as FlashInfer's single-tensor layout ``[slots, 2, 1, Hk, D]``).
 
@@ -26,8 +26,8 @@ import weakref
 
 import torch
 
-from .attention import ForwardContext, TorchBackend, get_context, h2d, request_masks
-from .config import ConfigError, env_int
+from .backend import ForwardContext, TorchBackend, get_context, h2d, request_masks
+from ..config import ConfigError, env_int
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -203,7 +203,7 @@ class FlashInferBackend:
         if st.get("fi") is None:
             return self._torch.forward(q, k, v, layer, scale)
         pool = ctx.pool
-        if k is not None:                                    # None: already stored (engine.rope_store)
+        if k is not None:                                    # None: already stored (engine.kernels.rope_store)
             pool.store(layer, ctx.out_cache_loc, k, v)       # one indexed copy for K and V (KVPool.store)
         key = (q.shape[1], pool.kv_cache[layer].shape[2], q.shape[2], float(scale), q.dtype)
         if st["fi_planned"] != key:

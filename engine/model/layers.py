@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .dist import ps, tp_all_gather, tp_all_reduce
+from ..kernels import fused as kernels
+from ..dist import ps, tp_all_gather, tp_all_reduce
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:

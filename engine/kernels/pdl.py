@@ -47,7 +47,7 @@ def enabled(t: torch.Tensor) -> bool:
     Raises:
         ConfigError: ``PPSPEC_PDL`` is not 0 or 1.
     """
-    from .config import ConfigError
+    from ..config import ConfigError
     knob = os.environ.get("PPSPEC_PDL", "").strip()
     if knob not in ("", "0", "1"):
         raise ConfigError(f"PPSPEC_PDL must be 0 or 1 (or unset), got {knob!r}")
