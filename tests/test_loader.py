@@ -167,12 +167,13 @@ def test_smollm2_logits_match_transformers_gguf(smollm2_path):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
     # the check has teeth: leaving llama.cpp's q/k row permutation in place breaks the logits
-    original = loader.unpermute_qk
+    import engine.model.gguf as gguf_reader
+    original = gguf_reader.unpermute_qk
     try:
-        loader.unpermute_qk = lambda w, n_head: w
+        gguf_reader.unpermute_qk = lambda w, n_head: w
         ours.load_state_dict(dict(iter_weights(smollm2_path, layer_range=(0, 1))), strict=False)
     finally:
-        loader.unpermute_qk = original
+        gguf_reader.unpermute_qk = original
     ours.tie_weights()
     with torch.no_grad():
         assert (ours(ids).logits - want).abs().max().item() > 1.0
