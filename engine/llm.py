@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
-import resource
-import signal
-import socket
-import sys
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -20,10 +15,11 @@ import torch
 import torch.multiprocessing as mp
 
 from .config import ConfigError, EngineConfig
-from .dist import ParallelState, init_distributed, set_ps
+from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .scheduler import Req, prompt_token_ids, request_error
+from .ranks import death, free_port, join_all, peak_memory, rank_info, rank_main
 
 
 class EngineError(RuntimeError):
@@ -42,107 +38,6 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
     num_retractions: int = 0
     error: str | None = None               # finish_reason "error": why the engine failed this request
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _rank_info(worker) -> dict:
-    r = worker.runner
-    nbytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
-    nparams = sum(p.numel() for p in r.model.parameters())
-    return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity, "reserve": r.reserve}
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel send this rank SIGTERM when the front end that spawned it dies, e.g. on a plain
-    ``kill`` of ppspec (QA, session 9: the ranks of a killed ``--pp 2`` run kept computing, reparented to PID 1).
-    Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)             # PR_SET_PDEATHSIG
-    except Exception:                                            # noqa: BLE001 - best effort
-        return
-    if os.getppid() == 1:                                        # the front end died before prctl took effect
-        os._exit(1)
-
-
-def _rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
-    if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
-        os._exit(3)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's ^C reaches the whole group: the front end decides
-    try:
-        torch.set_num_threads(threads)
-        from .worker import Worker
-        dev = torch.device(config.device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(dev)
-        init_distributed(rank, config.world_size, config.tp, config.pp, dev, f"tcp://127.0.0.1:{port}",
-                         config.dist_timeout_s)
-        worker = Worker(config.replace(device=str(dev)), record_times=rank == 0)
-        res_q.put(("ready", rank, _rank_info(worker)))
-        while True:
-            cmd = cmd_q.get()
-            if cmd[0] == "stop":
-                break
-            _, reqs, max_conc = cmd
-            prog = (lambda d, t: res_q.put(("progress", d, t))) if rank == 0 else None
-            worker.run(reqs, max_conc, prog)
-            if rank == 0:
-                res_q.put(("result", reqs, _peak_memory(dev)))
-    except BaseException as e:                               # report, then let the front end stop the group
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        res_q.put(("error", rank, f"{type(e).__name__}: {msg}", traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-        # leave without interpreter finalization, once the result queue is flushed: finalizing a rank that imported
-        # Triton printed ~60 lines of nanobind "leaked instances" to stderr after every multi-rank run (QA, session 9)
-        try:
-            res_q.close()
-            res_q.join_thread()
-        except Exception:                                        # noqa: BLE001
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _join_all(procs, timeout: float) -> None:
-    """Join every process, all within one ``timeout`` (seconds) in total."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-
-
-def _death(rank: int, exitcode: int | None) -> str:
-    """How a rank that reported nothing ended: ``rank 0 died (killed by SIGKILL)`` for a signal (a negative exit
-    code), ``rank 1 exited without reporting (exit code 3)`` otherwise."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"rank {rank} died (killed by {name})"
-    return f"rank {rank} exited without reporting (exit code {exitcode})"
 
 
 _ENGINES: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose ranks have not been shut down
@@ -185,7 +80,7 @@ class LLM:
             from .worker import Worker
             set_ps(ParallelState(device=torch.device(config.device)))
             self._worker = Worker(config, record_times=True)
-            self._infos = [_rank_info(self._worker)]
+            self._infos = [rank_info(self._worker)]
             self.tokenizer = self._worker.runner.tokenizer
         else:
             try:
@@ -203,11 +98,11 @@ class LLM:
         self._cmd_qs = [ctx.Queue() for _ in range(W)]
         self._res_q = ctx.Queue()
         threads = max(1, (os.cpu_count() or 1) // W)
-        port = _free_port()
+        port = free_port()
         self._busy = True
         _ENGINES.add(self)
         for rank in range(W):
-            p = ctx.Process(target=_rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
+            p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
                             daemon=True)
             p.start()
             self._procs.append(p)
@@ -276,7 +171,7 @@ class LLM:
             head = next(iter(errors.values()))
             if head[2].startswith("ConfigError: "):
                 raise ConfigError(head[2][len("ConfigError: "):])
-        parts = [_death(rank, code) for rank, code in dead]
+        parts = [death(rank, code) for rank, code in dead]
         parts += [f"rank {m[1]} failed: {m[2]}" for m in errors.values()]
         raise EngineError("; ".join(parts))
 
@@ -346,7 +241,7 @@ class LLM:
             return []
         if self.config.world_size == 1:
             done = self._worker.run(reqs, max_concurrency, progress)
-            self.last_peak_memory = _peak_memory(torch.device(self.config.device))
+            self.last_peak_memory = peak_memory(torch.device(self.config.device))
         else:
             if getattr(self, "_res_q", None) is None:
                 raise EngineError("the engine is shut down (its ranks have stopped): start a new LLM")
@@ -367,7 +262,6 @@ class LLM:
         return [self._output(r) for r in done]
 
     def _max_len(self) -> int:
-        mc = self.model_config
         return self.config.context_length(self.model_config)
 
     def _output(self, r: Req) -> RequestOutput:
@@ -405,15 +299,15 @@ class LLM:
             self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
         if graceful:
-            _join_all(procs, 2.0)
+            join_all(procs, 2.0)
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        _join_all(procs, 2.0)
+        join_all(procs, 2.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
-        _join_all(procs, 2.0)
+        join_all(procs, 2.0)
         self._procs = []
         self._busy = False
         _ENGINES.discard(self)
@@ -424,7 +318,7 @@ class LLM:
         multiprocessing's resource tracker while the interpreter is whole. Left to interpreter teardown (a feeder
         thread still holding a queue's locks), the unlink ran but the unregister was lost, and about one multi-rank
         CLI run in twelve ended with the tracker's "There appear to be 1 leaked semaphore objects ... No such file
-        or directory" warnings on stderr (session 11). Feeder threads get a bounded join: a rank that died unread
+        or directory" warnings on stderr. Feeder threads get a bounded join: a rank that died unread
         must not hold up the exit."""
         res_q = getattr(self, "_res_q", None)
         for q in [*getattr(self, "_cmd_qs", []), *([res_q] if res_q is not None else [])]:

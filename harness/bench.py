@@ -147,7 +147,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if measured is not None:
         from engine.model.loader import load_model_config, resolve_model_path
         from harness.floors import bench_floors, floor_dtype
-        mc = model_config or load_model_config(resolve_model_path(cfg.engine.model.llama))
+        mc = model_config or load_model_config(resolve_model_path(cfg.engine.model))
         summary["floors"] = bench_floors(measured, mc, floor_dtype(cfg.engine.device, cfg.engine.dtype),
                                          [(c["input_len"], c["batch_size"], c["num_prompts"]) for c in cells],
                                          b.output_len)

@@ -374,7 +374,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
             err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
             raise typer.Exit(1)
         typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
-        spec_on = cfg.engine.speculative.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
+        spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
                else "")
@@ -421,7 +421,7 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
             raise HarnessConfigError(f"--out {out} already exists: choose another file or delete it first")
         check_writable(out.parent if str(out.parent) else Path("."), f"--out {out}: directory")
         try:
-            summary = make_token_map(cfg.engine.model.llama, cfg.paths.data, size, out)
+            summary = make_token_map(cfg.engine.model, cfg.paths.data, size, out)
         except ValueError as e:
             raise HarnessConfigError(str(e)) from None
         short = f" (all the distinct tokens of the corpus)" if summary["size"] < size else ""

@@ -77,7 +77,7 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
                 elif key == "tps":
                     t = c["pooled"]["output_throughput_runs"]
                     row.append(fmt(sum(t) / len(t)) if t else "-")
-                elif key == "acc":                # bench-only sweeps had no acceptance row (QA, session 5)
+                elif key == "acc":                # a bench-only sweep has no acceptance row
                     a = (c["pooled"].get("accept_length") or {}).get("mean")
                     row.append(fmt(a) if a is not None else "-")
                 else:

@@ -29,7 +29,7 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
         engine.config.ConfigError: the engine refuses the candidate (e.g. PP x spec not enabled) or either
             topology (tp / pp cannot split the model).
     """
-    if not cfg.engine.speculative.enabled:
+    if not cfg.engine.spec.enabled:
         raise HarnessConfigError("gate: speculative decoding is off (is the draft missing?); the gate compares "
                                  "PP runs with spec")
     g = cfg.gate

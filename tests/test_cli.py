@@ -105,7 +105,7 @@ def test_precedence_toml_yaml_flags(tmp_path, monkeypatch):
     c = resolve(str(run_yaml), {"dtype": "float16", "gsm8k": {"limit": 7}})
     assert (c.gsm8k.limit, c.gsm8k.runs, c.engine.dtype) == (7, 3, "float16")
     assert c.sources == (str(toml), str(run_yaml.resolve()), "command line")
-    assert not c.engine.speculative.enabled and "not found" in c.notes[0]   # missing draft -> spec off, warned
+    assert not c.engine.spec.enabled and "not found" in c.notes[0]   # missing draft -> spec off, warned
 
 
 def test_precedence_through_the_cli(tmp_path, monkeypatch):
@@ -363,7 +363,7 @@ def test_device_tree_under_pp_is_noted(draft_dir):
     """spec_device_tree is a one-stage option: under PP the resolver says it does not apply (no silent ignore)."""
     ov = {"pp": 2, "spec_device_tree": True, "spec": {"algorithm": "eagle", "draft": str(draft_dir), "pp_spec": True}}
     c = resolve(None, ov)
-    assert c.engine.speculative.enabled and c.engine.spec_device_tree
+    assert c.engine.spec.enabled and c.engine.spec_device_tree
     assert "note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host" in c.notes
     assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
     auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note

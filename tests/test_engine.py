@@ -446,7 +446,7 @@ def test_torchrun_launch_matches_spawn(tiny_model_dir, tiny_prompts, reference, 
     prompts.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 24, "ignore_eos": True}) + "\n"
                                for p in tiny_prompts[:4]))
     out = tmp_path / "o.jsonl"
-    from engine.llm import _free_port
+    from engine.ranks import free_port as _free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "engine.launch", "--model", tiny_model_dir, "--pp", "2", "--prompts", str(prompts), "--out", str(out)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)

@@ -136,7 +136,7 @@ def _ring_worker(rank, world, port, nbytes, rounds, q):
 def test_ring_parity_large_payload(world):
     """Blocking sends with a 4 MiB relay payload round the ring complete for P = 2, 3, 4."""
     import torch.multiprocessing as mp
-    from engine.llm import _free_port
+    from engine.ranks import free_port as _free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port, rounds = _free_port(), 5

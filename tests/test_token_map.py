@@ -185,7 +185,7 @@ def test_harness_resolves_token_map_next_to_the_draft(tiny_draft_dir, tmp_path):
     from pathlib import Path
     write_map(Path(tiny_draft_dir) / "hot_test.json", [1, 2, 3])
     cfg = resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "hot_test.json"}})
-    assert cfg.engine.speculative.token_map == str(Path(tiny_draft_dir, "hot_test.json").resolve())
+    assert cfg.engine.spec.token_map == str(Path(tiny_draft_dir, "hot_test.json").resolve())
     with pytest.raises(HarnessConfigError, match="spec.token_map 'nope.json' not found"):
         resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "nope.json"}})
 

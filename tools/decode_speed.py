@@ -1,4 +1,4 @@
-"""Decode-speed probe for one GPU (issue 7 development): TPOT / tok/s of the engine per batch size,
+"""Decode-speed probe for one GPU: TPOT / tok/s of the engine per batch size,
 CUDA graphs on or off, optional EAGLE, optional torch-profiler table of one timed run.
 
   python -m tools.decode_speed --model suites/shapes/smollm2-135m --dummy --batch 1 --batch 32 \

@@ -1,4 +1,4 @@
-"""Draft-head tuning driver (issue 5): one self-distillation set, several training tries, each scored
+"""Draft-head tuning driver: one self-distillation set, several training tries, each scored
 by accept length on GSM8K test prompts; the best try is evaluated in full and kept.
 
   python -m tools.draft_tune --model M --train train.jsonl --test test200.jsonl --out DIR \

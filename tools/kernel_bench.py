@@ -1,4 +1,4 @@
-"""GPU microbenchmark of one decoder layer's linears at decode sizes (issue 7 development): the unfused path
+"""GPU microbenchmark of one decoder layer's linears at decode sizes: the unfused path
 (FlashInfer add-RMSNorm / SiLU-and-mul + cuBLAS) against engine.kernels.skinny's fused kernels per block config.
 
   python -m tools.kernel_bench --model suites/shapes/llama3-8b --rows 1 --rows 4 --rows 16 --out k.json

@@ -1,0 +1,118 @@
+"""Rank processes of a multi-rank engine: the spawned rank's main loop, its reports to the front end
+(``("ready", rank, info)``, ``("progress", done, total)``, ``("result", reqs, peak_bytes)``,
+``("error", rank, one_line, traceback)``), and how a rank that reported nothing ended.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+
+from .config import EngineConfig
+from .dist import init_distributed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def rank_info(worker) -> dict:
+    r = worker.runner
+    nbytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    nparams = sum(p.numel() for p in r.model.parameters())
+    return {"weight_bytes": nbytes, "num_params": nparams, "kv_pool_tokens": r.capacity, "reserve": r.reserve}
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel send this rank SIGTERM when the front end that spawned it dies (a plain ``kill`` of
+    ppspec must not leave ranks computing, reparented to PID 1). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)             # PR_SET_PDEATHSIG
+    except Exception:                                            # noqa: BLE001 - best effort
+        return
+    if os.getppid() == 1:                                        # the front end died before prctl took effect
+        os._exit(1)
+
+
+def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
+    if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
+        os._exit(3)
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's ^C reaches the whole group: the front end decides
+    try:
+        torch.set_num_threads(threads)
+        from .worker import Worker
+        dev = torch.device(config.device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(dev)
+        init_distributed(rank, config.world_size, config.tp, config.pp, dev, f"tcp://127.0.0.1:{port}",
+                         config.dist_timeout_s)
+        worker = Worker(config.replace(device=str(dev)), record_times=rank == 0)
+        res_q.put(("ready", rank, rank_info(worker)))
+        while True:
+            cmd = cmd_q.get()
+            if cmd[0] == "stop":
+                break
+            _, reqs, max_conc = cmd
+            prog = (lambda d, t: res_q.put(("progress", d, t))) if rank == 0 else None
+            worker.run(reqs, max_conc, prog)
+            if rank == 0:
+                res_q.put(("result", reqs, peak_memory(dev)))
+    except BaseException as e:                               # report, then let the front end stop the group
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        res_q.put(("error", rank, f"{type(e).__name__}: {msg}", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        # leave without interpreter finalization, once the result queue is flushed: finalizing a rank that imported
+        # Triton prints nanobind "leaked instances" lines to stderr
+        try:
+            res_q.close()
+            res_q.join_thread()
+        except Exception:                                        # noqa: BLE001
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def join_all(procs, timeout: float) -> None:
+    """Join every process, all within one ``timeout`` (seconds) in total."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def death(rank: int, exitcode: int | None) -> str:
+    """How a rank that reported nothing ended: ``rank 0 died (killed by SIGKILL)`` for a signal (a negative exit
+    code), ``rank 1 exited without reporting (exit code 3)`` otherwise."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} died (killed by {name})"
+    return f"rank {rank} exited without reporting (exit code {exitcode})"
