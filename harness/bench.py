@@ -102,6 +102,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
         texts = load_texts(cfg.paths.data) if tok is not None else []
         params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
         warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
+        depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
         for L, B in b.cell_list():
             n = b.num_prompts or B
             prompts = build_prompts(tok, n, L, b.seed + L, texts)
@@ -120,7 +121,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                     from engine import EngineError
                     raise EngineError(f"{len(failed)} of {len(outs)} requests failed inside the engine "
                                       f"(first: {failed[0].error}); their cell is not measured")
-                runs.append(stats.serving_summary(outs, wall))
+                runs.append(stats.serving_summary(outs, wall, depth))
                 outs_all.extend(outs)
                 for o in outs:
                     m = stats.request_metrics(o.arrival_time, o.token_times)
@@ -128,7 +129,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                                     "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
                                     "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
                                     "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
-            pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs))
+            pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs), depth)
             tps = [r["output_throughput"] for r in runs]
             pooled["output_throughput_runs"] = tps
             cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
@@ -243,6 +244,13 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
              f"KV pool {fmt(info.get('kv_pool_tokens'), 'int')} tokens; "
              f"peak memory {fmt(info.get('peak_memory_bytes'), 'gib')} GiB; weights {fmt(info.get('weight_bytes'), 'gib')} GiB; "
              f"prompts: {summary.get('prompt_source')}"]
+    for c in summary["cells"]:
+        acc = c["pooled"].get("accept_length") or {}
+        if acc.get("per_position"):
+            notes.append(f"acceptance, input {c['input_len']} batch {c['batch_size']}: accept length "
+                         f"{stats.accept_detail(acc)} (95% bootstrap CI over requests; per position: share of "
+                         f"rounds accepting at least that many drafted tokens); tokens per round "
+                         + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
     if random_weights:
         notes.append(f"{RANDOM_WEIGHTS.upper()} (load_format: dummy): latency, throughput and memory are real; "
                      "accuracy, accept length and peer agreement are not")

@@ -141,7 +141,7 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
                     model=lm, tasks=[TASK], task_manager=tm, num_fewshot=g.num_fewshot, limit=g.limit,
                     log_samples=True, bootstrap_iters=0)
                 walls = journal.walls(r) if journal is not None else [c["wall_time_s"] for c in lm.calls]
-                run_summary, run_records = _collect_run(r, res, lm, walls)
+                run_summary, run_records = _collect_run(r, res, lm, walls, _depth(cfg))
                 runs.append(run_summary)
                 records.extend(run_records)
         info = dict(llm.info)
@@ -244,9 +244,10 @@ class _Journal:
         self._records = self._journal = None
 
 
-def _collect_run(r: int, res: dict, lm, walls: list[float]) -> tuple[dict, list[dict]]:
+def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = None) -> tuple[dict, list[dict]]:
     """The run's summary and records (doc_id order) from lm-eval's samples and the adapter's per-request metrics;
-    serving figures over the records, throughput over ``walls`` (the run's engine batches, seconds)."""
+    serving figures over the records, throughput over ``walls`` (the run's engine batches, seconds); ``depth``:
+    the draft depth for per-position acceptance (None without speculation)."""
     by_doc: dict[int, dict] = {}
     for s in res["samples"][TASK]:
         d = by_doc.setdefault(s["doc_id"], {
@@ -268,7 +269,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float]) -> tuple[dict, list[
         "accuracy": {f: float(res["results"][TASK][f"exact_match,{f}"]) for f in FILTERS},
         "invalid_rate": {f: sum(d[f]["extracted"] == INVALID for d in recs) / max(n, 1) for f in FILTERS},
         "ci95": {f: stats.bootstrap_ci([d[f]["exact_match"] for d in recs], seed=r) for f in FILTERS},
-        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs]),
+        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs], depth),
         "output_tokens": out_tokens, "wall_time_s": wall,
         "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
         "ttft": stats.summarize([d.get("ttft") for d in recs]) if walls else None,
@@ -277,7 +278,12 @@ def _collect_run(r: int, res: dict, lm, walls: list[float]) -> tuple[dict, list[
     return summary, recs
 
 
+def _depth(cfg: RunConfig) -> int | None:
+    return cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
+
+
 def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) -> dict:
+    depth = _depth(cfg)
     docs = sorted({d["doc_id"] for d in records})
     by = {(d["run"], d["doc_id"]): d for d in records}
     overall: dict = {"runs": len(runs), "n_questions": len(docs)}
@@ -293,7 +299,7 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
     overall.update({
         "agreement": float(np.mean(same)) if same else None,
         "accept_length_range": [min(al), max(al)] if al else None,
-        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in records]),
+        "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in records], depth),
         "output_throughput_mean": float(np.mean(tps)) if tps else None,
         "scorer_mismatches": sum(r["scorer_mismatches"] for r in runs),
     })
@@ -321,6 +327,9 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     total = sum(hist.values()) or 1
     t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
                    [[str(k), str(v), fmt(v / total, "pct")] for k, v in hist.items()])
+    if o["accept_length"].get("per_position"):
+        md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: 95% bootstrap CI over "
+                "requests; per position = share of rounds accepting at least that many drafted tokens\n")
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
              f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy: % [95% bootstrap CI over questions]")
     return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"

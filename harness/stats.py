@@ -49,22 +49,55 @@ def summarize(values: Sequence[float | None]) -> dict:
             "max": float(v.max()), "n": int(v.size)}
 
 
-def accept_stats(accept_lengths: Sequence[Sequence[int]]) -> dict:
-    """Pooled accept length over all verify rounds of all requests, and its histogram.
+def accept_stats(accept_lengths: Sequence[Sequence[int]], positions: int | None = None, n_boot: int = 2000,
+                 seed: int = 0) -> dict:
+    """Acceptance detail over all verify rounds of all requests (one list of accept lengths per request).
 
-    Returns ``{"mean", "rounds", "hist": {length: count}}``; mean is None when there were no rounds.
+    Returns:
+        ``mean``: pooled accept length (tokens emitted per round, bonus included), None without rounds;
+        ``rounds``: number of rounds; ``hist``: ``{accept_length: rounds}`` (the emitted-tokens-per-round
+        distribution); ``ci95``: percentile bootstrap CI of ``mean`` resampling *requests* (rounds of one request
+        are not independent), ``[lo, hi]`` or None with fewer than 2 requests;
+        ``per_position``: acceptance rate per draft position (for a tree, per depth): entry ``j`` is the share
+        of rounds that accepted at least ``j + 1`` drafted tokens (``accept_length - 1 > j``), for ``j`` below
+        ``positions`` (the draft depth, ``spec.num_steps``) or, when None, up to the deepest acceptance seen.
+        Mean accept length = 1 + sum(per_position) when no round accepts more than ``positions``.
     """
-    pooled = [a for req in accept_lengths for a in req]
-    hist = Counter(pooled)
-    return {"mean": float(np.mean(pooled)) if pooled else None, "rounds": len(pooled),
-            "hist": {int(k): int(hist[k]) for k in sorted(hist)}}
+    per_req = [np.asarray(list(req), dtype=float) for req in accept_lengths]
+    per_req = [a for a in per_req if a.size]
+    pooled = np.concatenate(per_req) if per_req else np.zeros(0)
+    hist = Counter(int(a) for a in pooled)
+    out = {"mean": float(pooled.mean()) if pooled.size else None, "rounds": int(pooled.size),
+           "hist": {int(k): int(hist[k]) for k in sorted(hist)}, "ci95": None, "per_position": []}
+    if not pooled.size:
+        return out
+    depth = int(positions) if positions is not None else int(pooled.max()) - 1
+    out["per_position"] = [float((pooled - 1 > j).mean()) for j in range(depth)]
+    if len(per_req) >= 2:
+        sums = np.array([a.sum() for a in per_req]); counts = np.array([a.size for a in per_req])
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(0, len(per_req), size=(n_boot, len(per_req)))
+        boots = sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+        out["ci95"] = [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
+    return out
 
 
-def serving_summary(outputs: Sequence, wall_time: float) -> dict:
+def accept_detail(acc: dict) -> str:
+    """One line of :func:`accept_stats`: ``mean [lo, hi]; per position p0 / p1 / ...`` ('-' without rounds)."""
+    if not acc or acc.get("mean") is None:
+        return "-"
+    ci = acc.get("ci95")
+    s = f"{acc['mean']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+    pos = acc.get("per_position") or []
+    return s + ("; per position " + " / ".join(f"{x:.2f}" for x in pos) if pos else "")
+
+
+def serving_summary(outputs: Sequence, wall_time: float, positions: int | None = None) -> dict:
     """Summary of one ``llm.generate`` call: TTFT/TPOT/ITL/E2E stats (s), tok/s, accept length.
 
     ``outputs`` are engine RequestOutputs (``arrival_time``, ``token_times``, ``token_ids``,
-    ``accept_lengths``); ``wall_time`` is the wall-clock seconds of the call.
+    ``accept_lengths``); ``wall_time`` is the wall-clock seconds of the call; ``positions``: the draft depth
+    for the per-position acceptance (:func:`accept_stats`), None without speculation.
     """
     per = [request_metrics(o.arrival_time, o.token_times) for o in outputs]
     n_out = sum(len(o.token_ids) for o in outputs)
@@ -73,7 +106,7 @@ def serving_summary(outputs: Sequence, wall_time: float) -> dict:
         "output_throughput": n_out / wall_time if wall_time > 0 else None,
         "ttft": summarize([p["ttft"] for p in per]), "tpot": summarize([p["tpot"] for p in per]),
         "itl": summarize([x for p in per for x in p["itl"]]), "e2e": summarize([p["e2e"] for p in per]),
-        "accept_length": accept_stats([o.accept_lengths for o in outputs]),
+        "accept_length": accept_stats([o.accept_lengths for o in outputs], positions),
     }
 
 

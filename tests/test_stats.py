@@ -49,6 +49,21 @@ def test_accept_stats_pools_rounds():
     assert stats.accept_stats([[]])["mean"] is None
 
 
+def test_accept_stats_per_position_and_ci_by_hand():
+    # rounds: 1, 2, 4 (request a) and 3, 3 (request b): accepted drafted tokens 0, 1, 3, 2, 2
+    a = stats.accept_stats([[1, 2, 4], [3, 3], []], positions=4)
+    assert a["per_position"] == pytest.approx([4 / 5, 3 / 5, 1 / 5, 0.0])   # >=1, >=2, >=3, >=4 of 5 rounds
+    assert a["mean"] == pytest.approx(1 + sum(a["per_position"]))
+    assert a["hist"] == {1: 1, 2: 1, 3: 2, 4: 1}
+    lo, hi = a["ci95"]                      # resampling requests: the pooled mean of {a,a}=7/3, {b,b}=3, {a,b}=2.6
+    assert 7 / 3 - 1e-9 <= lo <= a["mean"] <= hi <= 3 + 1e-9
+    assert stats.accept_stats([[2, 2]])["ci95"] is None                     # one request: no interval
+    assert stats.accept_stats([[1, 1, 1]], positions=3)["per_position"] == [0.0, 0.0, 0.0]
+    assert stats.accept_stats([[1, 3]])["per_position"] == [0.5, 0.5]       # depth from the data
+    assert stats.accept_detail(a).startswith("2.60 [") and "per position 0.80 / 0.60 / 0.20 / 0.00" in stats.accept_detail(a)
+    assert stats.accept_detail(stats.accept_stats([])) == "-"
+
+
 def test_serving_summary_on_synthetic_outputs():
     outs = [SimpleNamespace(arrival_time=0.0, token_times=[1.0, 2.0, 2.0, 3.0], token_ids=[1, 2, 3, 4],
                             accept_lengths=[1, 2, 1]),
