@@ -338,6 +338,33 @@ tc4)
 ficache)
   # FlashInfer's JIT cache (HOME=/tmp): bring it back once and carry it as .gpu/ficache.tgz to skip ~1 min of JIT
   tar czf "$out/ficache.tgz" -C /tmp .cache/flashinfer 2>/dev/null; ls -la "$out/ficache.tgz" ;;
+layout1)
+  # Behaviour-preserving layout check, call 1 (no GGUF): the GPU tests on this tree, then the Llama-3-8B shape
+  # (random weights, no peer) on the tree before the layout change (/tmp/old, carried as .gpu/old) and on this one.
+  timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py \
+      tests/test_flashinfer.py 2>&1 | grep -v -i warn | grep -E "passed|failed|Error|assert" | tail -15
+  for tree in /tmp/old "$PWD"; do
+    tag=$([ "$tree" = "$PWD" ] && echo new || echo old)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 -m harness bench --config h200_llama3_8b --no-peer \
+        --no-progress --set bench.runs=2 --out "/tmp/res8/l8b_$tag" 2>&1 | grep -v Warning | grep -E "^\||Error" | head -12)
+  done
+  tar czf "$out/layout1.tgz" -C /tmp/res8 . ;;
+layout2)
+  # call 4 (after the GGUF chunks): bench --config h200 (SmolLM2 + shipped head, no peer) before and after, then
+  # PP2 with spec and PP2 plain on this tree (two ranks share the one GPU)
+  for tree in /tmp/old "$PWD"; do
+    tag=$([ "$tree" = "$PWD" ] && echo new || echo old)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 110 python3 -m harness bench --config h200 \
+        --model /tmp/g/smollm2.gguf --no-peer --no-progress --out "/tmp/res/h200_$tag" 2>&1 | grep -v Warning \
+        | grep -E "^\||Error" | head -12)
+  done
+  timeout 150 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-floors --no-progress \
+      --set pp=2 --set spec.pp_spec=true --set bench.batch_sizes=[1,8] --set bench.runs=2 --out /tmp/res/h200_pp2_spec \
+      2>&1 | grep -v Warning | grep -E "^\||Error" | head -12
+  timeout 120 python3 -m harness bench --config h200 --model /tmp/g/smollm2.gguf --no-peer --no-floors --no-progress \
+      --no-spec --set pp=2 --set bench.batch_sizes=[1,8] --set bench.runs=2 --out /tmp/res/h200_pp2_plain 2>&1 \
+      | grep -v Warning | grep -E "^\||Error" | head -12
+  tar czf "$out/layout2.tgz" -C /tmp/res . ;;
 tests)
   timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_cuda_graph.py 2>&1 \
       | grep -v -i warn | grep -E "spec rounds|passed|failed|Error|assert" | tail -15 ;;
