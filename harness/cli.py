@@ -368,8 +368,10 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
     with user_errors():
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+        check_prompt(cfg.engine, prompt)
         with LLM(cfg.engine) as llm:
-            o = llm.generate([prompt], SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))[0]
+            o = llm.generate([prompt], params)[0]
         if o.finish_reason == "error":
             err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
             raise typer.Exit(1)
@@ -379,6 +381,22 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
                else "")
         err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{cut}{acc}]", markup=False, highlight=False)
+
+
+def check_prompt(engine_config, prompt: str) -> None:
+    """Refuse an empty or over-long text prompt with the engine's own one-line ConfigError, from the tokenizer and
+    the model's config alone (before any weight is loaded or rank started). Random weights (no tokenizer): no-op."""
+    if engine_config.load_format == "dummy":
+        return
+    from engine.config import ConfigError
+    from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
+    from engine.scheduler import prompt_length_error, prompt_token_ids
+    path = resolve_model_path(engine_config.model)
+    mc, tok = load_model_config(path), load_tokenizer(path)
+    ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
+    why = "empty prompt" if not ids else prompt_length_error(len(ids), engine_config.context_length(mc))
+    if why:
+        raise ConfigError(f"prompt 0: {why}")
 
 
 @app.command("train-draft")

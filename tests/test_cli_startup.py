@@ -15,3 +15,21 @@ def test_cli_help_does_not_import_torch():
             "from engine import LLM\nassert 'torch' in sys.modules\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch):
+    """An empty or over-long prompt is refused from the tokenizer and config alone: no engine is built."""
+    import engine
+    from typer.testing import CliRunner
+    from harness.cli import app
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine was built for a bad prompt")
+    monkeypatch.setattr(engine, "LLM", no_engine)
+    base = ["generate", "--model", str(tiny_model_dir), "--no-spec", "--device", "cpu"]
+    r = CliRunner().invoke(app, base[:1] + [""] + base[1:])
+    assert r.exit_code == 2 and "prompt 0: empty prompt" in r.output, r.output
+    r = CliRunner().invoke(app, base[:1] + ["word " * 5000] + base[1:] + ["--set", "max_model_len=64"])
+    assert r.exit_code == 2 and "longer than the context (64 tokens)" in r.output, r.output
+    r = CliRunner().invoke(app, base[:1] + ["hi"] + base[1:] + ["--temperature", "nan"])
+    assert r.exit_code == 2 and "temperature" in r.output, r.output
