@@ -72,6 +72,55 @@ def check_cells_fit(cfg: RunConfig) -> None:
                 f"{mc.max_position_embeddings})")
 
 
+def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict], list[dict], list[dict], object]:
+    """Every cell of ``cfg.bench`` on ``llm``: (cells, per-request records, peer inputs, tokenizer or None).
+    ``tag`` prefixes the progress label (the no-spec baseline's cells)."""
+    from engine import SamplingParams
+    b = cfg.bench
+    cells, records, peer_cells = [], [], []
+    tok = getattr(llm, "tokenizer", None)
+    texts = load_texts(cfg.paths.data) if tok is not None else []
+    params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
+    depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
+    for L, B in b.cell_list():
+        n = b.num_prompts or B
+        prompts = build_prompts(tok, n, L, b.seed + L, texts)
+        for _ in range(b.warmup):
+            llm.generate(prompts[:B], warm, max_concurrency=B)
+        label, runs, outs_all = f"{tag}in={L} bs={B}", [], []
+        for r in range(b.runs):
+            cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
+            if cb:
+                cb(0, n)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
+            wall = time.perf_counter() - t0
+            failed = [o for o in outs if o.finish_reason == "error"]
+            if failed:
+                from engine import EngineError
+                raise EngineError(f"{len(failed)} of {len(outs)} requests failed inside the engine "
+                                  f"(first: {failed[0].error}); their cell is not measured")
+            runs.append(stats.serving_summary(outs, wall, depth))
+            outs_all.extend(outs)
+            for o in outs:
+                m = stats.request_metrics(o.arrival_time, o.token_times)
+                records.append({"input_len": L, "batch_size": B, "run": r, "rid": o.rid,
+                                "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
+                                "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
+                                "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
+        pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs), depth)
+        tps = [r["output_throughput"] for r in runs]
+        pooled["output_throughput_runs"] = tps
+        tpots = [stats.request_metrics(o.arrival_time, o.token_times)["tpot"] for o in outs_all]
+        cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
+                      "runs": runs, "pooled": pooled, "tpots": [x for x in tpots if x is not None]})
+        if b.peer and (b.peer_batch_sizes is None or B in b.peer_batch_sizes):
+            peer_cells.append({"input_len": L, "batch_size": B, "prompts": prompts[:B],
+                               "engine_token_ids": [list(o.token_ids) for o in outs_all[:B]]})
+    return cells, records, peer_cells, tok
+
+
 def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
     """Run every cell of ``cfg.bench`` (``cells`` or input_lens x batch_sizes); returns (summary, per-request records).
 
@@ -81,8 +130,10 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     after the engine (harness/peer.py) and the summary gets ``peer``. ``load_format: dummy`` results
     carry ``weights: "random weights"``.
     """
-    from engine import SamplingParams
     b = cfg.bench
+    if b.baseline == "nospec" and not cfg.engine.spec.enabled:
+        from harness.config import HarnessConfigError
+        raise HarnessConfigError("bench.baseline nospec measures speculation against plain decoding: turn spec on")
     check_cells_fit(cfg)                             # before the floors' measurement or any engine work
     if b.peer:
         from harness.peer import import_transformers
@@ -95,56 +146,22 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if own:
         from engine import LLM
         llm = LLM(cfg.engine)
-    cells, records, peer_cells = [], [], []
     try:
-        tok = getattr(llm, "tokenizer", None)
+        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress)
         model_config = getattr(llm, "model_config", None)
-        texts = load_texts(cfg.paths.data) if tok is not None else []
-        params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
-        warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
-        depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
-        for L, B in b.cell_list():
-            n = b.num_prompts or B
-            prompts = build_prompts(tok, n, L, b.seed + L, texts)
-            for _ in range(b.warmup):
-                llm.generate(prompts[:B], warm, max_concurrency=B)
-            label, runs, outs_all = f"in={L} bs={B}", [], []
-            for r in range(b.runs):
-                cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
-                if cb:
-                    cb(0, n)
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
-                wall = time.perf_counter() - t0
-                failed = [o for o in outs if o.finish_reason == "error"]
-                if failed:
-                    from engine import EngineError
-                    raise EngineError(f"{len(failed)} of {len(outs)} requests failed inside the engine "
-                                      f"(first: {failed[0].error}); their cell is not measured")
-                runs.append(stats.serving_summary(outs, wall, depth))
-                outs_all.extend(outs)
-                for o in outs:
-                    m = stats.request_metrics(o.arrival_time, o.token_times)
-                    records.append({"input_len": L, "batch_size": B, "run": r, "rid": o.rid,
-                                    "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
-                                    "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
-                                    "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
-            pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs), depth)
-            tps = [r["output_throughput"] for r in runs]
-            pooled["output_throughput_runs"] = tps
-            cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
-                          "runs": runs, "pooled": pooled})
-            if b.peer and (b.peer_batch_sizes is None or B in b.peer_batch_sizes):
-                peer_cells.append({"input_len": L, "batch_size": B, "prompts": prompts[:B],
-                                   "engine_token_ids": [list(o.token_ids) for o in outs_all[:B]]})
         info = dict(llm.info)
     finally:
         if own:
             llm.shutdown()
+    baseline = None
+    if b.baseline == "nospec" and cfg.engine.spec.enabled:
+        baseline = _run_baseline(cfg, progress, cells)
     random_weights = cfg.engine.load_format == "dummy"
     summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
                "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
+    if baseline is not None:
+        summary["baseline"] = baseline
     if measured is not None:
         from engine.model.loader import load_model_config, resolve_model_path
         from harness.floors import bench_floors, floor_dtype
@@ -161,6 +178,43 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                 torch.cuda.empty_cache()
         summary["peer"] = _run_peer(cfg, peer_cells, progress, random_weights)
     return summary, records
+
+
+def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float]:
+    """95% percentile bootstrap CI of mean(num) / mean(den), each sample resampled on its own."""
+    import numpy as np
+    boots = [rng.choice(num, num.size).mean() / rng.choice(den, den.size).mean() for _ in range(n_boot)]
+    return [float(x) for x in np.quantile(boots, [0.025, 0.975])]
+
+
+def _run_baseline(cfg: RunConfig, progress, spec_cells: list[dict]) -> dict:
+    """The same cells and prompts on an engine of the same topology without speculation, and the speedup of the
+    spec engine over it per cell: ``tok_s_ratio`` (mean output tok/s over runs, spec / no-spec) and ``tpot_ratio``
+    (mean per-request TPOT, no-spec / spec: > 1 is faster), each with a 95% percentile bootstrap CI (runs
+    resampled for tok/s, requests for TPOT)."""
+    import numpy as np
+    from engine import LLM, SpecConfig
+    import dataclasses
+    base_cfg = dataclasses.replace(cfg, engine=cfg.engine.replace(spec=SpecConfig()))
+    llm = LLM(base_cfg.engine)
+    try:
+        cells = _run_cells(base_cfg, llm, progress, tag="no-spec ")[0]
+    finally:
+        llm.shutdown()
+    rng = np.random.default_rng(cfg.bench.seed)
+    out = []
+    for s, n in zip(spec_cells, cells):
+        ts = np.asarray(s["pooled"]["output_throughput_runs"], float)
+        tn = np.asarray(n["pooled"]["output_throughput_runs"], float)
+        p_s, p_n = np.asarray(s["tpots"], float), np.asarray(n["tpots"], float)
+        tpot = p_s.size > 0 and p_n.size > 0
+        out.append({"input_len": s["input_len"], "batch_size": s["batch_size"],
+                    "nospec_output_throughput": float(tn.mean()),
+                    "nospec_tpot_mean": float(p_n.mean()) if p_n.size else None,
+                    "tok_s_ratio": float(ts.mean() / tn.mean()), "tok_s_ratio_ci95": _ratio_ci(ts, tn, rng),
+                    "tpot_ratio": float(p_n.mean() / p_s.mean()) if tpot else None,
+                    "tpot_ratio_ci95": _ratio_ci(p_n, p_s, rng) if tpot else None})
+    return {"kind": "nospec", "cells": out}
 
 
 def _run_peer(cfg: RunConfig, peer_cells: list[dict], progress, random_weights: bool) -> dict:
@@ -251,6 +305,13 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                          f"{stats.accept_detail(acc)} (95% bootstrap CI over requests; per position: share of "
                          f"rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
+    for c in (summary.get("baseline") or {}).get("cells", []):
+        ci_t, ci_p = c["tok_s_ratio_ci95"], c["tpot_ratio_ci95"]
+        notes.append(f"speedup over no-spec (same topology and prompts), input {c['input_len']} batch "
+                     f"{c['batch_size']}: tok/s x{c['tok_s_ratio']:.2f} [{ci_t[0]:.2f}, {ci_t[1]:.2f}] "
+                     f"(no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT x"
+                     + (f"{c['tpot_ratio']:.2f} [{ci_p[0]:.2f}, {ci_p[1]:.2f}] (no-spec "
+                        f"{fmt(c['nospec_tpot_mean'], 'ms')} ms)" if c["tpot_ratio"] is not None else "-"))
     if random_weights:
         notes.append(f"{RANDOM_WEIGHTS.upper()} (load_format: dummy): latency, throughput and memory are real; "
                      "accuracy, accept length and peer agreement are not")

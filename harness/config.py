@@ -60,8 +60,11 @@ class BenchConfig:
     peer: bool = False                    # HF transformers generate on the same model and prompts (harness/peer.py)
     peer_prompt_lookup: bool = False      # + HF prompt-lookup speculation (batch-1 cells; only with peer)
     peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
+    baseline: str | None = None           # "nospec": also run every cell without speculation, same prompts; ratios
 
     def __post_init__(self) -> None:
+        if self.baseline not in (None, "nospec"):
+            raise HarnessConfigError(f"bench.baseline: {self.baseline!r} (supported: nospec, or leave it out)")
         if not self.batch_sizes or not self.input_lens:
             raise HarnessConfigError("bench.batch_sizes and bench.input_lens must not be empty")
         for name, vals in (("batch_sizes", self.batch_sizes), ("input_lens", self.input_lens),

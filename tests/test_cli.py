@@ -238,6 +238,28 @@ def test_gsm8k_and_bench_write_results_with_fake_engine(tmp_path, fake_engine, d
     assert "| accept len @bs2 in16 | - | 2.00 | - |" in md, md
 
 
+def test_bench_baseline_nospec_reports_the_speedup(tmp_path, fake_engine, draft_dir):
+    """--baseline nospec runs the same cells without speculation on a second engine of the same topology; the fake
+    engine's spec rounds emit 2 tokens 0.1 s apart (TPOT 0.1/3 s over 4 tokens), plain decoding 1 (TPOT 0.1 s)."""
+    r = runner.invoke(app, ["bench", "--batch-sizes", "1,2", "--input-lens", "16", "--output-len", "4", "--runs", "2",
+                            "--draft", str(draft_dir), "--pp", "2", "--pp-spec", "--baseline", "nospec",
+                            "--out", str(tmp_path / "b"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    base, spec = fake_engine.instances[-1].config, fake_engine.instances[-2].config
+    assert spec.spec.enabled and not base.spec.enabled and (base.pp, base.tp) == (spec.pp, spec.tp) == (2, 1)
+    s = json.loads((tmp_path / "b" / "summary.json").read_text())
+    cells = s["baseline"]["cells"]
+    assert [(c["input_len"], c["batch_size"]) for c in cells] == [(16, 1), (16, 2)]
+    for c in cells:
+        assert c["tpot_ratio"] == pytest.approx(3.0) and c["tpot_ratio_ci95"] == pytest.approx([3.0, 3.0])
+        assert c["nospec_tpot_mean"] == pytest.approx(0.1) and c["tok_s_ratio"] > 0
+    assert "speedup over no-spec" in (tmp_path / "b" / "summary.md").read_text()
+    r = runner.invoke(app, ["bench", "--no-spec", "--baseline", "nospec", "--out", str(tmp_path / "x"), "--no-progress"])
+    assert r.exit_code == 2 and "turn spec on" in r.output, r.output
+    r = runner.invoke(app, ["bench", "--baseline", "tp1", "--out", str(tmp_path / "y"), "--no-progress"])
+    assert r.exit_code == 2 and "bench.baseline" in r.output, r.output
+
+
 def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monkeypatch):
     args = ["gate", "--draft", str(draft_dir), "--limit", "2", "--no-progress"]
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "ok")])
