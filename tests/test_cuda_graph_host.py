@@ -207,6 +207,47 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
     assert gc.isenabled()                              # and after a failed capture
 
 
+def test_capture_sequence_with_reset(monkeypatch):
+    """engine.graph_capture.capture, the sequence every graph runner uses (torch.cuda stubbed): reset + warm-up
+    twice on a side stream, reset, then the capture; the pool comes from the first graph and is kept after."""
+    import contextlib
+
+    from engine import graph_capture as gc_mod
+    seen = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool-1"
+
+    class FakeStream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            seen.append("wait")
+
+    @contextlib.contextmanager
+    def fake_capturing(g, pool):
+        seen.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(gc_mod, "capturing", fake_capturing)
+
+    def body():
+        seen.append("body")
+        return len(seen)
+    g, out, pool = gc_mod.capture(body, "cpu", None, reset=lambda: seen.append("reset"))
+    assert seen == ["wait", "reset", "body", "reset", "body", "wait", "reset", ("capture", None), "body"]
+    assert isinstance(g, FakeGraph) and out == 9 and pool == "pool-1"
+    seen.clear()
+    _, _, pool = gc_mod.capture(body, "cpu", "POOL")
+    assert seen == ["wait", "body", "body", "wait", ("capture", "POOL"), "body"] and pool == "POOL"
+
+
 def test_env_int(monkeypatch):
     """engine.config.env_int, the integer knob parser of PPSPEC_SKINNY_MAX_*, PPSPEC_FI_DECODE_TC_MIN_GROUP and
     PPSPEC_CPU_KV_TOKENS: unset/empty = default, integers as given, anything else a one-line ConfigError."""
