@@ -212,7 +212,7 @@ class ModelRunner:
             from .graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
-            from .graphs import DraftGraphRunner
+            from .speculative.draft_graphs import DraftGraphRunner
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.use_cuda_graph_draft_extend)
 
     @torch.inference_mode()

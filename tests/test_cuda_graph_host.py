@@ -1,4 +1,4 @@
-"""Host-side pieces of the CUDA-graph runner that run on CPU: the batch-size ladder and the bit-packed
+"""Host-side pieces of the CUDA-graph runners that run on CPU: the batch-size ladder and the bit-packed
 tree masks handed to FlashInfer's graph-mode verify wrapper (byte-offset indptr, little bit order)."""
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graphs import ladder, pack_masks
+from engine.attention.packed_mask import pack_masks
+from engine.graph_capture import ladder, pick
 
 
 def test_ladder():
     assert ladder(1) == [1]
     assert ladder(32) == [1, 2, 4, 8, 12, 16, 24, 32]
     assert ladder(20) == [1, 2, 4, 8, 12, 16, 20]
+    assert [pick(ladder(20), b) for b in (1, 3, 12, 13, 20)] == [1, 4, 12, 16, 20]
 
 
 def test_pack_masks_layout():
@@ -54,23 +56,23 @@ def test_page_table_flattens_host_lists(monkeypatch):
 
 
 def test_graph_plan_arguments_with_padding():
-    """The graph runner's re-plan hands FlashInfer the flattened page table (padding requests on slot 0)
+    """The stage graphs' re-plan hands FlashInfer the flattened page table (padding requests on slot 0)
     and, for verify, the packed masks with a byte indptr written into its own buffer."""
-    from engine.graphs import CudaGraphRunner
+    from engine.attention.flashinfer_graphs import StageGraphAttention
 
     class Wrapper:
         def plan(self, *args, **kw):
             self.args, self.kw = args, kw
 
-    g = CudaGraphRunner.__new__(CudaGraphRunner)            # host-side state only, no capture
+    g = StageGraphAttention.__new__(StageGraphAttention)    # host-side state only, no capture
     g.dev, g.key, g.q_len = torch.device("cpu"), (4, 2, 64, 0.125, torch.bfloat16), {"decode": 1, "verify": 3}
     g.wrappers = {("decode", 2): Wrapper(), ("verify", 2): Wrapper()}
     g.mask_indptr = torch.zeros(3, dtype=torch.int32)
     g.plan_events = {}
-    g._plan("decode", 2, [torch.tensor([3, 4, 5]), torch.zeros(1, dtype=torch.int64)], None)
+    g.plan("decode", 2, [torch.tensor([3, 4, 5]), torch.zeros(1, dtype=torch.int64)], None)
     a = g.wrappers[("decode", 2)].args
     assert (a[0].tolist(), a[1].tolist(), a[2].tolist(), a[3:7]) == ([0, 3, 4], [3, 4, 5, 0], [1, 1], (4, 2, 64, 1))
-    g._plan("verify", 2, [torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.int64)],
+    g.plan("verify", 2, [torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.int64)],
             [torch.ones(3, 3, dtype=torch.bool)] * 2)
     w = g.wrappers[("verify", 2)]
     assert w.args[0].tolist() == [0, 3, 6] and w.args[1].tolist() == [0, 3, 6]
@@ -82,7 +84,7 @@ def test_draft_graph_host_layout():
     """DraftGraphRunner's host page tables: lane (b, j) at step s attends to rows[b][:L_new[b]] then s
     ancestry slots, which the graph writes at ``hist_pos``; padding requests attend to slot 0 only."""
     import numpy as np
-    from engine.graphs import DraftGraphRunner
+    from engine.speculative.draft_graphs import DraftGraphRunner
     g = DraftGraphRunner.__new__(DraftGraphRunner)          # host-side state only, no capture
     g.k, g.S, g.max_kv = 2, 3, 64
     rows = [torch.arange(100, 120), torch.arange(200, 220)]
@@ -110,17 +112,16 @@ def test_graph_runners_need_flashinfer_and_take_its_plan_key():
     from types import SimpleNamespace
 
     import engine.attention.backend as A
-    from engine.graphs import _bind_flashinfer
+    from engine.attention.flashinfer_graphs import graph_backend, plan_key
     attn = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, scale=0.125)
-    runner = SimpleNamespace(device="cuda:0", dtype=torch.bfloat16)
-    o = SimpleNamespace()
     try:
-        A.set_backend(SimpleNamespace(name="flashinfer", fi="fi-module"))
-        _bind_flashinfer(o, runner, attn)
-        assert o.key == (9, 3, 64, 0.125, torch.bfloat16) and o.fi == "fi-module" and o.r is runner
+        fi = SimpleNamespace(name="flashinfer", fi="fi-module")
+        A.set_backend(fi)
+        assert graph_backend() is fi
+        assert plan_key(attn, torch.bfloat16) == (9, 3, 64, 0.125, torch.bfloat16)
         A.set_backend(A.TorchBackend())
         with pytest.raises(RuntimeError, match="need the flashinfer attention backend"):
-            _bind_flashinfer(SimpleNamespace(), runner, attn)
+            graph_backend()
     finally:
         A.set_backend(A.TorchBackend())
 
@@ -128,7 +129,8 @@ def test_graph_runners_need_flashinfer_and_take_its_plan_key():
 def test_draft_round_host_inputs():
     """DraftGraphRunner.run_round (draft extend + tail draft in one graph): the W rows per request, the
     verify-hidden rows gathered, padding requests, and the causal extend plan (graph replay mocked)."""
-    from engine.graphs import DraftGraphRunner
+    from engine.attention.flashinfer_graphs import DraftGraphAttention
+    from engine.speculative.draft_graphs import DraftGraphRunner
 
     class Wrapper:
         def plan(self, *args, **kw):
@@ -147,7 +149,9 @@ def test_draft_round_host_inputs():
     g.e_last, g.scratch = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 1, 2, dtype=torch.int64)
     g.steps = {s: {"hist_pos": torch.zeros(4 * s, dtype=torch.int64), "pos": torch.zeros(4, dtype=torch.int64)}
                for s in (1, 2)}
-    g.wrappers = {("extend", 4): Wrapper(), (1, 4): Wrapper(), (2, 4): Wrapper()}
+    g.attn = DraftGraphAttention.__new__(DraftGraphAttention)
+    g.attn.dev, g.attn.key = g.dev, g.key
+    g.attn.wrappers = {("extend", 4): Wrapper(), (1, 4): Wrapper(), (2, 4): Wrapper()}
     g.graphs = {("round", 4): Graph()}
     g.outputs = {("round", 4): (torch.arange(12).view(4, 3),) * 3}
     g.num_round_replays = 0
@@ -166,22 +170,22 @@ def test_draft_round_host_inputs():
     assert g.e_in[1, :12].tolist() == pos.tolist() and g.e_in[2, :12].tolist() == locs.tolist()
     assert torch.equal(g.e_feat[:12], feature[fidx]) and g.e_feat[12:].eq(0).all()
     assert g.e_last.tolist() == [0, 7, 9, 12]
-    a, kw = g.wrappers[("extend", 4)].args, g.wrappers[("extend", 4)].kw
+    a, kw = g.attn.wrappers[("extend", 4)].args, g.attn.wrappers[("extend", 4)].kw
     assert a[0].tolist() == [0, 4, 8, 12, 16] and a[1].tolist() == [0, 9, 20, 33, 37] and kw["causal"] is True
     assert a[2].tolist() == torch.cat(kv + [torch.zeros(4, dtype=torch.int64)]).tolist()
     # the tail-draft steps are planned from the committed lengths L + accept_length
-    assert g.wrappers[(1, 4)].args[0].tolist() == [0, 7, 19, 31, 33]
+    assert g.attn.wrappers[(1, 4)].args[0].tolist() == [0, 7, 19, 31, 33]
     assert g.scratch[:3, 0, :].tolist() == [[106, 107], [211, 212], [311, 312]]
 
 
 def test_capture_holds_gc_and_is_thread_local(monkeypatch):
-    """Regression (H200, session 6): a capture failed with "operation failed due to a previous error during
-    capture" after earlier tests in the same process (the test passed alone). Capture now collects first, keeps
-    the collector off inside the capture, and asks torch for thread-local capture errors."""
+    """Regression: a capture failed with "operation failed due to a previous error during capture" after earlier
+    tests in the same process (the test passed alone). Capture collects first, keeps the collector off inside the
+    capture, and asks torch for thread-local capture errors."""
     import contextlib
     import gc
 
-    from engine import graphs as cuda_graph
+    from engine import graph_capture as cuda_graph
     seen = {}
 
     @contextlib.contextmanager
@@ -201,6 +205,47 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
     except RuntimeError:
         pass
     assert gc.isenabled()                              # and after a failed capture
+
+
+def test_capture_sequence_with_reset(monkeypatch):
+    """engine.graph_capture.capture, the sequence every graph runner uses (torch.cuda stubbed): reset + warm-up
+    twice on a side stream, reset, then the capture; the pool comes from the first graph and is kept after."""
+    import contextlib
+
+    from engine import graph_capture as gc_mod
+    seen = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool-1"
+
+    class FakeStream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            seen.append("wait")
+
+    @contextlib.contextmanager
+    def fake_capturing(g, pool):
+        seen.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(gc_mod, "capturing", fake_capturing)
+
+    def body():
+        seen.append("body")
+        return len(seen)
+    g, out, pool = gc_mod.capture(body, "cpu", None, reset=lambda: seen.append("reset"))
+    assert seen == ["wait", "reset", "body", "reset", "body", "wait", "reset", ("capture", None), "body"]
+    assert isinstance(g, FakeGraph) and out == 9 and pool == "pool-1"
+    seen.clear()
+    _, _, pool = gc_mod.capture(body, "cpu", "POOL")
+    assert seen == ["wait", "body", "body", "wait", ("capture", "POOL"), "body"] and pool == "POOL"
 
 
 def test_env_int(monkeypatch):

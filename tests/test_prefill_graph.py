@@ -81,11 +81,12 @@ def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
 
 
 def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
-    """The shared capture / input-loading code of the graph runners (engine.graphs.capture_forward,
-    _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
+    """The shared capture / input-loading code of the graph runners (engine.graphs.capture_forward over
+    engine.graph_capture.capture, _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
     captured, all under ``ctx``; the pool is taken from the first graph; _load copies t rows and zeroes t:T."""
     import contextlib
 
+    from engine import graph_capture
     from engine import graphs as cuda_graph
     from engine.attention.backend import get_context
 
@@ -109,7 +110,7 @@ def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(cuda_graph, "capturing", fake_capturing)
+    monkeypatch.setattr(graph_capture, "capturing", fake_capturing)
     seen = []
     ctx = ForwardContext([0, 4], None, None, None, None, "extend")
 
@@ -138,8 +139,9 @@ def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
 def test_stage_buffers_init_and_prefill_plan_on_cpu():
     """Host side of PrefillGraphRunner without a GPU: the shared buffer setup (_StageBuffers._init_buffers: inputs
     for the largest bucket, hidden/residual only on later PP stages, empty bookkeeping) and one re-plan of a bucket
-    (one request of Tb queries over the Tb slots in ``loc``, causal, no split-KV)."""
+    (PrefillGraphAttention.plan: one request of Tb queries over the Tb slots in ``loc``, causal, no split-KV)."""
     from engine import graphs as cuda_graph
+    from engine.attention.flashinfer_graphs import PrefillGraphAttention
 
     class Wrapper:
         def plan(self, *args, **kw):
@@ -150,17 +152,18 @@ def test_stage_buffers_init_and_prefill_plan_on_cpu():
     first = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_size=8), is_first=True)
     g._init_buffers(first, 128)
     assert g.ids.shape == g.pos.shape == g.loc.shape == (128,) and g.hidden is None and g.residual is None
-    assert (g.graphs, g.outputs, g.wrappers, g.plan_events, g.pool, g.num_replays) == ({}, {}, {}, {}, None, 0)
+    assert (g.graphs, g.outputs, g.pool, g.num_replays) == ({}, {}, None, 0)
     later = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_size=8), is_first=False)
     h = cuda_graph._StageBuffers.__new__(cuda_graph._StageBuffers)
     h.dev, h.dtype = torch.device("cpu"), torch.bfloat16
     h._init_buffers(later, 32)
     assert h.hidden.shape == h.residual.shape == (32, 8) and h.hidden.dtype == torch.bfloat16
-    g.wrappers[64] = Wrapper()
+    p = PrefillGraphAttention.__new__(PrefillGraphAttention)
+    p.dev, p.key, p.wrappers, p.plan_events = g.dev, g.key, {64: Wrapper()}, {}
     g.loc[:64] = torch.arange(64) + 500
-    g._plan(64)
-    a, kw = g.wrappers[64].args, g.wrappers[64].kw
+    p.plan(64, g.loc[:64])
+    a, kw = p.wrappers[64].args, p.wrappers[64].kw
     assert a[0].tolist() == a[1].tolist() == [0, 64] and a[2].tolist() == list(range(500, 564))
     assert a[2].dtype == torch.int32 and a[3].tolist() == [1] and a[4:8] == (4, 2, 16, 1)
     assert kw["causal"] is True and kw["disable_split_kv"] is True and kw["sm_scale"] == 0.25
-    assert g.plan_events == {}                          # CPU: no CUDA event recorded
+    assert p.plan_events == {}                          # CPU: no CUDA event recorded

@@ -21,7 +21,7 @@ CHECK = textwrap.dedent('''
     import numpy as np, torch
     from engine.speculative import tree_kernels as K
     from engine.speculative.tree import build_tree, verify_tree_greedy
-    from engine.graphs import pack_masks
+    from engine.attention.packed_mask import pack_masks, pack_verify_mask
     dev = sys.argv[1]
     assert K.triton_enabled(torch.zeros(1, device=dev)), "Triton kernels not selected"
     g = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ CHECK = textwrap.dedent('''
         for a in r1.num_accepted.tolist():
             counts["accepted"][a] += 1
         L = torch.randint(0, 40, (B,), generator=g).tolist()
-        packed, ind = K.pack_verify_mask(got.tree_mask, L)
+        packed, ind = pack_verify_mask(got.tree_mask, L)
         want, wind = pack_masks([torch.cat([torch.ones(n, L[b], dtype=torch.bool), ref.tree_mask[b]], 1)
                                  for b in range(B)])
         assert np.array_equal(packed.cpu().numpy(), want) and np.array_equal(ind, wind), trial
@@ -86,8 +86,7 @@ def test_pack_verify_mask_host_matches_pack_masks():
     packing each request's full [n, L + n] mask, padding requests (L = 0, all-ones block) included."""
     import numpy as np
     import torch
-    from engine.graphs import pack_masks
-    from engine.speculative.tree_kernels import pack_verify_mask
+    from engine.attention.packed_mask import pack_masks, pack_verify_mask
     g = torch.Generator().manual_seed(3)
     for B, n in ((1, 4), (5, 6), (3, 12)):
         tm = torch.rand(B, n, n, generator=g) < 0.5

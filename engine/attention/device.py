@@ -30,15 +30,11 @@ backend applies the same idea to its req_to_token addressing. The code here is o
      its base-2 log-sum-exp lse [B, Hk, S+1, M] float32 (-inf for an empty part).
   2. grid (B*Q, Hq): merge the S+1 partials of one (query row, head) by their lse into the output.
 
-Measured on the H200 (torch 2.11, Triton 3.6; bf16, Q = Qt = 4 causal tail, per call inside a CUDA graph of 30
-calls): Hq=9, Hk=3, D=64, B=1, prefix 2048: 5.0-5.3 us at num_splits 32 (the split kernel alone 3.1 us, the merge
-alone 1.8 us; 36 us unsplit); B=32, prefix 2048: 19.1 us at 8 splits (2.6 TB/s of K/V). Hq=32, Hk=8, D=128: B=16,
-prefix 2048: 42 us at 3 splits (3.2 TB/s); B=64, prefix 1024: 80 us unsplit (3.35 TB/s). Split kernel 4 warps
-(1, 2 or 8 were no better), merge 1 warp.
+Split kernel 4 warps, merge kernel 1 warp.
 
 Used when :func:`enabled` (Triton importable and q on CUDA in bf16/fp16, or any device under Triton's CPU
 interpreter ``TRITON_INTERPRET=1``); otherwise :func:`attention` runs :func:`attention_ref` (plain torch, the
-CPU path, which reads the maximum prefix length on the host).
+CPU path, which reads the maximum prefix length on the host; :mod:`engine.attention.device_ref`).
 """
 from __future__ import annotations
 
@@ -48,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import pdl
+from .device_ref import attention_ref, check_layout as _check
 
 try:
     import triton
@@ -85,86 +82,10 @@ def default_splits(batch_lanes: int, num_kv_heads: int, max_len: int, num_sms: i
     """A static ``num_splits`` for B = ``batch_lanes`` lanes, ``num_kv_heads`` KV heads and prefixes of at most
     ``max_len`` tokens: enough prefix programs (B * Hk * splits) for about ``waves`` x ``num_sms`` (several small
     programs share an SM), at most one split per ``block_n`` block of ``max_len`` and at most ``max_splits`` (which
-    bounds the merge), at least 1. ``waves`` = 4 from the H200 sweep in the module docstring: within 5% of the best
-    split count at every measured shape (2 waves lost 35% at B=32, Hk=3, D=64)."""
+    bounds the merge), at least 1."""
     per_split = max(1, batch_lanes * num_kv_heads)
     splits = -(-waves * num_sms // per_split)
     return max(1, min(splits, -(-max(0, max_len) // block_n), max_splits))
-
-
-def _check(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout,
-           out: torch.Tensor | None = None) -> tuple[int, int, int, int, int, int]:
-    """Shape checks shared by both paths -> (B, Q, Qt, Hq, Hk, D). Raises ValueError (one line)."""
-    lay = layout
-    if q.dim() != 3:
-        raise ValueError(f"dev_attention: q must be [B*Q, Hq, D], got shape {tuple(q.shape)}")
-    if kv_cache.dim() != 4 or kv_cache.shape[1] != 2:
-        raise ValueError(f"dev_attention: kv_cache must be [num_slots, 2, Hk, D], got shape {tuple(kv_cache.shape)}")
-    if lay.tail_mask.dim() != 3 or lay.tail_slots.dim() != 2 or lay.rows.dim() != 1 \
-            or lay.prefix_lens.dim() != 1 or lay.req_to_token.dim() != 2:
-        raise ValueError("dev_attention: layout ranks must be req_to_token [R, max_len], rows [B], prefix_lens [B], "
-                         "tail_slots [B, Qt], tail_mask [B, Q, Qt]")
-    B, Q, Qt = lay.tail_mask.shape
-    Hq, D = q.shape[1], q.shape[2]
-    Hk = kv_cache.shape[2]
-    if tuple(lay.rows.shape) != (B,) or tuple(lay.prefix_lens.shape) != (B,) or tuple(lay.tail_slots.shape) != (B, Qt):
-        raise ValueError(f"dev_attention: rows {tuple(lay.rows.shape)}, prefix_lens {tuple(lay.prefix_lens.shape)}, "
-                         f"tail_slots {tuple(lay.tail_slots.shape)} do not match tail_mask [B={B}, Q={Q}, Qt={Qt}]")
-    if lay.tail_mask.dtype != torch.bool:
-        raise ValueError(f"dev_attention: tail_mask must be bool, got {lay.tail_mask.dtype}")
-    for name in ("req_to_token", "rows", "prefix_lens", "tail_slots"):
-        t = getattr(lay, name)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"dev_attention: layout.{name} must be an integer tensor, got {t.dtype}")
-    if q.shape[0] != B * Q:
-        raise ValueError(f"dev_attention: q has {q.shape[0]} rows, expected B*Q = {B}*{Q} = {B * Q}")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"dev_attention: Hq = {Hq} query heads is not a multiple of Hk = {Hk} KV heads")
-    if kv_cache.shape[3] != D:
-        raise ValueError(f"dev_attention: head dim of q ({D}) != head dim of kv_cache ({kv_cache.shape[3]})")
-    if not isinstance(lay.num_splits, int) or lay.num_splits < 1:
-        raise ValueError(f"dev_attention: num_splits must be a python int >= 1, got {lay.num_splits!r}")
-    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
-        raise ValueError(f"dev_attention: out {tuple(out.shape)} {out.dtype} must be {tuple(q.shape)} {q.dtype}")
-    return B, Q, Qt, Hq, Hk, D
-
-
-def attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, scale: float) -> torch.Tensor:
-    """Plain-torch :func:`attention` (same shapes and result; the CPU path): one batched gather of the prefix slots,
-    padded to the longest prefix of the batch (read on the host), then the tail slots; a boolean mask; a float32
-    softmax. Not CUDA-graph capturable (the host read).
-
-    Args:
-        q: [B*Q, Hq, D] (any strides), kv_cache: [num_slots, 2, Hk, D], layout: :class:`DeviceLayout`,
-        scale: softmax scale (typically D ** -0.5).
-    Returns:
-        [B*Q, Hq, D] in q's dtype; zeros for a query row that sees no key.
-    Raises:
-        ValueError: inconsistent shapes (q rows != B*Q, Hq % Hk != 0, head dims differ, layout shapes disagree).
-    """
-    B, Q, Qt, Hq, Hk, D = _check(q, kv_cache, layout)
-    G = Hq // Hk
-    lay = layout
-    dev = kv_cache.device
-    lens = lay.prefix_lens.to(dev, torch.int64)
-    Lmax = int(lens.max()) if B else 0
-    Lmax = min(Lmax, lay.req_to_token.shape[1])
-    pos = torch.arange(Lmax, device=dev)
-    valid = pos[None, :] < lens[:, None]                                         # [B, Lmax]
-    pre = lay.req_to_token[lay.rows.to(lay.req_to_token.device, torch.int64), :Lmax].to(dev, torch.int64)
-    slots = torch.cat([torch.where(valid, pre, torch.zeros_like(pre)), lay.tail_slots.to(dev, torch.int64)], 1)
-    mask = torch.cat([valid[:, None, :].expand(B, Q, Lmax), lay.tail_mask.to(dev)], 2)   # [B, Q, Lmax + Qt]
-    kv = kv_cache[slots].float()                                                  # [B, Lk, 2, Hk, D]: one gather
-    k, v = kv[:, :, 0], kv[:, :, 1]
-    qf = q.float().reshape(B, Q, Hk, G, D)
-    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k) * scale
-    s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)                      # rows that see nothing: -inf max
-    e = torch.exp(s - m)
-    p = e / e.sum(-1, keepdim=True).clamp_min(1.0)     # a non-empty row's sum is >= 1 (its max gives exp(0)); empty: 0
-    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v)
-    return o.reshape(B * Q, Hq, D).to(q.dtype)
 
 
 if triton is not None:

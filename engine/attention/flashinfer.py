@@ -126,6 +126,21 @@ class FlashInferBackend:
             ev.synchronize()
         return self._wrappers[key][i], (key, i)
 
+    # ------------------------------------------------------------------------------------ graphs
+    def graph_state(self, kind: str, key, dev, **sizes):
+        """Stable buffers and graph-mode wrappers for captured forwards (:mod:`engine.attention.flashinfer_graphs`):
+        ``kind`` "stage" (decode / verify; sizes max_bs, q_len, max_kv), "prefill" (max_tokens) or "draft"
+        (max_lanes, num_steps, max_kv, extend_bs); ``key`` the plan key (Hq, Hk, D, scale, dtype). Raises
+        KeyError for another kind."""
+        from .flashinfer_graphs import DraftGraphAttention, PrefillGraphAttention, StageGraphAttention
+        cls = {"stage": StageGraphAttention, "prefill": PrefillGraphAttention, "draft": DraftGraphAttention}[kind]
+        return cls(self, key, dev, **sizes)
+
+    def set_plan_key(self, pool, key) -> None:
+        """Record ``key`` (Hq, Hk, D, scale, dtype) as the plan key of KV ``pool``, so ``prepare`` plans its
+        forwards from the first one on (see the module docstring)."""
+        self._heads[pool] = key
+
     # ------------------------------------------------------------------------------------ prepare
     def prepare(self, ctx: ForwardContext) -> None:
         st = ctx.backend_state

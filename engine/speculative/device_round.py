@@ -1,5 +1,5 @@
 """The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, so the host can
-launch round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler; issue 7).
+launch round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler).
 
 A round of the normal path is host-serial: the verify result comes back to the host, which then permutes the
 page table, plans FlashInfer for the draft extend and the draft steps from host slot lists, and launches them.
@@ -31,11 +31,11 @@ import torch
 
 from ..attention.backend import ForwardContext, h2d, pinned, set_context
 from ..attention.device import DeviceLayout, default_splits
+from ..graph_capture import capture, ladder, pick
 from .tree import chain_fallback
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
-# split-KV cap: on the H200 a 4-row verify over 2048 tokens (Hq 9, Hk 3) took 5.0 us at 32 splits and 6.5 us
-# (split 3.7 + merge 2.8) at the 64 that default_splits allows (results/gpu/session7)
+# split-KV cap of the round's attention calls (default_splits allows 64; the merge grows with the count)
 MAX_SPLITS = 32
 
 
@@ -160,7 +160,6 @@ class SpecRoundRunner:
     """
 
     def __init__(self, runner, max_bs: int, use_graphs: bool):
-        from ..graphs import ladder
         spec = runner.spec
         self.r = runner
         self.S, self.k, self.n = spec.num_steps, spec.topk, spec.num_draft_tokens
@@ -175,7 +174,7 @@ class SpecRoundRunner:
         self.num_rounds = 0
 
     def pick(self, B: int) -> int:
-        return next(b for b in self.bs_list if b >= B)
+        return pick(self.bs_list, B)
 
     def _splits(self, bs: int) -> tuple[int, int]:
         hk = max(1, self.r.kv_pool.kv_cache[0].shape[2])
@@ -198,12 +197,12 @@ class SpecRoundRunner:
 
     def capture_all(self) -> None:
         """Capture every batch size of the ladder now (on the all-padding states), as the decode / verify graph
-        runners do at startup. Lazy capture in the first segment of a size stalled the timed run when the batch
-        shrank through sizes not seen before (H200, SmolLM2 chain b=32: ITL p99 56-100 ms, results/gpu/session7).
+        runners do at startup: a lazy capture in the first segment of a size would stall a running batch that
+        shrinks through sizes not seen before.
 
         The states are created outside inference mode: ``load`` updates them in place from normal (non-inference)
-        code, which torch refuses on inference tensors (the first H200 run of this method failed so, session 9).
-        Without graphs (CPU; the runner then calls it not at all) only the states are created."""
+        code, which torch refuses on inference tensors. Without graphs (CPU; the runner then calls it not at all)
+        only the states are created."""
         for bs in reversed(self.bs_list):
             st = self.state(bs)
             if self.use_graphs and bs not in self.graphs:
@@ -275,22 +274,10 @@ class SpecRoundRunner:
     def _capture(self, st: RoundState):
         """Capture :func:`spec_round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
         saved first and restored afterwards: warm-up and capture runs advance it like real rounds."""
-        from ..graphs import capturing
         saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi)]   # rt: row copies
         splits = self._splits(st.bs)
-        stream = torch.cuda.Stream(self.r.device)
-        stream.wait_stream(torch.cuda.current_stream(self.r.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._restore(st, saved)
-                spec_round(self.r, st, splits)
-        torch.cuda.current_stream(self.r.device).wait_stream(stream)
-        self._restore(st, saved)
-        g = torch.cuda.CUDAGraph()
-        with capturing(g, self.pool):
-            spec_round(self.r, st, splits)
-        if self.pool is None:
-            self.pool = g.pool()
+        g, _, self.pool = capture(lambda: spec_round(self.r, st, splits), self.r.device, self.pool,
+                                  reset=lambda: self._restore(st, saved))
         self._restore(st, saved)
         self.graphs[st.bs] = g
         return g

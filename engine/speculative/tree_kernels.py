@@ -1,16 +1,17 @@
-"""Triton kernels for the device-side spec loop: tree build, greedy verify walk, verify-mask packing.
+"""Triton kernels for the device-side spec loop: tree build and greedy verify walk (the verify-mask packing is
+:func:`engine.attention.packed_mask.pack_verify_mask`).
 
 Each is ONE launch per forward (one program per request) where the torch reference in
 :mod:`engine.speculative.tree` issues ~15 tiny kernels per tree node (``build_tree``) or ~8 per walk step
 (``verify_tree_greedy``); they keep the EAGLE tree on the device for a single-stage engine, so a
-round copies device->host only once (issue 7; SGLang does the same work in its sgl-kernel CUDA
+round copies device->host only once (SGLang does the same work in its sgl-kernel CUDA
 kernels ``build_tree_kernel_efficient`` and ``verify_tree_greedy``).
 
 Semantics are exactly those of the torch references (same outputs bit for bit, invalid trees
 included); the tests run both on random and corrupted trees, on CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``). Dispatch: :func:`build_tree_any`, :func:`verify_tree_greedy_any` and
-:func:`pack_verify_mask` use Triton for CUDA tensors when it is importable and ``PPSPEC_TRITON`` is
-not ``0``; otherwise the torch code runs (CPU, tests, no Triton).
+(``TRITON_INTERPRET=1``). Dispatch: :func:`build_tree_any` and :func:`verify_tree_greedy_any` use Triton
+for CUDA tensors when :func:`engine.attention.packed_mask.triton_enabled` (Triton importable, ``PPSPEC_TRITON``
+not ``0``); otherwise the torch code runs (CPU, tests, no Triton).
 
 Per program (request ``b``) the state lives in registers: node vectors of width ``NP2`` (the next
 power of two >= n) and, for ``build_tree``, the ``[NP2, NP2]`` ancestor mask; scalars are read out
@@ -18,13 +19,10 @@ of vectors with a masked sum, so no program reads back its own global stores.
 """
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention.backend import h2d
+from ..attention.packed_mask import triton_enabled
 from .tree import TreeInfo, VerifyResult, build_tree, verify_tree_greedy
 
 try:                                              # optional: CPU-only installs have no Triton
@@ -32,14 +30,6 @@ try:                                              # optional: CPU-only installs 
     import triton.language as tl
 except Exception:                                 # noqa: BLE001 - any import failure: torch path
     triton = None
-
-
-def triton_enabled(x: Tensor) -> bool:
-    """True when ``x``'s kernels may run in Triton: Triton importable, ``PPSPEC_TRITON`` != 0, and
-    ``x`` on CUDA (or any device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter)."""
-    if triton is None or os.environ.get("PPSPEC_TRITON", "1") == "0":
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _np2(n: int) -> int:
@@ -149,29 +139,6 @@ if triton is not None:
         tl.store(alen_ptr + b, num + 1)
         tl.store(bonus_ptr + b, bonus)
 
-    @triton.jit
-    def _pack_mask_kernel(tree_mask_ptr, prefix_ptr, byte_indptr_ptr, out_ptr, N: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1).to(tl.int64)
-        L = tl.load(prefix_ptr + b).to(tl.int64)
-        start = tl.load(byte_indptr_ptr + b).to(tl.int64)
-        end = tl.load(byte_indptr_ptr + b + 1).to(tl.int64)
-        j = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        row_len = L + N
-        total = N * row_len
-        byte = tl.zeros([BLOCK], tl.int32)
-        for t in tl.static_range(8):
-            i = j * 8 + t
-            row = i // row_len
-            col = i - row * row_len
-            inr = i < total
-            tm = tl.load(tree_mask_ptr + b * N * N + row * N + (col - L), mask=inr & (col >= L), other=0)
-            bit = inr & ((col < L) | (tm != 0))
-            byte = byte | (bit.to(tl.int32) << t)
-        tl.store(out_ptr + start + j, byte.to(tl.uint8), mask=j < end - start)
-
-
 # ------------------------------------------------------------------------------------ dispatch
 def build_tree_any(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tensor,
                    draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
@@ -208,55 +175,3 @@ def verify_tree_greedy_any(tree: TreeInfo, target_predict: Tensor, num_steps: in
                                 c(tree.valid).view(torch.int8), c(target_predict), accept_nodes, num, alen,
                                 emitted, bonus, N=n, NP2=_np2(n), S=S, SP2=_np2(S + 1))
     return VerifyResult(accept_nodes, num, alen, emitted, bonus)
-
-
-def mask_byte_indptr(prefix_lens: list[int], n: int) -> np.ndarray:
-    """int32 [B+1]: request b's verify mask ``[n, L_b + n]`` bit-packed and padded to whole bytes
-    (FlashInfer's per-request packed layout) starts at byte ``indptr[b]``."""
-    nbytes = [(n * (int(L) + n) + 7) // 8 for L in prefix_lens]
-    return np.concatenate([[0], np.cumsum(nbytes)]).astype(np.int32)
-
-
-def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tensor | None = None,
-                     out: Tensor | None = None) -> tuple[Tensor, np.ndarray]:
-    """Bit-pack the verify attention masks on ``tree_mask``'s device, without a host copy.
-
-    Request b's mask is ``[n, L_b + n]``: every query sees its L_b committed tokens, then the
-    ``tree_mask [B, n, n]`` bool block; rows are packed row-major, little bit order, each request
-    padded to whole bytes (the layout of :func:`engine.graphs.pack_masks` and FlashInfer).
-    ``prefix_lens``: the L_b (host ints); ``prefix_dev``: the same as int64 on the device (copied if
-    None); ``out``: optional uint8 buffer to fill (its first ``indptr[-1]`` bytes).
-    Returns (packed uint8 [indptr[-1]] on the device, byte indptr int32 [B+1] numpy).
-    """
-    B, n, _ = tree_mask.shape
-    dev = tree_mask.device
-    indptr = mask_byte_indptr(prefix_lens, n)
-    total = int(indptr[-1])
-    packed = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=dev)
-    if triton_enabled(tree_mask):
-        if prefix_dev is None:                    # one pinned, asynchronous copy for both
-            meta = h2d(torch.from_numpy(np.concatenate([np.asarray(prefix_lens, np.int64), indptr])), dev)
-            prefix_dev, ind_dev = meta[:B], meta[B:]
-        else:
-            ind_dev = h2d(torch.from_numpy(indptr.astype(np.int64)), dev)
-        block = 256
-        most = int(np.max(np.diff(indptr))) if B else 0
-        _pack_mask_kernel[(B, max(1, -(-most // block)))](tree_mask.contiguous().view(torch.int8), prefix_dev,
-                                                         ind_dev, packed, N=n, BLOCK=block)
-        return packed, indptr
-    if dev.type == "cpu":                         # host tree: numpy, one packbits per request
-        tmn = tree_mask.numpy()
-        buf = np.empty(total, dtype=np.uint8)
-        for b, L in enumerate(prefix_lens):
-            m = np.ones((n, int(L) + n), dtype=bool)
-            m[:, int(L):] = tmn[b]
-            buf[indptr[b]:indptr[b + 1]] = np.packbits(m.reshape(-1), bitorder="little")
-        packed.copy_(torch.from_numpy(buf))
-        return packed, indptr
-    weights = (1 << torch.arange(8, device=dev, dtype=torch.int32))
-    for b, L in enumerate(prefix_lens):
-        m = torch.cat([torch.ones(n, int(L), dtype=torch.bool, device=dev), tree_mask[b]], 1).reshape(-1)
-        pad = (-m.numel()) % 8
-        bits = torch.cat([m, m.new_zeros(pad)]).view(-1, 8).to(torch.int32)
-        packed[int(indptr[b]):int(indptr[b + 1])] = (bits * weights).sum(1).to(torch.uint8)
-    return packed, indptr
