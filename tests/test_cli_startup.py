@@ -33,3 +33,17 @@ def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch
     assert r.exit_code == 2 and "longer than the context (64 tokens)" in r.output, r.output
     r = CliRunner().invoke(app, base[:1] + ["hi"] + base[1:] + ["--temperature", "nan"])
     assert r.exit_code == 2 and "temperature" in r.output, r.output
+
+
+def test_console_script_runs_main_with_the_signal_handlers():
+    """The installed ``ppspec`` must enter ``harness.cli.main`` (which installs the SIGINT / SIGTERM handlers and
+    prints the one-line interruption), not the bare Typer app: an entry point on ``app`` exited 130 silently and
+    died by SIGTERM with leaked-semaphore warnings."""
+    import tomllib
+    from importlib.metadata import entry_points
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["ppspec"] == "harness.cli:main"
+    import harness.cli
+    installed = [e for e in entry_points(group="console_scripts") if e.name == "ppspec"]
+    if installed:                                      # the package as pip installed it (CI: pip install -e .)
+        assert installed[0].load() is harness.cli.main
