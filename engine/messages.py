@@ -156,7 +156,8 @@ class StepResult:
         if spec is not None:
             S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
             t = self.next_tree
-            shapes = {"next_tree.tokens": (t.tokens, (B, n)), "next_tree.parent_list": (t.parent_list, (B, k * (S - 1) + 1)),
+            shapes = {"next_tree.tokens": (t.tokens, (B, n)),
+                      "next_tree.parent_list": (t.parent_list, (B, k * (S - 1) + 1)),
                       "next_tree.top_scores_index": (t.top_scores_index, (B, n - 1)),
                       "accept_nodes": (self.accept_nodes, (B, S + 1)), "accept_lens": (self.accept_lens, (B,))}
             for key, (x, shp) in shapes.items():

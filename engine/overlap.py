@@ -56,7 +56,8 @@ class OverlapLoops:
                 nxt = self._look_ahead(inflight)
                 if inflight.event is not None:
                     inflight.event.synchronize()
-                sched.process_output(StepResult("decode", 0, [r.rid for r in inflight.reqs], inflight.host.view(-1, 1)))
+                rids = [r.rid for r in inflight.reqs]
+                sched.process_output(StepResult("decode", 0, rids, inflight.host.view(-1, 1)))
                 finished = report(reqs, progress, finished)
                 inflight = nxt
                 continue

@@ -123,7 +123,8 @@ def test_step_result_validate_refusals():
         r"lacks \['accept_lens', 'accept_nodes'\]": replace(good, accept_nodes=None, accept_lens=None),
         r"lacks \['tokens'\]": replace(good, tokens=None),
         r"relay tokens have 3 rows for 2 requests": replace(good, tokens=torch.zeros(3, 4)),
-        r"next_tree.tokens has shape \(2, 5\), expected \(2, 6\)": replace(good, next_tree=replace(t, tokens=torch.zeros(2, 5))),
+        r"next_tree.tokens has shape \(2, 5\), expected \(2, 6\)":
+            replace(good, next_tree=replace(t, tokens=torch.zeros(2, 5))),
         r"next_tree.top_scores_index has shape \(2, 4\), expected \(2, 5\)":
             replace(good, next_tree=replace(t, top_scores_index=torch.zeros(2, 4))),
         r"accept_nodes has shape \(2, 3\), expected \(2, 4\)": replace(good, accept_nodes=torch.zeros(2, 3)),
@@ -247,17 +248,19 @@ def test_draft_tree_round_trip():
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     root = torch.tensor([5, 6, 7])
     t = DraftTree.degenerate(root, spec)
-    assert t.tokens.shape == (3, n) and t.parent_list.shape == (3, k * (S - 1) + 1) and t.top_scores_index.shape == (3, n - 1)
+    assert t.tokens.shape == (3, n) and t.parent_list.shape == (3, k * (S - 1) + 1)
+    assert t.top_scores_index.shape == (3, n - 1)
     assert t.tokens[:, 0].tolist() == [5, 6, 7] and (t.tokens[:, 1:] == 0).all()
     assert t.parent_list[0].tolist() == list(range(-1, k * (S - 1)))
     h = t.to_host()
-    assert h.device.type == "cpu" and all(torch.equal(getattr(h, f), getattr(t, f)) for f in ("tokens", "parent_list", "top_scores_index"))
+    fields = ("tokens", "parent_list", "top_scores_index")
+    assert h.device.type == "cpu" and all(torch.equal(getattr(h, f), getattr(t, f)) for f in fields)
     assert h.tokens.untyped_storage().data_ptr() == h.parent_list.untyped_storage().data_ptr()   # one packed tensor
     rows = h.rows()
     assert len(rows) == 3 and rows[1].tokens.shape == (n,) and rows[1]["tokens"][0] == 6
     for dev in (None, torch.device("cpu")):
         back = DraftTree.stack(rows, dev)
-        assert all(torch.equal(getattr(back, f), getattr(t, f)) for f in ("tokens", "parent_list", "top_scores_index"))
+        assert all(torch.equal(getattr(back, f), getattr(t, f)) for f in fields)
     other = DraftTree.degenerate(torch.tensor([9]), spec)
     mixed = t.with_rows([1], other)
     assert mixed.tokens[:, 0].tolist() == [5, 9, 7] and t.tokens[1, 0] == 6
