@@ -22,7 +22,8 @@ import torch
 from .config import EngineConfig, SpecConfig
 from .dist import init_distributed
 from .model.sampling import SamplingParams
-from .scheduler import Req, prompt_token_ids
+from .requests import prompt_token_ids
+from .scheduler import Req
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "ignore_eos")
 

@@ -18,7 +18,8 @@ from .config import ConfigError, EngineConfig
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
-from .scheduler import Req, prompt_token_ids, request_error
+from .requests import prompt_token_ids, request_error
+from .scheduler import Req
 from .ranks import death, free_port, join_all, peak_memory, rank_info, rank_main
 
 

@@ -77,12 +77,20 @@ class ModelRunner:
             from .speculative.eagle_worker import chain_constants
             chain_constants(1, self.spec.num_steps, self.device)   # before any graph capture uses them
         self._init_kv()
-        self._init_cuda_graphs()
-        self.round_runner = None
         eos = tuple(mc.eos_token_ids)
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
+        # every stage rebuilds verify trees: on the device on one stage with device_tree, else from host relay data
+        self.tree_ops = None
+        if self.spec:
+            from .speculative.tree_ops import DeviceTreeOps, HostTreeOps
+            self.tree_ops = DeviceTreeOps(self.device) if self.device_tree else HostTreeOps()
+        self.eagle = self._build_eagle() if self.draft is not None else None
+        self._init_cuda_graphs()
+        if self.eagle is not None:
+            self.eagle.draft_graphs = self.draft_graphs
+        self.round_runner = None
         if self.spec_overlap and self.draft is not None:
             from .speculative.device_round import SpecRoundRunner
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
@@ -124,6 +132,13 @@ class ModelRunner:
             if name == "model.embed_tokens.weight":
                 self.draft.embed_tokens.load(t)
             yield name, t
+
+    def _build_eagle(self):
+        """The last stage's EagleWorker: draft, its KV pool, the target head, the page table and the tree ops."""
+        from .speculative.eagle_worker import EagleWorker
+        return EagleWorker(self.spec, self.draft, self.draft_pool, self.model, self.sched.req_to_token, self.tree_ops,
+                           self.device, hot_head=self.hot_head, probs=self.target_probs, coins=self.coins,
+                           drop_tree=self.config.fault == "drop_tree")
 
     def _init_kv(self) -> None:
         mc, s = self.model_config, ps()
@@ -237,18 +252,9 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    @torch.inference_mode()
     def draft_forward(self, ids, features, pos, ctx, planned: bool = False):
-        """One draft forward over ``ctx`` (KV in the draft pool); ``planned``: ``ctx`` already carries a
-        planned attention layout (a captured graph's), so the backend's ``prepare`` is skipped."""
-        if not planned:
-            ctx.pool = self.draft_pool
-            get_backend().prepare(ctx)
-        set_context(ctx)
-        try:
-            return self.draft(ids, features, pos)
-        finally:
-            set_context(None)
+        """One draft forward (:meth:`EagleWorker.draft_forward`), for the graph runners that hold this runner."""
+        return self.eagle.draft_forward(ids, features, pos, ctx, planned=planned)
 
     # ------------------------------------------------------------------------------------ sampling
     def sampling_tensors(self, reqs: list[Req], repeat: int = 1):

@@ -6,120 +6,14 @@ admission, chunked prefill, KV allocation, retraction and finish decisions agree
 """
 from __future__ import annotations
 
-import numbers
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from .config import ConfigError
 from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
-from .model.sampling import SamplingParams
-
-
-def prompt_length_error(n: int, max_model_len: int) -> str | None:
-    """Why a prompt of ``n`` tokens cannot be served in a context of ``max_model_len``, or None."""
-    if n > max_model_len:
-        return f"prompt of {n} tokens is longer than the context ({max_model_len} tokens)"
-    if n == max_model_len:
-        return f"prompt of {n} tokens fills the whole context ({max_model_len} tokens): no room to generate"
-    return None
-
-
-def prompt_token_ids(i: int, prompt, vocab_size: int, encode) -> list[int]:
-    """Token ids of prompt ``i`` of a call: text through ``encode`` (str -> ids), or a sequence (list, 1-D
-    tensor or array) of integer ids.
-
-    Raises:
-        ConfigError: naming prompt ``i``: text that is not valid Unicode (a lone surrogate, as from undecodable
-            bytes), bytes, a non-integer id, or an id outside [0, vocab_size).
-    """
-    if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ConfigError(f"prompt {i}: text is not valid Unicode (character {e.start} cannot be encoded "
-                              f"as UTF-8)") from None
-        return encode(prompt)
-    if isinstance(prompt, (bytes, bytearray)):
-        raise ConfigError(f"prompt {i}: bytes are not a prompt: decode them to a string, or pass token ids "
-                          f"as a list of int")
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.reshape(-1).tolist()
-    try:
-        ids = list(prompt)
-    except TypeError:
-        raise ConfigError(f"prompt {i}: must be a string or a list of token ids, "
-                          f"got {type(prompt).__name__}") from None
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ConfigError(f"prompt {i}: token ids must be integers, got {t!r}")
-        if not 0 <= t < vocab_size:
-            raise ConfigError(f"prompt {i}: token id {int(t)} is out of range [0, {vocab_size})")
-    return [int(t) for t in ids]
-
-
-def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int) -> int:
-    """KV slots one request can hold at most: its whole context (prompt + outputs, capped by the context
-    length) plus the ``reserve`` slots kept past seq_len."""
-    return min(prompt_len + max_new_tokens, max_model_len) + reserve
-
-
-def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int,
-                  capacity: int) -> str | None:
-    """Why a request cannot be served alone by an engine of this context and KV pool, or None. The
-    front end and every rank's scheduler apply the same check, so a call is refused before any rank runs."""
-    if prompt_len == 0:
-        return "empty prompt"
-    too_long = prompt_length_error(prompt_len, max_model_len)
-    if too_long:
-        return too_long
-    need = kv_need(prompt_len, max_new_tokens, max_model_len, reserve)
-    if need > capacity:
-        return (f"prompt + max_new_tokens + reserve = {need} tokens exceeds the KV pool ({capacity} tokens): "
-                f"lower max_new_tokens or raise max_num_tokens to at least {need}")
-    return None
-
-
-@dataclass
-class Req:
-    rid: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival_time: float = 0.0
-    output_ids: list[int] = field(default_factory=list)
-    status: str = "waiting"               # waiting | prefilling | running | finished
-    slot: int = -1                        # micro-batch slot
-    row: int = -1                         # req_to_token row
-    seq_len: int = 0                      # tokens whose target KV is committed (the next root excluded)
-    allocated_len: int = 0                # slots held in the row (committed + reserve)
-    fill_ids: list[int] = field(default_factory=list)   # tokens to prefill (after a retraction: prompt +
-                                          # outputs but the last, which becomes the root again)
-    prefilled: int = 0
-    tree: dict | None = None              # next verify tree: tokens [n] (col 0 = root), parent_list, top_scores_index
-    accept_lengths: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_retractions: int = 0
-    trees_seeded: int = 0                 # verify trees seeded by a completed prefill (placeholder guard)
-    isolated: bool = False                # runs in batches of its own (it shared a batch that failed)
-    error: str | None = None              # why the engine failed this request (finish_reason "error")
-
-    @property
-    def root_token(self) -> int:
-        return self.output_ids[-1]
-
-
-@dataclass
-class ScheduledBatch:
-    kind: str                             # prefill | decode | verify
-    slot: int
-    reqs: list[Req]
-    chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
-
-    @property
-    def rids(self) -> list[int]:
-        return [r.rid for r in self.reqs]
+from .messages import StepResult
+from .requests import Req, ScheduledBatch, kv_need, request_error  # noqa: F401 (ScheduledBatch re-exported)
 
 
 class Scheduler:
@@ -199,7 +93,7 @@ class Scheduler:
         isolated = [r for r in running if r.isolated]
         if isolated:
             running = isolated[:1]            # a request that shared a failed batch runs alone
-        while running and not self._reserve_decode(running):
+        while running and not self.reserve_decode(running):
             self._retract(running.pop())
         if not running:
             return None
@@ -236,7 +130,7 @@ class Scheduler:
                     break
                 self.waiting.remove(r)
                 r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
-                self._append_slots(r, slots)
+                self.append_slots(r, slots)
                 active += 1
             reqs.append(r)
             chunks.append((start, end, is_last))
@@ -253,17 +147,17 @@ class Scheduler:
         return (f"scheduler stalled with {len(left)} unfinished requests and {self.allocator.num_free} of "
                 f"{self.allocator.capacity} KV slots free: the pool needs at least {need} tokens")
 
-    def _append_slots(self, r: Req, slots: list[int]) -> None:
+    def append_slots(self, r: Req, slots: list[int]) -> None:
         if slots:                          # through the numpy view: ~10x cheaper than a torch slice assignment
             self._rt_np[r.row, r.allocated_len:r.allocated_len + len(slots)] = slots
             r.allocated_len += len(slots)
 
-    def _reserve_decode(self, running: list[Req]) -> bool:
+    def reserve_decode(self, running: list[Req]) -> bool:
         need = [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]
         if sum(need) > self.allocator.num_free:
             return False
         for r, n in zip(running, need):
-            self._append_slots(r, self.allocator.alloc(n))
+            self.append_slots(r, self.allocator.alloc(n))
         return True
 
     def _release(self, r: Req) -> None:
@@ -303,34 +197,33 @@ class Scheduler:
                 self._retract(r, preempted=False)
 
     # ----------------------------------------------------------------------------------- results
-    def process_output(self, out: dict) -> None:
+    def process_output(self, out: StepResult) -> None:
         """Apply one relayed result (identical on every stage). Rows are matched by request id."""
-        kind = out["kind"]
+        kind = out.kind
         if kind == "error":
-            self.fail(out["rids"], out["error"])
+            self.fail(out.rids, out.error)
             return
-        toks = out["tokens"].tolist()
+        toks = out.tokens.tolist()
         if kind == "verify":
-            n = out["next_tokens"].shape[1] if "next_tokens" in out else out["num_draft_tokens"]
-            perm = commit_order(out["accept_nodes"], out["accept_lens"], n)     # all rows at once (numpy)
-            alens = out["accept_lens"].tolist()
+            n = out.tree_width
+            perm = commit_order(out.accept_nodes, out.accept_lens, n)     # all rows at once (numpy)
+            alens = out.accept_lens.tolist()
             rt = self._rt_np
-        trees = None
-        if self.spec and "next_tokens" in out:     # one unbind per tensor instead of 3 index ops per request
-            trees = list(zip(out["next_tokens"].unbind(0), out["next_parents"].unbind(0),
-                             out["next_top_scores"].unbind(0)))
-        for i, rid in enumerate(out["rids"]):
+        # one unbind per tensor instead of 3 index ops per request; rows are not copied: every producer hands
+        # over fresh tensors it no longer writes (for device-resident trees a copy would be 3 launches per row)
+        trees = out.next_tree.rows() if self.spec and out.next_tree is not None else None
+        for i, rid in enumerate(out.rids):
             r = self.reqs[rid]
             if r.status == "finished":
                 continue
             if kind == "prefill":
-                start, end, is_last = out["chunks"][i]
+                start, end, is_last = out.chunks[i]
                 r.prefilled = r.seq_len = end
                 if not is_last:
                     continue                      # a middle chunk's token is a placeholder: no token, no tree
                 r.status = "running"
                 if self.spec:
-                    r.tree = _tree_row(trees, i)
+                    r.tree = trees[i]
                     r.trees_seeded += 1
                 if not r.output_ids:              # a re-prefill after a retraction emits nothing (_retract)
                     self._emit(r, toks[i][:1], accept_length=None)
@@ -341,7 +234,7 @@ class Scheduler:
                 L, alen = r.seq_len, alens[i]
                 rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
-                r.tree = _tree_row(trees, i) if trees is not None else None    # None: kept on the device
+                r.tree = trees[i] if trees is not None else None    # None: kept on the device
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
@@ -388,11 +281,3 @@ class Scheduler:
         r.status, r.finish_reason = "finished", reason
         self._release(r)
 
-
-def _tree_row(trees: list, i: int) -> dict:
-    """Request i's next tree from ``trees`` (per-request (tokens, parent_list, top_scores_index) row views of
-    the result's tensors). Every producer hands over fresh tensors it no longer writes (relay messages,
-    ``tree_to_host``, ``prefill_draft``), so rows are not copied: for device-resident trees a copy would be
-    three kernel launches per request and round."""
-    t, p, s = trees[i]
-    return {"tokens": t, "parent_list": p, "top_scores_index": s}

@@ -5,6 +5,7 @@ import pytest
 
 from engine.kv_cache import KVCacheError, SlotAllocator
 from engine.model.sampling import SamplingParams
+from engine.messages import StepResult
 from engine.scheduler import Req, Scheduler
 
 
@@ -46,10 +47,10 @@ def test_retraction_frees_everything():
     b = s.schedule(0)
     assert b.rids == [0, 1] and s.allocator.num_used == 20
     import torch
-    s.process_output(dict(kind="prefill", slot=0, rids=[0, 1], chunks=b.chunks, tokens=torch.tensor([[7], [8]])))
+    s.process_output(StepResult("prefill", 0, [0, 1], torch.tensor([[7], [8]]), chunks=b.chunks))
     b = s.schedule(0)                                          # first decode fits in the prefill reserve
     assert b.kind == "decode" and b.rids == [0, 1] and s.allocator.num_used == 20
-    s.process_output(dict(kind="decode", slot=0, rids=[0, 1], tokens=torch.tensor([[9], [10]])))
+    s.process_output(StepResult("decode", 0, [0, 1], torch.tensor([[9], [10]])))
     b = s.schedule(0)                                          # next decode needs 2 more slots: none free
     assert b.kind == "decode" and b.rids == [0] and s.reqs[1].status == "waiting"
     # the re-prefill runs up to the last output token, which becomes the root again: no token is emitted twice
@@ -58,11 +59,11 @@ def test_retraction_frees_everything():
     b = s.schedule(0)
     while b.kind == "decode":                                  # request 0 runs to its length, then 1 is readmitted
         assert b.rids == [0]
-        s.process_output(dict(kind="decode", slot=0, rids=[0], tokens=torch.tensor([[11]])))
+        s.process_output(StepResult("decode", 0, [0], torch.tensor([[11]])))
         b = s.schedule(0)
     assert s.reqs[0].finish_reason == "length" and len(s.reqs[0].output_ids) == 9
     assert b.kind == "prefill" and b.rids == [1] and b.chunks == [(0, 10, True)]
-    s.process_output(dict(kind="prefill", slot=0, rids=[1], chunks=b.chunks, tokens=torch.tensor([[10]])))
+    s.process_output(StepResult("prefill", 0, [1], torch.tensor([[10]]), chunks=b.chunks))
     r = s.reqs[1]
     assert r.output_ids == [8, 10] and r.seq_len == 10 and r.root_token == 10 and r.accept_lengths == [1]
 
@@ -72,7 +73,7 @@ def drive(s: Scheduler, num_slots: int, max_ticks: int = 10_000, token: int = 5)
     (every token ``token``) is processed num_slots ticks later, just before its slot is scheduled again.
     Returns the ticks taken; fails the test when ``max_ticks`` pass first."""
     import torch
-    pending: dict[int, dict] = {}
+    pending: dict[int, StepResult] = {}
     for t in range(max_ticks):
         slot = t % num_slots
         if slot in pending:
@@ -81,10 +82,8 @@ def drive(s: Scheduler, num_slots: int, max_ticks: int = 10_000, token: int = 5)
             return t
         b = s.schedule(slot)
         if b is not None:
-            out = dict(kind=b.kind, slot=slot, rids=b.rids, tokens=torch.full((len(b.reqs), 1), token))
-            if b.kind == "prefill":
-                out["chunks"] = b.chunks
-            pending[slot] = out
+            pending[slot] = StepResult(b.kind, slot, b.rids, torch.full((len(b.reqs), 1), token),
+                                       chunks=b.chunks if b.kind == "prefill" else None)
     raise AssertionError(f"not finished after {max_ticks} ticks: "
                          f"{[(r.rid, r.status, r.prefilled) for r in s.reqs.values()]}")
 
@@ -120,17 +119,16 @@ def test_call_is_admitted_whole_or_not_at_all():
 def test_failed_batch_fails_only_the_request_that_fails_alone():
     """A batch that raised inside the engine: its requests are retracted and run alone; the one that then fails
     alone finishes with "error", the other finishes normally; nothing stays allocated."""
-    import torch
     s = Scheduler(capacity=200, max_reqs=4, max_model_len=512, reserve=1, spec=False, max_prefill_tokens=64,
                   num_slots=1, eos_ids=(2,))
     s.add_all([Req(0, [5] * 6, SamplingParams(max_new_tokens=3)), Req(1, [6] * 6, SamplingParams(max_new_tokens=3))])
     b = s.schedule(0)
     assert b.rids == [0, 1]
-    s.process_output(dict(kind="error", slot=0, rids=[0, 1], error="IndexError: index out of range"))
+    s.process_output(StepResult.failed(0, [0, 1], IndexError("index out of range")))
     assert [r.status for r in s.reqs.values()] == ["waiting", "waiting"] and s.allocator.num_used == 0
     b = s.schedule(0)
     assert b.kind == "prefill" and b.rids == [0]                 # alone
-    s.process_output(dict(kind="error", slot=0, rids=[0], error="IndexError: index out of range"))
+    s.process_output(StepResult.failed(0, [0], IndexError("index out of range")))
     r0 = s.reqs[0]
     assert r0.status == "finished" and r0.finish_reason == "error" and r0.error.startswith("IndexError")
     assert drive(s, 1) > 0

@@ -3,6 +3,8 @@ guard, gate, fault injection."""
 from __future__ import annotations
 
 import os
+import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from engine.config import SpecConfig as SC
+from engine.messages import DraftTree, RelayError, StepResult, stack_rows
 from engine.scheduler import Req, Scheduler
 
 P = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -81,32 +84,64 @@ def test_middle_chunk_never_seeds_a_tree():
     s.add(Req(0, list(range(3, 13)), SamplingParams(max_new_tokens=4)))
     b = s.schedule(0)
     assert b.kind == "prefill" and b.chunks == [(0, 4, False)]
-    tree = dict(next_tokens=torch.full((1, 4), 99), next_parents=torch.tensor([[-1, 0, 1]]),
-                next_top_scores=torch.tensor([[0, 1, 2]]))
-    s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[777]]), **tree))
+    tree = DraftTree(torch.full((1, 4), 99), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]))
+    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[777]]), chunks=b.chunks, next_tree=tree))
     r = s.reqs[0]
     assert r.tree is None and r.output_ids == [] and r.trees_seeded == 0 and r.seq_len == 4
     b = s.schedule(0)        # second (middle) chunk
     assert b.chunks == [(4, 8, False)]
-    s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[555]]), **tree))
+    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[555]]), chunks=b.chunks, next_tree=tree))
     assert r.tree is None and r.output_ids == [] and r.seq_len == 8
     b = s.schedule(0)        # third chunk completes the prompt
     assert b.chunks == [(8, 10, True)]
-    s.process_output(dict(kind="prefill", slot=0, rids=[0], chunks=b.chunks, tokens=torch.tensor([[99]]), **tree))
-    assert r.trees_seeded == 1 and r.output_ids == [99] and r.tree["tokens"][0] == 99
+    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[99]]), chunks=b.chunks, next_tree=tree))
+    assert r.trees_seeded == 1 and r.output_ids == [99] and r.tree.tokens[0] == 99
+
+
+def _good_verify(B=2):
+    return StepResult("verify", 0, list(range(1, B + 1)), torch.zeros(B, 4), accept_nodes=torch.zeros(B, 4),
+                      accept_lens=torch.zeros(B), next_tree=DraftTree(torch.zeros(B, 6), torch.zeros(B, 5),
+                                                                      torch.zeros(B, 5)))
 
 
 def test_relay_schema_mismatch_is_an_error():
-    from engine.worker import RelayError, check_relay
     spec = SC("eagle", "x", **TREE)
-    good = dict(kind="verify", slot=0, rids=[1, 2], tokens=torch.zeros(2, 4), accept_nodes=torch.zeros(2, 4),
-                accept_lens=torch.zeros(2), next_tokens=torch.zeros(2, 6), next_parents=torch.zeros(2, 5),
-                next_top_scores=torch.zeros(2, 5))
-    check_relay(good, spec)
-    with pytest.raises(RelayError, match=r"next_parents has shape \(2, 3\), expected \(2, 5\)"):
-        check_relay({**good, "next_parents": torch.zeros(2, 3)}, spec)
+    good = _good_verify()
+    good.validate(spec)
+    with pytest.raises(RelayError, match=r"next_tree.parent_list has shape \(2, 3\), expected \(2, 5\)"):
+        replace(good, next_tree=replace(good.next_tree, parent_list=torch.zeros(2, 3))).validate(spec)
     with pytest.raises(RelayError, match="lacks"):
-        check_relay({k: v for k, v in good.items() if k != "next_tokens"}, spec)
+        replace(good, next_tree=None).validate(spec)
+
+
+def test_step_result_validate_refusals():
+    """Each refusal of StepResult.validate is one RelayError line naming the mismatch."""
+    spec = SC("eagle", "x", **TREE)
+    good = _good_verify()
+    t = good.next_tree
+    bad = {
+        r"lacks \['accept_lens', 'accept_nodes'\]": replace(good, accept_nodes=None, accept_lens=None),
+        r"lacks \['tokens'\]": replace(good, tokens=None),
+        r"relay tokens have 3 rows for 2 requests": replace(good, tokens=torch.zeros(3, 4)),
+        r"next_tree.tokens has shape \(2, 5\), expected \(2, 6\)":
+            replace(good, next_tree=replace(t, tokens=torch.zeros(2, 5))),
+        r"next_tree.top_scores_index has shape \(2, 4\), expected \(2, 5\)":
+            replace(good, next_tree=replace(t, top_scores_index=torch.zeros(2, 4))),
+        r"accept_nodes has shape \(2, 3\), expected \(2, 4\)": replace(good, accept_nodes=torch.zeros(2, 3)),
+        r"accept_lens has shape \(1,\), expected \(2,\)": replace(good, accept_lens=torch.zeros(1)),
+        "relay error message lacks its rids or error text": StepResult("error", 0, [1], torch.zeros(0, 1)),
+    }
+    for pattern, msg in bad.items():
+        with pytest.raises(RelayError, match=pattern) as e:
+            msg.validate(spec)
+        assert "\n" not in str(e.value)
+    StepResult.failed(0, [1], ValueError("boom\nsecond line")).validate(spec)
+    assert StepResult.failed(0, [1], ValueError("boom\nsecond")).error == "ValueError: boom"
+    plain = StepResult("decode", 0, [1, 2], torch.zeros(2, 1))
+    plain.validate(None)
+    with pytest.raises(RelayError, match="lacks"):
+        plain.validate(spec)
+    assert pickle.loads(pickle.dumps(good)).next_tree.tokens.shape == (2, 6)
 
 
 # ------------------------------------------------------------------------------------------ gate
@@ -197,14 +232,39 @@ def test_device_tree_composition_sampling_and_fault(tiny_model_dir, tiny_draft_d
 
 
 def test_stack_rows_mixed_host_and_device_rows():
-    """build_batch_tree's row assembly when some requests' trees are still on the host (first tree, from
+    """DraftTree.stack's row assembly when some requests' trees are still on the host (first tree, from
     prefill) and others on the device: every row lands at its request's index."""
-    from engine.speculative.eagle_worker import _stack_rows
     rows = [torch.tensor([i, 10 + i, 20 + i]) for i in range(5)]
     want = torch.stack(rows)
     for host in ([], [0, 2], [1, 3, 4], [0, 1, 2, 3, 4]):
-        got = _stack_rows(rows, host, torch.device("cpu"))
+        got = stack_rows(rows, host, torch.device("cpu"))
         assert torch.equal(got, want), host
+
+
+def test_draft_tree_round_trip():
+    """DraftTree: degenerate -> to_host (one packed copy) -> rows -> stack gives the same trees; with_rows
+    replaces only the rows asked for; fields read by name as well."""
+    spec = SC("eagle", "x", **TREE)
+    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+    root = torch.tensor([5, 6, 7])
+    t = DraftTree.degenerate(root, spec)
+    assert t.tokens.shape == (3, n) and t.parent_list.shape == (3, k * (S - 1) + 1)
+    assert t.top_scores_index.shape == (3, n - 1)
+    assert t.tokens[:, 0].tolist() == [5, 6, 7] and (t.tokens[:, 1:] == 0).all()
+    assert t.parent_list[0].tolist() == list(range(-1, k * (S - 1)))
+    h = t.to_host()
+    fields = ("tokens", "parent_list", "top_scores_index")
+    assert h.device.type == "cpu" and all(torch.equal(getattr(h, f), getattr(t, f)) for f in fields)
+    assert h.tokens.untyped_storage().data_ptr() == h.parent_list.untyped_storage().data_ptr()   # one packed tensor
+    rows = h.rows()
+    assert len(rows) == 3 and rows[1].tokens.shape == (n,) and rows[1]["tokens"][0] == 6
+    for dev in (None, torch.device("cpu")):
+        back = DraftTree.stack(rows, dev)
+        assert all(torch.equal(getattr(back, f), getattr(t, f)) for f in fields)
+    other = DraftTree.degenerate(torch.tensor([9]), spec)
+    mixed = t.with_rows([1], other)
+    assert mixed.tokens[:, 0].tolist() == [5, 9, 7] and t.tokens[1, 0] == 6
+    assert pickle.loads(pickle.dumps(h)).tokens.tolist() == h.tokens.tolist()
 
 
 def test_accept_lengths_count_only_output_tokens(tiny_model_dir, tiny_draft_dir, tiny_prompts):

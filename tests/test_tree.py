@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.speculative.tree import (TreeInfo, VerifyResult, build_tree, build_tree_host, chain_fallback, draft_step_select, organize_draft_results, tree_input_hash, verify_tree_greedy, verify_tree_greedy_host, verify_tree_sampling)
+from engine.speculative.tree import (TreeInfo, VerifyResult, build_tree, chain_fallback, draft_step_select, organize_draft_results, verify_tree_greedy, verify_tree_sampling)
+from engine.speculative.tree_host import build_tree_host, tree_input_hash, verify_tree_greedy_host
 
 T = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
 

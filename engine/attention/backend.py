@@ -70,15 +70,6 @@ def h2d(t: torch.Tensor, dev) -> torch.Tensor:
     return pinned(t, dev).to(dev, non_blocking=True)
 
 
-def tree_to_host(tree, to_host: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B,n], parent_list [B,P], top_scores_index [B,n-1]) -> column views of one fresh int64
-    tensor: on the host in ONE device->host copy, or (``to_host=False``) an owned copy on the same
-    device (a captured graph's output buffers are overwritten by its next replay)."""
-    widths = [int(x.shape[1]) for x in tree]
-    packed = torch.cat([x.long() for x in tree], 1)
-    return tuple(torch.split(packed.cpu() if to_host else packed, widths, dim=1))
-
-
 def set_context(ctx: ForwardContext | None) -> None:
     global _CTX
     _CTX = ctx

@@ -1,0 +1,165 @@
+"""Typed messages between the draft, the last stage and every stage's scheduler.
+
+``DraftTree``: one batch's next EAGLE verify trees (or one request's row of them). ``StepResult``: the one message
+the last stage relays round the PP ring for each batch it ran (prefill, decode, verify) or that failed (error);
+every stage's scheduler applies it identically (``Scheduler.process_output``). Both pickle as plain dataclasses of
+tensors over the gloo object path (``engine.dist``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .attention.backend import h2d
+
+_TREE_FIELDS = ("tokens", "parent_list", "top_scores_index")
+
+
+class RelayError(RuntimeError):
+    """A relayed message does not match the receiving stage's schema or batch."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft trees of B requests, int64, all on one device (host or accelerator):
+
+    ``tokens`` [B, n] (column 0 = the root, the last emitted token), ``parent_list`` [B, k(S-1)+1],
+    ``top_scores_index`` [B, n-1] (n = num_draft_tokens, k = topk, S = num_steps). A single request's row
+    (:meth:`rows`) has the same fields without the batch dimension.
+    """
+
+    tokens: torch.Tensor
+    parent_list: torch.Tensor
+    top_scores_index: torch.Tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The field ``name`` (one of tokens, parent_list, top_scores_index), for callers that read fields by name."""
+        if name not in _TREE_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to_host(self, to_host: bool = True) -> DraftTree:
+        """Column views of one fresh int64 [B, n + P + n-1] tensor: on the host in ONE device->host copy, or
+        (``to_host=False``) an owned copy on the same device (a captured graph's output buffers are overwritten
+        by its next replay)."""
+        parts = (self.tokens, self.parent_list, self.top_scores_index)
+        widths = [int(x.shape[1]) for x in parts]
+        packed = torch.cat([x.long() for x in parts], 1)
+        return DraftTree(*torch.split(packed.cpu() if to_host else packed, widths, dim=1))
+
+    def rows(self) -> list[DraftTree]:
+        """Per-request row views [n], [P], [n-1] (not copies: producers hand over tensors they no longer write)."""
+        return [DraftTree(*r) for r in zip(self.tokens.unbind(0), self.parent_list.unbind(0),
+                                            self.top_scores_index.unbind(0))]
+
+    @staticmethod
+    def stack(rows: list[DraftTree], device=None) -> DraftTree:
+        """[B, ...] trees from per-request rows. ``device`` None: ``torch.stack`` where the rows are. Otherwise on
+        ``device``: host rows are stacked and moved in one pinned copy per field, device rows stacked in place,
+        each row landing at its index."""
+        if device is None:
+            return DraftTree(*(torch.stack([getattr(r, f) for r in rows]) for f in _TREE_FIELDS))
+        host = [i for i, r in enumerate(rows) if r.tokens.device.type == "cpu"]
+        return DraftTree(*(stack_rows([getattr(r, f) for r in rows], host, device) for f in _TREE_FIELDS))
+
+    @staticmethod
+    def degenerate(root: torch.Tensor, spec) -> DraftTree:
+        """Degenerate chain trees for requests not drafted for (root [B] int64; ``spec``: num_steps, topk,
+        num_draft_tokens): tokens = [root, 0, ...], parent_list = arange(-1, k(S-1)), top_scores_index =
+        arange(n-1), fresh tensors on root's device; building and verifying them always gives a valid tree."""
+        from .speculative.tree import chain_fallback
+        return DraftTree(*chain_fallback(root, spec.num_steps, spec.topk, spec.num_draft_tokens))
+
+    def with_rows(self, idx: list[int], other: DraftTree) -> DraftTree:
+        """A copy of this (host) tree with rows ``idx`` replaced by ``other``'s rows (in order)."""
+        out = DraftTree(*(getattr(self, f).clone() for f in _TREE_FIELDS))
+        i = torch.tensor(idx)
+        for f in _TREE_FIELDS:
+            getattr(out, f)[i] = getattr(other, f)
+        return out
+
+
+def stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
+    """[B, w] int64 on ``dev`` from per-request rows [w]; ``host``: indices of the rows that are host tensors
+    (stacked and copied in one pinned copy; the device rows are stacked on the device)."""
+    if len(host) == len(rows):
+        return h2d(torch.stack(rows), dev)
+    if not host:
+        return torch.stack(rows)
+    in_host = set(host)
+    on_dev = [i for i in range(len(rows)) if i not in in_host]
+    out = torch.empty(len(rows), rows[0].shape[0], dtype=torch.int64, device=dev)
+    out[h2d(torch.tensor(host), dev)] = h2d(torch.stack([rows[i] for i in host]), dev)
+    out[h2d(torch.tensor(on_dev), dev)] = torch.stack([rows[i] for i in on_dev])
+    return out
+
+
+@dataclass
+class StepResult:
+    """What the last stage relays for one batch; applied identically by every stage's scheduler.
+
+    kind: prefill | decode | verify | error; slot: the micro-batch slot; rids: request ids, one per row.
+    tokens [B, w] int64 on the host: prefill/decode the sampled token in column 0 (-1: a middle chunk's
+    placeholder), verify the emitted tokens (accepted drafts then the bonus, -1 padded, w = S+1); error: [0, 1].
+    chunks (prefill): per request (start, end, is_last). accept_nodes [B, S+1] and accept_lens [B] int64 (spec):
+    accepted node ids (column 0 = root, -1 pad) and the number of tokens emitted. next_tree: the next verify
+    trees (spec; None when they stay on the device, then ``num_draft_tokens`` gives n). error: the failure text
+    of a failed batch ("Type: first line").
+    """
+
+    kind: str
+    slot: int
+    rids: list[int]
+    tokens: torch.Tensor
+    chunks: list | None = None
+    accept_nodes: torch.Tensor | None = None
+    accept_lens: torch.Tensor | None = None
+    next_tree: DraftTree | None = None
+    num_draft_tokens: int | None = None
+    error: str | None = None
+
+    @staticmethod
+    def failed(slot: int, rids: list[int], e: Exception) -> StepResult:
+        """The result of a batch whose forward raised ``e``: every stage fails or isolates its requests alike."""
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return StepResult("error", slot, rids, torch.zeros(0, 1, dtype=torch.int64), error=f"{type(e).__name__}: {msg}")
+
+    @property
+    def tree_width(self) -> int:
+        """n, the verify segment width of this result's trees (``next_tree`` or ``num_draft_tokens``)."""
+        return self.next_tree.tokens.shape[1] if self.next_tree is not None else self.num_draft_tokens
+
+    def validate(self, spec) -> None:
+        """One schema for prefill, decode and verify results (``spec``: the EAGLE config or None).
+
+        Raises:
+            RelayError: one line naming the first mismatch (missing fields, row counts, tensor shapes).
+        """
+        if self.kind == "error":
+            if not isinstance(self.error, str) or self.rids is None:
+                raise RelayError("relay error message lacks its rids or error text")
+            return
+        need = {"kind", "slot", "rids", "tokens"}
+        if spec is not None:
+            need |= {"accept_nodes", "accept_lens", "next_tree"}
+        missing = {f.name for f in fields(self) if f.name in need and getattr(self, f.name) is None}
+        if missing:
+            raise RelayError(f"relay message lacks {sorted(missing)}")
+        B = len(self.rids)
+        if self.tokens.shape[0] != B:
+            raise RelayError(f"relay tokens have {self.tokens.shape[0]} rows for {B} requests")
+        if spec is not None:
+            S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+            t = self.next_tree
+            shapes = {"next_tree.tokens": (t.tokens, (B, n)),
+                      "next_tree.parent_list": (t.parent_list, (B, k * (S - 1) + 1)),
+                      "next_tree.top_scores_index": (t.top_scores_index, (B, n - 1)),
+                      "accept_nodes": (self.accept_nodes, (B, S + 1)), "accept_lens": (self.accept_lens, (B,))}
+            for key, (x, shp) in shapes.items():
+                if tuple(x.shape) != shp:
+                    raise RelayError(f"relay {key} has shape {tuple(x.shape)}, expected {shp}")

@@ -1,0 +1,118 @@
+"""Requests and their validation: ``Req`` (one request's state), ``ScheduledBatch``, and the prompt, context and
+KV-pool checks shared by the front end and every rank's scheduler.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ConfigError
+from .messages import DraftTree
+from .model.sampling import SamplingParams
+
+
+def prompt_length_error(n: int, max_model_len: int) -> str | None:
+    """Why a prompt of ``n`` tokens cannot be served in a context of ``max_model_len``, or None."""
+    if n > max_model_len:
+        return f"prompt of {n} tokens is longer than the context ({max_model_len} tokens)"
+    if n == max_model_len:
+        return f"prompt of {n} tokens fills the whole context ({max_model_len} tokens): no room to generate"
+    return None
+
+
+def prompt_token_ids(i: int, prompt, vocab_size: int, encode) -> list[int]:
+    """Token ids of prompt ``i`` of a call: text through ``encode`` (str -> ids), or a sequence (list, 1-D
+    tensor or array) of integer ids.
+
+    Raises:
+        ConfigError: naming prompt ``i``: text that is not valid Unicode (a lone surrogate, as from undecodable
+            bytes), bytes, a non-integer id, or an id outside [0, vocab_size).
+    """
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"prompt {i}: text is not valid Unicode (character {e.start} cannot be encoded "
+                              f"as UTF-8)") from None
+        return encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ConfigError(f"prompt {i}: bytes are not a prompt: decode them to a string, or pass token ids "
+                          f"as a list of int")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.reshape(-1).tolist()
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise ConfigError(f"prompt {i}: must be a string or a list of token ids, "
+                          f"got {type(prompt).__name__}") from None
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ConfigError(f"prompt {i}: token ids must be integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ConfigError(f"prompt {i}: token id {int(t)} is out of range [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
+def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int) -> int:
+    """KV slots one request can hold at most: its whole context (prompt + outputs, capped by the context
+    length) plus the ``reserve`` slots kept past seq_len."""
+    return min(prompt_len + max_new_tokens, max_model_len) + reserve
+
+
+def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int,
+                  capacity: int) -> str | None:
+    """Why a request cannot be served alone by an engine of this context and KV pool, or None. The
+    front end and every rank's scheduler apply the same check, so a call is refused before any rank runs."""
+    if prompt_len == 0:
+        return "empty prompt"
+    too_long = prompt_length_error(prompt_len, max_model_len)
+    if too_long:
+        return too_long
+    need = kv_need(prompt_len, max_new_tokens, max_model_len, reserve)
+    if need > capacity:
+        return (f"prompt + max_new_tokens + reserve = {need} tokens exceeds the KV pool ({capacity} tokens): "
+                f"lower max_new_tokens or raise max_num_tokens to at least {need}")
+    return None
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: str = "waiting"               # waiting | prefilling | running | finished
+    slot: int = -1                        # micro-batch slot
+    row: int = -1                         # req_to_token row
+    seq_len: int = 0                      # tokens whose target KV is committed (the next root excluded)
+    allocated_len: int = 0                # slots held in the row (committed + reserve)
+    fill_ids: list[int] = field(default_factory=list)   # tokens to prefill (after a retraction: prompt +
+                                          # outputs but the last, which becomes the root again)
+    prefilled: int = 0
+    tree: DraftTree | None = None         # next verify tree (one row: tokens [n], col 0 = root)
+    accept_lengths: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_retractions: int = 0
+    trees_seeded: int = 0                 # verify trees seeded by a completed prefill (placeholder guard)
+    isolated: bool = False                # runs in batches of its own (it shared a batch that failed)
+    error: str | None = None              # why the engine failed this request (finish_reason "error")
+
+    @property
+    def root_token(self) -> int:
+        return self.output_ids[-1]
+
+
+@dataclass
+class ScheduledBatch:
+    kind: str                             # prefill | decode | verify
+    slot: int
+    reqs: list[Req]
+    chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
+
+    @property
+    def rids(self) -> list[int]:
+        return [r.rid for r in self.reqs]
