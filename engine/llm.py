@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from . import knobs
 from .config import ConfigError, EngineConfig
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
@@ -164,7 +165,7 @@ class LLM:
         dead = self._dead_unreported(errors)
         self._busy = True                    # the others may be blocked in a collective: terminate them
         self.shutdown()
-        if os.environ.get("PPSPEC_DEBUG"):
+        if knobs.current().debug:
             for m in errors.values():
                 print(m[3])
         if not dead:

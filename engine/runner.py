@@ -9,7 +9,8 @@ import torch
 
 from .kernels.argmax import argmax_rows
 from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
-from .config import ConfigError, EngineConfig, ModelConfig, env_int
+from . import knobs
+from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
 from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
@@ -137,7 +138,7 @@ class ModelRunner:
             ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
             cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
         else:
-            cap = env_int("PPSPEC_CPU_KV_TOKENS", 16384, minimum=1)
+            cap = knobs.current().cpu_kv_tokens
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)

@@ -15,14 +15,13 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import gc
-import os
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from .attention.backend import h2d
-from .config import fail_token_fault
+from .config import fail_token_fault, rank_fault
 from .dist import ps, ring_exchange
 from .kv_cache import KVCacheError
 from .runner import ModelRunner
@@ -201,8 +200,8 @@ class Worker:
         failed call survives it) and propagates.
         """
         sched = self.sched
-        if os.environ.get("PPSPEC_TEST_FAIL_RANK") == str(ps().rank):
-            raise RuntimeError("injected failure (PPSPEC_TEST_FAIL_RANK)")
+        if rank_fault(self.config.fault, "fail_rank") == ps().rank:
+            raise RuntimeError(f"injected failure (fault {self.config.fault})")
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         sched.add_all(reqs)
         try:

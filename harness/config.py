@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import os
 import tomllib
 import types
 import typing
@@ -253,8 +252,10 @@ def merge(base: dict, over: dict) -> dict:
 
 def find_toml(explicit: str | Path | None = None) -> Path | None:
     """ppspec.toml: explicit path > $PPSPEC_TOML > cwd and its parents > the package checkout."""
-    if explicit or os.environ.get("PPSPEC_TOML"):
-        p = Path(explicit or os.environ["PPSPEC_TOML"])
+    from engine import knobs
+    env = knobs.current().toml
+    if explicit or env:
+        p = Path(explicit or env)
         if not p.is_file():
             raise FileNotFoundError(f"ppspec.toml not found at {p}")
         return p.resolve()

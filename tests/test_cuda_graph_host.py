@@ -207,7 +207,7 @@ def test_env_int(monkeypatch):
     """engine.config.env_int, the integer knob parser of PPSPEC_SKINNY_MAX_*, PPSPEC_FI_DECODE_TC_MIN_GROUP and
     PPSPEC_CPU_KV_TOKENS: unset/empty = default, integers as given, anything else a one-line ConfigError."""
     from engine import ConfigError
-    from engine.config import env_int
+    from engine.knobs import env_int
     monkeypatch.delenv("PPSPEC_X", raising=False)
     assert env_int("PPSPEC_X", 7) == 7
     monkeypatch.setenv("PPSPEC_X", " ")

@@ -18,12 +18,11 @@ of vectors with a masked sum, so no program reads back its own global stores.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch import Tensor
 
+from .. import knobs
 from ..attention.backend import h2d
 from .tree import TreeInfo, VerifyResult, build_tree, verify_tree_greedy
 
@@ -37,9 +36,10 @@ except Exception:                                 # noqa: BLE001 - any import fa
 def triton_enabled(x: Tensor) -> bool:
     """True when ``x``'s kernels may run in Triton: Triton importable, ``PPSPEC_TRITON`` != 0, and
     ``x`` on CUDA (or any device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter)."""
-    if triton is None or os.environ.get("PPSPEC_TRITON", "1") == "0":
+    kn = knobs.current()
+    if triton is None or not kn.tree_triton:
         return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or kn.triton_interpret
 
 
 def _np2(n: int) -> int:
