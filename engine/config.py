@@ -288,7 +288,12 @@ class EngineConfig:
                     "or PPSPEC_ENABLE_PP_SPEC=1 (ppspec CLI: --pp-spec)")
 
     def _auto(self, value: bool | None) -> bool:
-        return bool(value) if value is not None else self.device.split(":")[0] == "cuda"
+        return self._auto_for(value, self.device.split(":")[0])
+
+    @staticmethod
+    def _auto_for(value: bool | None, device_type: str) -> bool:
+        """An auto option (None: on for ``device_type`` cuda) resolved."""
+        return bool(value) if value is not None else device_type == "cuda"
 
     @property
     def use_overlap_schedule(self) -> bool:

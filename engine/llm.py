@@ -5,6 +5,7 @@ connected over loopback. Multi-node runs go through ``torchrun -m engine.launch`
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import time
@@ -16,12 +17,15 @@ import torch.multiprocessing as mp
 
 from . import knobs
 from .config import ConfigError, EngineConfig
+from .plan import resolve_plan
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .scheduler import Req, prompt_token_ids, request_error
 from .ranks import death, free_port, join_all, peak_memory, rank_info, rank_main
 
+
+log = logging.getLogger("ppspec")
 
 class EngineError(RuntimeError):
     """A rank failed; the message names the rank and its error in one line."""
@@ -71,6 +75,8 @@ class LLM:
     def __init__(self, config: EngineConfig):
         config = config.with_fault_from_env()
         self.config = config
+        self.plan = resolve_plan(config)      # the decisions every rank's runner resolves the same way
+        log.info("execution plan:\n%s", self.plan.describe())
         self.path, self.model_config = model_source(config)
         check_topology(self.model_config, config.tp, config.pp)
         self._next_rid = 0

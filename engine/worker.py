@@ -205,9 +205,10 @@ class Worker:
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         sched.add_all(reqs)
         try:
-            if self.config.use_overlap_schedule and ps().pp_size == 1 and self.spec is None:
+            loop = self.runner.plan.loop                 # lookahead / spec_rounds / plain / ring
+            if loop == "lookahead":
                 return self._run_overlap(reqs, progress)
-            if getattr(self.runner, "round_runner", None) is not None:
+            if loop == "spec_rounds" and getattr(self.runner, "round_runner", None) is not None:
                 return self._run_spec_overlap(reqs, progress)
             return self._run_ring(reqs, progress)
         except BaseException:

@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -379,6 +380,17 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
                else "")
         err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{cut}{acc}]", markup=False, highlight=False)
+
+
+@app.command()
+def plan(config: ConfigOpt = None, set_: SetOpt = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
+    """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200[/cyan] (on a CPU host:
+    the CUDA plan it would run)."""
+    with user_errors():
+        from .results import suite_plan
+        _, p = suite_plan(config, parse_sets(set_))
+        typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())
 
 
 @app.command("train-draft")

@@ -130,9 +130,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """12 hex digits of sha256 over the configuration (sources and notes excluded)."""
+        """12 hex digits of sha256 over the configuration (sources and notes excluded) and its execution plan
+        (engine.plan, which holds the set PPSPEC_* knobs): runs on different kernel paths hash differently.
+
+        Raises:
+            ConfigError: a PPSPEC_* knob is malformed.
+        """
+        from engine.plan import resolve_plan
         d = self.to_dict()
         d.pop("sources"), d.pop("notes")
+        d["plan"] = resolve_plan(self.engine).as_dict()
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
