@@ -37,7 +37,7 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
     GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
-    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read at each call; unset or empty: 4; 0: never), where one tensor-core
+    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read once by engine.knobs; unset or empty: 4; 0: never), where one tensor-core
     tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4 since three same-lease
     decode A/Bs on the H200 (Llama-3-8B shape, group 4): b=1 5.03 -> 4.81, 4.89 -> 4.68, 5.11 -> 4.89 ms;
     b=32 5.93 -> 5.33, 5.84 -> 5.41 ms (results/gpu/session5/ab3, session6/ab5).
@@ -60,8 +60,8 @@ def strided_q() -> bool:
 
 def decode_plan_options() -> dict:
     """Extra decode ``plan`` options: ``PPSPEC_FI_DISABLE_SPLIT_KV=1`` passes ``disable_split_kv=True`` (one CTA
-    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read at each plan, so
-    set it before the engine starts: captured graphs keep the kernel sequence of their capture)."""
+    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read once by
+    engine.knobs, so set it before the engine starts)."""
     return {"disable_split_kv": True} if knobs.current().fi_disable_split_kv else {}
 
 
