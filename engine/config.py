@@ -6,7 +6,6 @@ profiling, stage layer ranges) live on the runner, never written back here.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,25 +13,6 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field in one line."""
-
-
-def env_int(name: str, default: int, minimum: int | None = None) -> int:
-    """An integer environment knob (read at each call); unset or empty gives ``default``.
-
-    Raises:
-        ConfigError: set to something that is not an integer (or is below ``minimum``); one line naming it.
-    """
-    raw = os.environ.get(name, "").strip()
-    if raw == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        v = None
-    if v is None or (minimum is not None and v < minimum):
-        floor = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(f"{name} must be an integer{floor}, got {raw!r}")
-    return v
 
 
 def token_map_file(path: str | Path) -> Path:
@@ -159,10 +139,8 @@ class SpecConfig:
     num_draft_tokens: int = 4
     pp_spec: bool = False                 # gate for PP x spec
     draft_after_prefill: bool = True      # tail-draft right after prefill (False = reference degenerate first round)
-    adaptive: bool = False                # adaptive n is refused under PP
     token_map: str | None = None          # FR-Spec draft vocabulary (engine.speculative.token_map): .json / .pt of hot ids;
                                           # drafts are mapped back to target ids, so PP relays target ids
-    eagle_version: int = 2
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -180,8 +158,6 @@ class SpecConfig:
             raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
         if self.token_map is not None:
             token_map_file(self.token_map)
-        if self.eagle_version not in (1, 2, 3):
-            raise ConfigError(f"spec.eagle_version: {self.eagle_version} (supported: 1, 2, 3)")
 
     @property
     def enabled(self) -> bool:
@@ -198,6 +174,9 @@ class SpecConfig:
         return self.num_draft_tokens + self.topk * self.num_steps
 
 
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK"
+
+
 def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
     """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault, or None for any other value."""
     if not fault or not fault.startswith("fail_token:"):
@@ -206,6 +185,24 @@ def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
     if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
         return None
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def rank_fault(fault: str | None, kind: str) -> int | None:
+    """The rank of a ``fail_rank:RANK`` (``kind`` "fail_rank": that rank's ``Worker.run`` raises) or
+    ``exit_rank:RANK`` (``kind`` "exit_rank": that rank's process exits silently at start) fault, else None."""
+    if not fault or not fault.startswith(kind + ":"):
+        return None
+    rank = fault[len(kind) + 1:]
+    return int(rank) if rank.isdigit() else None
+
+
+def check_fault(fault: str | None) -> None:
+    """Raise ConfigError (one line) unless ``fault`` is None or one of :data:`FAULTS`."""
+    if fault is None or fault == "drop_tree" or fail_token_fault(fault) is not None:
+        return
+    if rank_fault(fault, "fail_rank") is not None or rank_fault(fault, "exit_rank") is not None:
+        return
+    raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
 
 
 @dataclass(frozen=True)
@@ -242,9 +239,11 @@ class EngineConfig:
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
-    fault: str | None = None              # fault injection: "drop_tree" (degenerate relayed trees) or
+    fault: str | None = None              # fault injection: "drop_tree" (degenerate relayed trees),
                                           # "fail_token:ID[:STAGE]" (that stage's forward raises on a batch
-                                          # holding a request whose prompt contains token ID; stage 0 default)
+                                          # holding a request whose prompt contains token ID; stage 0 default),
+                                          # "fail_rank:RANK" (that rank's run raises), "exit_rank:RANK" (that
+                                          # rank's process exits at start without a word)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -280,22 +279,21 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2 (or unset), got {self.max_model_len}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.fault is not None and self.fault != "drop_tree" and fail_token_fault(self.fault) is None:
-            raise ConfigError(f"fault: {self.fault!r} (supported: drop_tree, fail_token:ID[:STAGE])")
+        check_fault(self.fault)
         if self.spec.enabled and self.pp > 1:
-            if not (self.spec.pp_spec or os.environ.get("PPSPEC_ENABLE_PP_SPEC") == "1"):
+            from . import knobs
+            if not (self.spec.pp_spec or knobs.current().enable_pp_spec):
                 raise ConfigError(
                     "pipeline parallelism with speculative decoding is off by default: set [spec] pp_spec = true "
                     "or PPSPEC_ENABLE_PP_SPEC=1 (ppspec CLI: --pp-spec)")
-            if self.spec.adaptive:
-                raise ConfigError("spec.adaptive: an adaptive number of draft tokens cannot be relayed under PP "
-                                  "(every stage slices the relay by a fixed num_draft_tokens)")
-            if self.spec.eagle_version == 3:
-                raise ConfigError("spec.eagle_version=3 is refused under PP until its auxiliary features "
-                                  "are relayed between stages")
 
     def _auto(self, value: bool | None) -> bool:
-        return bool(value) if value is not None else self.device.split(":")[0] == "cuda"
+        return self._auto_for(value, self.device.split(":")[0])
+
+    @staticmethod
+    def _auto_for(value: bool | None, device_type: str) -> bool:
+        """An auto option (None: on for ``device_type`` cuda) resolved."""
+        return bool(value) if value is not None else device_type == "cuda"
 
     @property
     def use_overlap_schedule(self) -> bool:
@@ -335,5 +333,7 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
     def with_fault_from_env(self) -> "EngineConfig":
-        f = os.environ.get("PPSPEC_FAULT")
+        """This config with ``fault`` taken from ``PPSPEC_FAULT`` when that is set (and differs)."""
+        from . import knobs
+        f = knobs.current().fault
         return self.replace(fault=f) if f and f != self.fault else self

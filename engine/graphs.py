@@ -30,8 +30,8 @@ def dev_attention_decode_max_bs() -> int:
     Raises:
         ConfigError: the variable is not an integer >= 0 (one line, naming it).
     """
-    from .config import env_int
-    return env_int("PPSPEC_DEV_ATTN_DECODE_MAX_BS", 8, minimum=0)
+    from . import knobs
+    return knobs.current().dev_attn_decode_max_bs
 
 
 def capture_forward(obj, ctx: ForwardContext, T: int):

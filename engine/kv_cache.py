@@ -5,11 +5,12 @@ accepted tree path is an index rewrite, never a KV copy). Slot 0 is a padding sl
 """
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import numpy as np
 import torch
+
+from . import knobs
 
 
 class KVCacheError(RuntimeError):
@@ -100,7 +101,7 @@ class SlotAllocator:
             KVCacheError: the free list and the ownership map disagree, or (full) a slot is free twice.
         """
         if full is None:
-            full = self.capacity <= self.FULL_CHECK_MAX_SLOTS or os.environ.get("PPSPEC_KV_CHECK") == "1"
+            full = self.capacity <= self.FULL_CHECK_MAX_SLOTS or knobs.current().kv_check
         owned = np.frombuffer(self.owned, dtype=np.uint8)
         if full:
             free = np.fromiter(self.free_slots, dtype=np.int64, count=len(self.free_slots))

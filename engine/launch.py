@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, SpecConfig
+from .knobs import torchrun_env
 from .dist import init_distributed
 from .model.sampling import SamplingParams
 from .requests import prompt_token_ids
@@ -40,7 +41,7 @@ def torchrun_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world, local_rank, local_world = torchrun_env()
     S, k, n = (int(x) for x in a.spec_shape.split(","))
     spec = SpecConfig("eagle", a.draft, S, k, n, pp_spec=True) if a.draft else SpecConfig()
     cfg = EngineConfig(model=a.model, tp=a.tp, pp=a.pp, dtype=a.dtype, device=a.device, spec=spec)
@@ -48,9 +49,9 @@ def torchrun_main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"tp*pp={cfg.world_size} but torchrun started WORLD_SIZE={world}")
     dev = torch.device(cfg.device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     init_distributed(rank, world, cfg.tp, cfg.pp, dev, "env://", cfg.dist_timeout_s)
     from .worker import Worker
     worker = Worker(cfg.replace(device=str(dev)), record_times=rank == 0)

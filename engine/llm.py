@@ -5,6 +5,7 @@ connected over loopback. Multi-node runs go through ``torchrun -m engine.launch`
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import time
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from . import knobs
 from .config import ConfigError, EngineConfig
+from .plan import resolve_plan
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
@@ -22,6 +25,8 @@ from .requests import prompt_token_ids, request_error
 from .scheduler import Req
 from .ranks import death, free_port, join_all, peak_memory, rank_info, rank_main
 
+
+log = logging.getLogger("ppspec")
 
 class EngineError(RuntimeError):
     """A rank failed; the message names the rank and its error in one line."""
@@ -71,6 +76,8 @@ class LLM:
     def __init__(self, config: EngineConfig):
         config = config.with_fault_from_env()
         self.config = config
+        self.plan = resolve_plan(config)      # the decisions every rank's runner resolves the same way
+        log.info("execution plan:\n%s", self.plan.describe())
         self.path, self.model_config = model_source(config)
         check_topology(self.model_config, config.tp, config.pp)
         self._next_rid = 0
@@ -165,7 +172,7 @@ class LLM:
         dead = self._dead_unreported(errors)
         self._busy = True                    # the others may be blocked in a collective: terminate them
         self.shutdown()
-        if os.environ.get("PPSPEC_DEBUG"):
+        if knobs.current().debug:
             for m in errors.values():
                 print(m[3])
         if not dead:

@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, rank_fault
 from .dist import init_distributed
 
 
@@ -53,7 +53,7 @@ def die_with_parent() -> None:
 
 
 def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
-    if os.environ.get("PPSPEC_TEST_EXIT_RANK") == str(rank):      # test hook: a rank that dies silently
+    if rank_fault(config.fault, "exit_rank") == rank:            # fault injection: a rank that dies silently
         os._exit(3)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's ^C reaches the whole group: the front end decides

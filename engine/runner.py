@@ -9,9 +9,11 @@ import torch
 
 from .kernels.argmax import argmax_rows
 from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
-from .config import ConfigError, EngineConfig, ModelConfig, env_int
+from . import knobs
+from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool
+from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
@@ -47,11 +49,12 @@ class ModelRunner:
         self.max_model_len = config.context_length(mc)
         spec = config.spec
         self.spec = spec if spec.enabled else None
+        self.plan = resolve_plan(config, staged=s.staged)
         # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
-        self.spec_overlap = bool(self.spec) and config.use_spec_overlap and s.pp_size == 1 and s.tp_size == 1
-        self.device_tree = bool(self.spec) and (config.use_spec_device_tree or self.spec_overlap) and s.pp_size == 1
+        self.spec_overlap = self.plan.spec_overlap
+        self.device_tree = self.plan.device_tree
         # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
-        self.reserve = spec.reserve_per_req if self.spec else (2 if config.use_overlap_schedule and s.pp_size == 1 else 1)
+        self.reserve = self.plan.reserve
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
@@ -95,7 +98,7 @@ class ModelRunner:
             from .speculative.device_round import SpecRoundRunner
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
                 else config.max_running_requests
-            self.round_runner = SpecRoundRunner(self, max_bs, use_graphs=config.cuda_graph)
+            self.round_runner = SpecRoundRunner(self, max_bs, use_graphs="spec_rounds" in self.plan.graphs)
             if self.round_runner.use_graphs:
                 self.round_runner.capture_all()
 
@@ -104,11 +107,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from .kernels.fused import apply_blas_knobs
             apply_blas_knobs()
-        name = self.config.attention_backend
-        if name == "auto":
-            fi = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-            name = "flashinfer" if fi else "torch"
-        if name == "flashinfer":
+        if self.plan.backend == "flashinfer":
             if self.device.type != "cuda":
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
             from .attention.flashinfer import FlashInferBackend
@@ -152,7 +151,7 @@ class ModelRunner:
             ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
             cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
         else:
-            cap = env_int("PPSPEC_CPU_KV_TOKENS", 16384, minimum=1)
+            cap = knobs.current().cpu_kv_tokens
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
@@ -213,22 +212,20 @@ class ModelRunner:
         self.graphs = None
         self.draft_graphs = None
         self.prefill_graphs = None
-        s, cfg = ps(), self.config
-        if not cfg.cuda_graph or self.device.type != "cuda" or get_backend().name != "flashinfer":
-            return
-        if s.tp_size > 1 and s.staged:            # gloo collectives cannot be captured
+        cfg, kinds = self.config, self.plan.graphs      # none off CUDA + flashinfer, or under staged TP (gloo)
+        if not kinds:
             return
         from .graphs import CudaGraphRunner
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
-        if max_tok > 0:
+        if "prefill" in kinds and max_tok > 0:
             from .graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
             from .speculative.draft_graphs import DraftGraphRunner
-            self.draft_graphs = DraftGraphRunner(self, max_bs, extend=cfg.use_cuda_graph_draft_extend)
+            self.draft_graphs = DraftGraphRunner(self, max_bs, extend="draft_extend" in kinds)
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None):

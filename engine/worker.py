@@ -15,12 +15,11 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import gc
-import os
 
 import torch
 
 from .attention.backend import h2d
-from .config import fail_token_fault
+from .config import fail_token_fault, rank_fault
 from .dist import ps, ring_exchange
 from .kv_cache import KVCacheError
 from .messages import RelayError, StepResult
@@ -142,14 +141,15 @@ class Worker(OverlapLoops):
         failed call survives it) and propagates.
         """
         sched = self.sched
-        if os.environ.get("PPSPEC_TEST_FAIL_RANK") == str(ps().rank):
-            raise RuntimeError("injected failure (PPSPEC_TEST_FAIL_RANK)")
+        if rank_fault(self.config.fault, "fail_rank") == ps().rank:
+            raise RuntimeError(f"injected failure (fault {self.config.fault})")
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         sched.add_all(reqs)
         try:
-            if self.config.use_overlap_schedule and ps().pp_size == 1 and self.spec is None:
+            loop = self.runner.plan.loop                 # lookahead / spec_rounds / plain / ring
+            if loop == "lookahead":
                 return self._run_overlap(reqs, progress)
-            if getattr(self.runner, "round_runner", None) is not None:
+            if loop == "spec_rounds" and getattr(self.runner, "round_runner", None) is not None:
                 return self._run_spec_overlap(reqs, progress)
             return self._run_ring(reqs, progress)
         except BaseException:

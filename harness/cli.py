@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -391,13 +392,24 @@ def check_prompt(engine_config, prompt: str) -> None:
         return
     from engine.config import ConfigError
     from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
-    from engine.scheduler import prompt_length_error, prompt_token_ids
+    from engine.requests import prompt_length_error, prompt_token_ids
     path = resolve_model_path(engine_config.model)
     mc, tok = load_model_config(path), load_tokenizer(path)
     ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
     why = "empty prompt" if not ids else prompt_length_error(len(ids), engine_config.context_length(mc))
     if why:
         raise ConfigError(f"prompt 0: {why}")
+
+
+@app.command()
+def plan(config: ConfigOpt = None, set_: SetOpt = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
+    """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200[/cyan] (on a CPU host:
+    the CUDA plan it would run)."""
+    with user_errors():
+        from .results import suite_plan
+        _, p = suite_plan(config, parse_sets(set_))
+        typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())
 
 
 @app.command("train-draft")

@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import os
 import tomllib
 import types
 import typing
@@ -134,9 +133,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """12 hex digits of sha256 over the configuration (sources and notes excluded)."""
+        """12 hex digits of sha256 over the configuration (sources and notes excluded) and its execution plan
+        (engine.plan, which holds the set PPSPEC_* knobs): runs on different kernel paths hash differently.
+
+        Raises:
+            ConfigError: a PPSPEC_* knob is malformed.
+        """
+        from engine.plan import resolve_plan
         d = self.to_dict()
         d.pop("sources"), d.pop("notes")
+        d["plan"] = resolve_plan(self.engine).as_dict()
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -256,8 +262,10 @@ def merge(base: dict, over: dict) -> dict:
 
 def find_toml(explicit: str | Path | None = None) -> Path | None:
     """ppspec.toml: explicit path > $PPSPEC_TOML > cwd and its parents > the package checkout."""
-    if explicit or os.environ.get("PPSPEC_TOML"):
-        p = Path(explicit or os.environ["PPSPEC_TOML"])
+    from engine import knobs
+    env = knobs.current().toml
+    if explicit or env:
+        p = Path(explicit or env)
         if not p.is_file():
             raise FileNotFoundError(f"ppspec.toml not found at {p}")
         return p.resolve()

@@ -46,12 +46,15 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
 
 @contextlib.contextmanager
 def _env_without(name: str | None) -> Iterator[None]:
-    saved = os.environ.pop(name, None) if name else None
+    from engine import knobs
+    saved = os.environ.get(name) if name else None
+    if saved is not None:
+        knobs.set_env(name, None)
     try:
         yield
     finally:
         if saved is not None:
-            os.environ[name] = saved
+            knobs.set_env(name, saved)
 
 
 def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records: list[dict],

@@ -68,7 +68,14 @@ def device_name(device: str) -> str:
 
 
 def run_metadata(cfg: RunConfig, kind: str) -> dict:
-    """Metadata stamped on every result: git, versions, device, config hash, timestamps."""
+    """Metadata stamped on every result: git, versions, device, config hash, timestamps, the execution plan
+    (``plan``: engine.plan.ExecutionPlan.as_dict) and the set ``PPSPEC_*`` knobs (``knobs``: name -> raw value).
+
+    Raises:
+        ConfigError: a PPSPEC_* knob is malformed.
+    """
+    from engine.plan import resolve_plan
+    plan = resolve_plan(cfg.engine)
     return {
         "kind": kind, "suite": cfg.name, "label": cfg.label,
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -76,7 +83,28 @@ def run_metadata(cfg: RunConfig, kind: str) -> dict:
         "platform": platform.platform(), "host": socket.gethostname(),
         "device": cfg.engine.device, "device_name": device_name(cfg.engine.device),
         "config_hash": cfg.config_hash(), "sources": list(cfg.sources), "argv": sys.argv,
+        "plan": plan.as_dict(), "knobs": dict(plan.knobs),
     }
+
+
+def suite_plan(config: str | None, overrides: dict | None = None):
+    """(RunConfig, ExecutionPlan) of suite ``config`` with ``overrides``. A CUDA suite on a host without CUDA is
+    resolved with device cpu and planned for cuda (the plan it would run on a GPU host).
+
+    Raises:
+        HarnessConfigError, ConfigError: as harness.config.resolve.
+    """
+    from engine.config import ConfigError
+    from engine.plan import resolve_plan
+    from .config import merge, resolve
+    try:
+        cfg = resolve(config, overrides or {})
+    except ConfigError as e:
+        if "sees no CUDA device" not in str(e):
+            raise
+        cfg = resolve(config, merge(overrides or {}, {"device": "cpu"}))
+        return cfg, resolve_plan(cfg.engine, device="cuda")
+    return cfg, resolve_plan(cfg.engine)
 
 
 def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, create: bool = True) -> Path:

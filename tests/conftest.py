@@ -50,3 +50,26 @@ def tiny_prompts(tiny_model_dir):
         x = tok.encode(t * 4, add_special_tokens=False)
         ids.append(x[:n])
     return ids
+
+
+@pytest.fixture(autouse=True)
+def _knobs_follow_env(monkeypatch):
+    """engine.knobs reads the environment once per process; each test starts from a fresh read, and an
+    environment change made through ``monkeypatch`` drops the cached knobs (the next ``knobs.current()``
+    re-reads, raising there on a malformed value, as the engine does at its first use)."""
+    from engine import knobs
+
+    knobs.invalidate()
+    set_, del_ = monkeypatch.setenv, monkeypatch.delenv
+
+    def setenv(name, value, prepend=None):
+        set_(name, value, prepend)
+        knobs.invalidate()
+
+    def delenv(name, raising=True):
+        del_(name, raising)
+        knobs.invalidate()
+
+    monkeypatch.setenv, monkeypatch.delenv = setenv, delenv
+    yield
+    knobs.invalidate()

@@ -249,10 +249,10 @@ def test_capture_sequence_with_reset(monkeypatch):
 
 
 def test_env_int(monkeypatch):
-    """engine.config.env_int, the integer knob parser of PPSPEC_SKINNY_MAX_*, PPSPEC_FI_DECODE_TC_MIN_GROUP and
-    PPSPEC_CPU_KV_TOKENS: unset/empty = default, integers as given, anything else a one-line ConfigError."""
+    """engine.knobs.env_int, the integer parser of variables outside the registry (the same rules as the registry's
+    integer knobs): unset/empty = default, integers as given, anything else a one-line ConfigError."""
     from engine import ConfigError
-    from engine.config import env_int
+    from engine.knobs import env_int
     monkeypatch.delenv("PPSPEC_X", raising=False)
     assert env_int("PPSPEC_X", 7) == 7
     monkeypatch.setenv("PPSPEC_X", " ")

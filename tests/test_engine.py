@@ -199,20 +199,18 @@ def test_bad_requests(tiny_model_dir):
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].token_ids) >= 1  # still usable
 
 
-def test_rank_failure_stops_group(tiny_model_dir, monkeypatch):
-    """One rank failing stops the whole group with that rank's error, no hang."""
-    monkeypatch.setenv("PPSPEC_TEST_FAIL_RANK", "1")
+def test_rank_failure_stops_group(tiny_model_dir):
+    """One rank failing (fault fail_rank:1) stops the whole group with that rank's error, no hang."""
     with pytest.raises(EngineError, match="rank 1 failed: RuntimeError: injected failure"):
-        with LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30)) as llm:
+        with LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30, fault="fail_rank:1")) as llm:
             llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4))
 
 
-def test_rank_dying_silently_is_reported(tiny_model_dir, monkeypatch):
-    """Regression: a rank that exits without reporting gave IndexError (the message read the process list
-    after shutdown had emptied it); now the rank and its exit code."""
-    monkeypatch.setenv("PPSPEC_TEST_EXIT_RANK", "1")
+def test_rank_dying_silently_is_reported(tiny_model_dir):
+    """Regression: a rank that exits without reporting (fault exit_rank:1) gave IndexError (the message read the
+    process list after shutdown had emptied it); now the rank and its exit code."""
     with pytest.raises(EngineError, match=r"^rank 1 exited without reporting \(exit code 3\)$"):
-        LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
+        LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30, fault="exit_rank:1"))
 
 
 @pytest.mark.parametrize("when", ["during", "between"])

@@ -153,15 +153,6 @@ def test_gate_off_by_default(tiny_model_dir, monkeypatch):
     assert EngineConfig(model=tiny_model_dir, pp=2, spec=SpecConfig("eagle", "d", **CHAIN)).pp == 2
 
 
-@pytest.mark.parametrize("extra,msg", [
-    (dict(adaptive=True), "adaptive number of draft tokens"),
-    (dict(eagle_version=3), "until its auxiliary features are relayed"),
-])
-def test_refused_combinations(extra, msg):
-    with pytest.raises(ConfigError, match=msg):
-        EngineConfig(pp=2, spec=SpecConfig("eagle", "d", pp_spec=True, **CHAIN, **extra))
-
-
 # ------------------------------------------------------------------------------------------ ring
 def _ring_worker(rank, world, port, nbytes, rounds, q):
     from engine.dist import init_distributed, ring_exchange

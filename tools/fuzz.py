@@ -424,7 +424,8 @@ class CaseResult:
         """A multi-line report: status line, one line per failure, the repro command."""
         status = "PASS" if not self.failures else "FAIL [" + ", ".join(self.kinds) + "]"
         lines = [f"case {self.seed}: {status}  {self.desc}  retractions {self.retractions}  {self.wall_s:.1f}s"]
-        if self.phases and os.environ.get("PPSPEC_FUZZ_PHASES"):
+        from engine import knobs
+        if self.phases and knobs.current().fuzz_phases:
             lines.append("    phases: " + ", ".join(f"{n} @{t}s" for n, t in self.phases))
         if self.failures:
             lines += [f"    {k}: {m}" for k, m in self.failures]

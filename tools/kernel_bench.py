@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
+
+from engine import knobs
 
 CONFIGS = [(16, 256, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3),
            (128, 128, 8, 3)]
@@ -59,7 +60,7 @@ def _sweep(row: dict, configs, knob: str, fn, copies: int):
     ``row["cfg(...)"]`` in microseconds (or the compile error); returns (best config, us) or None."""
     best = None
     for c in configs:
-        os.environ[knob] = ",".join(map(str, c))
+        knobs.set_env(knob, ",".join(map(str, c)))
         try:
             us = _time_graph(fn, copies)
         except Exception as e:                        # noqa: BLE001 - a config that does not compile: skip it
@@ -83,7 +84,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("Error: kernel_bench needs a CUDA device")
     import torch.nn.functional as F
-    os.environ["PPSPEC_SKINNY"] = "1"
+    knobs.set_env("PPSPEC_SKINNY", "1")
     from engine.kernels import fused as kernels, skinny
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
@@ -126,7 +127,7 @@ def main() -> None:
                 row = {"op": name, "M": M, "N": N, "K": K, "unfused_us": _time_graph(unfused, copies)}
                 row["unfused_GBps"] = gb / row["unfused_us"]
                 best = _sweep(row, CONFIGS, "PPSPEC_SKINNY_CFG", fused, copies)
-                os.environ.pop("PPSPEC_SKINNY_CFG", None)
+                knobs.set_env("PPSPEC_SKINNY_CFG", None)
                 if best is not None:
                     row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
                     row["fused_GBps"] = gb / best[1]
@@ -134,9 +135,9 @@ def main() -> None:
                                            gated=gated)[0].float()
                     got = fused(0).float()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                os.environ["PPSPEC_PDL"] = "0"                # the best config in plain stream order (PDL's share)
+                knobs.set_env("PPSPEC_PDL", "0")               # the best config in plain stream order (PDL's share)
                 row["gemv_nopdl_us"] = round(_time_graph(fused, copies), 2)
-                os.environ.pop("PPSPEC_PDL")
+                knobs.set_env("PPSPEC_PDL", None)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del ws
@@ -156,7 +157,7 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
     import torch
     import torch.nn.functional as F
     from engine.kernels import gemv, fused as kernels, skinny
-    os.environ["PPSPEC_GEMV"] = "1"
+    knobs.set_env("PPSPEC_GEMV", "1")
     rows = []
     with torch.inference_mode():
         for name, norm, gated, N, K in ops + [("qkv_nonorm", False, False, ops[0][3], ops[0][4])]:
@@ -187,18 +188,18 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
             row["cublas_GBps"] = round(gb / row["cublas_us"], 1)
             best = _sweep(row, GEMV_CONFIGS, "PPSPEC_GEMV_CFG", fused, copies)
             if best is not None:
-                os.environ["PPSPEC_GEMV_CFG"] = ",".join(map(str, best[0]))
+                knobs.set_env("PPSPEC_GEMV_CFG", ",".join(map(str, best[0])))
                 row["best_cfg"], row["gemv_us"] = list(best[0]), round(best[1], 2)
                 row["gemv_GBps"] = round(gb / best[1], 1)
                 ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
                 got = fused(0).float()
                 row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                os.environ["PPSPEC_PDL"] = "0"                # the best config in plain stream order (PDL's share)
+                knobs.set_env("PPSPEC_PDL", "0")               # the best config in plain stream order (PDL's share)
                 row["gemv_nopdl_us"] = round(_time_graph(fused, copies), 2)
-                os.environ.pop("PPSPEC_PDL")
+                knobs.set_env("PPSPEC_PDL", None)
                 if "_nonorm" not in name:
                     print(f"PPSPEC_GEMV_CFG_{op.upper()}={','.join(map(str, best[0]))}", flush=True)
-            os.environ.pop("PPSPEC_GEMV_CFG", None)
+            knobs.set_env("PPSPEC_GEMV_CFG", None)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del ws

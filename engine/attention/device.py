@@ -38,11 +38,11 @@ CPU path, which reads the maximum prefix length on the host; :mod:`engine.attent
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .. import knobs
 from ..kernels import pdl
 from .device_ref import attention_ref, check_layout as _check
 
@@ -72,7 +72,7 @@ def enabled(x: torch.Tensor) -> bool:
     bf16/fp16, or any tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
     if triton is None:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if knobs.current().triton_interpret:
         return True
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 

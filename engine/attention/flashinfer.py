@@ -21,13 +21,13 @@ TorchBackend. Supported dtypes: bfloat16 and float16 (FlashInfer has no float32 
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
+from .. import knobs
 from .backend import ForwardContext, TorchBackend, get_context, h2d, request_masks
-from ..config import ConfigError, env_int
+from ..config import ConfigError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -37,7 +37,7 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
     GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
-    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read at each call; unset or empty: 4; 0: never), where one tensor-core
+    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read once by engine.knobs; unset or empty: 4; 0: never), where one tensor-core
     tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4 since three same-lease
     decode A/Bs on the H200 (Llama-3-8B shape, group 4): b=1 5.03 -> 4.81, 4.89 -> 4.68, 5.11 -> 4.89 ms;
     b=32 5.93 -> 5.33, 5.84 -> 5.41 ms (results/gpu/session5/ab3, session6/ab5).
@@ -46,21 +46,23 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
         ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer >= 0 (one line, naming it).
     """
     group = num_qo_heads // num_kv_heads
-    knob = env_int("PPSPEC_FI_DECODE_TC_MIN_GROUP", 4, minimum=0)        # unset or empty: 4
+    knob = knobs.current().fi_decode_tc_min_group
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
 
 
 # PPSPEC_FI_STRIDED_Q (default 1; 0 copies q): hand FlashInfer q as the strided view of the QKV output (its batch
 # kernels take q.stride(0) / q.stride(1)), one copy kernel less per layer; checked on the H200 (tests/test_flashinfer.py
 # passes with it; SmolLM2 b=8 TPOT 1.54 -> 1.47 ms, b=1 unchanged).
-STRIDED_Q = os.environ.get("PPSPEC_FI_STRIDED_Q", "1") == "1"
+def strided_q() -> bool:
+    """``PPSPEC_FI_STRIDED_Q`` (see above)."""
+    return knobs.current().fi_strided_q
 
 
 def decode_plan_options() -> dict:
     """Extra decode ``plan`` options: ``PPSPEC_FI_DISABLE_SPLIT_KV=1`` passes ``disable_split_kv=True`` (one CTA
-    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read at each plan, so
-    set it before the engine starts: captured graphs keep the kernel sequence of their capture)."""
-    return {"disable_split_kv": True} if os.environ.get("PPSPEC_FI_DISABLE_SPLIT_KV") == "1" else {}
+    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read once by
+    engine.knobs, so set it before the engine starts)."""
+    return {"disable_split_kv": True} if knobs.current().fi_disable_split_kv else {}
 
 
 def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +100,7 @@ class FlashInferBackend:
         if dtype is not None:
             _check_dtype(dtype)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_backend = os.environ.get("PPSPEC_FLASHINFER_PREFILL_BACKEND", "fa2")
+        self.prefill_backend = knobs.current().fi_prefill_backend
         self._wrappers: dict = {}                     # (kind, variant) -> [wrapper, wrapper] (double buffer)
         self._turn: dict = {}
         self._events: dict = {}
@@ -226,6 +228,6 @@ class FlashInferBackend:
                 raise ValueError(f"q dtype {q.dtype} != KV pool dtype {st['fi']['dtype']}")
             self._plan(st, key)
             self._heads[pool] = key
-        if not q.is_contiguous() and not (STRIDED_Q and q.stride(-1) == 1):
+        if not q.is_contiguous() and not (strided_q() and q.stride(-1) == 1):
             q = q.contiguous()
         return st["fi_wrapper"].run(q, pool.kv_cache[layer].unsqueeze(2))    # [slots, 2, page 1, Hk, D]

@@ -11,7 +11,7 @@ committed tokens visible, then a tree block) where the tree is: one Triton launc
 """
 from __future__ import annotations
 
-import os
+from .. import knobs
 
 import numpy as np
 import torch
@@ -29,9 +29,10 @@ except Exception:                                 # noqa: BLE001 - any import fa
 def triton_enabled(x: Tensor) -> bool:
     """True when ``x``'s kernels may run in Triton: Triton importable, ``PPSPEC_TRITON`` != 0, and
     ``x`` on CUDA (or any device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter)."""
-    if triton is None or os.environ.get("PPSPEC_TRITON", "1") == "0":
+    kn = knobs.current()
+    if triton is None or not kn.tree_triton:
         return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or kn.triton_interpret
 
 
 def pack_masks(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:

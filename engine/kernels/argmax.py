@@ -14,9 +14,9 @@ gives 0). NaN is not ordered (torch returns a NaN's index; logits are never NaN 
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import knobs
 
 try:
     import triton
@@ -28,9 +28,10 @@ BLOCK = 2048
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if triton is None or os.environ.get("PPSPEC_TRITON_ARGMAX", "1") != "1":
+    kn = knobs.current()
+    if triton is None or not kn.triton_argmax:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if kn.triton_interpret:
         return True
     return x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
 

@@ -16,9 +16,9 @@ Semantics (both paths):
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import knobs
 import torch.nn.functional as F
 
 _FI = None
@@ -46,7 +46,7 @@ def use_fused(x: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return False
-    if os.environ.get("PPSPEC_FUSED", "1") == "0":
+    if not knobs.current().fused:
         return False
     return _flashinfer() is not None
 
@@ -117,16 +117,11 @@ def apply_blas_knobs() -> dict:
     Raises:
         ConfigError: a knob holds a value outside the choices above (one line naming it).
     """
-    from ..config import ConfigError
-    lib = os.environ.get("PPSPEC_BLAS", "").strip().lower()
-    if lib not in BLAS_CHOICES:
-        raise ConfigError(f"PPSPEC_BLAS must be one of cublas, cublaslt (or unset), got {lib!r}")
-    rpr = os.environ.get("PPSPEC_BF16_RPR", "").strip()
-    if rpr not in ("", "0", "1"):
-        raise ConfigError(f"PPSPEC_BF16_RPR must be 0 or 1 (or unset), got {rpr!r}")
+    kn = knobs.current()
+    lib, rpr = kn.blas, kn.bf16_rpr
     if lib:
         torch.backends.cuda.preferred_blas_library(lib)
-    if rpr:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = rpr == "1"
+    if rpr is not None:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = rpr
     return {"blas": lib or "default", "bf16_reduced_precision_reduction":
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}

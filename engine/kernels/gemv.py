@@ -44,12 +44,11 @@ Raises ValueError for layouts the kernels do not take (see :func:`_launch`), Con
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import knobs
 from . import pdl
-from ..config import ConfigError, env_int
+from ..config import ConfigError
 
 try:
     import triton
@@ -67,26 +66,18 @@ def enabled(x: torch.Tensor) -> bool:
     Raises:
         ConfigError: ``PPSPEC_GEMV`` is not 0 or 1.
     """
-    knob = os.environ.get("PPSPEC_GEMV", "").strip()
-    if knob not in ("", "0", "1"):
-        raise ConfigError(f"PPSPEC_GEMV must be 0 or 1 (or unset), got {knob!r}")
-    if triton is None or knob == "0" or x.dim() != 2 or x.shape[0] != 1:
+    kn = knobs.current()
+    if triton is None or kn.gemv is False or x.dim() != 2 or x.shape[0] != 1:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":         # CPU interpreter: only when asked for by name (tests)
-        return knob == "1"
+    if kn.triton_interpret:                               # CPU interpreter: only when asked for by name (tests)
+        return kn.gemv is True
     from .fused import use_fused
     return use_fused(x)
 
 
-def _ops() -> set[str]:
-    raw = os.environ.get("PPSPEC_GEMV_OPS", "").strip()
-    if not raw:
-        return set(OPS)
-    ops = {o.strip() for o in raw.split(",") if o.strip()}
-    bad = sorted(ops - set(OPS) - {"none"})
-    if bad:
-        raise ConfigError(f"PPSPEC_GEMV_OPS takes a comma list of {', '.join(OPS)} (or none), got {raw!r}")
-    return ops
+def _ops() -> frozenset:
+    ops = knobs.current().gemv_ops
+    return frozenset(OPS) if ops is None else ops
 
 
 def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
@@ -97,7 +88,7 @@ def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
     """
     if not enabled(x):
         return False
-    ops, min_w = _ops(), env_int("PPSPEC_GEMV_MIN_W", 1 << 22, minimum=0)    # both checked on every call
+    ops, min_w = _ops(), knobs.current().gemv_min_w
     return w.numel() > min_w and op in ops
 
 
@@ -117,29 +108,17 @@ def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int, int]:
         ConfigError: a config knob is not BLOCK_N,BLOCK_K,warps,stages[,prefetch] with BLOCK_N, BLOCK_K powers of two
             (BLOCK_K >= 16), warps a power of two <= 32, stages >= 1 and prefetch 0 or 1.
     """
-    env = os.environ.get(f"PPSPEC_GEMV_CFG_{op.upper()}") or os.environ.get("PPSPEC_GEMV_CFG")
-    if env:
-        return parse_cfg(env)
+    cfg = knobs.current().gemv_cfg_for(op)
+    if cfg:
+        return cfg
     bn, bk, warps, stages, pre = DEFAULTS.get(op, (4, 512, 4, 1, 1))
     return bn, min(bk, max(16, triton.next_power_of_2(K))), warps, stages, pre
 
 
 def parse_cfg(env: str) -> tuple[int, int, int, int, int]:
     """Parse ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]`` (see :func:`pick_config`; prefetch defaults to 1).
-    Raises ConfigError."""
-    def pow2(v: int) -> bool:
-        return v > 0 and v & (v - 1) == 0
-    try:
-        vals = [int(v) for v in env.split(",")]
-        if len(vals) == 4:
-            vals.append(1)
-        bn, bk, w, s, pre = vals
-    except ValueError:
-        bn = bk = w = s = pre = 0
-    if not (pow2(bn) and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1 and pre in (0, 1)):
-        raise ConfigError(f"PPSPEC_GEMV_CFG must be BLOCK_N,BLOCK_K,warps,stages[,prefetch] (powers of two, BLOCK_K "
-                          f">= 16, warps <= 32, stages >= 1, prefetch 0 or 1), got {env!r}")
-    return bn, bk, w, s, pre
+    Raises ConfigError naming PPSPEC_GEMV_CFG."""
+    return knobs.parse_gemv_cfg("PPSPEC_GEMV_CFG", env)
 
 
 if triton is not None:

@@ -25,9 +25,10 @@ and ``PPSPEC_PDL`` not 0 (default 1). ``PPSPEC_PDL=0`` launches every kernel in 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .. import knobs
 
 try:
     import triton.language as tl
@@ -47,11 +48,8 @@ def enabled(t: torch.Tensor) -> bool:
     Raises:
         ConfigError: ``PPSPEC_PDL`` is not 0 or 1.
     """
-    from ..config import ConfigError
-    knob = os.environ.get("PPSPEC_PDL", "").strip()
-    if knob not in ("", "0", "1"):
-        raise ConfigError(f"PPSPEC_PDL must be 0 or 1 (or unset), got {knob!r}")
-    if knob == "0" or not _HAS_GDC or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    kn = knobs.current()
+    if not kn.pdl or not _HAS_GDC or not t.is_cuda or kn.triton_interpret:
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

@@ -16,10 +16,9 @@ two-kernel path). On by default since the H200 A/B (results/gpu/session5/ab: wit
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import knobs
 from . import pdl
 
 try:
@@ -31,9 +30,10 @@ except Exception:                                 # noqa: BLE001 - no Triton: ca
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernel may run for activations ``x``."""
-    if triton is None or os.environ.get("PPSPEC_ROPE_STORE", "1") != "1":
+    kn = knobs.current()
+    if triton is None or not kn.rope_store:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if kn.triton_interpret:
         return True
     from .fused import use_fused
     return use_fused(x)

@@ -45,12 +45,11 @@ results/gpu/session6/ab4): ``PPSPEC_SKINNY_MAX_W`` keeps cuBLAS there.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import knobs
 from . import pdl
-from ..config import ConfigError, env_int
+from ..config import ConfigError
 
 try:
     import triton
@@ -62,7 +61,7 @@ num_launches = 0                                  # kernel launches in this proc
 
 
 def max_rows() -> int:
-    return env_int("PPSPEC_SKINNY_MAX_M", 16)
+    return knobs.current().skinny_max_m
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -71,10 +70,11 @@ def enabled(x: torch.Tensor) -> bool:
     Raises:
         ConfigError: PPSPEC_SKINNY_MAX_M is set but not an integer.
     """
-    if triton is None or os.environ.get("PPSPEC_SKINNY", "1") != "1" or x.dim() != 2:
+    kn = knobs.current()
+    if triton is None or kn.skinny is False or x.dim() != 2:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":        # CPU interpreter: only when asked for by name (tests)
-        if os.environ.get("PPSPEC_SKINNY") != "1":
+    if kn.triton_interpret:                              # CPU interpreter: only when asked for by name (tests)
+        if kn.skinny is not True:
             return False
     else:
         from .fused import use_fused
@@ -90,7 +90,7 @@ def fits(w: torch.Tensor) -> bool:
     Raises:
         ConfigError: PPSPEC_SKINNY_MAX_W is set but not an integer.
     """
-    return w.numel() <= env_int("PPSPEC_SKINNY_MAX_W", 1 << 22)
+    return w.numel() <= knobs.current().skinny_max_w
 
 
 def use(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -112,28 +112,15 @@ def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tupl
         ConfigError: ``PPSPEC_SKINNY_CFG`` is not 4 integers BLOCK_N,BLOCK_K,warps,stages with BLOCK_N and
             BLOCK_K powers of two >= 16, warps a power of two <= 32 and stages >= 1.
     """
-    env = os.environ.get("PPSPEC_SKINNY_CFG")
-    if env:
-        return _parse_cfg(env)
+    cfg = knobs.current().skinny_cfg
+    if cfg:
+        return cfg
     bn = 32 if gated else 16
     if K < 256:
         return bn, max(16, triton.next_power_of_2(K)), 4, 3
     if not (gated or norm) and K <= 1024:
         return bn, 128, 4, 4
     return bn, 256, 4, 3
-
-
-def _parse_cfg(env: str) -> tuple[int, int, int, int]:
-    def pow2(v: int) -> bool:
-        return v > 0 and v & (v - 1) == 0
-    try:
-        bn, bk, w, s = (int(v) for v in env.split(","))
-    except ValueError:
-        bn = bk = w = s = 0
-    if not (pow2(bn) and bn >= 16 and pow2(bk) and bk >= 16 and pow2(w) and w <= 32 and s >= 1):
-        raise ConfigError(f"PPSPEC_SKINNY_CFG must be BLOCK_N,BLOCK_K,warps,stages (BLOCK_N, BLOCK_K powers of two "
-                          f">= 16, warps a power of two <= 32, stages >= 1), got {env!r}")
-    return bn, bk, w, s
 
 
 if triton is not None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import gemv, rope_store, skinny
+from ..kernels import rope_store
 from ..kernels.argmax import argmax_rows
 from ..attention.backend import attend, get_context
 from ..config import ModelConfig
-from ..dist import ps, tp_all_reduce
+from ..dist import ps
+from .blocks import NormGateUp, NormLinear, RowLinear
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
 
 
@@ -81,66 +82,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer; ``input_norm`` False (EAGLE's draft layer): no input RMSNorm.
+
+    Its linears run through engine/model/blocks.py, which picks the GEMV / skinny / unfused kernels per weight
+    (add-RMSNorm folded into QKV and gate_up, SiLU-and-mul into gate_up's epilogue on the fused paths)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype, input_norm: bool = True):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, dtype)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm_qkv = NormLinear(self.input_layernorm, self.self_attn.qkv_proj, "qkv")
+        self.o = RowLinear(self.self_attn.o_proj, "o")
+        self.norm_gate_up = NormGateUp(self.post_attention_layernorm, self.mlp.gate_up_proj, "gate_up")
+        self.down = RowLinear(self.mlp.down_proj, "down")
 
     def forward(self, positions, hidden, residual):
-        """hidden, residual [T, H] (residual None on the first layer) -> (mlp output, new residual).
-
-        At decode sizes on the GPU (``skinny.enabled``, then ``skinny.fits`` per linear) add-RMSNorm folds into the QKV GEMM, add-RMSNorm
-        and SiLU-and-mul into the gate_up GEMM, and o_proj / down_proj run as skinny GEMMs (engine/kernels/skinny.py);
-        otherwise FlashInfer / torch kernels run. With exactly one row (``gemv.enabled``), the linears whose weights are
-        too large for the skinny tiles run as batch-1 GEMVs with the same fusions (``gemv.use`` per linear,
-        engine/kernels/gemv.py)."""
-        attn, mlp = self.self_attn, self.mlp
-        fused = skinny.enabled(hidden)            # every linear below sees the same rows, dtype and device
-        one = gemv.enabled(hidden)                # one row: batch-1 GEMVs for the large weights (engine/kernels/gemv.py)
-        if self.input_layernorm is None:          # EAGLE draft layer: input norm is the identity
-            if residual is not None:
-                hidden = hidden + residual
-            x = residual = hidden
-            qkv = attn.qkv_proj(x)
-        elif one and gemv.use(hidden, attn.qkv_proj.weight, "qkv"):
-            ln = self.input_layernorm
-            qkv, residual = gemv.norm_linear(hidden, residual, ln.weight, ln.eps, attn.qkv_proj.weight,
-                                             attn.qkv_proj.bias, op="qkv")
-        elif fused and skinny.fits(attn.qkv_proj.weight):
-            ln = self.input_layernorm
-            qkv, residual = skinny.norm_linear(hidden, residual, ln.weight, ln.eps,
-                                               attn.qkv_proj.weight, attn.qkv_proj.bias)
-        else:
-            if residual is None:
-                residual = hidden
-                x = self.input_layernorm(hidden)
-            else:
-                x, residual = self.input_layernorm(hidden, residual)
-            qkv = attn.qkv_proj(x)
-        o = attn.attend(positions, qkv)
-        if one and gemv.use(o, attn.o_proj.weight, "o"):
-            o = tp_all_reduce(gemv.linear(o, attn.o_proj.weight, op="o"))
-        elif fused and skinny.fits(attn.o_proj.weight):
-            o = tp_all_reduce(skinny.linear(o, attn.o_proj.weight))
-        else:
-            o = attn.o_proj(o)
-        post, gate_up, down = self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj
-        if one and gemv.use(o, gate_up.weight, "gate_up"):
-            act, residual = gemv.norm_gate_up(o, residual, post.weight, post.eps, gate_up.weight, op="gate_up")
-        elif fused and skinny.fits(gate_up.weight):
-            act, residual = skinny.norm_gate_up(o, residual, post.weight, post.eps, gate_up.weight)
-        else:
-            x, residual = post(o, residual)
-            act = silu_and_mul(gate_up(x))
-        if one and gemv.use(act, down.weight, "down"):
-            out = tp_all_reduce(gemv.linear(act, down.weight, op="down"))
-        elif fused and skinny.fits(down.weight):
-            out = tp_all_reduce(skinny.linear(act, down.weight))
-        else:
-            out = down(act)
-        return out, residual
+        """hidden, residual [T, H] (residual None on the first layer) -> (mlp output [T, H], new residual [T, H])."""
+        qkv, residual = self.norm_qkv(hidden, residual)               # h = x + r;  qkv = W_qkv rmsnorm(h)
+        o = self.o(self.self_attn.attend(positions, qkv))             # o = W_o attention(rope(q, k), v)
+        act, residual = self.norm_gate_up(o, residual)                # h = o + h;  a = silu(g) * u of rmsnorm(h)
+        return self.down(act), residual                               # W_down a
 
 
 def load_layer_weight(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:

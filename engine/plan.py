@@ -1,0 +1,193 @@
+"""The execution plan: every code-path decision of an engine, resolved once from EngineConfig x topology (tp, pp)
+x device x :mod:`engine.knobs` before the first forward.
+
+The runner and the worker read their choices (event loop, draft-tree placement, KV reservation, attention backend,
+captured graphs) from :func:`resolve_plan`, so the printed plan is the one that runs. Kernel choices that also
+depend on a batch's rows (skinny for at most ``skinny_max_m`` rows, GEMV for one row) are stated as the policy.
+Resolution needs no CUDA device: ``resolve_plan(config, device="cuda")`` on a CPU host prints the CUDA plan
+(library availability is then checked by import lookup only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass
+
+from . import knobs as _knobs
+from .config import EngineConfig
+
+HALF = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Resolved decisions (all JSON-able values).
+
+    loop: ``lookahead`` (plain greedy decode on one stage, step t+1 launched before step t is read), ``spec_rounds``
+    (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (the PP event loop, pp > 1) or ``plain`` (that loop on one
+    stage). tree: None (no spec), ``host`` or ``device``. reserve: KV slots per request past seq_len.
+    attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
+    linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
+    tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
+    and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
+    """
+
+    device: str
+    dtype: str
+    tp: int
+    pp: int
+    staged: bool
+    loop: str
+    tree: str | None
+    reserve: int
+    attention: dict
+    graphs: tuple
+    linear: dict
+    kernels: dict
+    knobs: dict
+    libraries: dict
+
+    @property
+    def backend(self) -> str:
+        """Attention backend name: ``torch`` or ``flashinfer``."""
+        return self.attention["backend"]
+
+    @property
+    def spec_overlap(self) -> bool:
+        return self.loop == "spec_rounds"
+
+    @property
+    def device_tree(self) -> bool:
+        return self.tree == "device"
+
+    def as_dict(self) -> dict:
+        """The plan as plain JSON-able values (tuples as lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def describe(self) -> str:
+        """A short multi-line text (one decision per line)."""
+        a, li, k = self.attention, self.linear, self.kernels
+        on = [n for n, v in k.items() if v]
+        lines = [f"device {self.device} {self.dtype}, tp={self.tp} pp={self.pp}" + (" (staged)" if self.staged else ""),
+                 f"loop {self.loop}; draft tree {self.tree or '-'}; KV reserve {self.reserve}/request",
+                 f"attention {a['backend']}: prefill {a['prefill']}, decode {a['decode']}, verify {a['verify']}",
+                 f"graphs {', '.join(self.graphs) or 'none'}",
+                 f"linear {li['policy']}",
+                 f"kernels on: {', '.join(on) or 'none'}",
+                 "knobs " + (", ".join(f"{n}={v}" for n, v in self.knobs.items()) or "all default")]
+        if self.libraries.get("assumed"):
+            lines.append("(resolved off a GPU host: flashinfer and triton assumed importable)")
+        return "\n".join(lines)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool | None = None,
+                 kn=None) -> ExecutionPlan:
+    """The plan of ``config`` (``device`` overrides ``config.device``'s type: ``cpu`` or ``cuda``).
+
+    ``staged``: the ranks share a GPU and talk through gloo (default: fewer visible GPUs than ranks; a CPU host
+    resolving a CUDA plan assumes one GPU per rank). ``kn``: the knobs (default :func:`engine.knobs.current`).
+
+    Raises:
+        ConfigError: a knob is malformed (from :func:`engine.knobs.current`).
+    """
+    kn = kn or _knobs.current()
+    dev = (device or config.device).split(":")[0]
+    cuda = dev == "cuda"
+    libs = _libraries(cuda)
+    if staged is None:
+        staged = cuda and _visible_gpus(config.world_size) < config.world_size
+    spec = config.spec if config.spec.enabled else None
+    pp1 = config.pp == 1
+    spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
+    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap) and pp1
+    overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
+    loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
+    reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "flashinfer" if cuda and config.dtype in HALF else "torch"
+    graphs = _graphs(config, cuda, backend, staged, spec, spec_overlap)
+    dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
+    fi = backend == "flashinfer"
+    attention = {"backend": backend,
+                 "prefill": f"flashinfer {kn.fi_prefill_backend}" if fi else "torch",
+                 "decode": (f"device-planned Triton up to bs {dev_max}, then flashinfer" if dev_max and fi
+                            else "flashinfer" if fi else "torch"),
+                 "verify": "flashinfer (tree mask)" if fi else "torch (tree mask)"}
+    return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop,
+                         ("device" if device_tree else "host") if spec else None, reserve, attention, graphs,
+                         _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
+                         libs)
+
+
+def _libraries(cuda: bool) -> dict:
+    import torch
+    if cuda and not torch.cuda.is_available():
+        return {"flashinfer": True, "triton": True, "assumed": True}
+    return {"flashinfer": _importable("flashinfer"), "triton": _importable("triton"), "assumed": False}
+
+
+def _visible_gpus(world: int) -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else world
+
+
+def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, spec_overlap: bool) -> tuple:
+    """Captured graph kinds: decode / verify / prefill / draft / draft_extend (``ModelRunner._init_cuda_graphs``)
+    and spec_rounds (whole EAGLE rounds, ``SpecRoundRunner``)."""
+    out = ["spec_rounds"] if spec_overlap and config.cuda_graph and cuda else []
+    if config.cuda_graph and cuda and backend == "flashinfer" and not (config.tp > 1 and staged):
+        out.append("verify" if spec else "decode")
+        if min(config.cuda_graph_prefill_max_tokens, config.max_prefill_tokens) > 0:
+            out.append("prefill")
+        if spec:
+            out.append("draft")
+            if config._auto_for(config.cuda_graph_draft_extend, "cuda"):
+                out.append("draft_extend")
+    return tuple(sorted(out, key=_GRAPH_ORDER.index))
+
+
+_GRAPH_ORDER = ("decode", "verify", "prefill", "draft", "draft_extend", "spec_rounds")
+
+
+def _fused_ok(kn, cuda: bool, dtype: str, libs: dict) -> bool:
+    """engine.kernels.fused.use_fused for a CUDA half-precision tensor (flashinfer importable, knob on)."""
+    return cuda and dtype in HALF and kn.fused and libs["flashinfer"]
+
+
+def _triton_gate(kn, cuda: bool, dtype: str, flag, libs: dict) -> bool:
+    """The gemv / skinny gate: off by knob 0; under the interpreter only when 1; else the fused-op condition."""
+    if flag is False or not libs["triton"]:
+        return False
+    return flag is True if kn.triton_interpret else _fused_ok(kn, cuda, dtype, libs)
+
+
+def _linear(kn, cuda: bool, dtype: str, libs: dict) -> dict:
+    gemv = _triton_gate(kn, cuda, dtype, kn.gemv, libs)
+    skinny = _triton_gate(kn, cuda, dtype, kn.skinny, libs)
+    ops = sorted(kn.gemv_ops) if kn.gemv_ops is not None else list(_knobs.GEMV_OPS)
+    parts = []
+    if gemv:
+        parts.append(f"gemv (1 row, weights > {kn.gemv_min_w}, ops {','.join(ops)})")
+    if skinny:
+        parts.append(f"skinny (<= {kn.skinny_max_m} rows, weights <= {kn.skinny_max_w})")
+    parts.append("unfused")
+    return {"policy": " > ".join(parts), "gemv": gemv, "gemv_min_w": kn.gemv_min_w, "gemv_ops": ops,
+            "skinny": skinny, "skinny_max_m": kn.skinny_max_m, "skinny_max_w": kn.skinny_max_w}
+
+
+def _kernels(kn, cuda: bool, dtype: str, libs: dict) -> dict:
+    triton, interp, fused = libs["triton"], kn.triton_interpret, _fused_ok(kn, cuda, dtype, libs)
+    return {"fused_ops": fused,
+            "rope_store": triton and kn.rope_store and (interp or fused),
+            "pdl": triton and kn.pdl and cuda and not interp,
+            "triton_argmax": triton and kn.triton_argmax and (interp or cuda),
+            "tree_kernels": triton and kn.tree_triton and (interp or cuda)}

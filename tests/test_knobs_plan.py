@@ -1,0 +1,174 @@
+"""engine.knobs (the PPSPEC_* registry, read once), engine.plan (ExecutionPlan) and their harness surfaces."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import ConfigError, knobs
+from engine.config import EngineConfig, SpecConfig, check_fault, rank_fault
+from engine.plan import resolve_plan
+
+REPO = Path(__file__).resolve().parents[1]
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+def test_registry_covers_every_variable_read():
+    """Every PPSPEC_* name in engine/, harness/ and tools/ is a registry entry (PPSPEC_GEMV_CFG_<OP>: one per op),
+    and every entry is complete."""
+    names = {k.name for k in knobs.REGISTRY}
+    seen = set()
+    for d in ("engine", "harness", "tools"):
+        for p in (REPO / d).rglob("*.py"):
+            seen |= set(re.findall(r"PPSPEC_[A-Z0-9_]+", p.read_text()))
+    seen.discard("PPSPEC_GEMV_CFG_")
+    assert seen - names == set()
+    for k in knobs.REGISTRY:
+        assert k.kind in ("bool", "int", "str", "choice") and k.group in ("kernel", "behaviour", "debug")
+        assert k.meaning and (REPO / k.file).is_file(), k.name
+
+
+def test_parse_defaults_and_values():
+    kn = knobs.read({})
+    assert kn.gemv is None and kn.skinny is None and kn.pdl and kn.fused and kn.gemv_ops is None
+    assert kn.gemv_min_w == 1 << 22 and kn.skinny_max_m == 16 and kn.non_default() == {}
+    kn = knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_GEMV_OPS": "qkv, down", "PPSPEC_GEMV_CFG": "8,512,8,2",
+                     "PPSPEC_GEMV_CFG_DOWN": "2,2048,4,1,0", "PPSPEC_BLAS": "cuBLASLt", "PPSPEC_FAULT": "drop_tree",
+                     "TRITON_INTERPRET": "1", "PPSPEC_SKINNY_MAX_W": " 12 "})
+    assert kn.gemv is False and kn.gemv_ops == {"qkv", "down"} and kn.blas == "cublaslt"
+    assert kn.gemv_cfg_for("o") == (8, 512, 8, 2, 1) and kn.gemv_cfg_for("down") == (2, 2048, 4, 1, 0)
+    assert kn.triton_interpret and kn.skinny_max_w == 12 and kn.fault == "drop_tree"
+    assert kn.non_default()["PPSPEC_GEMV"] == "0" and "TRITON_INTERPRET" not in kn.non_default()
+
+
+@pytest.mark.parametrize("name,value,msg", [
+    ("PPSPEC_GEMV", "yes", "PPSPEC_GEMV must be 0 or 1"),
+    ("PPSPEC_PDL", "on", "PPSPEC_PDL must be 0 or 1"),
+    ("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "-1", "PPSPEC_DEV_ATTN_DECODE_MAX_BS must be an integer >= 0"),
+    ("PPSPEC_CPU_KV_TOKENS", "lots", "PPSPEC_CPU_KV_TOKENS must be an integer >= 1"),
+    ("PPSPEC_BLAS", "mkl", "PPSPEC_BLAS must be one of cublas, cublaslt"),
+    ("PPSPEC_GEMV_OPS", "qkv,lm_head", "PPSPEC_GEMV_OPS takes a comma list"),
+    ("PPSPEC_GEMV_CFG_QKV", "3,512,4,1", "PPSPEC_GEMV_CFG_QKV must be BLOCK_N"),
+    ("PPSPEC_SKINNY_CFG", "24,100,4,3", "PPSPEC_SKINNY_CFG must be BLOCK_N"),
+])
+def test_invalid_value_is_one_line_config_error(name, value, msg):
+    with pytest.raises(ConfigError, match=msg) as e:
+        knobs.read({name: value})
+    assert "\n" not in str(e.value)
+
+
+def test_read_once_and_reload(monkeypatch):
+    """current() caches until reload(); a malformed value raises at the reload, naming the variable."""
+    monkeypatch.delenv("PPSPEC_SKINNY_MAX_M", raising=False)
+    first = knobs.reload()
+    assert knobs.current() is first and first.skinny_max_m == 16
+    import os
+    os.environ["PPSPEC_SKINNY_MAX_M"] = "32"           # changed behind knobs' back: not seen until reload
+    try:
+        assert knobs.current().skinny_max_m == 16
+        assert knobs.reload().skinny_max_m == 32
+        os.environ["PPSPEC_SKINNY_MAX_M"] = "x"
+        with pytest.raises(ConfigError, match="PPSPEC_SKINNY_MAX_M"):
+            knobs.reload()
+    finally:
+        os.environ.pop("PPSPEC_SKINNY_MAX_M")
+        knobs.invalidate()
+
+
+def test_engine_reads_no_environment():
+    """Only engine/knobs.py touches os.environ; the test-only rank hooks are gone."""
+    for p in (REPO / "engine").rglob("*.py"):
+        text = p.read_text()
+        if p.name != "knobs.py":
+            assert "os.environ" not in text and "getenv" not in text, p
+        assert "PPSPEC_TEST" not in text, p
+
+
+def test_fault_values():
+    assert rank_fault("fail_rank:1", "fail_rank") == 1 and rank_fault("exit_rank:0", "exit_rank") == 0
+    assert rank_fault("fail_rank:1", "exit_rank") is None and rank_fault("drop_tree", "fail_rank") is None
+    for ok in (None, "drop_tree", "fail_token:5", "fail_token:5:1", "fail_rank:2", "exit_rank:1"):
+        check_fault(ok)
+    for bad in ("fail_rank:", "fail_rank:x", "exit_rank", "explode"):
+        with pytest.raises(ConfigError, match="supported: drop_tree, fail_token:ID"):
+            check_fault(bad)
+    assert EngineConfig(fault="exit_rank:1").fault == "exit_rank:1"
+    assert "adaptive" not in {f.name for f in dataclasses.fields(SpecConfig)}
+    assert "eagle_version" not in {f.name for f in dataclasses.fields(SpecConfig)}
+
+
+def test_plan_pp1_cuda_resolved_on_any_host():
+    p = resolve_plan(EngineConfig(dtype="bfloat16"), device="cuda", kn=knobs.read({}))
+    assert (p.device, p.loop, p.tree, p.reserve, p.backend) == ("cuda", "lookahead", None, 2, "flashinfer")
+    assert p.graphs == ("decode", "prefill") and "up to bs 8" in p.attention["decode"]
+    spec = EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle", "d", **CHAIN))
+    p = resolve_plan(spec, device="cuda", kn=knobs.read({}))
+    assert (p.loop, p.tree, p.reserve) == ("spec_rounds", "device", 4 + 3)
+    assert p.graphs == ("verify", "prefill", "draft", "draft_extend", "spec_rounds")
+    p = resolve_plan(dataclasses.replace(spec, spec_overlap=False, cuda_graph_draft_extend=False), device="cuda",
+                     kn=knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_DEV_ATTN_DECODE_MAX_BS": "0"}))
+    assert (p.loop, p.tree) == ("plain", "device") and "draft_extend" not in p.graphs
+    assert not p.linear["gemv"] and p.knobs == {"PPSPEC_GEMV": "0", "PPSPEC_DEV_ATTN_DECODE_MAX_BS": "0"}
+    json.dumps(p.as_dict())
+    assert "loop plain" in p.describe() and "PPSPEC_GEMV=0" in p.describe()
+
+
+def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
+    monkeypatch.setenv("PPSPEC_ENABLE_PP_SPEC", "1")
+    p = resolve_plan(EngineConfig(pp=2))
+    assert (p.device, p.loop, p.tree, p.reserve, p.backend, p.graphs) == ("cpu", "ring", None, 1, "torch", ())
+    assert p.linear["policy"] == "unfused" and not any(p.kernels.values())
+    p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)))
+    assert (p.loop, p.tree, p.reserve) == ("ring", "host", 7)
+    p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda")
+    assert p.tree == "host" and p.loop == "ring"       # under PP the tree is relay data on the host
+    p = resolve_plan(EngineConfig(spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=True))
+    assert (p.loop, p.tree) == ("plain", "device")
+
+
+def test_engine_runs_the_plan(tiny_model_dir):
+    """LLM.plan and the runner's decisions are one resolution."""
+    from engine import LLM
+    with LLM(EngineConfig(model=tiny_model_dir, max_num_tokens=512)) as llm:
+        r = llm._worker.runner
+        assert llm.plan == r.plan and r.reserve == r.plan.reserve and r.plan.loop == "plain"
+
+
+def test_plan_in_metadata_and_hash(monkeypatch):
+    from harness.config import resolve
+    from harness.results import run_metadata
+    cfg = resolve("tp1pp2", {})
+    meta = run_metadata(cfg, "bench")
+    assert meta["plan"]["loop"] == "ring" and meta["knobs"] == {}
+    h = cfg.config_hash()
+    monkeypatch.setenv("PPSPEC_ROPE_STORE", "0")
+    assert cfg.config_hash() != h and run_metadata(cfg, "bench")["knobs"] == {"PPSPEC_ROPE_STORE": "0"}
+
+
+def _cli(*args, env=None):
+    import os
+    e = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, env=e,
+                          cwd=REPO, timeout=120)
+
+
+def test_ppspec_plan_cli():
+    r = _cli("plan", "--config", "tp1pp2")
+    assert r.returncode == 0 and "loop ring" in r.stdout and "attention torch" in r.stdout, r.stderr
+    r = _cli("plan", "--config", "h200", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["device"] == "cuda" and d["attention"]["backend"] == "flashinfer"
+    r = _cli("plan", "--config", "tp1pp2", env={"PPSPEC_PDL": "maybe"})
+    assert r.returncode == 2 and "PPSPEC_PDL must be 0 or 1" in r.stderr      # a user error
+
+
+def test_docs_gpu_md_is_current():
+    """docs/gpu.md holds the table ``python -m engine.knobs --markdown`` prints from the registry."""
+    assert knobs.markdown() in (REPO / "docs" / "gpu.md").read_text(), \
+        "docs/gpu.md is stale: regenerate its table with python -m engine.knobs --markdown"
