@@ -341,11 +341,11 @@ ficache)
 layout1)
   # Behaviour-preserving layout check, call 1 (no GGUF): the GPU tests on this tree, then the Llama-3-8B shape
   # (random weights, no peer) on the tree before the layout change (/tmp/old, carried as .gpu/old) and on this one.
-  timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py \
+  timeout ${TESTS_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py \
       tests/test_flashinfer.py 2>&1 | grep -v -i warn | grep -E "passed|failed|Error|assert" | tail -15
   for tree in /tmp/old "$PWD"; do
     tag=$([ "$tree" = "$PWD" ] && echo new || echo old)
-    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 -m harness bench --config h200_llama3_8b --no-peer \
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 110 python3 -m harness bench --config h200_llama3_8b --no-peer \
         --no-progress --set bench.runs=2 --out "/tmp/res8/l8b_$tag" 2>&1 | grep -v Warning | grep -E "^\||Error" | head -12)
   done
   tar czf "$out/layout1.tgz" -C /tmp/res8 . ;;
