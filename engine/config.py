@@ -8,11 +8,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field in one line."""
+
+
+from .faults import FAULTS, check_fault, fail_token_fault, rank_fault  # noqa: E402,F401  (re-exported)
+from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: E402,F401  (re-exported)
 
 
 def token_map_file(path: str | Path) -> Path:
@@ -25,107 +29,6 @@ def token_map_file(path: str | Path) -> Path:
     if not p.is_file():
         raise ConfigError(f"spec.token_map: {'a directory, not a file' if p.is_dir() else 'file not found'}: {p}")
     return p
-
-
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHS:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-
-    @classmethod
-    def from_hf(cls, cfg: dict, eos_token_ids: tuple[int, ...] | None = None) -> "ModelConfig":
-        """Normalise a Hugging Face ``config.json`` dict.
-
-        Raises:
-            ConfigError: unknown architecture or missing shape field.
-        """
-        archs = cfg.get("architectures") or [cfg.get("architecture", "")]
-        arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHS:
-            raise ConfigError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            if eos_token_ids is None:
-                eos_token_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rs = cfg.get("rope_scaling") or None
-            if rs is None and isinstance(cfg.get("rope_parameters"), dict):
-                rp = cfg["rope_parameters"]
-                if rp.get("rope_type", "default") != "default":
-                    rs = rp
-            rope_theta = cfg.get("rope_theta")
-            if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-                rope_theta = cfg["rope_parameters"].get("rope_theta")
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta or 10000.0),
-                rope_scaling=tuple(sorted(rs.items())) if rs else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_token_ids),
-            )
-        except KeyError as e:
-            raise ConfigError(f"model config is missing field {e.args[0]!r}") from None
-
-    def to_hf(self) -> dict:
-        """Inverse of :meth:`from_hf` (used to save random-weight models and draft configs)."""
-        d = {
-            "architectures": [self.architecture],
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-            "hidden_act": "silu",
-            "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(self.architecture, "llama"),
-        }
-        if self.rope_scaling:
-            d["rope_scaling"] = dict(self.rope_scaling)
-        return d
 
 
 @dataclass(frozen=True)
@@ -174,37 +77,6 @@ class SpecConfig:
         return self.num_draft_tokens + self.topk * self.num_steps
 
 
-FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK"
-
-
-def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
-    """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault, or None for any other value."""
-    if not fault or not fault.startswith("fail_token:"):
-        return None
-    parts = fault.split(":")[1:]
-    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
-        return None
-    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
-
-
-def rank_fault(fault: str | None, kind: str) -> int | None:
-    """The rank of a ``fail_rank:RANK`` (``kind`` "fail_rank": that rank's ``Worker.run`` raises) or
-    ``exit_rank:RANK`` (``kind`` "exit_rank": that rank's process exits silently at start) fault, else None."""
-    if not fault or not fault.startswith(kind + ":"):
-        return None
-    rank = fault[len(kind) + 1:]
-    return int(rank) if rank.isdigit() else None
-
-
-def check_fault(fault: str | None) -> None:
-    """Raise ConfigError (one line) unless ``fault`` is None or one of :data:`FAULTS`."""
-    if fault is None or fault == "drop_tree" or fail_token_fault(fault) is not None:
-        return
-    if rank_fault(fault, "fail_rank") is not None or rank_fault(fault, "exit_rank") is not None:
-        return
-    raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine instance needs; one frozen value shared by all ranks."""
@@ -226,7 +98,7 @@ class EngineConfig:
     cuda_graph_prefill_max_tokens: int = 2048   # capture one-request prefills from position 0 padded to token
                                           # buckets up to this many tokens (engine.graphs.PrefillGraphRunner;
                                           # capped at max_prefill_tokens); 0: prefill always eager
-    # The three options below: None (auto) = on for device cuda, off on CPU (H200 A/B, results/gpu/session5).
+    # The options below: None (auto) = on for device cuda, off on CPU; true / false force them.
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
     overlap_schedule: bool | None = None  # plain greedy decoding on one stage: launch step t+1 before reading step t

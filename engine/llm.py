@@ -10,7 +10,6 @@ import os
 import queue
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -21,31 +20,11 @@ from .plan import resolve_plan
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
-from .requests import prompt_token_ids, request_error
-from .scheduler import Req
-from .ranks import death, free_port, join_all, peak_memory, rank_info, rank_main
+from .requests import EngineError, Req, RequestOutput, prompt_token_ids, request_error
+from .ranks import collect_failures, death, free_port, join_all, peak_memory, rank_info, rank_main
 
 
 log = logging.getLogger("ppspec")
-
-class EngineError(RuntimeError):
-    """A rank failed; the message names the rank and its error in one line."""
-
-
-@dataclass
-class RequestOutput:
-    rid: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    arrival_time: float                    # time.perf_counter() seconds when generate() received it
-    token_times: list[float] = field(default_factory=list)   # per output token, as seen by rank 0
-    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
-    num_retractions: int = 0
-    error: str | None = None               # finish_reason "error": why the engine failed this request
-
-
 _ENGINES: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose ranks have not been shut down
 
 
@@ -146,30 +125,8 @@ class LLM:
         Raises ConfigError when the root cause is a rank's ConfigError, else EngineError, e.g.
         ``rank 0 died (killed by SIGKILL); rank 1 failed: RuntimeError: ... Connection reset by peer``.
         """
-        errors = {} if first is None else {first[1]: first}           # rank -> message, in arrival order
-        deadline = time.monotonic() + (self.FAIL_GRACE_S if first is not None else 0.0)
-        W = len(self._procs)
-        while True:
-            dead = self._dead_unreported(errors)
-            if any(code != 0 for _, code in dead) or len(errors) + len(dead) >= W:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                msg = self._res_q.get(timeout=min(0.1, left))
-            except queue.Empty:
-                continue
-            if msg[0] == "error":
-                errors.setdefault(msg[1], msg)
-        while True:                                                   # errors already sent: shown too
-            try:
-                msg = self._res_q.get_nowait()
-            except (queue.Empty, OSError, ValueError):
-                break
-            if msg[0] == "error":
-                errors.setdefault(msg[1], msg)
-        dead = self._dead_unreported(errors)
+        errors, dead = collect_failures(self._res_q, self._procs, first,
+                                        self.FAIL_GRACE_S if first is not None else 0.0)
         self._busy = True                    # the others may be blocked in a collective: terminate them
         self.shutdown()
         if knobs.current().debug:
@@ -182,12 +139,6 @@ class LLM:
         parts = [death(rank, code) for rank, code in dead]
         parts += [f"rank {m[1]} failed: {m[2]}" for m in errors.values()]
         raise EngineError("; ".join(parts))
-
-    def _dead_unreported(self, errors: dict) -> list[tuple[int, int]]:
-        """``[(rank, exit code)]`` of the ranks that have exited without reporting an error: a negative code is
-        the signal that killed the rank; ranks killed by a signal first, then the other codes, by rank."""
-        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if i not in errors and not p.is_alive()]
-        return sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
 
     @property
     def info(self) -> dict:
@@ -239,8 +190,8 @@ class LLM:
             bad = [t for t in sp.stop_token_ids if t >= vocab]
             if bad:
                 raise ConfigError(f"prompt {i}: stop token id {bad[0]} is out of range [0, {vocab})")
-            err = request_error(len(ids), sp.max_new_tokens, self._max_len(), self._infos[0]["reserve"],
-                                self._infos[0]["kv_pool_tokens"])
+            info, ctx = self._infos[0], self.config.context_length(self.model_config)
+            err = request_error(len(ids), sp.max_new_tokens, ctx, info["reserve"], info["kv_pool_tokens"])
             if err:
                 raise ConfigError(f"prompt {i}: {err}")
             reqs.append(Req(self._next_rid + i, ids, sp, arrival_time=now))
@@ -268,9 +219,6 @@ class LLM:
                     break
             self._busy = False
         return [self._output(r) for r in done]
-
-    def _max_len(self) -> int:
-        return self.config.context_length(self.model_config)
 
     def _output(self, r: Req) -> RequestOutput:
         text = ""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import resource
 import signal
 import socket
@@ -116,3 +117,42 @@ def death(rank: int, exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"rank {rank} died (killed by {name})"
     return f"rank {rank} exited without reporting (exit code {exitcode})"
+
+
+def dead_unreported(procs, errors: dict) -> list[tuple[int, int]]:
+    """``[(rank, exit code)]`` of the ranks that have exited without reporting an error: a negative code is the
+    signal that killed the rank; ranks killed by a signal first, then the other codes, by rank."""
+    dead = [(i, p.exitcode) for i, p in enumerate(procs) if i not in errors and not p.is_alive()]
+    return sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
+
+
+def collect_failures(res_q, procs, first, grace_s: float) -> tuple[dict, list[tuple[int, int]]]:
+    """The group's failure as reported: ``(errors, dead)``, ``errors`` mapping rank -> its ``("error", rank,
+    one_line, traceback)`` message in arrival order (``first``, the message that arrived, or None when a rank was
+    found dead), ``dead`` the ranks gone without a report (:func:`dead_unreported`).
+
+    A rank that dies reports nothing and its peers then fail with connection errors, often before its death shows;
+    so the group gets up to ``grace_s`` seconds to show a dead rank, and every error already sent is read."""
+    errors = {} if first is None else {first[1]: first}
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = dead_unreported(procs, errors)
+        if any(code != 0 for _, code in dead) or len(errors) + len(dead) >= len(procs):
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            msg = res_q.get(timeout=min(0.1, left))
+        except queue.Empty:
+            continue
+        if msg[0] == "error":
+            errors.setdefault(msg[1], msg)
+    while True:
+        try:
+            msg = res_q.get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            break
+        if msg[0] == "error":
+            errors.setdefault(msg[1], msg)
+    return errors, dead_unreported(procs, errors)

@@ -116,3 +116,21 @@ class ScheduledBatch:
     @property
     def rids(self) -> list[int]:
         return [r.rid for r in self.reqs]
+
+
+class EngineError(RuntimeError):
+    """A rank failed; the message names the rank and its error in one line."""
+
+
+@dataclass
+class RequestOutput:
+    rid: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    arrival_time: float                    # time.perf_counter() seconds when generate() received it
+    token_times: list[float] = field(default_factory=list)   # per output token, as seen by rank 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
+    num_retractions: int = 0
+    error: str | None = None               # finish_reason "error": why the engine failed this request

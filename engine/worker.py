@@ -51,8 +51,8 @@ _FROZEN_ENGINES = 0                       # in-process engines holding the start
 def freeze_startup_objects() -> int:
     """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
     collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
-    vLLM freeze after startup for the same reason). A full collection of the startup heap is the likely cause of the
-    one ~60 ms inter-token gap in the first timed H200 run after the warmups (session 9, SmolLM2 plain b=1).
+    vLLM freeze after startup for the same reason): a full collection of the startup heap otherwise stalls one
+    inter-token gap early in serving.
     Counted per engine: ``thaw_startup_objects`` unfreezes when the last in-process engine that froze is shut down
     (a dead engine's cycles must become collectable; a live one's freeze must stay). Returns the number frozen."""
     global _FROZEN_ENGINES

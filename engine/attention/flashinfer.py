@@ -38,9 +38,8 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
     GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
     ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read once by engine.knobs; unset or empty: 4; 0: never), where one tensor-core
-    tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4 since three same-lease
-    decode A/Bs on the H200 (Llama-3-8B shape, group 4): b=1 5.03 -> 4.81, 4.89 -> 4.68, 5.11 -> 4.89 ms;
-    b=32 5.93 -> 5.33, 5.84 -> 5.41 ms (results/gpu/session5/ab3, session6/ab5).
+    tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4: chosen by decode A/Bs
+    on the H200 at the Llama-3-8B shape (group 4), where tensor cores were faster at b=1 and b=32.
 
     Raises:
         ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer >= 0 (one line, naming it).
@@ -51,8 +50,7 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
 
 
 # PPSPEC_FI_STRIDED_Q (default 1; 0 copies q): hand FlashInfer q as the strided view of the QKV output (its batch
-# kernels take q.stride(0) / q.stride(1)), one copy kernel less per layer; checked on the H200 (tests/test_flashinfer.py
-# passes with it; SmolLM2 b=8 TPOT 1.54 -> 1.47 ms, b=1 unchanged).
+# kernels take q.stride(0) / q.stride(1)), one copy kernel less per layer (tests/test_flashinfer.py covers it).
 def strided_q() -> bool:
     """``PPSPEC_FI_STRIDED_Q`` (see above)."""
     return knobs.current().fi_strided_q

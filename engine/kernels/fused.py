@@ -107,7 +107,7 @@ BLAS_CHOICES = ("", "cublas", "cublaslt")
 
 
 def apply_blas_knobs() -> dict:
-    """Apply the GEMM-library knobs for CUDA linears (issue 7's 8B decode A/B), read once at runner start.
+    """Apply the GEMM-library knobs for CUDA linears, read once at runner start.
 
     ``PPSPEC_BLAS``: ``cublas`` or ``cublaslt`` sets ``torch.backends.cuda.preferred_blas_library`` (unset or empty:
     torch's default). ``PPSPEC_BF16_RPR``: ``0`` forbids reduced-precision (bf16) reductions inside split-K bf16

@@ -1,20 +1,17 @@
 """Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for decode at large hidden sizes.
 
-Issue 7's Llama-3-8B-shape target (b=1 TPOT <= 1.25x the weight-bandwidth floor) missed at 1.33x in session 9; the H200
-profile
-(results/gpu/session9/lease1/l8b_b1_prof.txt) puts the gap in (a) cuBLAS's tiled GEMMs for one row launching 96-128
-CTAs for qkv / o_proj (73-76% of copy bandwidth), (b) cuBLAS split-K reduce kernels after o_proj and down_proj
-(2 us each) and (c) the element-wise launches between the GEMMs (add-RMSNorm 2.9 us x 2, SiLU-and-mul 3.7 us per
-layer). engine.kernels.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of 16-117M elements
-(results/gpu/session6/ab4). These kernels take the other route for exactly one row: a GEMV where each program owns
+At batch-1 decode with large hidden sizes (the Llama-3-8B shape) a layer's time above the weight-bandwidth floor goes
+to (a) cuBLAS's tiled GEMMs for one row launching too few CTAs for qkv / o_proj to reach copy bandwidth, (b) cuBLAS
+split-K reduce kernels after o_proj and down_proj and (c) the element-wise launches between the GEMMs (add-RMSNorm,
+SiLU-and-mul). engine.kernels.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of
+16-117M elements. These kernels take the other route for exactly one row: a GEMV where each program owns
 BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles with 16-byte loads, and multiplies by the
 activation vector on the CUDA cores (no tensor cores, no split-K, so no reduce kernel); many small programs
 (N / BLOCK_N, thousands) keep every SM busy to the tail. With ``prefetch`` a program keeps two weight tiles in
 flight (the next loads while the current one is multiplied), and launched with PDL (engine/kernels/pdl.py) it loads its
 first tile before waiting for the previous kernel, so the weight stream starts during that kernel's tail. The
 classic batch-1 decode kernel layout (as in FasterTransformer / TensorRT-LLM's GEMV and gpt-fast's compiled int8
-decode); the code is ours. Measured on the H200 (results/gpu/session10): 8B-shape b=1 decode TPOT 4.55 -> 4.41 ms
-with these kernels, 4.19 ms with PDL and the prefetch; the suite's b=1 cell 4.11 ms = 1.13x its floor.
+decode); the code is ours.
 
   * ``linear(x, W, bias)``: y = x W^T (+ bias).
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (rounded to x's dtype), y = rmsnorm(h) W^T
@@ -92,10 +89,9 @@ def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
     return w.numel() > min_w and op in ops
 
 
-# per-op defaults from the H200 kernel bench at the Llama-3-8B shape, one row (results/gpu/session10/s10b, us per
-# call, PDL on): o_proj 9.65 (cuBLAS 13.4), down 29.3 (cuBLAS 32.1 + its split-K reduce), gate_up with add-RMSNorm
-# and SiLU-and-mul 60.1 (unfused 69.0), qkv with add-RMSNorm 16.2 (unfused 18.6); for qkv the 8B b=1 decode then
-# chose this config over the bench's no-prefetch best (8,512,4,1,0): TPOT 4.19 against 4.28 ms (s10c)
+# per-op defaults (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) chosen by a kernel bench on the H200 at the
+# Llama-3-8B shape, one row, PDL on; for qkv the prefetching config was kept over the bench's no-prefetch best
+# because end-to-end b=1 decode was faster with it
 DEFAULTS = {"qkv": (2, 1024, 4, 1, 1), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
 
 

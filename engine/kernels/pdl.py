@@ -4,8 +4,8 @@ A kernel launched with PDL may start while the kernel before it on the stream is
 its programs are scheduled once every program of the predecessor has called ``griddepcontrol.launch_dependents``
 (or exited), run whatever does not depend on the predecessor (a GEMV prefetches its first weight tiles: weights
 are never written), then block in ``griddepcontrol.wait`` until the predecessor has completed and its memory is
-visible. At batch-1 decode a layer is a chain of short kernels, each losing ~1-3 us to launch, ramp-up and tail
-(results/gpu/session10); PDL overlaps those edges. The mechanism is CUDA's (CUDA programming guide,
+visible. At batch-1 decode a layer is a chain of short kernels, each losing time to launch, ramp-up and tail;
+PDL overlaps those edges. The mechanism is CUDA's (CUDA programming guide,
 "Programmatic Dependent Launch and Synchronization"; used for decode kernels by TensorRT-LLM and FlashInfer's
 ``enable_pdl``); Triton exposes it as ``tl.extra.cuda.gdc_launch_dependents`` / ``gdc_wait`` and the launch
 option ``launch_pdl``.
@@ -14,8 +14,7 @@ The contract every kernel launched with :func:`launch_kwargs` keeps (``USE_PDL``
 ``gdc_wait()`` before it reads any activation or writes any output, reads only never-written tensors (weights)
 before the wait, and calls ``gdc_launch_dependents()`` right after the wait. Signalling after the wait, not at
 program start, lets only the next kernel in: signalled at start, every later kernel of the chain would launch at
-once and park its programs on the SMs in ``gdc_wait`` (on the H200 that made SmolLM2's b=1 decode, small
-skinny kernels, 11% slower: results/gpu/session10). Because each such kernel waits for its predecessor, which
+once and park its programs on the SMs in ``gdc_wait``, taking SMs from the running kernel. Because each such kernel waits for its predecessor, which
 waited for its own, completion is transitive along the stream. Kernels of other libraries (cuBLAS, FlashInfer)
 are launched without PDL and keep full stream ordering.
 

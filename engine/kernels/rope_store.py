@@ -1,6 +1,6 @@
 """Fused RoPE + KV store (Triton): one launch per layer rotates q in place and writes the rotated k and
 v straight into the KV pool, where the GPU path otherwise runs FlashInfer's RoPE kernel and then an
-indexed copy (issue 7: fewer kernels per decode step; SGLang fuses the same pair in its
+indexed copy (fewer kernels per decode step; SGLang fuses the same pair in its
 ``apply_rope_with_cos_sin_cache_inplace`` + ``set_kv_buffer`` path for some backends).
 
 Semantics (= ``kernels.rope_ref`` then ``KVPool.store``): Neox-style rotation in float32,
@@ -11,8 +11,7 @@ Semantics (= ``kernels.rope_ref`` then ``KVPool.store``): Neox-style rotation in
              loc [T] int64, Hq, Hk, D) -> None
 
 Used when :func:`enabled` (CUDA bf16/fp16, Triton importable, ``PPSPEC_ROPE_STORE`` unset or 1; =0 gives the
-two-kernel path). On by default since the H200 A/B (results/gpu/session5/ab: with strided q, SmolLM2 b=1 TPOT
-1.28 -> 1.20 ms, b=32 2.17 -> 1.97 ms). Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+two-kernel path). On by default: one launch per layer instead of two. Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 At decode batch sizes a layer's GEMMs read their weights once and are bound by memory or by launch
 latency, and the element-wise kernels between them (add-RMSNorm, SiLU-and-mul) are separate launches
-of a few microseconds each (issue 7: SmolLM2 at b=1 runs ~12 kernels per layer, each near its
+of a few microseconds each (a small model at b=1 runs about 12 kernels per layer, each near its
 per-kernel floor). These kernels fold the element-wise step into the GEMM that consumes it, so a
 layer runs 6 launches instead of 9, plus any cuBLAS split-K reduces (same idea as the fused-prologue GEMMs of gpt-fast's compiled
 decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
@@ -15,9 +15,8 @@ decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
 
 The norm prologue makes a statistics pass over the activation row first (L2-resident), then normalises each
 K tile before its product. SiLU-and-mul runs in gate_up's epilogue, not in down_proj's K loop (an exp per
-activation element inside the loop measured 7.5x the unfused time at the 8B shape on the H200), and the
-statistic is not accumulated inside the GEMM loop (a row reduction there stalled the weight pipeline: 1.4-3.3x the
-unfused time, results/gpu/session6/ab4b).
+activation element inside the loop is far slower than the unfused pair), and the statistic is not accumulated
+inside the GEMM loop (a row reduction there stalls the weight pipeline).
 
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
 (nn.Linear layout, contiguous), bias [N] or None; the outputs [M, N] / [M, K] are fresh
@@ -36,12 +35,8 @@ Dispatch: :func:`use` per linear. The kernels run for CUDA bf16/fp16 activations
 ``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m tools.kernel_bench``).
 Raises ValueError for layouts the kernels do not take.
 
-Measured on the H200 (results/gpu/session6/ab6, same lease, SmolLM2 shape, 2048-token prompts): kernel bench per
-linear at 1 row, unfused -> fused: add-RMSNorm + QKV 5.89 -> 4.91 us, o_proj 3.56 -> 3.34, add-RMSNorm + gate_up +
-SiLU-and-mul 8.05 -> 5.90, down_proj 5.10 -> 5.10; decode TPOT b=1 1.190 -> 1.072 ms, b=8 1.345 -> 1.242 ms, b=32
-unchanged (32 rows: unfused); EAGLE chain b=1 566 -> 583 tok/s. At the Llama-3-8B shape cuBLAS streams the
-16-117M-element weights faster (gate_up without SiLU 60.8 us unfused, 74.7 us with this norm prologue at best,
-results/gpu/session6/ab4): ``PPSPEC_SKINNY_MAX_W`` keeps cuBLAS there.
+The kernels pay off at small hidden sizes (the SmolLM2 shape); at the Llama-3-8B shape cuBLAS streams the
+16-117M-element weights faster, so ``PPSPEC_SKINNY_MAX_W`` keeps cuBLAS there.
 """
 from __future__ import annotations
 
@@ -84,8 +79,8 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 def fits(w: torch.Tensor) -> bool:
-    """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: the H200 kernel
-    bench, results/gpu/session6, has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
+    """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: a kernel
+    bench on the H200 has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
 
     Raises:
         ConfigError: PPSPEC_SKINNY_MAX_W is set but not an integer.
@@ -103,10 +98,10 @@ def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tupl
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a skinny GEMM with weight [N, K] (the row count does not
     change the choice: at most 16 rows, one BLOCK_M tile).
 
-    Heuristic from the H200 kernel bench (results/gpu/session6/ab6, SmolLM2 shapes, 1-16 rows): narrow column
+    Heuristic from a kernel bench on the H200 (SmolLM2 shapes, 1-16 rows): narrow column
     strips (16; 32 for the gated gate_up, which streams a gate and an up strip) so that even N = 1-4K gives
     several programs per SM, and 256-wide K tiles; plain GEMMs with K <= 1024 take 128-wide tiles with 4 stages
-    (o_proj 3.52 -> 3.34 us; the norm prologue prefers 256: QKV 6.46 against 4.91 us).
+    (the norm prologue keeps 256-wide tiles).
 
     Raises:
         ConfigError: ``PPSPEC_SKINNY_CFG`` is not 4 integers BLOCK_N,BLOCK_K,warps,stages with BLOCK_N and
@@ -148,7 +143,6 @@ if triton is not None:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
             # statistics pass first: a row reduction inside the GEMM loop stalls its weight pipeline
-            # (1.4-3.3x the unfused time on the H200, results/gpu/session6/ab4b)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + rk

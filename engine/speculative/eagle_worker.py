@@ -17,7 +17,7 @@ from .tree import draft_step_select, organize_draft_results, verify_tree_samplin
 
 
 def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
-    """EAGLE-2 beam search of the draft (SGLang ``draft_forward``; notes §1.3), free of host syncs.
+    """EAGLE-2 beam search of the draft (SGLang ``draft_forward``), free of host syncs.
 
     last_hidden [B, H] (draft output of the last extend row), scratch [B, k, S-1] int64 on the same
     device: the KV slot of lane j's token at step s is ``scratch[b, j, s-1]``. Beam lanes keep their own
@@ -78,8 +78,8 @@ def _chain_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inpu
     """:func:`draft_beam_search` for a chain (k = 1, n = S + 1): S greedy draft tokens, one per step. The beam
     bookkeeping of the general search is the identity here (one lane, parent 0, every candidate kept in step order,
     probabilities never compared), so it is skipped: the same tokens, parent_list and top_scores_index
-    (:func:`chain_constants`) with about 12 fewer device launches per step (the H200 round graph runs each small
-    launch for 1-3 us)."""
+    (:func:`chain_constants`) with about 12 fewer device launches per step (each small launch costs
+    microseconds of device time)."""
     S = w.spec.num_steps
     B = last_hidden.shape[0]
     tok = w.draft_greedy(last_hidden)

@@ -7,8 +7,7 @@ root included), ``P = k(S-1)+1``.
 
 Semantics follow SGLang (``select_top_k_tokens``, ``organize_draft_results`` /
 ``build_tree_kernel_efficient_preprocess``, ``build_tree_kernel_efficient``, ``verify_tree_greedy``,
-``tree_speculative_sampling_target_only``) and the EAGLE-2 paper (Li et al., 2024); see
-``shared/design/pp-spec-notes.md`` §1.3 and §2. Candidate ids: ``c < k`` is child ``c`` of the root;
+``tree_speculative_sampling_target_only``) and the EAGLE-2 paper (Li et al., 2024). Candidate ids: ``c < k`` is child ``c`` of the root;
 ``c = k + (s-1)k^2 + j*k + m`` is child ``m`` of beam ``j`` chosen at step ``s-1``; its parent is
 candidate ``parent_list[c // k]`` (slot 0 = root).
 """
@@ -28,7 +27,7 @@ def _desc_order(x: Tensor) -> Tensor:
 
 def draft_step_select(step: int, topk: int, beam_scores: Tensor | None, step_probs: Tensor,
                       step_tokens: Tensor):
-    """One EAGLE-2 beam step (SGLang ``select_top_k_tokens``; notes §1.3).
+    """One EAGLE-2 beam step (SGLang ``select_top_k_tokens``).
 
     step 0: ``step_probs``/``step_tokens`` are ``[B,1,k]`` (top-k of the draft-extend row);
     step s>=1: ``[B,k,k]`` (row j = top-k of beam j's draft output), ``beam_scores`` ``[B,k]``.
@@ -55,7 +54,7 @@ def draft_step_select(step: int, topk: int, beam_scores: Tensor | None, step_pro
 
 def organize_draft_results(scores: list[Tensor], tokens: list[Tensor], parents: list[Tensor],
                            num_draft_tokens: int):
-    """Flatten the recorded beam steps (SGLang ``organize_draft_results``; notes §1.3).
+    """Flatten the recorded beam steps (SGLang ``organize_draft_results``).
 
     ``scores[s]``/``tokens[s]``: ``[B, w_s]`` (or ``[B, a, b]``, flattened), ``parents[s]`` as
     returned by ``draft_step_select``. Returns ``(parent_list [B, k(S-1)+1] int64,
@@ -99,12 +98,12 @@ class TreeInfo:
 
 def build_tree(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tensor,
                draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
-    """Build tree topology, mask and positions (SGLang ``build_tree_kernel_efficient``; notes §2.1-2.2).
+    """Build tree topology, mask and positions (SGLang ``build_tree_kernel_efficient``).
 
     Inputs: ``verified_id [B]``, ``parent_list [B,P]``, ``top_scores_index [B,n-1]`` (ascending),
     ``draft_tokens [B,n-1]``, ``seq_lens [B]`` (all int64). Node ``r >= 1`` is candidate
-    ``top_scores_index[r-1]``; children are linked in increasing node index. Invalid trees
-    (notes §8 pitfall 19): a node whose candidate id is negative, whose slot ``c // k`` is outside
+    ``top_scores_index[r-1]``; children are linked in increasing node index. Invalid trees:
+    a node whose candidate id is negative, whose slot ``c // k`` is outside
     ``parent_list``, whose parent id is not among the *earlier* selected ids, or whose parent is
     dropped, is dropped: ``valid=False``, unlinked, mask = root + itself, depth 1,
     ``parent_node = -1``. All gathers are clamped and all loops are bounded by ``n``.
@@ -153,7 +152,7 @@ def build_tree(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tenso
 
 
 def chain_fallback(bonus: Tensor, num_steps: int, topk: int, num_draft_tokens: int):
-    """Degenerate row for a request not drafted for yet (notes §4.5 "Degenerate rows").
+    """Degenerate row for a request not drafted for yet.
 
     Returns ``(tokens [B,n] int64 = [bonus, 0, 0, ...], parent_list [B, k(S-1)+1] =
     arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``; ``build_tree`` on
@@ -199,7 +198,7 @@ def verify_result(tree: TreeInfo, accept_nodes: Tensor, num: Tensor, bonus: Tens
 
 
 def verify_tree_greedy(tree: TreeInfo, target_predict: Tensor, num_steps: int) -> VerifyResult:
-    """Greedy tree verification (SGLang ``verify_tree_greedy``; notes §2.3).
+    """Greedy tree verification (SGLang ``verify_tree_greedy``).
 
     ``target_predict [B,n]`` int64 is the target's argmax after each node. From the root, up to
     ``S`` times: go to the first child, follow siblings until a candidate equals the prediction
@@ -232,7 +231,7 @@ def verify_tree_greedy(tree: TreeInfo, target_predict: Tensor, num_steps: int) -
 def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, coins: Tensor,
                          final_coins: Tensor) -> VerifyResult:
     """Exact tree rejection sampling, thresholds 1.0 (SGLang
-    ``tree_speculative_sampling_target_only``; notes §2.5).
+    ``tree_speculative_sampling_target_only``).
 
     ``target_probs [B,n,V]`` float: processed, normalised target distribution after each node;
     ``coins [B,n]`` uniform [0,1) (coin of node r decides among r's children); ``final_coins [B]``.

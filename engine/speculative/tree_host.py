@@ -22,7 +22,7 @@ def _host(x) -> np.ndarray:
 def build_tree_host(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tensor,
                     draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
     """Host (numpy) twin of ``build_tree``; identical results (source SGLang
-    ``build_tree_kernel_efficient``; notes §2.1-2.2).
+    ``build_tree_kernel_efficient``).
 
     Inputs: CPU tensors or numpy arrays, ``verified_id [B]``, ``parent_list [B,P]``,
     ``top_scores_index [B,n-1]``, ``draft_tokens [B,n-1]``, ``seq_lens [B]`` (any int dtype).
@@ -115,7 +115,7 @@ def _host_width(x: np.ndarray, n: int) -> np.ndarray:
 
 def verify_tree_greedy_host(tree: TreeInfo, target_predict: Tensor, num_steps: int) -> VerifyResult:
     """Host (numpy) twin of ``verify_tree_greedy``; identical results (source SGLang
-    ``verify_tree_greedy``; notes §2.3).
+    ``verify_tree_greedy``).
 
     ``tree``: ``TreeInfo`` of CPU tensors (reads ``candidates``, ``next_token``, ``next_sibling``
     ``[B,n]`` int and ``valid [B,n]`` bool); ``target_predict [B,n]`` int CPU tensor or numpy
