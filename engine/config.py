@@ -102,9 +102,9 @@ class EngineConfig:
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
     overlap_schedule: bool | None = None  # plain greedy decoding on one stage: launch step t+1 before reading step t
-    spec_device_tree: bool | None = None  # EAGLE on one stage (pp=1; ignored under PP, whose relay is host data):
-                                          # the draft tree stays on the device (Triton tree build / verify walk /
-                                          # mask packing on CUDA), one device->host copy per round
+    spec_device_tree: bool | None = None  # EAGLE (every topology): the draft tree stays on the device (Triton tree
+                                          # build / verify walk / mask packing on CUDA, torch reference elsewhere);
+                                          # under PP every stage rebuilds it there from the relayed tensors
     spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
                                           # (engine.speculative.device_round) and round t+1 is launched before round t is
                                           # read back; implies the device tree
@@ -174,7 +174,7 @@ class EngineConfig:
 
     @property
     def use_spec_device_tree(self) -> bool:
-        """``spec_device_tree`` resolved (None: on for CUDA); the runner still applies it to pp=1 only."""
+        """``spec_device_tree`` resolved (None: on for CUDA)."""
         return self._auto(self.spec_device_tree)
 
     @property

@@ -1,4 +1,4 @@
-"""Process groups, TP collectives and PP point-to-point messaging.
+"""Process groups and TP collectives (PP messages: :mod:`engine.transport`).
 
 rank = pp_rank * tp + tp_rank. gloo on CPU; NCCL across GPUs; several ranks on one GPU stage
 every collective through CPU/gloo (NCCL refuses two ranks on one device).
@@ -6,8 +6,6 @@ every collective through CPU/gloo (NCCL refuses two ranks on one device).
 from __future__ import annotations
 
 import datetime
-import io
-import pickle
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +23,7 @@ class ParallelState:
     tp_group: object = None      # device group of this stage's TP ranks (None when tp == 1)
     cpu_group: object = None     # gloo world group for object messages
     staged: bool = False         # collectives go through CPU (gloo) even for CUDA tensors
+    p2p_group: object = None     # group of the PP relay's device payload (None: staged through the CPU group)
 
     @property
     def tp_rank(self) -> int:
@@ -60,8 +59,10 @@ def set_ps(state: ParallelState) -> None:
 
 
 def init_distributed(rank: int, world_size: int, tp: int, pp: int, device: torch.device,
-                     init_method: str, timeout_s: float) -> ParallelState:
-    """Create the process groups. Raises RuntimeError on a collective timeout."""
+                     init_method: str, timeout_s: float, relay_p2p: bool | None = None) -> ParallelState:
+    """Create the process groups. ``relay_p2p``: PP relay tensors over a device group (None: where NCCL runs, i.e.
+    one GPU per rank; True on CPU ranks: a second gloo group, the same code path). Raises RuntimeError on a
+    collective timeout."""
     timeout = datetime.timedelta(seconds=timeout_s)
     n_gpu = torch.cuda.device_count() if device.type == "cuda" else 0
     use_nccl = device.type == "cuda" and n_gpu >= world_size
@@ -74,8 +75,16 @@ def init_distributed(rank: int, world_size: int, tp: int, pp: int, device: torch
         g = dist.new_group(ranks, backend=backend, timeout=timeout) if tp > 1 else None
         if rank in ranks:
             tp_group = g
+    if relay_p2p is None:
+        relay_p2p = use_nccl
+    if relay_p2p and device.type == "cuda" and not use_nccl:
+        from .config import ConfigError
+        raise ConfigError(f"PPSPEC_RELAY_P2P=1 needs one GPU per rank (NCCL); {world_size} ranks share {n_gpu} GPU(s)")
+    p2p_group = None
+    if relay_p2p and pp > 1:
+        p2p_group = dist.group.WORLD if use_nccl else dist.new_group(backend="gloo", timeout=timeout)
     state = ParallelState(rank=rank, tp_size=tp, pp_size=pp, device=device, tp_group=tp_group,
-                          cpu_group=cpu_group, staged=device.type == "cuda" and not use_nccl)
+                          cpu_group=cpu_group, staged=device.type == "cuda" and not use_nccl, p2p_group=p2p_group)
     set_ps(state)
     return state
 
@@ -102,54 +111,6 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(src) for _ in range(s.tp_size)]
     dist.all_gather(parts, src.contiguous(), group=s.tp_group)
     return torch.cat(parts, dim=dim).to(x.device)
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def send_msg(obj: dict, dst: int) -> None:
-    """Send a (nested) dict of tensors and Python values to global rank ``dst`` (blocking)."""
-    buf = io.BytesIO()
-    torch.save(_to_cpu(obj), buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=_PS.cpu_group)
-    dist.send(data, dst, group=_PS.cpu_group)
-
-
-def recv_msg(src: int) -> dict:
-    """Receive what :func:`send_msg` sent from global rank ``src`` (blocking; gloo timeout applies)."""
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=_PS.cpu_group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=_PS.cpu_group)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-
-
-def ring_exchange(obj: dict) -> dict:
-    """Send ``obj`` to the next stage and receive from the previous one, round the PP ring.
-
-    Adjacent stages pair by pp_rank parity: even ranks send then receive, odd ranks receive then
-    send. With blocking sends every edge has one side that receives first, so no cycle of blocked
-    sends can close, also for an odd ring (the wrap edge P-1 -> 0 joins two even ranks, and the
-    cycle breaks at rank 1). Source: SGLang #30775 (``needs_pairing`` when the spec relay is on).
-    """
-    s = _PS
-    if s.pp_size == 1:
-        return obj
-    succ, pred = s.global_rank(s.pp_rank + 1), s.global_rank(s.pp_rank - 1)
-    if s.pp_rank % 2 == 0:
-        send_msg(obj, succ)
-        return recv_msg(pred)
-    got = recv_msg(pred)
-    send_msg(obj, succ)
-    return got
 
 
 def barrier() -> None:

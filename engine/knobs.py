@@ -135,6 +135,12 @@ REGISTRY: tuple[Knob, ...] = (
          "engine/config.py", "enable_pp_spec"),
     Knob("PPSPEC_FAULT", "str", "", _B, "fault injection (drop_tree, fail_token:ID[:STAGE], fail_rank:N, "
          "exit_rank:N)", "engine/config.py", "fault"),
+    Knob("PPSPEC_RELAY_P2P", "bool", None, _B, "PP relay tensors over a device group, stream-ordered (auto: with "
+         "NCCL, one GPU per rank; 1 on CPU ranks: a second gloo group; 0: staged through the CPU group)",
+         "engine/transport.py", "relay_p2p"),
+    Knob("PPSPEC_RELAY_CODEC", "choice", "packed", _B, "PP message codec: packed (pickled skeleton + one byte "
+         "buffer, one staging copy) or torch (torch.save, the reference twin)", "engine/transport.py", "relay_codec",
+         choices=("packed", "torch")),
     Knob("PPSPEC_CPU_KV_TOKENS", "int", 16384, _B, "KV pool tokens on CPU when max_num_tokens is unset",
          "engine/runner.py", "cpu_kv_tokens", minimum=1),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
@@ -142,6 +148,8 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),
     Knob("PPSPEC_KV_CHECK", "bool", False, _D, "full KV pool consistency check on every commit",
          "engine/kv_cache.py", "kv_check"),
+    Knob("PPSPEC_CPROFILE", "str", "", _D, "directory: each rank writes a cProfile of its runs (rank<N>.txt, by "
+         "cumulative time)", "engine/ranks.py", "cprofile"),
     Knob("PPSPEC_FUZZ_PHASES", "bool", False, _D, "print each fuzz case's phase timings", "tools/fuzz.py",
          "fuzz_phases"),
 )

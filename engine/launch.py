@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, SpecConfig
+from . import knobs
 from .knobs import torchrun_env
 from .dist import init_distributed
 from .model.sampling import SamplingParams
@@ -52,7 +53,7 @@ def torchrun_main(argv: list[str] | None = None) -> None:
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    init_distributed(rank, world, cfg.tp, cfg.pp, dev, "env://", cfg.dist_timeout_s)
+    init_distributed(rank, world, cfg.tp, cfg.pp, dev, "env://", cfg.dist_timeout_s, knobs.current().relay_p2p)
     from .worker import Worker
     worker = Worker(cfg.replace(device=str(dev)), record_times=rank == 0)
     tok = worker.runner.tokenizer

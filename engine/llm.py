@@ -21,7 +21,8 @@ from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .requests import EngineError, Req, RequestOutput, prompt_token_ids, request_error
-from .ranks import collect_failures, death, free_port, join_all, peak_memory, rank_info, rank_main
+from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
+                    rank_main)
 
 
 log = logging.getLogger("ppspec")
@@ -63,6 +64,7 @@ class LLM:
         self._procs = []
         self._busy = False                   # ranks starting up or running a generate: they read no stop message
         self.last_peak_memory = 0
+        self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
         if config.world_size == 1:
             from .worker import Worker
             set_ps(ParallelState(device=torch.device(config.device)))
@@ -201,6 +203,7 @@ class LLM:
         if self.config.world_size == 1:
             done = self._worker.run(reqs, max_concurrency, progress)
             self.last_peak_memory = peak_memory(torch.device(self.config.device))
+            self.last_stage_stats = [self._worker.last_stats]
         else:
             if getattr(self, "_res_q", None) is None:
                 raise EngineError("the engine is shut down (its ranks have stopped): start a new LLM")
@@ -210,13 +213,8 @@ class LLM:
             self._busy = True
             for q in self._cmd_qs:
                 q.put(("generate", reqs, max_concurrency))
-            while True:
-                msg = self._get()
-                if msg[0] == "progress" and progress is not None:
-                    progress(msg[1], msg[2])
-                elif msg[0] == "result":
-                    done, self.last_peak_memory = msg[1], msg[2]
-                    break
+            done, self.last_peak_memory, self.last_stage_stats = collect_run(self._get, self.config.world_size,
+                                                                             progress)
             self._busy = False
         return [self._output(r) for r in done]
 
@@ -271,11 +269,8 @@ class LLM:
 
     def _release_queues(self) -> None:
         """Close the rank queues and drop them now, so their named semaphores are unlinked and unregistered from
-        multiprocessing's resource tracker while the interpreter is whole. Left to interpreter teardown (a feeder
-        thread still holding a queue's locks), the unlink ran but the unregister was lost, and about one multi-rank
-        CLI run in twelve ended with the tracker's "There appear to be 1 leaked semaphore objects ... No such file
-        or directory" warnings on stderr. Feeder threads get a bounded join: a rank that died unread
-        must not hold up the exit."""
+        multiprocessing's resource tracker while the interpreter is whole (left to teardown, the tracker can warn of
+        leaked semaphores). Feeder threads get a bounded join: a rank that died unread must not hold up the exit."""
         res_q = getattr(self, "_res_q", None)
         for q in [*getattr(self, "_cmd_qs", []), *([res_q] if res_q is not None else [])]:
             try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .attention.backend import h2d
+from .attention.backend import d2h, h2d
 
 _TREE_FIELDS = ("tokens", "parent_list", "top_scores_index")
 
@@ -50,7 +50,7 @@ class DraftTree:
         parts = (self.tokens, self.parent_list, self.top_scores_index)
         widths = [int(x.shape[1]) for x in parts]
         packed = torch.cat([x.long() for x in parts], 1)
-        return DraftTree(*torch.split(packed.cpu() if to_host else packed, widths, dim=1))
+        return DraftTree(*torch.split(d2h(packed) if to_host else packed, widths, dim=1))
 
     def rows(self) -> list[DraftTree]:
         """Per-request row views [n], [P], [n-1] (not copies: producers hand over tensors they no longer write)."""

@@ -107,7 +107,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
     spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
-    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap) and pp1
+    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap)
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)

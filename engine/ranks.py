@@ -65,8 +65,9 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
         if dev.type == "cuda":
             dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(dev)
+        from . import knobs
         init_distributed(rank, config.world_size, config.tp, config.pp, dev, f"tcp://127.0.0.1:{port}",
-                         config.dist_timeout_s)
+                         config.dist_timeout_s, knobs.current().relay_p2p)
         worker = Worker(config.replace(device=str(dev)), record_times=rank == 0)
         res_q.put(("ready", rank, rank_info(worker)))
         while True:
@@ -75,7 +76,8 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
                 break
             _, reqs, max_conc = cmd
             prog = (lambda d, t: res_q.put(("progress", d, t))) if rank == 0 else None
-            worker.run(reqs, max_conc, prog)
+            profile_run(worker, reqs, max_conc, prog, knobs.current().cprofile, rank)
+            res_q.put(("stats", rank, worker.last_stats))
             if rank == 0:
                 res_q.put(("result", reqs, peak_memory(dev)))
     except BaseException as e:                               # report, then let the front end stop the group
@@ -98,6 +100,44 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int) -> None:
+    """``worker.run``; with ``out_dir`` (PPSPEC_CPROFILE) under cProfile, appending the top functions by cumulative
+    time to ``out_dir/rank<rank>.txt``."""
+    if not out_dir:
+        worker.run(reqs, max_conc, prog)
+        return
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        worker.run(reqs, max_conc, prog)
+    finally:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "a") as f:
+            f.write(f"# run of {len(reqs)} requests\n{buf.getvalue()}\n")
+
+
+def collect_run(get, world_size: int, progress) -> tuple[list, int, list[dict]]:
+    """Wait for the end of a multi-rank generate: (rank 0's requests with outputs, its peak memory, every rank's
+    ``Worker.last_stats`` by rank), calling ``progress(done, total)`` as rank 0 reports. ``get``: the next message
+    from the ranks (raises on a rank's failure)."""
+    stats, done, peak = {}, None, 0
+    while done is None or len(stats) < world_size:
+        msg = get()
+        if msg[0] == "progress" and progress is not None:
+            progress(msg[1], msg[2])
+        elif msg[0] == "stats":
+            stats[msg[1]] = msg[2]
+        elif msg[0] == "result":
+            done, peak = msg[1], msg[2]
+    return done, peak, [stats[r] for r in sorted(stats)]
 
 
 def join_all(procs, timeout: float) -> None:

@@ -50,7 +50,6 @@ class ModelRunner:
         spec = config.spec
         self.spec = spec if spec.enabled else None
         self.plan = resolve_plan(config, staged=s.staged)
-        # EAGLE on one stage: the draft tree stays on the device (no relay needs it on the host)
         self.spec_overlap = self.plan.spec_overlap
         self.device_tree = self.plan.device_tree
         # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
@@ -84,7 +83,8 @@ class ModelRunner:
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
-        # every stage rebuilds verify trees: on the device on one stage with device_tree, else from host relay data
+        # every stage rebuilds verify trees: on the device (device_tree: from relayed device or host rows), else on the
+        # host from host relay data
         self.tree_ops = None
         if self.spec:
             from .speculative.tree_ops import DeviceTreeOps, HostTreeOps

@@ -15,18 +15,21 @@ forwards the result round the ring. All stages run the same number of ticks.
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
-from .attention.backend import h2d
+from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
-from .dist import ps, ring_exchange
+from .dist import ps
 from .kv_cache import KVCacheError
 from .messages import RelayError, StepResult
 from .overlap import OverlapLoops, report
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
+from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
+from .transport import ring_exchange
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -82,6 +85,8 @@ class Worker(OverlapLoops):
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
         self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
         self._fail_token = fail_token_fault(config.fault)
+        self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)
+        self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()
 
     # ------------------------------------------------------------------------------------ one batch
@@ -127,7 +132,7 @@ class Worker(OverlapLoops):
             out.accept_nodes = torch.full((B, S + 1), -1, dtype=torch.int64)
             out.accept_lens = torch.zeros(B, dtype=torch.int64)
         if done:
-            tokens[torch.tensor(done), 0] = sampled.cpu()
+            tokens[torch.tensor(done), 0] = d2h(sampled)
         out.tokens = tokens
         return out
 
@@ -175,9 +180,12 @@ class Worker(OverlapLoops):
     def _run_ring(self, reqs: list[Req], progress=None) -> list[Req]:
         s, sched = ps(), self.sched
         P = s.pp_size
+        stats = self.stats = StageStats(s.pp_rank, s.tp_rank, self.runner.device)
+        clock = time.perf_counter
         inbox: dict = {}
         tick, end_tick, finished, idle = 0, None, 0, 0
         while True:
+            t0 = clock()
             relay = inbox.get("relay")
             if relay is not None:
                 relay.validate(self.spec)
@@ -185,7 +193,10 @@ class Worker(OverlapLoops):
                 finished = report(reqs, progress, finished)
             if end_tick is None and sched.all_finished():
                 end_tick = tick - s.pp_rank + P - 1
+            t1 = clock()
             batch = sched.schedule((tick - s.pp_rank) % P) if end_tick is None and tick >= s.pp_rank else None
+            stats.add("process", t1 - t0)
+            stats.add("schedule", clock() - t1)
             idle = 0 if batch is not None or relay is not None or end_tick is not None else idle + 1
             if idle > 2 * P + 1:                         # nothing scheduled or in flight on any slot
                 raise KVCacheError(sched.stall_error())
@@ -194,12 +205,17 @@ class Worker(OverlapLoops):
             if not s.is_first_stage and expect != got:
                 raise RelayError(f"PP stages diverged at tick {tick}: stage {s.pp_rank} scheduled {got}, "
                                  f"stage {s.pp_rank - 1} ran {expect}")
-            out = self._forward_or_fail(batch, inbox) if batch is not None else {}
+            out = {}
+            if batch is not None:
+                stats.forward_begin()
+                out = self._forward_or_fail(batch, inbox)
+                stats.forward_end()
             if s.is_last_stage:
                 out = {"relay": out or None}
             else:
                 out["relay"] = relay
             inbox = ring_exchange(out)
+            stats.ticks += 1
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
@@ -207,6 +223,8 @@ class Worker(OverlapLoops):
 
     def _finish_run(self, reqs: list[Req]) -> list[Req]:
         sched = self.sched
+        self.last_stats = self.stats.finish() if self.stats is not None else {}
+        self.stats = None
         if sched.allocator.num_used != 0:
             raise KVCacheError(f"idle engine still holds {sched.allocator.num_used} KV slots (leak)")
         if len(sched.rows.free_rows) != sched.max_reqs:

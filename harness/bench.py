@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import stats
+from harness import pp_metrics, stats
 from harness.config import RunConfig
 from harness.tables import both, fmt, rich_table
 
@@ -88,7 +88,7 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
         prompts = build_prompts(tok, n, L, b.seed + L, texts)
         for _ in range(b.warmup):
             llm.generate(prompts[:B], warm, max_concurrency=B)
-        label, runs, outs_all = f"{tag}in={L} bs={B}", [], []
+        label, runs, outs_all, stage_runs = f"{tag}in={L} bs={B}", [], [], []
         for r in range(b.runs):
             cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
             if cb:
@@ -96,6 +96,7 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, max_concurrency=B, progress=cb)
             wall = time.perf_counter() - t0
+            stage_runs.append(list(getattr(llm, "last_stage_stats", None) or []))
             failed = [o for o in outs if o.finish_reason == "error"]
             if failed:
                 from engine import EngineError
@@ -114,7 +115,8 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
         pooled["output_throughput_runs"] = tps
         tpots = [stats.request_metrics(o.arrival_time, o.token_times)["tpot"] for o in outs_all]
         cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
-                      "runs": runs, "pooled": pooled, "tpots": [x for x in tpots if x is not None]})
+                      "runs": runs, "pooled": pooled, "tpots": [x for x in tpots if x is not None],
+                      "pp": pp_metrics.cell_metrics(stage_runs, pooled)})
         if b.peer and (b.peer_batch_sizes is None or B in b.peer_batch_sizes):
             peer_cells.append({"input_len": L, "batch_size": B, "prompts": prompts[:B],
                                "engine_token_ids": [list(o.token_ids) for o in outs_all[:B]]})
@@ -162,6 +164,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
     if baseline is not None:
         summary["baseline"] = baseline
+    if any(c.get("pp") for c in cells):
+        summary["pp"] = pp_metrics.run_metrics(cells)
     if measured is not None:
         from engine.model.loader import load_model_config, resolve_model_path
         from harness.floors import bench_floors, floor_dtype
@@ -312,6 +316,7 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                      f"(no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT x"
                      + (f"{c['tpot_ratio']:.2f} [{ci_p[0]:.2f}, {ci_p[1]:.2f}] (no-spec "
                         f"{fmt(c['nospec_tpot_mean'], 'ms')} ms)" if c["tpot_ratio"] is not None else "-"))
+    notes += pp_metrics.notes(summary)
     if random_weights:
         notes.append(f"{RANDOM_WEIGHTS.upper()} (load_format: dummy): latency, throughput and memory are real; "
                      "accuracy, accept length and peer agreement are not")

@@ -126,7 +126,9 @@ def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)))
     assert (p.loop, p.tree, p.reserve) == ("ring", "host", 7)
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda")
-    assert p.tree == "host" and p.loop == "ring"       # under PP the tree is relay data on the host
+    assert p.tree == "device" and p.loop == "ring"     # every stage rebuilds the relayed tree on the device
+    p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=False), device="cuda")
+    assert p.tree == "host"
     p = resolve_plan(EngineConfig(spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=True))
     assert (p.loop, p.tree) == ("plain", "device")
 

@@ -155,7 +155,8 @@ def test_gate_off_by_default(tiny_model_dir, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ ring
 def _ring_worker(rank, world, port, nbytes, rounds, q):
-    from engine.dist import init_distributed, ring_exchange
+    from engine.dist import init_distributed
+    from engine.transport import ring_exchange
     init_distributed(rank, world, 1, world, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 60)
     got = None
     for i in range(rounds):

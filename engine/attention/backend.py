@@ -70,6 +70,18 @@ def h2d(t: torch.Tensor, dev) -> torch.Tensor:
     return pinned(t, dev).to(dev, non_blocking=True)
 
 
+D2H_COPIES = [0]                           # device->host copies made through d2h (the PP metrics count them)
+
+
+def d2h(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host; an accelerator tensor is copied (blocking: it waits for the work producing ``t``) and
+    counted in ``D2H_COPIES``."""
+    if t.device.type == "cpu":
+        return t
+    D2H_COPIES[0] += 1
+    return t.cpu()
+
+
 def set_context(ctx: ForwardContext | None) -> None:
     global _CTX
     _CTX = ctx

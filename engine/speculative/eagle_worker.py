@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.backend import ForwardContext, get_backend, h2d, set_context
+from ..attention.backend import ForwardContext, d2h, get_backend, h2d, set_context
 from ..kv_cache import commit_order
 from ..messages import DraftTree, StepResult
 from .tree import draft_step_select, organize_draft_results, verify_tree_sampling
@@ -172,7 +172,7 @@ class EagleWorker:
             scratch = scratch_slots(rows, L_new, k, S)
 
             def step_inputs(s, hist_s):
-                hs = hist_s.cpu()
+                hs = d2h(hist_s)
                 kv = [torch.cat([rows[b][:L_new[b]], hs[b, j]]) for b in range(B) for j in range(k)]
                 pos = h2d(torch.tensor([L_new[b] + s - 1 for b in range(B) for _ in range(k)]), dev)
                 return pos, ForwardContext(list(range(B * k + 1)), kv, None, hist_s[:, :, -1].reshape(-1), None,
@@ -183,7 +183,7 @@ class EagleWorker:
 
     def _fault(self, tree: DraftTree, root: torch.Tensor) -> DraftTree:
         """``drop_tree``: a degenerate chain with zero drafts instead of ``tree`` (harness sensitivity check)."""
-        return DraftTree.degenerate(root.cpu(), self.spec) if self.drop_tree else tree
+        return DraftTree.degenerate(d2h(root), self.spec) if self.drop_tree else tree
 
     # ------------------------------------------------------------------------------------ rounds
     def after_prefill(self, batch, feature: torch.Tensor, done: list[int], sampled: torch.Tensor | None,
@@ -218,7 +218,7 @@ class EagleWorker:
             rows = [rt[batch.reqs[i].row] for i in done]
             tree = self.tail_draft(rows, [batch.chunks[i][1] for i in done], root, hid[last_rows])
         else:
-            tree = DraftTree.degenerate(root.cpu(), self.spec)
+            tree = DraftTree.degenerate(d2h(root), self.spec)
         return out.with_rows(done, self._fault(tree, root).to_host())
 
     def verify(self, batch, feature: torch.Tensor, tree, qo: list[int]) -> StepResult:
@@ -236,7 +236,8 @@ class EagleWorker:
             res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
         # one device->host copy of the result (a no-op when the walk ran on the host)
         c = S + 1
-        host = torch.cat([res.accept_nodes, res.accept_length.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1).cpu()
+        host = torch.cat([res.accept_nodes, res.accept_length.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1)
+        host = d2h(host)
         accept_nodes, alen, emitted, bonus = host[:, :c], host[:, c], host[:, c + 1:2 * c + 1], host[:, 2 * c + 1]
         # Draft extend over W = min(S+1, n) rows per request (the a accepted tokens + bonus, then padding): one
         # fixed-size causal forward. Padding rows write draft KV at committed positions >= L + a (tail-draft

@@ -1,17 +1,20 @@
-"""Where the last stage builds and walks verify trees: a strategy chosen once per engine.
+"""Where each stage builds and the last stage walks verify trees: a strategy chosen once per engine (the plan's
+``tree``).
 
-``HostTreeOps`` (PP, or one stage without device trees): the trees are relay data on the host; they are built and
-greedily walked with the numpy twins (:mod:`engine.speculative.tree_host`) and the next trees are relayed as one
-host copy. ``DeviceTreeOps`` (one stage, ``spec_device_tree``): the trees stay on the accelerator; they are built and
-walked by the Triton twins (:mod:`engine.speculative.tree_kernels`, torch reference off CUDA) and nothing is read
-back. Both give the torch reference's (:mod:`engine.speculative.tree`) exact outputs.
+``HostTreeOps``: the trees are host data; they are built and greedily walked with the numpy twins
+(:mod:`engine.speculative.tree_host`) and the next trees are relayed as one host copy. ``DeviceTreeOps``
+(``spec_device_tree``): the trees stay on the accelerator; every stage builds them there (from the relayed rows,
+device tensors over a device group or host rows staged through gloo, joined in one pinned copy per field), the
+last stage walks them with the Triton twins (:mod:`engine.speculative.tree_kernels`, torch reference off CUDA) and
+relays the next trees as device tensors (the transport stages them only when it must). Both give the torch
+reference's (:mod:`engine.speculative.tree`) exact outputs.
 """
 from __future__ import annotations
 
 import torch
 
 from ..kernels.argmax import argmax_rows
-from ..attention.backend import h2d
+from ..attention.backend import d2h, h2d
 from ..messages import DraftTree
 from .tree import TreeInfo, VerifyResult
 from .tree_host import build_tree_host, verify_tree_greedy_host
@@ -41,7 +44,7 @@ class HostTreeOps:
     def verify_greedy(self, tree: TreeInfo, logits: torch.Tensor, num_steps: int) -> VerifyResult:
         """Greedy walk of the host ``tree`` against logits [B*n, V]: one device->host copy of the argmax [B, n]."""
         B, n = tree.candidates.shape
-        return verify_tree_greedy_host(tree, logits.argmax(-1).view(B, n).cpu(), num_steps)
+        return verify_tree_greedy_host(tree, d2h(logits.argmax(-1).view(B, n)), num_steps)
 
     def relay(self, tree: DraftTree) -> DraftTree:
         """The next trees as relay data: on the host, in one device->host copy."""
@@ -49,7 +52,7 @@ class HostTreeOps:
 
 
 class DeviceTreeOps:
-    """Trees resident on ``device`` (one stage: no relay needs them on the host)."""
+    """Trees resident on ``device``."""
 
     device_tree = True
 

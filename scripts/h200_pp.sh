@@ -1,0 +1,45 @@
+#!/bin/bash
+# PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
+# pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
+# Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
+# Usage: scripts/h200_pp.sh profile|probe|table OUTDIR
+#   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
+#            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
+#   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
+# Every call: mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl (once per
+# machine) and PYTHONPATH=/tmp/site:$PWD HOME=/tmp.
+set -u
+export PYTHONUNBUFFERED=1
+what=$1; out=$2; mkdir -p "$out"
+bench() {   # NAME TIMEOUT ARGS...: one bench, its table rows and PP lines, summary.json kept under $out/NAME
+  local name=$1 t=$2; shift 2
+  timeout "$t" python3 -m harness bench --config h200 --no-peer --no-floors --no-progress \
+      --set bench.batch_sizes=[1,8] --set bench.runs=2 --set bench.warmup=1 --set bench.output_len=128 "$@" \
+      --out "/tmp/pp/$name" 2>&1 | grep -v Warning | grep -E "^\||PP stage|Error|error" | head -16
+  mkdir -p "$out/$name" && cp /tmp/pp/$name/summary.json "$out/$name/" 2>/dev/null
+  echo "== $name done"
+}
+case $what in
+profile)
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  bench pp1_spec 150 $D
+  bench pp2_spec 150 $D --set pp=2 --set spec.pp_spec=true
+  PPSPEC_RELAY_CODEC=torch bench pp2_spec_torchcodec 120 $D --set pp=2 --set spec.pp_spec=true
+  bench pp2_plain 100 $D --no-spec --set pp=2
+  bench pp1_plain 80 $D --no-spec ;;
+probe)
+  # where the last stage's host time goes (cProfile of every rank) and what one ring exchange costs alone
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  for pp in 2 3; do timeout 60 python3 -m tools.ring_probe --pp $pp --device cuda --iters 3000; done
+  timeout 60 python3 -m tools.ring_probe --pp 2 --device cpu --iters 3000
+  PPSPEC_CPROFILE=$out/cprof_b1 bench pp2_spec_b1_prof 120 $D --set pp=2 --set spec.pp_spec=true \
+      --set bench.batch_sizes=[1] --set bench.runs=1 --set bench.warmup=0
+  PPSPEC_CPROFILE=$out/cprof_b8 bench pp2_spec_b8_prof 120 $D --set pp=2 --set spec.pp_spec=true \
+      --set bench.batch_sizes=[8] --set bench.runs=1 --set bench.warmup=0 ;;
+table)
+  G="--model /tmp/g/smollm2.gguf"
+  for pp in 1 2 3; do
+    bench pp${pp}_spec 150 $G --set pp=$pp --set spec.pp_spec=true
+    bench pp${pp}_plain 100 $G --no-spec --set pp=$pp
+  done ;;
+esac
