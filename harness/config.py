@@ -365,8 +365,6 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
     meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
     engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
-    if merged.get("spec_device_tree") and engine.pp > 1 and engine.spec.enabled:   # set explicitly, not auto
-        notes.append("note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host")
     if merged.get("spec_overlap") and (engine.pp > 1 or engine.tp > 1) and engine.spec.enabled:
         notes.append("note: spec_overlap applies to pp=1, tp=1 only; other topologies run the normal spec round")
     default_name = Path(str(config)).stem if config is not None else "default"

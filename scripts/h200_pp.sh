@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|table OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|codec|table OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
@@ -36,6 +36,13 @@ probe)
       --set bench.batch_sizes=[1] --set bench.runs=1 --set bench.warmup=0
   PPSPEC_CPROFILE=$out/cprof_b8 bench pp2_spec_b8_prof 120 $D --set pp=2 --set spec.pp_spec=true \
       --set bench.batch_sizes=[8] --set bench.runs=1 --set bench.warmup=0 ;;
+codec)
+  # the reworked codec: one exchange alone, then PP2 + spec with the tree on the device (default) and on the host
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000
+  bench pp2_spec_devtree 150 $D --set pp=2 --set spec.pp_spec=true
+  bench pp2_spec_hosttree 120 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
+  bench pp2_plain 100 $D --no-spec --set pp=2 ;;
 table)
   G="--model /tmp/g/smollm2.gguf"
   for pp in 1 2 3; do

@@ -382,15 +382,13 @@ def test_train_section_checked_before_training():
     check_train_kwargs(real, {**base, "lr": 1})                     # an int where a float is expected is fine
 
 
-def test_device_tree_under_pp_is_noted(draft_dir):
-    """spec_device_tree is a one-stage option: under PP the resolver says it does not apply (no silent ignore)."""
+def test_one_stage_options_under_pp_are_noted(draft_dir):
+    """spec_overlap is a one-stage option: under PP the resolver says it does not apply (no silent ignore);
+    spec_device_tree applies at every topology and is not noted."""
     ov = {"pp": 2, "spec_device_tree": True, "spec": {"algorithm": "eagle", "draft": str(draft_dir), "pp_spec": True}}
     c = resolve(None, ov)
     assert c.engine.spec.enabled and c.engine.spec_device_tree
-    assert "note: spec_device_tree applies to pp=1 only; under PP the tree is relayed through the host" in c.notes
-    assert not any("spec_device_tree" in n for n in resolve(None, {**ov, "pp": 1}).notes)
-    auto = {k: v for k, v in ov.items() if k != "spec_device_tree"}      # left to its default (auto): no note
-    assert not any("spec_device_tree" in n for n in resolve(None, auto).notes)
+    assert not any("spec_device_tree" in n for n in c.notes)
     ov2 = {**ov, "spec_overlap": True}
     assert "note: spec_overlap applies to pp=1, tp=1 only; other topologies run the normal spec round" in \
         resolve(None, ov2).notes
