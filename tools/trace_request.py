@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = tuple(str(REPO / d) + os.sep for d in ("engine", "harness"))
 RANK_ENTRY = ("engine.ranks", "rank_main")     # the rank processes' entry point: module, name (LLM spawns
 RANK_ENTRY_IN_LLM = "rank_main"                # engine.llm.<RANK_ENTRY_IN_LLM>)
-OUT_ENV = "PPSPEC_TRACE_REQUEST_DIR"           # where each traced rank writes what it entered
+OUT_ENV = "TRACE_REQUEST_DIR"                  # where each traced rank writes what it entered
 
 
 class Tracer:
