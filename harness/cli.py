@@ -44,6 +44,7 @@ def main_callback(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+# the commands, in the order --help lists them
 for _fn in (commands_run.gsm8k, commands_run.bench, commands_run.gate, commands_results.sweep,
             commands_results.compare, commands_run.generate, commands_results.plan):
     app.command()(_fn)

@@ -1,7 +1,7 @@
 """What every ``ppspec`` command shares: the consoles, the option types, user-error handling, config loading from
 flags, the ``--out`` checks, progress bars and writing a run's result files.
 
-Nothing here imports torch or the engine: ``ppspec --help`` stays fast.
+Nothing here imports torch (engine.config does not): ``ppspec --help`` stays fast.
 """
 from __future__ import annotations
 
