@@ -33,12 +33,6 @@ class DraftTree:
     parent_list: torch.Tensor
     top_scores_index: torch.Tensor
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """The field ``name`` (one of tokens, parent_list, top_scores_index), for callers that read fields by name."""
-        if name not in _TREE_FIELDS:
-            raise KeyError(name)
-        return getattr(self, name)
-
     @property
     def device(self) -> torch.device:
         return self.tokens.device

@@ -63,7 +63,7 @@ class FakeLLM:
 def fake_engine(monkeypatch):
     FakeLLM.instances = []
     monkeypatch.setattr(engine, "LLM", FakeLLM)
-    monkeypatch.setattr("harness.cli.check_prompt", lambda engine_config, prompt: None)   # no tokenizer load
+    monkeypatch.setattr("harness.commands_run.check_prompt", lambda engine_config, prompt: None)   # no tokenizer load
     return FakeLLM
 
 

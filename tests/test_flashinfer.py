@@ -209,20 +209,10 @@ TINY_GPU = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=
 def make_model(out, seed: int = 0):
     """Sharp next-token distributions (large embedding / head, small layers), no tokenizer."""
     from engine.config import ModelConfig
-    from engine.model.loader import hf_weight_shapes, save_hf_checkpoint
+    from engine.model.loader import save_hf_checkpoint
+    from tools.tiny import random_llama_weights
     cfg = ModelConfig.from_hf(TINY_GPU)
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, shape in hf_weight_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(shape)
-        elif name == "lm_head.weight":
-            state[name] = torch.randn(shape, generator=g) * 0.5
-        elif name == "model.embed_tokens.weight":
-            state[name] = torch.randn(shape, generator=g)
-        else:
-            state[name] = torch.randn(shape, generator=g) * 0.03
-    save_hf_checkpoint(out, cfg, state)
+    save_hf_checkpoint(out, cfg, random_llama_weights(cfg, seed, std=0.03))
     return cfg
 
 

@@ -249,7 +249,7 @@ def test_draft_tree_round_trip():
     assert h.device.type == "cpu" and all(torch.equal(getattr(h, f), getattr(t, f)) for f in fields)
     assert h.tokens.untyped_storage().data_ptr() == h.parent_list.untyped_storage().data_ptr()   # one packed tensor
     rows = h.rows()
-    assert len(rows) == 3 and rows[1].tokens.shape == (n,) and rows[1]["tokens"][0] == 6
+    assert len(rows) == 3 and rows[1].tokens.shape == (n,) and rows[1].tokens[0] == 6
     for dev in (None, torch.device("cpu")):
         back = DraftTree.stack(rows, dev)
         assert all(torch.equal(getattr(back, f), getattr(t, f)) for f in fields)

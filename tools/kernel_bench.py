@@ -83,9 +83,8 @@ def main() -> None:
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("Error: kernel_bench needs a CUDA device")
-    import torch.nn.functional as F
     knobs.set_env("PPSPEC_SKINNY", "1")
-    from engine.kernels import fused as kernels, skinny
+    from engine.kernels import skinny
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
@@ -109,13 +108,7 @@ def main() -> None:
                 x = torch.randn(M, K, device=dev, dtype=dt)
                 r = torch.randn(M, K, device=dev, dtype=dt)
                 xs, rs = [x.clone() for _ in range(copies)], [r.clone() for _ in range(copies)]
-
-                def unfused(i):
-                    if norm:
-                        h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
-                        y = F.linear(h, ws[i])
-                        return kernels.silu_and_mul(y) if gated else y
-                    return F.linear(x, ws[i])
+                unfused = _unfused(x, xs, rs, ws, gamma, norm, gated)
 
                 def fused(i):
                     if gated:
@@ -145,6 +138,21 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(rows, indent=1))
 
 
+def _unfused(x, xs, rs, ws, gamma, norm: bool, gated: bool):
+    """``fn(i)``, the unfused path over weight copy ``i``: add-RMSNorm of ``xs[i]`` + ``rs[i]`` (``norm``), the
+    cuBLAS linear, SiLU-and-mul (``gated``); without ``norm``, the plain linear of ``x``."""
+    import torch.nn.functional as F
+    from engine.kernels import fused as kernels
+
+    def fn(i):
+        if norm:
+            h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
+            y = F.linear(h, ws[i])
+            return kernels.silu_and_mul(y) if gated else y
+        return F.linear(x, ws[i])
+    return fn
+
+
 GEMV_CONFIGS = [(2, 1024, 4, 1, 1), (4, 512, 4, 1, 1), (4, 1024, 4, 1, 1), (8, 256, 4, 2, 1), (8, 512, 4, 1, 1),
                 (8, 512, 8, 1, 1), (16, 512, 8, 1, 1), (4, 512, 4, 1, 0), (8, 256, 4, 2, 0), (8, 512, 4, 1, 0),
                 (16, 256, 4, 2, 0), (16, 512, 8, 1, 0)]
@@ -156,7 +164,7 @@ def _gemv_rows(ops, dev, dt) -> list[dict]:
 allows), with weight GB/s, the best config's error and its time without PDL."""
     import torch
     import torch.nn.functional as F
-    from engine.kernels import gemv, fused as kernels, skinny
+    from engine.kernels import gemv, skinny
     knobs.set_env("PPSPEC_GEMV", "1")
     rows = []
     with torch.inference_mode():
@@ -168,13 +176,7 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
             r = torch.randn(1, K, device=dev, dtype=dt)
             xs, rs = [x.clone() for _ in range(copies)], [r.clone() for _ in range(copies)]
             op = name.split("_nonorm")[0]
-
-            def unfused(i):
-                if norm:
-                    h, _ = kernels.add_rmsnorm(xs[i], rs[i], gamma, 1e-5)
-                    y = F.linear(h, ws[i])
-                    return kernels.silu_and_mul(y) if gated else y
-                return F.linear(x, ws[i])
+            unfused = _unfused(x, xs, rs, ws, gamma, norm, gated)
 
             def fused(i):
                 if gated:

@@ -21,25 +21,35 @@ DRAFT_RECIPE = dict(prompts=(64, 100), epochs=12, lr=1.5e-2, max_new_tokens=64, 
 def make_tiny_model(out: Path, seed: int = 0, std: float = 0.05) -> Path:
     """Random weights: large embeddings and head, small layers, so the next token depends mostly on
     the current one and a little on the context (a learnable target, like a real LM for a draft)."""
-    import torch
-
     from engine.config import ModelConfig
-    from engine.model.loader import hf_weight_shapes, load_tokenizer, resolve_model_path, save_hf_checkpoint
+    from engine.model.loader import load_tokenizer, resolve_model_path, save_hf_checkpoint
 
     cfg = ModelConfig.from_hf(TINY)
+    save_hf_checkpoint(out, cfg, random_llama_weights(cfg, seed, std),
+                       tokenizer=load_tokenizer(resolve_model_path("smollm2")))
+    return out
+
+
+def random_llama_weights(cfg, seed: int = 0, std: float = 0.05) -> dict:
+    """HF-named float32 weights for ModelConfig ``cfg``, drawn in ``hf_weight_shapes`` order from one generator
+    seeded ``seed``: norms 1, ``lm_head`` N(0, 0.5^2) (sharp next-token distributions, like a trained LM),
+    embeddings N(0, 1), every other matrix N(0, std^2)."""
+    import torch
+
+    from engine.model.loader import hf_weight_shapes
+
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in hf_weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
             state[name] = torch.ones(shape)
-        elif name == "lm_head.weight":         # sharp next-token distributions, like a trained LM
+        elif name == "lm_head.weight":
             state[name] = torch.randn(shape, generator=g) * 0.5
         elif name == "model.embed_tokens.weight":
             state[name] = torch.randn(shape, generator=g)
         else:
             state[name] = torch.randn(shape, generator=g) * std
-    save_hf_checkpoint(out, cfg, state, tokenizer=load_tokenizer(resolve_model_path("smollm2")))
-    return out
+    return state
 
 
 def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:

@@ -225,8 +225,10 @@ class SpecRoundRunner:
         st.seq_lens.copy_(pinned(lens, dev), non_blocking=True)
         st.live.zero_()
         st.live[:B] = 1
-        for name, buf in (("tokens", st.tokens), ("parent_list", st.parents), ("top_scores_index", st.tsi)):
-            buf[:B] = torch.stack([r.tree[name].to(dev, non_blocking=True) for r in reqs])
+        trees = [r.tree for r in reqs]
+        for buf, col in ((st.tokens, [t.tokens for t in trees]), (st.parents, [t.parent_list for t in trees]),
+                         (st.tsi, [t.top_scores_index for t in trees])):
+            buf[:B] = torch.stack([x.to(dev, non_blocking=True) for x in col])
             buf[B:].copy_(buf[:1].expand_as(buf[B:]))      # padding: a valid tree (row 0's), slot 0 KV
         st.out.zero_()
         return st

@@ -1,0 +1,65 @@
+"""The commands over result directories and configs: ``sweep`` (a matrix of runs), ``compare`` (result
+directories side by side), ``plan`` (the execution plan a config resolves to)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from harness.cli_common import ConfigOpt, SetOpt, check_out, console, err, parse_sets, show, user_errors
+
+
+def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix file, e.g. [cyan]suites/matrix_cpu.yaml[/cyan].")],
+          out: Annotated[Optional[Path], typer.Option(help="Sweep directory (default results/<matrix name>).")] = None,
+          only: Annotated[Optional[list[str]], typer.Option(help="Run only these cells (repeatable).")] = None,
+          dry_run: Annotated[bool, typer.Option(help="List the cells and exit.")] = False) -> None:
+    """Run a TP x PP x spec matrix, one fresh process per cell, resumable; render the comparison table."""
+    from harness.sweep import load_matrix, run_matrix
+    with user_errors():
+        if not dry_run:
+            check_out(out, finished_ok=True)           # a sweep directory is resumed: its summary is rewritten
+        if dry_run:
+            from harness.sweep import check_cell
+            m = load_matrix(matrix)
+            bad = 0
+            for c in m["cells"]:
+                msg = check_cell(c)
+                bad += msg is not None
+                console.print(f"{c['name']}: {m['commands']}" + (f"  [would fail: {msg}]" if msg else ""),
+                              markup=False, highlight=False, soft_wrap=True)
+            if bad:
+                console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
+                raise typer.Exit(1)
+            return
+        rows, rend, d = run_matrix(matrix, out, only, lambda cell, cmd, status: err.print(
+            f"[{status}] {cell} {cmd}", markup=False, highlight=False))
+        show(rend)
+        err.print(f"results: {d}", markup=False, highlight=False)
+    if any(r["status"] == "failed" for r in rows):
+        err.print("failed cells: " + ", ".join(f"{r['cell']}/{r['command']} (log {r['log']})"
+                                               for r in rows if r["status"] == "failed"), markup=False)
+        raise typer.Exit(1)
+
+
+def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (run, sweep cell or suite dirs).")],
+            out: Annotated[Optional[Path], typer.Option(help="Where to write compare.md/json and PNGs.")] = None,
+            plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots.")] = True) -> None:
+    """Side-by-side tables, paired McNemar/bootstrap tests with the minimum detectable difference, plots."""
+    from harness.compare import write_compare
+    with user_errors():
+        check_out(out, finished_ok=True)
+        rend, d = write_compare(dirs, out, plots)
+        show(rend)
+        err.print(f"results: {d}", markup=False, highlight=False)
+
+
+def plan(config: ConfigOpt = None, set_: SetOpt = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
+    """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200[/cyan] (on a CPU host:
+    the CUDA plan it would run)."""
+    with user_errors():
+        from .results import suite_plan
+        _, p = suite_plan(config, parse_sets(set_))
+        typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())

@@ -1,0 +1,161 @@
+"""The commands that run the engine on a workload: ``gsm8k``, ``bench``, ``gate``, ``generate``.
+
+Each is a thin wrapper over a plain function in harness/ (harness.gsm8k, harness.bench, harness.gate, the engine's
+``LLM``), imported when the command runs.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelOpt, OutOpt, PpOpt, PpSpecOpt,
+                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, err, load, overrides, progress_bars,
+                                run_dir, save, show, user_errors)
+from harness.config import HarnessConfigError
+
+
+def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
+    if s is None:
+        return None
+    try:
+        return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise HarnessConfigError(f"{name}: expected comma-separated integers, got {s!r}") from None
+
+
+def _cells(s: str | None) -> list[list[int]] | None:
+    """``"8192x1,128x32"`` -> ``[[8192, 1], [128, 32]]`` (input_len x batch_size)."""
+    if s is None:
+        return None
+    out = []
+    for part in s.replace(" ", "").split(","):
+        if not part:
+            continue
+        a, x, b = part.lower().partition("x")
+        if not x or not a.isdigit() or not b.isdigit():
+            raise HarnessConfigError(f"--cells: expected INPUTxBATCH[,INPUTxBATCH...] (e.g. 8192x1,128x32), got {s!r}")
+        out.append([int(a), int(b)])
+    return out
+
+
+def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+          dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+          limit: Annotated[Optional[int], typer.Option(help="First N test questions (default 200).")] = None,
+          runs: Annotated[Optional[int], typer.Option(help="Repeat the eval, varying arrival order and seed.")] = None,
+          num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
+          max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
+          max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
+          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again.")] = False,
+          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
+
+    Records are written as the questions finish (in batches of the engine's concurrency), so an interrupted run
+    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it."""
+    from harness.gsm8k import render, run_gsm8k
+    with user_errors():
+        if resume and out is None:
+            raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
+        check_out(out)
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
+            limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
+        d = run_dir(cfg, "gsm8k", out)
+        with progress_bars(progress) as cb:
+            summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
+                                         run_dir=d, resume=resume)
+        rend, md = render(summary, f"GSM8K {cfg.name}")
+        show(rend)
+        save(cfg, "gsm8k", summary, records, md, d)
+
+
+def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+          dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+          batch_sizes: Annotated[Optional[str], typer.Option(help="Concurrency levels, e.g. [cyan]1,8,32[/cyan].")] = None,
+          input_lens: Annotated[Optional[str], typer.Option(help="Prompt lengths in tokens, e.g. [cyan]512,2048[/cyan].")] = None,
+          output_len: Annotated[Optional[int], typer.Option(help="Output tokens per request (ignore_eos).")] = None,
+          num_prompts: Annotated[Optional[int], typer.Option(help="Requests per cell and run (default: batch size).")] = None,
+          runs: Annotated[Optional[int], typer.Option(help="Timed repetitions per cell.")] = None,
+          warmup: Annotated[Optional[int], typer.Option(help="Warmup generations per cell.")] = None,
+          cells: Annotated[Optional[str], typer.Option(help="Explicit cells INPUTxBATCH, e.g. [cyan]8192x1,128x32[/cyan] (replace input lens x batch sizes).")] = None,
+          floors: Annotated[Optional[bool], typer.Option("--floors/--no-floors", help="Measure copy bandwidth + matmul rate here; print each figure against its floor.")] = None,
+          peer: Annotated[Optional[bool], typer.Option("--peer/--no-peer", help="Also run HF transformers generate on the same model and prompts.")] = None,
+          peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
+          baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
+          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
+    from harness.bench import render, run_bench
+    with user_errors():
+        check_out(out)
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
+            batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
+            output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
+            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline)))
+        d = run_dir(cfg, "bench", out)
+        with progress_bars(progress) as cb:
+            summary, records = run_bench(cfg, progress=cb)
+        rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
+        show(rend)
+        save(cfg, "bench", summary, records, md, d)
+
+
+def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
+         dtype: DtypeOpt = None, device: DeviceOpt = None,
+         limit: Annotated[Optional[int], typer.Option(help="GSM8K questions in the slice.")] = None,
+         accuracy_margin: Annotated[Optional[float], typer.Option(help="Allowed accuracy drop (0-1).")] = None,
+         accept_length_margin: Annotated[Optional[float], typer.Option(help="Allowed accept-length drop.")] = None,
+         set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
+    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops."""
+    from harness.gate import render, run_gate
+    with user_errors():
+        check_out(out)
+        cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
+            limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
+        d = run_dir(cfg, "gate", out)
+        with progress_bars(progress) as cb:
+            summary, records = run_gate(cfg, progress=cb)
+        rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
+        show(rend)
+        save(cfg, "gate", summary, records, md, d)
+    if not summary["verdict"]["passed"]:
+        raise typer.Exit(1)
+
+
+def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config: ConfigOpt = None,
+             model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
+             dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
+             max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 128,
+             temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+             set_: SetOpt = None) -> None:
+    """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --pp 2 --pp-spec[/cyan]."""
+    with user_errors():
+        from engine import LLM, SamplingParams
+        cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+        check_prompt(cfg.engine, prompt)
+        with LLM(cfg.engine) as llm:
+            o = llm.generate([prompt], params)[0]
+        if o.finish_reason == "error":
+            err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
+            raise typer.Exit(1)
+        typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
+        spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
+        acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
+        cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens
+               else "")
+        err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{cut}{acc}]", markup=False, highlight=False)
+
+
+def check_prompt(engine_config, prompt: str) -> None:
+    """Refuse an empty or over-long text prompt with the engine's own one-line ConfigError, from the tokenizer and
+    the model's config alone (before any weight is loaded or rank started). Random weights (no tokenizer): no-op."""
+    if engine_config.load_format == "dummy":
+        return
+    from engine.config import ConfigError
+    from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
+    from engine.requests import prompt_length_error, prompt_token_ids
+    path = resolve_model_path(engine_config.model)
+    mc, tok = load_model_config(path), load_tokenizer(path)
+    ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
+    why = "empty prompt" if not ids else prompt_length_error(len(ids), engine_config.context_length(mc))
+    if why:
+        raise ConfigError(f"prompt 0: {why}")
