@@ -26,7 +26,9 @@ class ExecutionPlan:
 
     loop: ``lookahead`` (plain greedy decode on one stage, step t+1 launched before step t is read), ``spec_rounds``
     (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (the PP event loop, pp > 1) or ``plain`` (that loop on one
-    stage). tree: None (no spec), ``host`` or ``device``. reserve: KV slots per request past seq_len.
+    stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
+    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU) or
+    ``staged`` (through host memory). tree: None (no spec), ``host`` or ``device``. reserve: KV slots per request past seq_len.
     attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
@@ -39,6 +41,7 @@ class ExecutionPlan:
     pp: int
     staged: bool
     loop: str
+    relay: str | None
     tree: str | None
     reserve: int
     attention: dict
@@ -70,7 +73,8 @@ class ExecutionPlan:
         a, li, k = self.attention, self.linear, self.kernels
         on = [n for n, v in k.items() if v]
         lines = [f"device {self.device} {self.dtype}, tp={self.tp} pp={self.pp}" + (" (staged)" if self.staged else ""),
-                 f"loop {self.loop}; draft tree {self.tree or '-'}; KV reserve {self.reserve}/request",
+                 f"loop {self.loop}; relay {self.relay or '-'}; draft tree {self.tree or '-'}; "
+                 f"KV reserve {self.reserve}/request",
                  f"attention {a['backend']}: prefill {a['prefill']}, decode {a['decode']}, verify {a['verify']}",
                  f"graphs {', '.join(self.graphs) or 'none'}",
                  f"linear {li['policy']}",
@@ -110,6 +114,11 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap)
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
+    relay = None
+    if not pp1:
+        p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
+        ipc = cuda and staged and kn.relay_ipc is not False
+        relay = "device group" if p2p else "cuda ipc" if ipc else "staged"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend
     if backend == "auto":
@@ -122,7 +131,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
                  "decode": (f"device-planned Triton up to bs {dev_max}, then flashinfer" if dev_max and fi
                             else "flashinfer" if fi else "torch"),
                  "verify": "flashinfer (tree mask)" if fi else "torch (tree mask)"}
-    return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop,
+    return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
                          libs)

@@ -62,7 +62,8 @@ def reset_wire_stats() -> WireStats:
 
 
 _FRAME = 256 * 1024              # receive buffer of the first (usually only) CPU-group send of a message
-_HEAD = struct.Struct("<QQQQB")  # total, pickle, host-tensor and device-payload bytes; codec (0 packed, 1 torch)
+_HEAD = struct.Struct("<QQQQqB")  # total, pickle, host-tensor, device-payload bytes; IPC slot (-1: none); codec
+                                  # (0 packed, 1 torch.save)
 
 
 class _Pickler(pickle.Pickler):
@@ -168,13 +169,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def encode(obj, p2p_device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode(obj, p2p_device: torch.device | None = None, ipc=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(frame uint8 on the host, device payload uint8 or None) of ``obj``.
 
-    frame = head (total, pickle, host-bytes and device-payload byte counts, codec) | pickle | host tensor bytes |
-    pad | staged device bytes. Staged (``p2p_device`` None): accelerator tensors are joined on the device and staged
-    into the frame in ONE device->host copy. With ``p2p_device``, the tensors on that device's type form the device
-    payload (sent over the device group as they are; on CPU ranks that is every tensor)."""
+    frame = head (total, pickle, host-bytes and device-payload byte counts, IPC slot, codec) | pickle | host tensor
+    bytes | pad | staged device bytes. Staged (``p2p_device`` None): accelerator tensors are joined on the device
+    and written to a shared IPC slot (``ipc``: an :class:`engine.ipc.IpcSender`, when the payload fits one) or else
+    staged into the frame in ONE device->host copy. With ``p2p_device``, the tensors on that device's type form the
+    device payload (sent over the device group as they are; on CPU ranks that is every tensor)."""
     f = io.BytesIO()
     f.write(bytes(_HEAD.size))
     pk = _Pickler(f, p2p_device.type if p2p_device is not None else None)
@@ -183,25 +185,26 @@ def encode(obj, p2p_device: torch.device | None = None) -> tuple[torch.Tensor, t
     for b in pk.host:
         f.write(b)
     dev = torch.cat(pk.dev) if len(pk.dev) > 1 else (pk.dev[0] if pk.dev else None)
-    staged = dev is not None and p2p_device is None
+    slot = ipc.put(dev) if ipc is not None and dev is not None and p2p_device is None else None
+    staged = dev is not None and p2p_device is None and slot is None
     start = f.tell() + (-f.tell() % _ALIGN)
     total = start + dev.numel() if staged else f.tell()
     frame = torch.empty(total, dtype=torch.uint8)
     fb = f.getbuffer()
-    _HEAD.pack_into(fb, 0, total, n_pickle, pk.host_off, dev.numel() if dev is not None else 0, 0)
+    _HEAD.pack_into(fb, 0, total, n_pickle, pk.host_off, dev.numel() if dev is not None else 0,
+                    -1 if slot is None else slot, 0)
     frame[:len(fb)] = torch.frombuffer(fb, dtype=torch.uint8)
     del fb
     if staged:
         frame[start:] = d2h(dev)                 # ONE staging copy for all device tensors of the message
-        return frame, None
-    return frame, dev
+    return frame, dev if p2p_device is not None else None
 
 
 def decode(frame: torch.Tensor, dev_buf: torch.Tensor | None = None):
     """The object :func:`encode` (or :func:`encode_reference`) encoded. Host and staged tensors are copies (the
     frame may be a reused receive buffer); device-payload tensors are views of ``dev_buf``."""
     mv = memoryview(frame.numpy())
-    total, n_pickle, n_host, n_dev, codec = _HEAD.unpack_from(mv, 0)
+    total, n_pickle, n_host, n_dev, _, codec = _HEAD.unpack_from(mv, 0)
     p0 = _HEAD.size
     body = mv[p0:p0 + n_pickle]
     if codec == 1:
@@ -229,12 +232,29 @@ def encode_reference(obj) -> tuple[torch.Tensor, None]:
     torch.save(to_cpu(obj), buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     body = buf.getvalue()
     frame = torch.empty(_HEAD.size + len(body), dtype=torch.uint8)
-    frame[:_HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(frame.numel(), len(body), 0, 0, 1)), dtype=torch.uint8)
+    frame[:_HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(frame.numel(), len(body), 0, 0, -1, 1)), dtype=torch.uint8)
     frame[_HEAD.size:] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     return frame, None
 
 
 _RECV_FRAME: list = []          # this rank's reused receive buffer (one frame)
+
+
+@dataclasses.dataclass
+class _Ipc:
+    sender: object = None       # engine.ipc.IpcSender toward the successor, or None (no same-GPU IPC)
+    receiver: object = None     # engine.ipc.IpcReceiver from the predecessor
+
+
+IPC = _Ipc()
+
+
+def open_same_gpu_ipc(slot_bytes: int) -> None:
+    """Route the staged device payloads of this rank's PP messages through CUDA IPC slots (ranks sharing one GPU).
+    Collective: every stage calls it once, at the same point, before its first message of a run."""
+    from .ipc import open_ring
+    s = ps()
+    IPC.sender, IPC.receiver = open_ring(s.device, s.pp_size, slot_bytes, ring_exchange)
 
 
 def send_msg(obj: dict, dst: int) -> None:
@@ -247,7 +267,7 @@ def send_msg(obj: dict, dst: int) -> None:
     if knobs.current().relay_codec == "torch":
         frame, dev_buf = encode_reference(obj)
     else:
-        frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None)
+        frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None, IPC.sender)
     WIRE.bytes["header"] = WIRE.bytes.get("header", 0) + frame.numel()
     if frame.numel() <= _FRAME:
         dist.send(frame, dst, group=s.cpu_group)
@@ -268,14 +288,16 @@ def recv_msg(src: int) -> dict:
         _RECV_FRAME.append(torch.empty(_FRAME, dtype=torch.uint8))
     frame = _RECV_FRAME[0]
     dist.recv(frame, src, group=s.cpu_group)
-    total, _, _, n_dev, codec = _HEAD.unpack_from(memoryview(frame.numpy()), 0)
+    total, _, _, n_dev, slot, codec = _HEAD.unpack_from(memoryview(frame.numpy()), 0)
     if total > _FRAME:
         big = torch.empty(total, dtype=torch.uint8)
         big[:_FRAME] = frame
         dist.recv(big[_FRAME:], src, group=s.cpu_group)
         frame = big
     dev_buf = None
-    if n_dev and s.p2p_group is not None and codec == 0:
+    if slot >= 0:
+        dev_buf = IPC.receiver.take(slot, n_dev)
+    elif n_dev and s.p2p_group is not None and codec == 0:
         dev_buf = torch.empty(n_dev, dtype=torch.uint8, device=s.device)
         dist.recv(dev_buf, src, group=s.p2p_group)
     out = decode(frame[:total], dev_buf)

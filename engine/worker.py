@@ -29,6 +29,7 @@ from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
+from . import knobs, transport
 from .transport import ring_exchange
 
 
@@ -85,6 +86,8 @@ class Worker(OverlapLoops):
         self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
         self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
         self._fail_token = fail_token_fault(config.fault)
+        if self.runner.plan.relay == "cuda ipc":
+            transport.open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
         self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)
         self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Prepare what the `device` tool carries to the H200 (scripts/h200_results.sh): wheels the machine lacks
 # (flashinfer-python 0.6.13 + apache-tvm-ffi in .whl1, gguf in .whl2: each call carries at most 64 MiB) and the
-# bundled SmolLM2 GGUF split in three 32 MiB chunks under .gpu/ (parta?), all git-ignored (.git/info/exclude).
-# A call carries at most 64 MiB with the tracked tree (~27 MB): a 40 MiB chunk no longer fits beside it.
+# bundled SmolLM2 GGUF split in four 24 MiB chunks under .gpu/ (parta?), all git-ignored (.git/info/exclude).
+# A call carries at most 64 MiB: the tracked tree (~19 MB), the wheels (~18 MB) and one 24 MiB chunk fit together.
 # On the machine: mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl
 #   && export PYTHONPATH=/tmp/site:$PWD HOME=/tmp;  GGUF: cat parta? > /tmp/g/smollm2.gguf (calls within 30 s).
 set -euo pipefail
@@ -15,7 +15,7 @@ dl .whl1 flashinfer-python==0.6.13 apache-tvm-ffi
 dl .whl2 gguf
 mkdir -p .gpu
 gguf=$(python3 -c "from engine.model.loader import _default_gguf; print(_default_gguf())")
-split -b 32M "$gguf" .gpu/part
+split -b 24M "$gguf" .gpu/part
 # the carry limit: tracked tree + one chunk must stay under 64 MiB
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 for c in .gpu/part*; do [ $((tree + $(stat -c %s "$c"))) -lt $((64 * 1024 * 1024)) ] || echo "WARNING: $c + tree > 64 MiB" >&2; done

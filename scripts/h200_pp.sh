@@ -37,12 +37,18 @@ probe)
   PPSPEC_CPROFILE=$out/cprof_b8 bench pp2_spec_b8_prof 120 $D --set pp=2 --set spec.pp_spec=true \
       --set bench.batch_sizes=[8] --set bench.runs=1 --set bench.warmup=0 ;;
 codec)
-  # the reworked codec: one exchange alone, then PP2 + spec with the tree on the device (default) and on the host
+  # the reworked codec and the CUDA IPC relay: GPU tests, one exchange alone, then PP2 + spec A/B (IPC relay and the
+  # tree on the device = the defaults; staged relay; staged relay + host tree = the earlier path) and PP1 + spec
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py 2>&1 | grep -v -i warning \
+      | grep -E "IPC relay|passed|failed|Error|assert" | tail -12
   timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000
-  bench pp2_spec_devtree 150 $D --set pp=2 --set spec.pp_spec=true
-  bench pp2_spec_hosttree 120 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
-  bench pp2_plain 100 $D --no-spec --set pp=2 ;;
+  timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000 --ipc
+  bench pp2_spec_ipc 150 $D --set pp=2 --set spec.pp_spec=true
+  PPSPEC_RELAY_IPC=0 bench pp2_spec_staged 120 $D --set pp=2 --set spec.pp_spec=true
+  PPSPEC_RELAY_IPC=0 bench pp2_spec_staged_hosttree 120 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
+  bench pp2_plain_ipc 100 $D --no-spec --set pp=2
+  bench pp1_spec 100 $D ;;
 table)
   G="--model /tmp/g/smollm2.gguf"
   for pp in 1 2 3; do
