@@ -69,9 +69,9 @@ class OverlapLoops:
             if batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
                 inflight = self._launch_decode(batch.reqs, None)
                 continue
-            sched.process_output(self._forward_or_fail(batch, {}))
+            sched.process_output(self.forward_or_fail(batch, {}))
             finished = report(reqs, progress, finished)
-        return self._finish_run(reqs)
+        return self.finish_run(reqs)
 
     def _look_ahead(self, f: InFlight) -> InFlight | None:
         """Launch the step after ``f`` for its requests that stay running, or None when the batch must change."""
@@ -130,9 +130,9 @@ class OverlapLoops:
                     and self._round_fits(batch.reqs, None, 0)):
                 finished = self._spec_segment(batch.reqs, reqs, progress, finished)
                 continue
-            sched.process_output(self._forward_or_fail(batch, {}))
+            sched.process_output(self.forward_or_fail(batch, {}))
             finished = report(reqs, progress, finished)
-        return self._finish_run(reqs)
+        return self.finish_run(reqs)
 
     def _spec_segment(self, seg: list[Req], reqs: list[Req], progress, finished: int) -> int:
         """Run device rounds for the requests ``seg`` (all running, greedy): at most two rounds in flight; each
@@ -181,36 +181,16 @@ class OverlapLoops:
         return finished
 
     def _round_fits(self, seg: list[Req], st, inflight: int, rows: list[int] | None = None) -> bool:
-        """Whether one more round may be launched for ``seg`` with ``inflight`` rounds not yet read back: every
-        request still running, no position past the context within those rounds, nothing waiting to be admitted
-        or prefilled, and KV slots for the new round's positions allocated (a round advances a request by at most
-        S+1 tokens; new slots are mirrored to the device rows ``rows`` of ``st``, None: the segment is not loaded
-        yet). Tokens past ``max_new_tokens`` are computed and dropped by the scheduler, as on the normal path.
-        False sends the batch down the normal path (it always makes progress there)."""
-        sched, rr = self.sched, self.runner.round_runner
-        adv = rr.S + 1
-        ahead = adv * (inflight + 1)
-        limit = min(sched.max_concurrency, sched.max_reqs)
-        if sched.waiting and sched.num_active() < limit:
+        """Whether one more round may be launched for ``seg`` with ``inflight`` rounds not yet read back
+        (``Scheduler.reserve_ahead``: a round advances a request by at most S+1 tokens); the new KV slots are
+        mirrored to the device rows ``rows`` of ``st`` (None: the segment is not loaded yet). Tokens past
+        ``max_new_tokens`` are computed and dropped by the scheduler, as on the normal path. False sends the batch
+        down the normal path (it always makes progress there)."""
+        rr = self.runner.round_runner
+        new = self.sched.reserve_ahead(seg, (rr.S + 1) * (inflight + 1))
+        if new is None:
             return False
-        if any(r.status == "prefilling" for r in sched.reqs.values()):
-            return False
-        for r in seg:
-            if r.status != "running":
-                return False
-            if len(r.prompt_ids) + len(r.output_ids) + ahead >= sched.max_model_len:
-                return False
-        width = sched.req_to_token.shape[1]
-        need = [max(0, min(r.seq_len + ahead + sched.reserve, width) - r.allocated_len) for r in seg]
-        if sum(need) > sched.allocator.num_free:
-            return False
-        new = []
-        for b, r, k in zip(rows if rows is not None else range(len(seg)), seg, need):
-            if k:
-                p0 = r.allocated_len
-                slots = sched.allocator.alloc(k)
-                sched.append_slots(r, slots)
-                new.append((b, p0, slots))
         if st is not None:
-            rr.append_slots(st, new)
+            rows = rows if rows is not None else list(range(len(seg)))
+            rr.append_slots(st, [(rows[i], p0, slots) for i, p0, slots in new])
         return True

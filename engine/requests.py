@@ -134,3 +134,20 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
     num_retractions: int = 0
     error: str | None = None               # finish_reason "error": why the engine failed this request
+
+
+def stop_string_hit(r: Req, detok) -> bool:
+    """Whether a stop string of ``r`` ends in its output text (``detok``: token ids -> text). Decodes the shortest
+    suffix of output tokens whose text is longer than the longest stop string (tokens that decode to nothing, such
+    as skipped special tokens, only widen it), plus two tokens of margin for text that a token boundary changes; a
+    stop string seen in the suffix is therefore seen whatever its length in tokens."""
+    longest = max(len(s) for s in r.params.stop)
+    out, n = r.output_ids, min(len(r.output_ids), longest + 2)
+    while True:
+        text = detok(out[-n:])
+        if len(text) > longest or n == len(out):
+            break
+        n = min(len(out), n + max(1, longest + 1 - len(text)))
+    if n < len(out):
+        text = detok(out[-min(len(out), n + 2):])
+    return any(s in text for s in r.params.stop)

@@ -13,15 +13,13 @@ import torch
 from .config import ConfigError
 from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
 from .messages import StepResult
-from .requests import Req, ScheduledBatch, kv_need, request_error  # noqa: F401 (ScheduledBatch re-exported)
+from .requests import (Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
+                       stop_string_hit)
 
 
 class Scheduler:
-    """Waiting queue + per-slot running sets over one slot allocator.
-
-    ``reserve`` is the number of slots kept past seq_len per running request: 1 for plain decoding,
-    n + k*S under speculation (verify rows plus tail-draft scratch; pp-spec-notes section 3.4).
-    """
+    """Waiting queue + per-slot running sets over one slot allocator. ``reserve``: slots kept past seq_len per
+    running request (1 for plain decoding; n + k*S under speculation: the verify rows plus tail-draft scratch)."""
 
     def __init__(self, capacity: int, max_reqs: int, max_model_len: int, reserve: int, spec: bool,
                  max_prefill_tokens: int, num_slots: int, eos_ids: tuple[int, ...], detok=None,
@@ -73,6 +71,15 @@ class Scheduler:
                 self._release(r)
         self.reqs.clear()
         self.waiting.clear()
+
+    def end_run(self) -> None:
+        """Check that the idle scheduler holds no KV slot or req_to_token row, then forget the run's requests.
+        Raises KVCacheError naming the leak."""
+        if self.allocator.num_used or len(self.rows.free_rows) != self.max_reqs:
+            raise KVCacheError(f"idle engine still holds {self.allocator.num_used} KV slots and "
+                               f"{self.max_reqs - len(self.rows.free_rows)} req_to_token rows (leak)")
+        self.allocator.check()
+        self.reqs.clear()
 
     def all_finished(self) -> bool:
         return all(r.status == "finished" for r in self.reqs.values())
@@ -159,6 +166,32 @@ class Scheduler:
         for r, n in zip(running, need):
             self.append_slots(r, self.allocator.alloc(n))
         return True
+
+    def reserve_ahead(self, reqs: list[Req], ahead: int) -> list[tuple[int, int, list[int]]] | None:
+        """KV slots for ``reqs`` to advance ``ahead`` more positions before their results are read back (the
+        overlapped rounds), plus the reserve; None (nothing allocated) when a request is not running or would pass
+        the context, a request waits to be admitted or is prefilling, or the pool is short. Returns the new slots
+        as (index in ``reqs``, first position, slots), already appended to the requests' rows."""
+        limit = min(self.max_concurrency, self.max_reqs)
+        if self.waiting and self.num_active() < limit:
+            return None
+        if any(r.status == "prefilling" for r in self.reqs.values()):
+            return None
+        for r in reqs:
+            if r.status != "running" or len(r.prompt_ids) + len(r.output_ids) + ahead >= self.max_model_len:
+                return None
+        width = self.req_to_token.shape[1]
+        need = [max(0, min(r.seq_len + ahead + self.reserve, width) - r.allocated_len) for r in reqs]
+        if sum(need) > self.allocator.num_free:
+            return None
+        new = []
+        for i, (r, k) in enumerate(zip(reqs, need)):
+            if k:
+                p0 = r.allocated_len
+                slots = self.allocator.alloc(k)
+                self.append_slots(r, slots)
+                new.append((i, p0, slots))
+        return new
 
     def _release(self, r: Req) -> None:
         self.allocator.free(self.req_to_token[r.row, :r.allocated_len].tolist())
@@ -250,7 +283,7 @@ class Scheduler:
             n += 1
             if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
                 reason = "stop"
-            elif p.stop and self.detok is not None and self._stop_string_hit(r):
+            elif p.stop and self.detok is not None and stop_string_hit(r, self.detok):
                 reason = "stop"
             elif len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
                 reason = "length"
@@ -260,22 +293,6 @@ class Scheduler:
             r.accept_lengths.append(min(accept_length, n))
         if reason is not None:
             self._finish(r, reason)
-
-    def _stop_string_hit(self, r: Req) -> bool:
-        """Whether a stop string of ``r`` ends in its output text. Decodes the shortest suffix of output tokens
-        whose text is longer than the longest stop string (tokens that decode to nothing, such as skipped
-        special tokens, only widen it), plus two tokens of margin for text that a token boundary changes; a stop
-        string seen in the suffix is therefore seen whatever its length in tokens."""
-        longest = max(len(s) for s in r.params.stop)
-        out, n = r.output_ids, min(len(r.output_ids), longest + 2)
-        while True:
-            text = self.detok(out[-n:])
-            if len(text) > longest or n == len(out):
-                break
-            n = min(len(out), n + max(1, longest + 1 - len(text)))
-        if n < len(out):
-            text = self.detok(out[-min(len(out), n + 2):])
-        return any(s in text for s in r.params.stop)
 
     def _finish(self, r: Req, reason: str) -> None:
         r.status, r.finish_reason = "finished", reason

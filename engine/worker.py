@@ -164,7 +164,7 @@ class Worker(OverlapLoops):
             sched.reset()
             raise
 
-    def _forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> StepResult | dict:
+    def forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> StepResult | dict:
         """``forward_batch``, or on a stage whose forward raised (or that received a failed batch) the batch's
         failure, passed along the ring in place of the proxy and relayed by the last stage as an error result."""
         s = ps()
@@ -211,7 +211,7 @@ class Worker(OverlapLoops):
             out = {}
             if batch is not None:
                 stats.forward_begin()
-                out = self._forward_or_fail(batch, inbox)
+                out = self.forward_or_fail(batch, inbox)
                 stats.forward_end()
             if s.is_last_stage:
                 out = {"relay": out or None}
@@ -222,17 +222,11 @@ class Worker(OverlapLoops):
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
-        return self._finish_run(reqs)
+        return self.finish_run(reqs)
 
-    def _finish_run(self, reqs: list[Req]) -> list[Req]:
-        sched = self.sched
+    def finish_run(self, reqs: list[Req]) -> list[Req]:
+        """End of a run: the stage's counters kept (``last_stats``), the idle scheduler checked and emptied."""
         self.last_stats = self.stats.finish() if self.stats is not None else {}
         self.stats = None
-        if sched.allocator.num_used != 0:
-            raise KVCacheError(f"idle engine still holds {sched.allocator.num_used} KV slots (leak)")
-        if len(sched.rows.free_rows) != sched.max_reqs:
-            raise KVCacheError(f"idle engine still holds {sched.max_reqs - len(sched.rows.free_rows)} "
-                               f"req_to_token rows (leak)")
-        sched.allocator.check()
-        sched.reqs.clear()
+        self.sched.end_run()
         return reqs

@@ -1,7 +1,7 @@
 """Serving metrics and the statistics used to compare runs.
 
 Times are ``time.perf_counter`` seconds as stamped by the engine on rank 0; every latency
-returned here is in **seconds** (tables convert to ms). Definitions (ARCHITECTURE.md, Metrics):
+returned here is in **seconds** (tables convert to ms). Definitions (docs/metrics.md):
 
 * TTFT = first output token time - arrival time.
 * TPOT = (last token time - first token time) / (output tokens - 1), per request.
