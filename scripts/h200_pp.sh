@@ -50,9 +50,10 @@ codec)
   bench pp2_plain_ipc 100 $D --no-spec --set pp=2
   bench pp1_spec 100 $D ;;
 table)
-  G="--model /tmp/g/smollm2.gguf"
+  # the table on real weights, one sitting: pp=1, 2, 3 with and without spec, b=1 and 8, 256 new tokens
+  G="--model /tmp/g/smollm2.gguf --set bench.output_len=256"
   for pp in 1 2 3; do
-    bench pp${pp}_spec 150 $G --set pp=$pp --set spec.pp_spec=true
-    bench pp${pp}_plain 100 $G --no-spec --set pp=$pp
+    bench pp${pp}_spec 120 $G --set pp=$pp --set spec.pp_spec=true
+    bench pp${pp}_plain 90 $G --no-spec --set pp=$pp
   done ;;
 esac

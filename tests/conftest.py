@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures; tests/kernels left out of the collection where its kernels cannot run."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +8,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parents[1]))          # the tools package (tools.tiny, tools.fuzz)
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/kernels is collected only under Triton's CPU interpreter (TRITON_INTERPRET=1, as
+    tests/test_kernels_interpreted.py runs it) or with CUDA (compiled); elsewhere its kernels cannot run."""
+    if Path(collection_path).resolve() == KERNELS:
+        import os
+
+        import torch
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            return True
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +64,17 @@ def tiny_prompts(tiny_model_dir):
         x = tok.encode(t * 4, add_special_tokens=False)
         ids.append(x[:n])
     return ids
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir, tiny_prompts):
+    """Greedy tokens (24 per prompt, EOS ignored) of the tiny model for ``tiny_prompts`` at TP1 x PP1, one-chunk
+    prefill and a large pool: what chunking, retraction, the overlap schedule and every topology must reproduce."""
+    from helpers import run
+
+    outs = run(tiny_model_dir, tiny_prompts)
+    assert all(len(o.token_ids) == 24 for o in outs)
+    return [o.token_ids for o in outs]
 
 
 @pytest.fixture(autouse=True)

@@ -87,7 +87,7 @@ def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, ov
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from test_flashinfer import make_draft, make_model, reference_logits
+    from helpers import make_draft, make_model, reference_logits
     mp = pytest.MonkeyPatch()
     mp.setattr("engine.runner.load_tokenizer", lambda path: None)
     d = tmp_path_factory.mktemp("graph_e2e")
@@ -100,9 +100,9 @@ def setup(tmp_path_factory):
 
 
 def divergences(name, prompts, ref, got, logits):
-    """Graph vs eager: bf16 near-ties only (tests/test_flashinfer.divergences, near-best criterion) and
-    at most half the prompts diverging at all."""
-    from test_flashinfer import divergences as fi_divergences
+    """Graph vs eager: bf16 near-ties only (helpers.divergences, near-best criterion) and at most half the
+    prompts diverging at all."""
+    from helpers import divergences as fi_divergences
     rows = fi_divergences(name, prompts, ref, got, logits, near_best=True)
     assert len(rows) <= len(ref) // 2 + 1, f"{name}: {len(rows)} of {len(ref)} prompts diverge"
     return rows
@@ -268,10 +268,12 @@ def test_dev_attention_compiled():
             _close(got, want, tol=2e-2)
 
 
-def test_triton_tree_kernels_compiled():
+def test_triton_tree_kernels_compiled(monkeypatch):
     """The Triton spec kernels compiled on the GPU: bit-identical to the torch references."""
-    from test_tree_kernels import run_check
-    run_check("cuda", {"TRITON_INTERPRET": "0"})
+    from helpers import tree_kernel_counts
+    monkeypatch.setenv("PPSPEC_TRITON", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tree_kernel_counts("cuda")
 
 
 def test_graph_eagle_matches_eager(setup):

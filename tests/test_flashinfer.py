@@ -12,9 +12,6 @@ differences as JSON lines.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -26,6 +23,7 @@ from engine.attention.backend import ForwardContext, TorchBackend, set_backend, 
 from engine.config import ConfigError  # noqa: E402
 from engine.kv_cache import KVPool  # noqa: E402
 from engine.attention.flashinfer import FlashInferBackend  # noqa: E402
+from helpers import divergences, make_draft, make_model, reference_logits, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -36,14 +34,6 @@ LAYERS = 2
 SLOTS = 4096
 TOL = 2e-2
 HEADS = [(4, 2), (9, 3), (8, 1)]
-
-
-def report(**kw) -> None:
-    print("FI-RESULT " + json.dumps(kw))
-    path = os.environ.get("PPSPEC_FI_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -200,35 +190,7 @@ def test_float32_pool_is_a_config_error(fi):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-TINY_GPU = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=D,
-                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
-                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-
-
-def make_model(out, seed: int = 0):
-    """Sharp next-token distributions (large embedding / head, small layers), no tokenizer."""
-    from engine.config import ModelConfig
-    from engine.model.loader import save_hf_checkpoint
-    from tools.tiny import random_llama_weights
-    cfg = ModelConfig.from_hf(TINY_GPU)
-    save_hf_checkpoint(out, cfg, random_llama_weights(cfg, seed, std=0.03))
-    return cfg
-
-
-def make_draft(out, cfg, seed: int = 1):
-    """EAGLE head whose fc passes the token embedding through, so it agrees with the target often."""
-    from engine.speculative.eagle import save_draft
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    hq, hk = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
-    state = {"fc.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], 1) + r(H, 2 * H) * 0.1, "fc.bias": r(H),
-             "layers.0.self_attn.q_proj.weight": r(hq, H), "layers.0.self_attn.k_proj.weight": r(hk, H),
-             "layers.0.self_attn.v_proj.weight": r(hk, H), "layers.0.self_attn.o_proj.weight": r(H, hq),
-             "layers.0.mlp.gate_proj.weight": r(I, H), "layers.0.mlp.up_proj.weight": r(I, H),
-             "layers.0.mlp.down_proj.weight": r(H, I), "layers.0.post_attention_layernorm.weight": torch.ones(H)}
-    save_draft(out, cfg, state, dtype=torch.float32)
+# the tiny model, its draft, the reference logits and the near-tie criterion: tests/helpers.py
 
 
 def generate(model_dir, prompts, backend, draft=None, device="cuda", dtype="bfloat16", max_new_tokens=32):
@@ -252,70 +214,6 @@ def first_difference(a: list[list[int]], b: list[list[int]]):
         if len(x) != len(y):
             return {"prompt": i, "position": min(len(x), len(y)), "a": None, "b": None}
     return None
-
-
-def reference_logits(model_dir, device=DEV):
-    """Dense (no KV pool) TorchBackend forward of the target in float32 and bfloat16:
-    f(tokens) -> (fp32 logits, bf16 logits) of the next token after ``tokens``."""
-    from engine.dist import ParallelState, set_ps
-    from engine.model.loader import iter_weights, load_model_config
-    from engine.model.llama import LlamaForCausalLM
-    set_ps(ParallelState(device=torch.device(device)))
-    mc = load_model_config(model_dir)
-    mods = {}
-    for dt in (torch.float32, torch.bfloat16):
-        mod = LlamaForCausalLM(mc, dt, mc.max_position_embeddings)
-        mod.load_weights(iter_weights(model_dir, dtype=dt))
-        mods[dt] = mod.to(device)
-
-    @torch.inference_mode()
-    def f(tokens):
-        ids = torch.tensor(tokens, device=device)
-        out = []
-        for dt in (torch.float32, torch.bfloat16):
-            ctx, tb = ForwardContext([0, len(tokens)]), TorchBackend()
-            set_backend(tb)
-            tb.prepare(ctx)
-            set_context(ctx)
-            try:
-                h, _ = mods[dt](ids, torch.arange(len(tokens), device=device))
-                out.append(mods[dt].compute_logits(h[-1:])[0].float())
-            finally:
-                set_context(None)
-        return out
-    return f
-
-
-def divergences(name, prompts, ref, got, logits, near_best: bool = False):
-    """First differing position per prompt, with the float32 logit gap between the two tokens there.
-
-    A divergence is accepted only as a bfloat16 near-tie: both tokens are float32's top two and their
-    float32 gap is within twice the bf16 logit error measured at that very context (+0.05). With
-    ``near_best`` (padded CUDA-graph batches, where a 3-way near-tie may resolve either way) both
-    tokens must instead lie within that margin of float32's best logit.
-    Everything is reported (PPSPEC_FI_REPORT / stdout), accepted or not."""
-    rows = []
-    for i, (r, g) in enumerate(zip(ref, got)):
-        assert len(r) == len(g)
-        j = next((j for j, (s, t) in enumerate(zip(r, g)) if s != t), None)
-        if j is None:
-            continue
-        l32, l16 = logits(prompts[i] + r[:j])
-        err, best = (l16 - l32).abs().max().item(), l32.max().item()
-        rows.append(dict(prompt=i, position=j, ref_token=r[j], got_token=g[j],
-                         fp32_gap=(l32[r[j]] - l32[g[j]]).item(), fp32_top2=l32.topk(2).indices.tolist(),
-                         ref_gap=best - l32[r[j]].item(), got_gap=best - l32[g[j]].item(), bf16_logit_err=err))
-    same = sum(len(r) for r in ref) if not rows else None
-    report(case=name, tokens_per_prompt=len(ref[0]), prompts=len(ref), identical=not rows,
-           identical_tokens=same, divergences=rows)
-    for d in rows:
-        lim = 2 * d["bf16_logit_err"] + 0.05
-        if near_best:
-            tie = d["ref_gap"] <= lim and d["got_gap"] <= lim
-        else:
-            tie = {d["ref_token"], d["got_token"]} == set(d["fp32_top2"]) and abs(d["fp32_gap"]) <= lim
-        assert tie, f"{name}: divergence that is not a bf16 near-tie: {d}"
-    return rows
 
 
 @pytest.fixture(scope="module")

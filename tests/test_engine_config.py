@@ -1,0 +1,107 @@
+"""Engine configuration and request checks: a bad model path, architecture, topology, engine field, device,
+request or knob is a one-line ConfigError; SamplingParams' stop forms, EngineConfig's spec given as a dict, and the
+GPU options that default on for CUDA only."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, ConfigError, EngineConfig, SamplingParams
+
+
+def test_bad_model_path():
+    with pytest.raises(ConfigError, match="model path not found"):
+        LLM(EngineConfig(model="/nonexistent/model"))
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(EngineConfig(model=str(tmp_path)))
+
+
+def test_bad_topology(tiny_model_dir):
+    with pytest.raises(ConfigError, match="tp=3 does not divide num_attention_heads=4"):
+        LLM(EngineConfig(model=tiny_model_dir, tp=3))
+    with pytest.raises(ConfigError, match=r"pp=5 is larger than the number of layers \(4\)"):
+        LLM(EngineConfig(model=tiny_model_dir, pp=5))
+
+
+def test_bad_requests(tiny_model_dir):
+    with LLM(EngineConfig(model=tiny_model_dir, max_model_len=64)) as llm:
+        with pytest.raises(ConfigError, match="empty prompt"):
+            llm.generate([""])
+        with pytest.raises(ConfigError, match="longer than the context"):
+            llm.generate([list(range(100))])
+        with pytest.raises(ConfigError, match="prompt of 64 tokens fills the whole context .* no room to generate"):
+            llm.generate([list(range(3, 67))])            # regression: said "longer than" at exactly the context
+        with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=0))
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].token_ids) >= 1  # still usable
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(device="tpu"), "device: 'tpu'"),
+    (dict(max_model_len=0), "max_model_len must be >= 2"),
+    (dict(mem_fraction=5.0), "mem_fraction must be in"),
+])
+def test_bad_engine_fields(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        EngineConfig(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only build")
+def test_cuda_without_gpu_is_one_line():
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        EngineConfig(device="cuda")
+
+
+@pytest.mark.parametrize("bad", ["-5", "abc"])
+def test_cpu_kv_tokens_knob_checked(tiny_model_dir, monkeypatch, bad):
+    """Regression (QA, session 6): PPSPEC_CPU_KV_TOKENS=-5 reached torch.zeros and ended in a RuntimeError
+    traceback; a malformed or non-positive pool size is now a one-line ConfigError naming the variable."""
+    monkeypatch.setenv("PPSPEC_CPU_KV_TOKENS", bad)
+    with pytest.raises(ConfigError, match="PPSPEC_CPU_KV_TOKENS must be an integer >= 1"):
+        LLM(EngineConfig(model=str(tiny_model_dir)))
+
+
+def test_sampling_params_stop_forms():
+    """Regression (QA, session 5): SamplingParams(stop=None) raised TypeError; None means none, a single value is a
+    one-element tuple, and wrong element types are a one-line ConfigError."""
+    import numpy as np
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == () == SamplingParams(stop_token_ids=None).stop_token_ids
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",) and SamplingParams(stop_token_ids=np.int64(7)).stop_token_ids == (7,)
+    assert SamplingParams(stop_token_ids=[np.int32(2), 5]).stop_token_ids == (2, 5)
+    for bad, msg in ((dict(stop=3.5), "stop must be a list"), (dict(stop=[1]), "stop must hold strings"),
+                     (dict(stop_token_ids=["a"]), "stop_token_ids must hold token ids")):
+        with pytest.raises(ConfigError, match=msg):
+            SamplingParams(**bad)
+
+
+def test_engine_config_spec_as_dict():
+    """Regression: EngineConfig(spec={...}) raised AttributeError; a dict is taken as SpecConfig fields
+    (as .replace(spec={...}) does), and a bad one is a one-line ConfigError."""
+    from engine import SpecConfig
+    c = EngineConfig(model="smollm2", spec={"algorithm": None})
+    assert isinstance(c.spec, SpecConfig) and not c.spec.enabled
+    c = EngineConfig(model="smollm2", spec={"algorithm": "eagle", "draft": "d", "num_steps": 4, "num_draft_tokens": 5})
+    assert c.spec.num_steps == 4 and c.spec.enabled
+    with pytest.raises(ConfigError, match=r"^spec: got an unexpected keyword argument 'numsteps'$"):
+        EngineConfig(spec={"numsteps": 3})
+    with pytest.raises(ConfigError, match="spec must be a SpecConfig or a dict"):
+        EngineConfig(spec=5)
+
+
+def test_gpu_options_default_on_for_cuda_only(monkeypatch):
+    """overlap_schedule, spec_device_tree and cuda_graph_draft_extend default to None (auto): on for device
+    cuda (they won the H200 A/B, results/gpu/session5), off on CPU; an explicit value wins either way."""
+    names = ("use_overlap_schedule", "use_spec_device_tree", "use_cuda_graph_draft_extend")
+    cpu = EngineConfig()
+    assert cpu.overlap_schedule is None and [getattr(cpu, n) for n in names] == [False] * 3
+    assert [getattr(EngineConfig(overlap_schedule=True, spec_device_tree=True, cuda_graph_draft_extend=True), n)
+            for n in names] == [True] * 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [getattr(EngineConfig(device="cuda"), n) for n in names] == [True] * 3
+    assert [getattr(EngineConfig(device="cuda:0", overlap_schedule=False), n) for n in names] == [False, True, True]
