@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|codec|table OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
@@ -36,18 +36,22 @@ probe)
       --set bench.batch_sizes=[1] --set bench.runs=1 --set bench.warmup=0
   PPSPEC_CPROFILE=$out/cprof_b8 bench pp2_spec_b8_prof 120 $D --set pp=2 --set spec.pp_spec=true \
       --set bench.batch_sizes=[8] --set bench.runs=1 --set bench.warmup=0 ;;
+tests)
+  # the GPU tests: PP relay paths and copies, graphs and kernels (tests/kernels compiled, not interpreted)
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
+      tests/test_cuda_graph.py tests/test_flashinfer.py 2>&1 | grep -v -i warning \
+      | grep -E "IPC relay|spec rounds|passed|failed|Error|assert" | tail -15
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | grep -v -i warning \
+      | grep -E "passed|failed|Error|assert" | tail -8 ;;
 codec)
   # the reworked codec and the CUDA IPC relay: GPU tests, one exchange alone, then PP2 + spec A/B (IPC relay and the
   # tree on the device = the defaults; staged relay; staged relay + host tree = the earlier path) and PP1 + spec
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
-  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py 2>&1 | grep -v -i warning \
-      | grep -E "IPC relay|passed|failed|Error|assert" | tail -12
   timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000
   timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000 --ipc
   bench pp2_spec_ipc 150 $D --set pp=2 --set spec.pp_spec=true
   PPSPEC_RELAY_IPC=0 bench pp2_spec_staged 120 $D --set pp=2 --set spec.pp_spec=true
   PPSPEC_RELAY_IPC=0 bench pp2_spec_staged_hosttree 120 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
-  bench pp2_plain_ipc 100 $D --no-spec --set pp=2
   bench pp1_spec 100 $D ;;
 table)
   # the table on real weights, one sitting: pp=1, 2, 3 with and without spec, b=1 and 8, 256 new tokens
