@@ -1,7 +1,9 @@
-"""Same-GPU relay payloads over CUDA IPC: when PP ranks share one GPU (NCCL refuses two ranks on one device, so the
-CPU group is gloo), a message's device tensors go through shared device buffers instead of being staged through
-host memory. This is what NCCL's intra-node transport does: memory mapped into the peer process (``cudaIpc*``
-through ``torch.multiprocessing.reductions``) and interprocess events.
+"""Same-GPU relay payloads over CUDA IPC (``PPSPEC_RELAY_IPC=1``): when PP ranks share one GPU (NCCL refuses two
+ranks on one device, so the CPU group is gloo), a message's device tensors go through shared device buffers
+instead of being staged through host memory. This is what NCCL's intra-node transport does: memory mapped into the
+peer process (``cudaIpc*`` through ``torch.multiprocessing.reductions``) and interprocess events. It removes every
+staging copy of the relay but is opt-in: on the H200 the interprocess event waits cost more than the small
+copies they replace (``results/README.md``).
 
 Each stage owns ``slots`` send buffers toward its ring successor, with two interprocess events per slot, ``ready``
 (recorded by the sender after it wrote the slot) and ``consumed`` (recorded by the receiver after it copied the

@@ -27,7 +27,8 @@ class ExecutionPlan:
     loop: ``lookahead`` (plain greedy decode on one stage, step t+1 launched before step t is read), ``spec_rounds``
     (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (the PP event loop, pp > 1) or ``plain`` (that loop on one
     stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
-    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU) or
+    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
+    PPSPEC_RELAY_IPC=1) or
     ``staged`` (through host memory). tree: None (no spec), ``host`` or ``device``. reserve: KV slots per request past seq_len.
     attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
@@ -117,7 +118,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     relay = None
     if not pp1:
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
-        ipc = cuda and staged and kn.relay_ipc is not False
+        ipc = cuda and staged and kn.relay_ipc
         relay = "device group" if p2p else "cuda ipc" if ipc else "staged"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend

@@ -44,15 +44,13 @@ tests)
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | grep -v -i warning \
       | grep -E "passed|failed|Error|assert" | tail -8 ;;
 codec)
-  # the reworked codec and the CUDA IPC relay: GPU tests, one exchange alone, then PP2 + spec A/B (IPC relay and the
-  # tree on the device = the defaults; staged relay; staged relay + host tree = the earlier path) and PP1 + spec
+  # the reworked codec and the CUDA IPC relay, one sitting: PP1 + spec (first: it takes the FlashInfer JIT), PP2 + spec
+  # with the IPC relay, staged relay + host tree (the earlier path), staged relay + device tree (the defaults)
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
-  timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000
-  timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000 --ipc
-  bench pp2_spec_ipc 150 $D --set pp=2 --set spec.pp_spec=true
-  PPSPEC_RELAY_IPC=0 bench pp2_spec_staged 120 $D --set pp=2 --set spec.pp_spec=true
-  PPSPEC_RELAY_IPC=0 bench pp2_spec_staged_hosttree 120 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
-  bench pp1_spec 100 $D ;;
+  bench pp1_spec 200 $D
+  PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc 110 $D --set pp=2 --set spec.pp_spec=true
+  bench pp2_spec_staged_hosttree 100 $D --set pp=2 --set spec.pp_spec=true --set spec_device_tree=false
+  bench pp2_spec_staged 100 $D --set pp=2 --set spec.pp_spec=true ;;
 table)
   # the table on real weights, one sitting: pp=1, 2, 3 with and without spec, b=1 and 8, 256 new tokens
   G="--model /tmp/g/smollm2.gguf --set bench.output_len=256"

@@ -1,7 +1,7 @@
 """GPU only: PP x EAGLE with two ranks on one GPU (the SmolLM2 shape, random bf16 weights, the shipped head): the
 relay's device tensors through CUDA IPC slots give the staged relay's exact tokens and accept lengths, the tree
-on the device gives the host tree's, CUDA graphs give eager's, and the device->host copies per batch are counted
-(IPC: none on stage 0, at most one per verify round on the last stage)."""
+on the device gives the host tree's, and the device->host copies per batch are counted (IPC: none on stage 0, at
+most one per verify round on the last stage)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,8 +41,8 @@ def _run(monkeypatch, env: dict, **kw):
 
 
 def test_pp2_relay_paths_agree_and_copies_per_round(monkeypatch):
-    ipc = _run(monkeypatch, {})
-    staged = _run(monkeypatch, {"PPSPEC_RELAY_IPC": "0"})
+    ipc = _run(monkeypatch, {"PPSPEC_RELAY_IPC": "1"})
+    staged = _run(monkeypatch, {})
     host_tree = _run(monkeypatch, {}, spec_device_tree=False)
     assert ipc[3].relay == "cuda ipc" and staged[3].relay == "staged" and ipc[3].tree == "device"
     assert ipc[:2] == staged[:2] == host_tree[:2]
@@ -55,13 +55,3 @@ def test_pp2_relay_paths_agree_and_copies_per_round(monkeypatch):
     assert s1["d2h"] <= s1["batches"] + len(_prompts())
     assert staged[2][0]["d2h"] == staged[2][0]["batches"]
 
-
-def test_pp2_graphs_equal_eager(monkeypatch):
-    """Graph replay under PP against eager forwards: the same kernels on the same inputs, so tokens agree wherever
-    no bf16 near-tie flips an argmax; required here: identical first 8 tokens of every request and 90 % of all."""
-    g = _run(monkeypatch, {})
-    e = _run(monkeypatch, {}, cuda_graph=False)
-    assert g[3].graphs and not e[3].graphs
-    same = sum(a == b for x, y in zip(g[0], e[0]) for a, b in zip(x, y))
-    assert all(x[:8] == y[:8] for x, y in zip(g[0], e[0]))
-    assert same >= 0.9 * sum(len(x) for x in g[0])
