@@ -2,8 +2,8 @@
 ranks on one device, so the CPU group is gloo), a message's device tensors go through shared device buffers
 instead of being staged through host memory. This is what NCCL's intra-node transport does: memory mapped into the
 peer process (``cudaIpc*`` through ``torch.multiprocessing.reductions``) and interprocess events. It removes every
-staging copy of the relay but is opt-in: on the H200 the interprocess event waits cost more than the small
-copies they replace (``results/README.md``).
+staging copy of the relay; it is opt-in because its interprocess event waits can cost more than the small copies
+they replace (see ``results/README.md`` for the measurement).
 
 Each stage owns ``slots`` send buffers toward its ring successor, with two interprocess events per slot, ``ready``
 (recorded by the sender after it wrote the slot) and ``consumed`` (recorded by the receiver after it copied the

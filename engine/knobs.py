@@ -139,7 +139,7 @@ REGISTRY: tuple[Knob, ...] = (
          "NCCL, one GPU per rank; 1 on CPU ranks: a second gloo group; 0: staged through the CPU group)",
          "engine/transport.py", "relay_p2p"),
     Knob("PPSPEC_RELAY_IPC", "bool", False, _B, "PP relay device tensors through CUDA IPC slots when ranks share one "
-         "GPU (1; default: staged through host memory, faster on the H200)", "engine/ipc.py", "relay_ipc"),
+         "GPU (default 0: staged through host memory)", "engine/ipc.py", "relay_ipc"),
     Knob("PPSPEC_RELAY_IPC_SLOT_MB", "int", 16, _B, "size of one CUDA IPC relay slot (larger payloads are staged)",
          "engine/ipc.py", "relay_ipc_slot_mb", minimum=1),
     Knob("PPSPEC_RELAY_CODEC", "choice", "packed", _B, "PP message codec: packed (pickled skeleton + one byte "

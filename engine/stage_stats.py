@@ -1,12 +1,13 @@
 """Per-stage counters of one ``Worker.run`` (the PP metrics): host time per tick by phase, device busy time, bytes
-relayed by field, device->host copies.
+relayed by field, device->host copies, context switches.
 
 Phases of a tick (:meth:`engine.worker.Worker._run_ring`): ``process`` (validate and apply the relayed result),
 ``schedule``, ``forward`` (host time to build the inputs, launch the stage and, on the last stage, verify and draft,
 including the syncs inside), ``send`` and ``recv`` (the ring exchange: packing and sending; waiting for the
 predecessor and unpacking). Context switches are the process's (``getrusage``: voluntary ones are mostly the
-blocking waits of the exchange and of device syncs). Busy time is measured on the device between events recorded around each batch's
-forward (CUDA: no sync until the end of the run) or by the host clock on CPU, where the forward is synchronous.
+blocking waits of the exchange and of device syncs). Busy time is measured on the device between events recorded
+around each batch's forward (CUDA: no sync until the end of the run) or by the host clock on CPU, where the
+forward is synchronous. Definitions: ``docs/metrics.md``.
 """
 from __future__ import annotations
 
