@@ -273,6 +273,7 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           peer: Annotated[Optional[bool], typer.Option("--peer/--no-peer", help="Also run HF transformers generate on the same model and prompts.")] = None,
           peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
           baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
+          prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k[/cyan] (GSM8K train, cut to the input length) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
     from harness.bench import render, run_bench
@@ -281,7 +282,7 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
-            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline)))
+            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts)))
         d = run_dir(cfg, "bench", out)
         with progress_bars(progress) as cb:
             summary, records = run_bench(cfg, progress=cb)
