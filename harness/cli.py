@@ -190,6 +190,14 @@ def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: 
     return d
 
 
+def write_run_plots(kind: str, summary: dict, d: Path) -> None:
+    """PNG plots of a finished run next to its summary.md (harness/plots.py), from the summary.json just written
+    (it carries the config the plot labels name)."""
+    from harness.plots import write_run_plots as write
+    from harness.results import load_summary
+    write(kind, load_summary(d), d)
+
+
 def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
     if s is None:
         return None
@@ -257,6 +265,7 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         rend, md = render(summary, f"GSM8K {cfg.name}")
         show(rend)
         save(cfg, "gsm8k", summary, records, md, d)
+        write_run_plots("gsm8k", summary, d)
 
 
 @app.command()
@@ -289,6 +298,7 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
         show(rend)
         save(cfg, "bench", summary, records, md, d)
+        write_run_plots("bench", summary, d)
 
 
 @app.command()
