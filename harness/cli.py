@@ -259,7 +259,8 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
         d = run_dir(cfg, "gsm8k", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import gsm8k_total, job_progress
+        with job_progress(progress, gsm8k_total(cfg), err) as cb:
             summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
                                          run_dir=d, resume=resume)
         rend, md = render(summary, f"GSM8K {cfg.name}")
@@ -293,7 +294,8 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
             floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts)))
         d = run_dir(cfg, "bench", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import bench_total, job_progress
+        with job_progress(progress, bench_total(cfg), err) as cb:
             summary, records = run_bench(cfg, progress=cb)
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
         show(rend)
@@ -315,7 +317,8 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
         cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
             limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
         d = run_dir(cfg, "gate", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import gsm8k_total, job_progress
+        with job_progress(progress, gsm8k_total(cfg, 2, cfg.gate.limit, 1), err) as cb:
             summary, records = run_gate(cfg, progress=cb)
         rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
         show(rend)
@@ -347,8 +350,11 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
                 console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
                 raise typer.Exit(1)
             return
-        rows, rend, d = run_matrix(matrix, out, only, lambda cell, cmd, status: err.print(
-            f"[{status}] {cell} {cmd}", markup=False, highlight=False))
+        from harness.progress import SweepReporter
+        m = load_matrix(matrix)
+        n = sum(1 for c in m["cells"] if not only or c["name"] in only) * len(m["commands"])
+        rows, rend, d = run_matrix(matrix, out, only, SweepReporter(n, lambda line: err.print(
+            line, markup=False, highlight=False)))
         show(rend)
         err.print(f"results: {d}", markup=False, highlight=False)
     if any(r["status"] == "failed" for r in rows):

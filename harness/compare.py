@@ -121,9 +121,11 @@ def paired_tests(entries: list[dict]) -> tuple[list[dict], tuple]:
                "MDD paired", "MDD unpaired"]
     rows = [[f"{t['a']} vs {t['b']}", t["filter"], str(t["n"]), fmt(t["acc_a"], "pct"), fmt(t["acc_b"], "pct"),
              f"{fmt(t['diff'], 'pct')} [{fmt(t['ci_low'], 'pct')}, {fmt(t['ci_high'], 'pct')}]",
-             str(t["mcnemar"]["discordant"]), fmt(t["mcnemar"]["p_value"], "p"), fmt(t["mdd_paired"], "pct"),
-             fmt(t["mdd_unpaired"], "pct")] for t in out]
-    return out, both("paired differences on shared questions (run 0; MDD: 80% power, alpha 0.05)", headers, rows)
+             str(t["mcnemar"]["discordant"]), fmt(t["mcnemar"]["p_value"], "p"),
+             fmt(stats.shown_mdd(t["mdd_paired"]), "pct"), fmt(stats.shown_mdd(t["mdd_unpaired"]), "pct")]
+            for t in out]
+    return out, both("paired differences on shared questions (run 0; MDD: 80% power, alpha 0.05; '-' where it is "
+                     "undefined, e.g. accuracy 0 or 100 %, or above 100 %)", headers, rows)
 
 
 def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tuple[dict, list, str]:
