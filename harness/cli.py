@@ -22,10 +22,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.config import ConfigError
 from harness import __version__
+from harness.clihelp import HelpGroup
 from harness.config import HarnessConfigError, RunConfig, merge, resolve
 from harness.sweep import dotted
 
-app = typer.Typer(name="ppspec", rich_markup_mode="rich", no_args_is_help=True,
+app = typer.Typer(name="ppspec", rich_markup_mode="rich", no_args_is_help=True, cls=HelpGroup,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="[bold]ppspec[/bold]: pipeline parallelism x EAGLE speculative decoding, measured.")
 console = Console()
@@ -284,8 +285,10 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
           baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
           prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k[/cyan] (GSM8K train, cut to the input length) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
+          dry_run: Annotated[bool, typer.Option(help="List the cells (and which would fail) and exit; loads no model.")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
+    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
+    prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing."""
     from harness.bench import render, run_bench
     with user_errors():
         check_out(out)
@@ -293,6 +296,15 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
             floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts)))
+        if dry_run:
+            from harness.dryrun import bench_cells
+            lines, bad = bench_cells(cfg)
+            for line in lines:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            if bad:
+                console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
+                raise typer.Exit(1)
+            return
         d = run_dir(cfg, "bench", out)
         from harness.progress import bench_total, job_progress
         with job_progress(progress, bench_total(cfg), err) as cb:

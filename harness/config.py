@@ -302,7 +302,9 @@ def find_config(name: str | Path, root: Path) -> Path:
             return c.resolve()
     if p.is_dir():
         raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})")
+    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
+                            + (f"; suites: {', '.join(avail)}" if avail else ""))
 
 
 def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str | None:
