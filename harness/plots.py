@@ -33,7 +33,15 @@ def _maybe_log(ax, which: str, values: Sequence[float]) -> None:
     """Log scale on ``which`` ("x" / "y") when the positive values span more than LOG_SPAN times."""
     v = [x for x in values if x is not None and x > 0]
     if v and max(v) / min(v) > LOG_SPAN:
+        from matplotlib.ticker import FuncFormatter
         (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+        axis = ax.xaxis if which == "x" else ax.yaxis
+        axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+
+
+def _style(i: int) -> dict:
+    """Marker and line style of series ``i``: overlapping series stay distinguishable."""
+    return {"marker": "os^Dv<>"[i % 7], "ls": ["-", "--", ":", "-."][i % 4]}
 
 
 def _save(fig, path: Path) -> Path:
@@ -96,13 +104,14 @@ def plot_frontier(series: list[dict], path: Path, title: str = "TPOT vs output t
         return []
     plt = _plt()
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    for s in series:
+    for i, s in enumerate(series):
         xs = [p[2] for p in s["points"]]
         ys = [p[1] * 1e3 for p in s["points"]]
-        line, = ax.plot(xs, ys, marker="o", label=s["label"])
+        line, = ax.plot(xs, ys, label=s["label"], **_style(i))
         for (b, _, _), x, y in zip(s["points"], xs, ys):
             ax.annotate(f"b={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
                         color=line.get_color())
+    ax.margins(x=0.1, y=0.1)                 # room for the b=B labels
     front = pareto(pts)
     if len(front) >= 2:
         ax.plot([p[0] for p in front], [p[1] for p in front], ls="--", color="black", lw=1, alpha=0.6,
@@ -123,10 +132,10 @@ def plot_by_batch(series: list[dict], path: Path, key: str) -> list[Path]:
     plt = _plt()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     ys_all, bss = [], set()
-    for s in series:
+    for i, s in enumerate(series):
         bs = [p[0] for p in s["points"]]
         ys = [p[1] * 1e3 if key == "tpot" else p[2] for p in s["points"]]
-        ax.plot(bs, ys, marker="o", label=s["label"])
+        ax.plot(bs, ys, label=s["label"], **_style(i))
         ys_all += ys
         bss |= set(bs)
     if len(bss) > 1 and max(bss) / min(bss) >= 4:
@@ -171,8 +180,8 @@ def plot_positions(series: dict[str, Sequence[float]], path: Path,
         return []
     plt = _plt()
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    for name, v in series.items():
-        ax.plot(range(1, len(v) + 1), [100 * x for x in v], marker="o", label=name)
+    for i, (name, v) in enumerate(series.items()):
+        ax.plot(range(1, len(v) + 1), [100 * x for x in v], label=name, **_style(i))
     _int_ticks(ax.xaxis)
     ax.set_ylim(0, 100)
     ax.set(xlabel="draft position j (tree: depth)", ylabel="rounds accepting >= j drafted tokens (%)", title=title)
