@@ -97,6 +97,7 @@ def show_value(key: str, value) -> str:
     return str(value)
 
 
+@lru_cache(maxsize=2)
 def suites(kind: str = "run") -> list[str]:
     """Suite names under ``suites/``: ``run`` configs (for ``--config``) or sweep ``matrix`` files."""
     import yaml

@@ -126,8 +126,8 @@ def plot_frontier(series: list[dict], path: Path, title: str = "TPOT vs output t
 
 def plot_by_batch(series: list[dict], path: Path, key: str) -> list[Path]:
     """TPOT (``key="tpot"``, ms) or output throughput (``"tps"``, tok/s) against batch size, one line per series.
-    Written only when some series has a point."""
-    if not any(s["points"] for s in series):
+    Written only when some series has at least two batch sizes (else there is no line to read)."""
+    if not any(len({p[0] for p in s["points"]}) >= 2 for s in series):
         return []
     plt = _plt()
     fig, ax = plt.subplots(figsize=FIGSIZE)

@@ -45,6 +45,19 @@ def git_info(root: Path = PACKAGE_ROOT) -> dict:
     return out
 
 
+_START_GIT: dict[str, dict] = {}
+
+
+def start_git_info(root: Path = PACKAGE_ROOT) -> dict:
+    """:func:`git_info` of ``root`` as it was at this process's first call: the run directory is planned
+    (:func:`make_run_dir`) before any work, so a result records the tree it started from, not the tree at the
+    time it was saved."""
+    key = str(root)
+    if key not in _START_GIT:
+        _START_GIT[key] = git_info(root)
+    return _START_GIT[key]
+
+
 def package_versions() -> dict:
     """Installed versions of the packages that shape a result (None when absent)."""
     out = {}
@@ -88,7 +101,7 @@ def run_metadata(cfg: RunConfig, kind: str) -> dict:
     return {
         "kind": kind, "suite": cfg.name, "label": cfg.label,
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_info(), "versions": package_versions(), "python": sys.version.split()[0],
+        "git": start_git_info(), "versions": package_versions(), "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(),
         "device": cfg.engine.device, "device_name": device_name(cfg.engine.device),
         "config_hash": cfg.config_hash(), "sources": list(cfg.sources), "argv": sys.argv,
@@ -118,7 +131,8 @@ def suite_plan(config: str | None, overrides: dict | None = None):
 
 def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, create: bool = True) -> Path:
     """``out`` if given, else ``<results>/<suite>/<UTC timestamp>-<kind>`` (made unique); created unless
-    ``create`` is False."""
+    ``create`` is False. Takes the git snapshot the run's metadata records (:func:`start_git_info`)."""
+    start_git_info()
     if out is not None:
         d = Path(out)
     else:
