@@ -319,7 +319,8 @@ def compare_plots(entries: list[dict], out_dir: Path) -> list[Path]:
             busy[e["name"]] = b
     written += plot_hist(hists, out_dir / "accept_length_hist.png")
     written += plot_positions(pos, out_dir / "accept_per_position.png")
-    written += plot_categories(cats, out_dir / "accept_by_category.png")
+    written += plot_categories(cats, out_dir / "accept_by_category.png",
+                               "accept length by prompt category" + (f" ({next(iter(cats))})" if len(cats) == 1 else ""))
     written += plot_busy(busy, out_dir / "pp_stage_busy.png")
     return written
 
