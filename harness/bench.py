@@ -1,7 +1,9 @@
 """``ppspec bench``: TTFT / TPOT / ITL / E2E and output throughput per concurrency x prompt length.
 
-Prompts are real text: GSM8K train question+answer pairs concatenated and cut to exactly
-``input_len`` tokens of the model's tokenizer (passed as token ids, so lengths are exact).
+Prompts are real text: by default (``bench.prompts: gsm8k``) GSM8K train question+answer pairs concatenated
+and cut to exactly ``input_len`` tokens of the model's tokenizer (passed as token ids, so lengths are exact);
+with a natural prompt set (``--prompts specbench``, harness/prompt_sets.py) whole chat prompts of at most
+``input_len`` tokens, dealt round-robin over the set's categories, and acceptance reported per category.
 Every request decodes exactly ``output_len`` tokens (``ignore_eos``); each cell gets a short
 warmup, then ``runs`` timed repetitions. Latencies are seconds in JSON, milliseconds in tables.
 """
@@ -72,6 +74,29 @@ def check_cells_fit(cfg: RunConfig) -> None:
                 f"{mc.max_position_embeddings})")
 
 
+def check_prompt_set(cfg: RunConfig) -> None:
+    """Refuse, before the model loads, a natural prompt set (``bench.prompts`` other than gsm8k) with random
+    weights (no tokenizer) or with a cell none of whose prompts fits in its ``input_len`` tokens.
+
+    Raises:
+        HarnessConfigError: as above (one line).
+    """
+    if cfg.bench.prompts == "gsm8k":
+        return
+    from harness.config import HarnessConfigError
+    from harness import prompt_sets
+    if cfg.engine.load_format == "dummy":
+        raise HarnessConfigError(f"--prompts {cfg.bench.prompts}: random weights have no tokenizer; use a checkpoint")
+    from engine.model.loader import load_tokenizer, resolve_model_path
+    tok = load_tokenizer(resolve_model_path(cfg.engine.model))
+    rows = prompt_sets.load(cfg.bench.prompts)
+    shortest = min(len(prompt_sets.encode(tok, r["turns"][0])) for r in rows)
+    for L, B in cfg.bench.cell_list():
+        if L < shortest:
+            raise HarnessConfigError(f"bench cell {L}x{B}: no prompt of {cfg.bench.prompts} fits in {L} tokens "
+                                     f"(the shortest has {shortest}): raise input_len")
+
+
 def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict], list[dict], list[dict], object]:
     """Every cell of ``cfg.bench`` on ``llm``: (cells, per-request records, peer inputs, tokenizer or None).
     ``tag`` prefixes the progress label (the no-spec baseline's cells)."""
@@ -79,13 +104,20 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
     b = cfg.bench
     cells, records, peer_cells = [], [], []
     tok = getattr(llm, "tokenizer", None)
-    texts = load_texts(cfg.paths.data) if tok is not None else []
+    natural = b.prompts != "gsm8k"
+    if natural:
+        from harness import prompt_sets
+        rows = prompt_sets.load(b.prompts)
+    texts = load_texts(cfg.paths.data) if tok is not None and not natural else []
     params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
     depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
     for L, B in b.cell_list():
         n = b.num_prompts or B
-        prompts = build_prompts(tok, n, L, b.seed + L, texts)
+        if natural:
+            prompts, meta = prompt_sets.cell_prompts(tok, rows, n, L, b.seed + L)
+        else:
+            prompts, meta = build_prompts(tok, n, L, b.seed + L, texts), None
         for _ in range(b.warmup):
             llm.generate(prompts[:B], warm, max_concurrency=B)
         label, runs, outs_all, stage_runs = f"{tag}in={L} bs={B}", [], [], []
@@ -104,12 +136,13 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
                                   f"(first: {failed[0].error}); their cell is not measured")
             runs.append(stats.serving_summary(outs, wall, depth))
             outs_all.extend(outs)
-            for o in outs:
+            for i, o in enumerate(outs):
                 m = stats.request_metrics(o.arrival_time, o.token_times)
                 records.append({"input_len": L, "batch_size": B, "run": r, "rid": o.rid,
                                 "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
                                 "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
-                                "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths)})
+                                "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths),
+                                **({"prompt_id": meta[i]["id"], "category": meta[i]["category"]} if meta else {})})
         pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs), depth)
         tps = [r["output_throughput"] for r in runs]
         pooled["output_throughput_runs"] = tps
@@ -117,6 +150,11 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
         cells.append({"input_len": L, "batch_size": B, "num_prompts": n, "output_len": b.output_len,
                       "runs": runs, "pooled": pooled, "tpots": [x for x in tpots if x is not None],
                       "pp": pp_metrics.cell_metrics(stage_runs, pooled)})
+        if meta:
+            mine = [x for x in records if (x["input_len"], x["batch_size"]) == (L, B) and "category" in x]
+            cells[-1]["prompt_tokens_mean"] = sum(x["prompt_tokens"] for x in mine) / max(len(mine), 1)
+            if depth:
+                cells[-1]["accept_by_category"] = prompt_sets.accept_by_category(mine, depth)
         if b.peer and (b.peer_batch_sizes is None or B in b.peer_batch_sizes):
             peer_cells.append({"input_len": L, "batch_size": B, "prompts": prompts[:B],
                                "engine_token_ids": [list(o.token_ids) for o in outs_all[:B]]})
@@ -137,6 +175,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
         from harness.config import HarnessConfigError
         raise HarnessConfigError("bench.baseline nospec measures speculation against plain decoding: turn spec on")
     check_cells_fit(cfg)                             # before the floors' measurement or any engine work
+    check_prompt_set(cfg)
     if b.peer:
         from harness.peer import import_transformers
         import_transformers()                        # fail before any work when the peer cannot run
@@ -159,13 +198,18 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if b.baseline == "nospec" and cfg.engine.spec.enabled:
         baseline = _run_baseline(cfg, progress, cells)
     random_weights = cfg.engine.load_format == "dummy"
-    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+    source = ("gsm8k-train" if b.prompts == "gsm8k" else b.prompts) if tok is not None else "random-ids"
+    summary = {"kind": "bench", "engine_info": info, "prompt_source": source,
                "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
     if baseline is not None:
         summary["baseline"] = baseline
     if any(c.get("pp") for c in cells):
         summary["pp"] = pp_metrics.run_metrics(cells)
+    if b.prompts != "gsm8k" and cfg.engine.spec.enabled:
+        from harness.prompt_sets import accept_by_category
+        summary["accept_by_category"] = accept_by_category([x for x in records if "category" in x],
+                                                           cfg.engine.spec.num_steps)
     if measured is not None:
         from engine.model.loader import load_model_config, resolve_model_path
         from harness.floors import bench_floors, floor_dtype
@@ -309,6 +353,11 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                          f"{stats.accept_detail(acc)} (95% bootstrap CI over requests; per position: share of "
                          f"rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
+    cat_rend, cat_md = ([], "")
+    if summary.get("accept_by_category"):
+        from harness.prompt_sets import render_categories
+        cat_rend, cat_md = render_categories(summary["accept_by_category"],
+                                             f"acceptance by category ({summary.get('prompt_source')}, all cells)")
     for c in (summary.get("baseline") or {}).get("cells", []):
         ci_t, ci_p = c["tok_s_ratio_ci95"], c["tpot_ratio_ci95"]
         notes.append(f"speedup over no-spec (same topology and prompts), input {c['input_len']} batch "
@@ -372,4 +421,4 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
         for metric, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("tok/s", "tps")):
             trows.append([f"{name} {metric}", *(by_cell[k][key] if k in by_cell else "-" for k in keys)])
     t = rich_table(title, ["metric", *cols], trows)
-    return [t, *notes], md + "\n" + "\n\n".join(notes) + "\n"
+    return [t, *cat_rend, *notes], md + (f"\n{cat_md}" if cat_md else "") + "\n" + "\n\n".join(notes) + "\n"

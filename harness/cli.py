@@ -19,12 +19,13 @@ import typer
 from harness import __version__
 from harness import commands_drafts, commands_results, commands_run
 from harness.cli_common import check_writable, console, err, overrides, parse_sets
+from harness.clihelp import HelpGroup
 from harness.commands_drafts import check_train_kwargs
 from harness.commands_run import check_prompt
 
 __all__ = ["app", "main", "parse_sets", "overrides", "check_writable", "check_train_kwargs", "check_prompt"]
 
-app = typer.Typer(name="ppspec", rich_markup_mode="rich", no_args_is_help=True,
+app = typer.Typer(name="ppspec", rich_markup_mode="rich", no_args_is_help=True, cls=HelpGroup,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="[bold]ppspec[/bold]: pipeline parallelism x EAGLE speculative decoding, measured.")
 

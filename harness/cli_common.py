@@ -181,3 +181,11 @@ def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: 
     err.print(f"results: {d}", markup=False, highlight=False)
     return d
 
+
+def write_run_plots(kind: str, summary: dict, d: Path) -> None:
+    """PNG plots of a finished run next to its summary.md (harness/plots.py), from the summary.json just written
+    (it carries the config the plot labels name)."""
+    from harness.plots import write_run_plots as write
+    from harness.results import load_summary
+    write(kind, load_summary(d), d)
+

@@ -33,8 +33,11 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
                 console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
                 raise typer.Exit(1)
             return
-        rows, rend, d = run_matrix(matrix, out, only, lambda cell, cmd, status: err.print(
-            f"[{status}] {cell} {cmd}", markup=False, highlight=False))
+        from harness.progress import SweepReporter
+        m = load_matrix(matrix)
+        n = sum(1 for c in m["cells"] if not only or c["name"] in only) * len(m["commands"])
+        rows, rend, d = run_matrix(matrix, out, only, SweepReporter(n, lambda line: err.print(
+            line, markup=False, highlight=False)))
         show(rend)
         err.print(f"results: {d}", markup=False, highlight=False)
     if any(r["status"] == "failed" for r in rows):

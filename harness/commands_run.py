@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelOpt, OutOpt, PpOpt, PpSpecOpt,
-                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, err, load, overrides, progress_bars,
-                                run_dir, save, show, user_errors)
+                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, console, err, load, overrides, run_dir,
+                                save, show, user_errors, write_run_plots)
 from harness.config import HarnessConfigError
 
 
@@ -60,12 +60,14 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
         d = run_dir(cfg, "gsm8k", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import gsm8k_total, job_progress
+        with job_progress(progress, gsm8k_total(cfg), err) as cb:
             summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
                                          run_dir=d, resume=resume)
         rend, md = render(summary, f"GSM8K {cfg.name}")
         show(rend)
         save(cfg, "gsm8k", summary, records, md, d)
+        write_run_plots("gsm8k", summary, d)
 
 
 def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
@@ -81,21 +83,35 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           peer: Annotated[Optional[bool], typer.Option("--peer/--no-peer", help="Also run HF transformers generate on the same model and prompts.")] = None,
           peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
           baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
+          prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k[/cyan] (GSM8K train, cut to the input length) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
+          dry_run: Annotated[bool, typer.Option(help="List the cells (and which would fail) and exit; loads no model.")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (realistic GSM8K-text prompts)."""
+    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
+    prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing."""
     from harness.bench import render, run_bench
     with user_errors():
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
-            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline)))
+            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts)))
+        if dry_run:
+            from harness.dryrun import bench_cells
+            lines, bad = bench_cells(cfg)
+            for line in lines:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            if bad:
+                console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
+                raise typer.Exit(1)
+            return
         d = run_dir(cfg, "bench", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import bench_total, job_progress
+        with job_progress(progress, bench_total(cfg), err) as cb:
             summary, records = run_bench(cfg, progress=cb)
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
         show(rend)
         save(cfg, "bench", summary, records, md, d)
+        write_run_plots("bench", summary, d)
 
 
 def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
@@ -111,7 +127,8 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
         cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
             limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
         d = run_dir(cfg, "gate", out)
-        with progress_bars(progress) as cb:
+        from harness.progress import gsm8k_total, job_progress
+        with job_progress(progress, gsm8k_total(cfg, 2, cfg.gate.limit, 1), err) as cb:
             summary, records = run_gate(cfg, progress=cb)
         rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
         show(rend)

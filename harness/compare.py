@@ -1,4 +1,4 @@
-"""``ppspec compare DIR ...``: side-by-side tables, paired tests on shared questions, PNG plots.
+"""``ppspec compare DIR ...``: side-by-side tables, paired tests on shared questions, PNG plots (harness/plots.py).
 
 A DIR is a run directory (has summary.json), a sweep cell (subdirectories gsm8k/ bench/), or a
 suite directory of timestamped runs (the newest run of each kind is used).
@@ -121,69 +121,11 @@ def paired_tests(entries: list[dict]) -> tuple[list[dict], tuple]:
                "MDD paired", "MDD unpaired"]
     rows = [[f"{t['a']} vs {t['b']}", t["filter"], str(t["n"]), fmt(t["acc_a"], "pct"), fmt(t["acc_b"], "pct"),
              f"{fmt(t['diff'], 'pct')} [{fmt(t['ci_low'], 'pct')}, {fmt(t['ci_high'], 'pct')}]",
-             str(t["mcnemar"]["discordant"]), fmt(t["mcnemar"]["p_value"], "p"), fmt(t["mdd_paired"], "pct"),
-             fmt(t["mdd_unpaired"], "pct")] for t in out]
-    return out, both("paired differences on shared questions (run 0; MDD: 80% power, alpha 0.05)", headers, rows)
-
-
-def plot(entries: list[dict], out_dir: Path) -> list[Path]:
-    """PNG plots (matplotlib Agg): TPOT and throughput vs batch size, accept-length histograms."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for key, ylabel, fname in (("tpot", "TPOT mean (ms)", "tpot_vs_batch.png"),
-                               ("tps", "output throughput (tok/s)", "throughput_vs_batch.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for e in entries:
-            for L in sorted({c["input_len"] for c in e.get("bench", {}).get("cells", [])}):
-                cs = sorted((c for c in e["bench"]["cells"] if c["input_len"] == L), key=lambda c: c["batch_size"])
-                ax.plot([c["batch_size"] for c in cs], [_y(c, key) for c in cs], marker="o", label=f"{e['name']} in={L}")
-        ax.set_xscale("log", base=2)
-        bss = sorted({c["batch_size"] for e in entries for c in e.get("bench", {}).get("cells", [])})
-        if bss:
-            ax.set_xticks(bss, [str(b) for b in bss])
-        ax.set(xlabel="batch size (concurrency)", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=120)
-        plt.close(fig)
-        written.append(out_dir / fname)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(len(entries), 1)
-    for i, e in enumerate(entries):
-        src = e.get("gsm8k", {}).get("overall", {}).get("accept_length") or _bench_accept(e)
-        hist = {int(k): v for k, v in (src or {}).get("hist", {}).items()}
-        total = sum(hist.values()) or 1
-        ks = sorted(hist)
-        ax.bar([k + (i - (len(entries) - 1) / 2) * width for k in ks], [hist[k] / total for k in ks],
-               width=width, label=e["name"])
-    ax.set(xlabel="accept length (tokens per verify round)", ylabel="share of rounds")
-    if entries:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "accept_length_hist.png", dpi=120)
-    plt.close(fig)
-    return written + [out_dir / "accept_length_hist.png"]
-
-
-def _y(cell: dict, key: str) -> float:
-    if key == "tpot":
-        m = cell["pooled"]["tpot"]["mean"]
-        return m * 1e3 if m is not None else float("nan")
-    t = cell["pooled"]["output_throughput_runs"]
-    return sum(t) / len(t) if t else float("nan")
-
-
-def _bench_accept(e: dict) -> dict | None:
-    hist: dict[int, int] = {}
-    for c in e.get("bench", {}).get("cells", []):
-        for k, v in c["pooled"]["accept_length"]["hist"].items():
-            hist[int(k)] = hist.get(int(k), 0) + v
-    return {"hist": hist} if hist else None
+             str(t["mcnemar"]["discordant"]), fmt(t["mcnemar"]["p_value"], "p"),
+             fmt(stats.shown_mdd(t["mdd_paired"]), "pct"), fmt(stats.shown_mdd(t["mdd_unpaired"]), "pct")]
+            for t in out]
+    return out, both("paired differences on shared questions (run 0; MDD: 80% power, alpha 0.05; '-' where it is "
+                     "undefined, e.g. accuracy 0 or 100 %, or above 100 %)", headers, rows)
 
 
 def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tuple[dict, list, str]:
@@ -195,7 +137,8 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
             e["name"] = f"{e['name']} ({Path(e['dir']).name})"
     t1, md1 = comparison_table(entries)
     tests, (t2, md2) = paired_tests(entries)
-    pngs = plot(entries, out_dir) if plots and out_dir is not None else []
+    from harness.plots import compare_plots
+    pngs = compare_plots(entries, out_dir) if plots and out_dir is not None else []
     md = md1 + ("\n" + md2 if tests else "") + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
     summary = {"kind": "compare", "dirs": [e["dir"] for e in entries], "names": [e["name"] for e in entries],
                "paired_tests": tests, "plots": [str(p) for p in pngs]}

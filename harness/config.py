@@ -60,8 +60,13 @@ class BenchConfig:
     peer_prompt_lookup: bool = False      # + HF prompt-lookup speculation (batch-1 cells; only with peer)
     peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
     baseline: str | None = None           # "nospec": also run every cell without speculation, same prompts; ratios
+    prompts: str = "gsm8k"                # prompt text: GSM8K train (cut to input_len) or a natural set (harness/prompt_sets.py)
 
     def __post_init__(self) -> None:
+        data = PACKAGE_ROOT / "harness" / "data"
+        if self.prompts != "gsm8k" and not (data / self.prompts / "questions.jsonl").is_file():
+            names = ["gsm8k", *sorted(p.parent.name for p in data.glob("*/questions.jsonl"))]
+            raise HarnessConfigError(f"bench.prompts: unknown prompt set {self.prompts!r} (available: {', '.join(names)})")
         if self.baseline not in (None, "nospec"):
             raise HarnessConfigError(f"bench.baseline: {self.baseline!r} (supported: nospec, or leave it out)")
         if not self.batch_sizes or not self.input_lens:
@@ -297,7 +302,9 @@ def find_config(name: str | Path, root: Path) -> Path:
             return c.resolve()
     if p.is_dir():
         raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})")
+    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
+                            + (f"; suites: {', '.join(avail)}" if avail else ""))
 
 
 def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str | None:

@@ -268,7 +268,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
         "run": r, "n": n,
         "accuracy": {f: float(res["results"][TASK][f"exact_match,{f}"]) for f in FILTERS},
         "invalid_rate": {f: sum(d[f]["extracted"] == INVALID for d in recs) / max(n, 1) for f in FILTERS},
-        "ci95": {f: stats.bootstrap_ci([d[f]["exact_match"] for d in recs], seed=r) for f in FILTERS},
+        "ci95": {f: stats.wilson_ci(sum(d[f]["exact_match"] for d in recs), n) for f in FILTERS},
         "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs], depth),
         "output_tokens": out_tokens, "wall_time_s": wall,
         "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
@@ -291,7 +291,7 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
         per_q = [np.mean([by[(r["run"], q)][f]["exact_match"] for r in runs]) for q in docs]
         accs = [r["accuracy"][f] for r in runs]
         overall[f] = {"accuracy_mean": float(np.mean(accs)) if accs else None, "per_run": accs,
-                      "ci95": stats.bootstrap_ci(per_q), "invalid_rate_mean":
+                      "ci95": stats.wilson_ci(float(np.sum(per_q)), len(per_q)), "invalid_rate_mean":
                       float(np.mean([r["invalid_rate"][f] for r in runs])) if runs else None}
     same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs]
     al = [r["accept_length"]["mean"] for r in runs if r["accept_length"]["mean"] is not None]
@@ -331,7 +331,8 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
         md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: 95% bootstrap CI over "
                 "requests; per position = share of rounds accepting at least that many drafted tokens\n")
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
-             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy: % [95% bootstrap CI over questions]")
+             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy: % [95% Wilson interval over "
+             "questions; 'all': over the questions' mean score across runs]")
     return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
 
 

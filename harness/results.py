@@ -24,16 +24,38 @@ PACKAGES = ("ppspec", "torch", "transformers", "lm_eval", "datasets", "numpy", "
 
 
 def git_info(root: Path = PACKAGE_ROOT) -> dict:
-    """Commit sha and dirty flag of the checkout at ``root`` (None when not a git checkout)."""
-    def git(*args: str) -> str | None:
+    """Commit sha and dirty flag of the checkout at ``root`` (None when not a git checkout); when tracked files
+    differ from the commit, ``diff_sha256`` is the sha256 of ``git diff HEAD --binary`` (the uncommitted change a
+    result was measured with: apply that diff to ``sha`` to reproduce the tree) and ``diff_files`` the changed
+    paths; both None on a clean tree."""
+    def git(*args: str, strip: bool = True) -> str | None:
         try:
             r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-            return r.stdout.strip() if r.returncode == 0 else None
+            return (r.stdout.strip() if strip else r.stdout) if r.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             return None
     sha = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if sha else None
-    return {"sha": sha, "dirty": bool(status) if status is not None else None}
+    out = {"sha": sha, "dirty": bool(status) if status is not None else None, "diff_sha256": None, "diff_files": None}
+    if status:
+        import hashlib
+        diff = git("diff", "HEAD", "--binary", strip=False)
+        out["diff_sha256"] = hashlib.sha256(diff.encode()).hexdigest() if diff is not None else None
+        out["diff_files"] = (git("diff", "HEAD", "--name-only") or "").splitlines()
+    return out
+
+
+_START_GIT: dict[str, dict] = {}
+
+
+def start_git_info(root: Path = PACKAGE_ROOT) -> dict:
+    """:func:`git_info` of ``root`` as it was at this process's first call: the run directory is planned
+    (:func:`make_run_dir`) before any work, so a result records the tree it started from, not the tree at the
+    time it was saved."""
+    key = str(root)
+    if key not in _START_GIT:
+        _START_GIT[key] = git_info(root)
+    return _START_GIT[key]
 
 
 def package_versions() -> dict:
@@ -79,7 +101,7 @@ def run_metadata(cfg: RunConfig, kind: str) -> dict:
     return {
         "kind": kind, "suite": cfg.name, "label": cfg.label,
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_info(), "versions": package_versions(), "python": sys.version.split()[0],
+        "git": start_git_info(), "versions": package_versions(), "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(),
         "device": cfg.engine.device, "device_name": device_name(cfg.engine.device),
         "config_hash": cfg.config_hash(), "sources": list(cfg.sources), "argv": sys.argv,
@@ -109,7 +131,8 @@ def suite_plan(config: str | None, overrides: dict | None = None):
 
 def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, create: bool = True) -> Path:
     """``out`` if given, else ``<results>/<suite>/<UTC timestamp>-<kind>`` (made unique); created unless
-    ``create`` is False."""
+    ``create`` is False. Takes the git snapshot the run's metadata records (:func:`start_git_info`)."""
+    start_git_info()
     if out is not None:
         d = Path(out)
     else:
@@ -124,8 +147,16 @@ def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, creat
 
 
 def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dict] = ()) -> Path:
-    """Write summary.json, summary.md and records.jsonl into ``run_dir``; returns summary.json."""
+    """Write summary.json, summary.md and records.jsonl into ``run_dir``; returns summary.json. With
+    ``summary["meta"]["git"]`` summary.md ends with a ``source:`` line naming the commit and, for a dirty tree, the
+    hash of the uncommitted diff (:func:`git_info`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    g = (summary.get("meta") or {}).get("git") or {}
+    if g.get("sha"):
+        state = ("clean tree" if not g.get("dirty") else
+                 f"uncommitted changes in {len(g.get('diff_files') or [])} file(s), diff sha256 "
+                 f"{(g.get('diff_sha256') or '?')[:16]}")
+        markdown = markdown.rstrip() + f"\n\nsource: commit {g['sha'][:12]} ({state})\n"
     (run_dir / "summary.md").write_text(markdown.rstrip() + "\n")
     rec = run_dir / "records.jsonl"
     tmp = rec.with_suffix(".jsonl.tmp")      # replaced whole: records written during the run stay until then

@@ -162,3 +162,25 @@ def min_detectable_difference(n: int, p: float | None = None, p_discordant: floa
     if p is None:
         p = 0.5
     return float(z * math.sqrt(2 * p * (1 - p) / n))
+
+
+def wilson_ci(successes: float, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Wilson score (1 - alpha) interval of a proportion ``successes / n``: meaningful at small ``n`` and at 0 or
+    ``n`` successes (0 of 4 gives [0, 0.49], not [0, 0]). ``successes`` may be fractional (a mean over repeated
+    runs times ``n``). ``(nan, nan)`` when ``n`` is 0."""
+    if n <= 0:
+        return (math.nan, math.nan)
+    z = float(sps.norm.ppf(1 - alpha / 2))
+    p = successes / n
+    den = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def shown_mdd(value: float | None) -> float | None:
+    """A minimum detectable difference worth printing: finite and in (0, 1]; None otherwise (0 comes from a
+    degenerate variance, e.g. accuracy 0 or 100 %, and above 1 no accuracy difference is detectable)."""
+    if value is None or not math.isfinite(value) or not 0 < value <= 1:
+        return None
+    return float(value)

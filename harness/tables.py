@@ -8,13 +8,15 @@ from rich.table import Table
 
 
 def fmt(x, kind: str = "num") -> str:
-    """Format a cell: ``ms`` (seconds -> milliseconds), ``pct`` (0-1 -> %), ``num``, ``int``, ``gib``."""
+    """Format a cell: ``ms`` (seconds -> milliseconds: one decimal from 10 ms, three significant digits below),
+    ``pct`` (0-1 -> %), ``num``, ``int``, ``gib``."""
     if x is None:
         return "-"
     if isinstance(x, str):
         return x
     if kind == "ms":
-        return f"{x * 1e3:.1f}"
+        v = x * 1e3
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
     if kind == "pct":
         return f"{x * 100:.1f}%"
     if kind == "int":

@@ -1,0 +1,148 @@
+"""``--help`` text that tells the truth about defaults: each option's effective default (ppspec.toml, else the
+built-in one), the suites ``--config`` accepts, and one example per command.
+
+``HelpGroup`` is the Typer group class of the ``ppspec`` app: when Click looks a command up (to run it or to show
+its help) its options' help gets ``[default: X]`` appended and its epilog the example. Cheap: reads ppspec.toml and
+lists ``suites/`` (no torch, no engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+from rich.markup import escape
+from typer.core import TyperGroup
+
+ENGINE = {"model": "model", "draft": "spec.draft", "tp": "tp", "pp": "pp", "dtype": "dtype", "device": "device",
+          "spec": "spec.algorithm", "pp_spec": "spec.pp_spec"}
+OPTIONS = {
+    "gsm8k": {**ENGINE, **{k: f"gsm8k.{k}" for k in ("limit", "runs", "num_fewshot", "max_new_tokens",
+                                                      "max_concurrency")}},
+    "bench": {**ENGINE, **{k: f"bench.{k}" for k in ("batch_sizes", "input_lens", "output_len", "num_prompts", "runs",
+                                                      "warmup", "cells", "floors", "peer", "peer_prompt_lookup",
+                                                      "baseline", "prompts")}},
+    "gate": {**ENGINE, **{k: f"gate.{k}" for k in ("limit", "accuracy_margin", "accept_length_margin")}},
+    "generate": ENGINE,
+    "token-map": {"model": "model"},
+}
+NONE_MEANS = {"bench.num_prompts": "the batch size", "gsm8k.max_concurrency": "the engine's", "bench.cells":
+              "input lens x batch sizes", "bench.baseline": "none", "gsm8k.limit": "all 1319", "gate.limit": "all 1319"}
+EXAMPLES = {
+    "gsm8k": "ppspec gsm8k --config tiny_cpu --limit 8",
+    "bench": "ppspec bench --config tiny_cpu --prompts specbench --num-prompts 10 --batch-sizes 1,4",
+    "gate": "ppspec gate --limit 8",
+    "sweep": "ppspec sweep --matrix suites/matrix_cpu.yaml --dry-run",
+    "compare": "ppspec compare results/tiny_cpu/<run-a> results/tiny_cpu/<run-b> --out results/compare/a-vs-b",
+    "generate": "ppspec generate 'What is 12 x 7?' --max-new-tokens 32",
+    "plan": "ppspec plan --config h200",
+    "train-draft": "ppspec train-draft --config train_smollm2_draft --out drafts/my-head",
+    "token-map": "ppspec token-map --out hot_8k.json --size 8192",
+}
+
+
+@lru_cache(maxsize=1)
+def _root_and_toml() -> tuple[Path, dict]:
+    from harness.config import PACKAGE_ROOT, find_toml
+    try:
+        toml = find_toml()
+    except FileNotFoundError:
+        toml = None
+    if toml is None:
+        return PACKAGE_ROOT, {}
+    try:
+        return toml.parent, tomllib.loads(toml.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return toml.parent, {}
+
+
+def builtin_default(key: str):
+    """The dataclass default of a dotted config key (``bench.runs``, ``tp``, ``spec.draft``); None when unknown."""
+    from engine.config import EngineConfig, SpecConfig
+    from harness.config import SECTIONS
+    section, _, name = key.rpartition(".")
+    cls = SECTIONS.get(section, SpecConfig) if section else EngineConfig
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return None
+
+
+def effective_default(key: str) -> tuple[object, str]:
+    """(value, where): ppspec.toml's value of a dotted key, else the built-in default ('built-in')."""
+    _, data = _root_and_toml()
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return builtin_default(key), "built-in"
+        node = node[part]
+    return node, "ppspec.toml"
+
+
+def show_value(key: str, value) -> str:
+    """A default as a user would type it: lists comma-joined, booleans on/off, None by what it means."""
+    if key == "spec.algorithm":
+        return f"on ({value})" if value else "off"
+    if value is None:
+        return NONE_MEANS.get(key, "none")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join("x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in value)
+    return str(value)
+
+
+@lru_cache(maxsize=2)
+def suites(kind: str = "run") -> list[str]:
+    """Suite names under ``suites/``: ``run`` configs (for ``--config``) or sweep ``matrix`` files."""
+    import yaml
+    root, data = _root_and_toml()
+    d = root / ((data.get("paths") or {}).get("suites") or "suites")
+    out = []
+    for p in sorted(d.glob("*.yaml")):
+        try:
+            doc = yaml.safe_load(p.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        is_matrix = isinstance(doc, dict) and ("axes" in doc or "cells" in doc and "commands" in doc)
+        if is_matrix == (kind == "matrix"):
+            out.append(p.stem)
+    return out
+
+
+_DEFAULT_IN_HELP = re.compile(r"\s*\(default[^)]*\)")
+
+
+def annotate(cmd, name: str) -> None:
+    """Append ``[default: X]`` (ppspec.toml's or the built-in value) to the help of ``cmd``'s config-backed options,
+    the suite list to ``--config`` / ``--matrix``, and the command's example to its epilog. Idempotent."""
+    if getattr(cmd, "_ppspec_annotated", False):
+        return
+    cmd._ppspec_annotated = True
+    keys = OPTIONS.get(name, {})
+    for p in cmd.params:
+        if p.name in keys and getattr(p, "help", None) is not None:
+            value, where = effective_default(keys[p.name])
+            p.help = _DEFAULT_IN_HELP.sub("", p.help) + " " + escape(
+                f"[default: {show_value(keys[p.name], value)}" + (" from ppspec.toml]" if where == "ppspec.toml" else "]"))
+        elif p.name == "config" and getattr(p, "help", None):
+            p.help += " Available: " + ", ".join(f"[cyan]{s}[/cyan]" for s in suites("run")) + "."
+        elif p.name == "matrix" and getattr(p, "help", None):
+            p.help += " Available: " + ", ".join(f"[cyan]suites/{s}.yaml[/cyan]" for s in suites("matrix")) + "."
+    if name in EXAMPLES and not cmd.epilog:
+        cmd.epilog = f"Example: [cyan]{escape(EXAMPLES[name])}[/cyan]"
+
+
+class HelpGroup(TyperGroup):
+    """TyperGroup whose commands carry their effective defaults, suites and example (:func:`annotate`)."""
+
+    def get_command(self, ctx, cmd_name: str):
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            annotate(cmd, cmd_name)
+        return cmd

@@ -1,0 +1,37 @@
+"""``ppspec bench --dry-run``: the cells a bench would run and whether each would start, without loading a model."""
+from __future__ import annotations
+
+import dataclasses
+
+from harness.config import RunConfig
+
+
+def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
+    """(lines, cells that would fail): one line per cell ``in=L bs=B: N prompts x R runs ...`` with
+    ``[would fail: why]`` when the bench's own pre-load checks (context fit, prompt set) refuse it, then one line
+    with the engine, the prompt source and the job's total of timed requests. Loads the model's config and
+    tokenizer only."""
+    from engine.config import ConfigError
+    from harness.bench import check_cells_fit, check_prompt_set
+    from harness.config import HarnessConfigError
+    from harness.progress import bench_total
+    b = cfg.bench
+    e = cfg.engine
+    lines, bad = [], 0
+    for L, B in b.cell_list():
+        one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, B),)))
+        why = None
+        try:
+            check_cells_fit(one)
+            check_prompt_set(one)
+        except (HarnessConfigError, ConfigError, FileNotFoundError) as x:
+            why = str(x)
+        bad += why is not None
+        n = b.num_prompts or B
+        lines.append(f"in={L} bs={B}: {n} prompt(s) x {b.runs} run(s) after {b.warmup} warmup, {b.output_len} output "
+                     f"tokens each" + (f"  [would fail: {why}]" if why else ""))
+    spec = (f"eagle S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}" if e.spec.enabled else "no spec")
+    base = ", plus the same cells without speculation (--baseline nospec)" if b.baseline == "nospec" else ""
+    lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} {spec} {e.dtype} on {e.device}; prompts {b.prompts}{base}; "
+                 f"{bench_total(cfg)} timed requests in all")
+    return lines, bad
