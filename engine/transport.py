@@ -34,8 +34,8 @@ class WireStats:
     """What this rank sent and received through :func:`send_msg` / :func:`recv_msg` since the last reset.
 
     messages: messages sent; bytes: bytes sent per top-level field (``relay.<field>`` for a relayed StepResult's
-    fields, ``header`` for the pickled skeleton); send_s / recv_s: host seconds inside send (packing and the
-    staging copy included) and receive (waiting and unpacking included)."""
+    fields, ``frame`` for the whole CPU-group frame: pickle, host tensors and staged bytes); send_s / recv_s: host
+    seconds inside send (packing and the staging copy included) and receive (waiting and unpacking included)."""
 
     messages: int = 0
     bytes: dict = dataclasses.field(default_factory=dict)
@@ -84,7 +84,7 @@ def send_msg(obj: dict, dst: int) -> None:
         frame, dev_buf = encode_reference(obj)
     else:
         frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None, IPC.sender)
-    WIRE.bytes["header"] = WIRE.bytes.get("header", 0) + frame.numel()
+    WIRE.bytes["frame"] = WIRE.bytes.get("frame", 0) + frame.numel()
     if frame.numel() <= _FRAME:
         dist.send(frame, dst, group=s.cpu_group)
     else:

@@ -4,7 +4,8 @@
 Per stage (tp_rank 0 of each pp_rank), over a cell's timed runs:
   busy_fraction     device busy seconds / wall seconds of the runs, in [0, 1] (1 - busy_fraction: the bubble)
   host_ms_per_tick  host milliseconds per ring tick by phase: process, schedule, forward, send, recv
-  bytes_per_batch   bytes the stage sent per batch it ran, by relayed field (``relay.<field>``, ``proxy``, ``header``)
+  bytes_per_batch   bytes the stage sent per batch it ran, by relayed field (``relay.<field>``, ``proxy``; ``frame``:
+                    the whole CPU-group frame)
   d2h_per_batch     device->host copies per batch it ran (the relay's staging copy, the verify result's, ...)
   ctx_switches_per_tick  the rank process's context switches (voluntary + involuntary) per tick
 """
