@@ -41,10 +41,10 @@ def merge(runs: list[list[dict]]) -> list[dict]:
 
 
 def cell_metrics(stage_runs: list[list[dict]], pooled: dict | None = None) -> dict:
-    """``{"stages": [...]}`` for one cell's timed runs, or {} when the engine ran no PP event loop (pp = 1 fast
-    paths report no per-stage counters)."""
+    """``{"stages": [...]}`` for one cell's timed runs, or {} for a single stage (pp = 1: no pipeline to report;
+    its fast paths keep no per-stage counters)."""
     stages = merge(stage_runs)
-    return {"stages": stages} if stages else {}
+    return {"stages": stages} if len(stages) > 1 else {}
 
 
 def run_metrics(cells: list[dict]) -> dict:
