@@ -28,8 +28,9 @@ class ExecutionPlan:
     (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (the PP event loop, pp > 1) or ``plain`` (that loop on one
     stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
     (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
-    PPSPEC_RELAY_IPC=1) or
-    ``staged`` (through host memory). tree: None (no spec), ``host`` or ``device``. reserve: KV slots per request past seq_len.
+    PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
+    tensor). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``.
+    reserve: KV slots per request past seq_len.
     attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
@@ -119,7 +120,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     if not pp1:
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
         ipc = cuda and staged and kn.relay_ipc
-        relay = "device group" if p2p else "cuda ipc" if ipc else "staged"
+        relay = "device group" if p2p else "cuda ipc" if ipc else "staged" if cuda else "gloo"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend
     if backend == "auto":

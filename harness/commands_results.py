@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from harness.config import HarnessConfigError
 from harness.cli_common import ConfigOpt, SetOpt, check_out, console, err, parse_sets, show, user_errors
 
 
@@ -35,6 +36,10 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
             return
         from harness.progress import SweepReporter
         m = load_matrix(matrix)
+        unknown = sorted(set(only or []) - {c["name"] for c in m["cells"]})
+        if unknown:
+            raise HarnessConfigError(f"--only {', '.join(unknown)}: no such cell in {matrix} (cells: "
+                                     f"{', '.join(c['name'] for c in m['cells'])})")
         n = sum(1 for c in m["cells"] if not only or c["name"] in only) * len(m["commands"])
         rows, rend, d = run_matrix(matrix, out, only, SweepReporter(n, lambda line: err.print(
             line, markup=False, highlight=False)))

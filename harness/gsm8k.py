@@ -331,8 +331,8 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
         md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: 95% bootstrap CI over "
                 "requests; per position = share of rounds accepting at least that many drafted tokens\n")
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
-             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy: % [95% Wilson interval over "
-             "questions; 'all': over the questions' mean score across runs]")
+             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
+             "interval over questions]' ('all': over the questions' mean score across runs)")
     return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
 
 
