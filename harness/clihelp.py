@@ -45,10 +45,11 @@ EXAMPLES = {
 
 @lru_cache(maxsize=1)
 def _root_and_toml() -> tuple[Path, dict]:
+    from engine.config import ConfigError
     from harness.config import PACKAGE_ROOT, find_toml
     try:
         toml = find_toml()
-    except FileNotFoundError:
+    except (FileNotFoundError, ConfigError):      # a malformed knob is the command's one-line error, not help's
         toml = None
     if toml is None:
         return PACKAGE_ROOT, {}
