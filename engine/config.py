@@ -155,9 +155,20 @@ class EngineConfig:
         if self.spec.enabled and self.pp > 1:
             from . import knobs
             if not (self.spec.pp_spec or knobs.current().enable_pp_spec):
+                self._check_layers_first()
                 raise ConfigError(
                     "pipeline parallelism with speculative decoding is off by default: set [spec] pp_spec = true "
                     "or PPSPEC_ENABLE_PP_SPEC=1 (ppspec CLI: --pp-spec)")
+
+    def _check_layers_first(self) -> None:
+        """A topology the model cannot take is the error to report before an off-by-default gate (when the model's
+        config can be read; a model that cannot be read is reported where it is loaded)."""
+        from .runner import check_topology, model_source
+        try:
+            cfg = model_source(self)[1]
+        except (ConfigError, OSError, ValueError):
+            return
+        check_topology(cfg, self.tp, self.pp)
 
     def _auto(self, value: bool | None) -> bool:
         return self._auto_for(value, self.device.split(":")[0])

@@ -20,6 +20,7 @@ from .plan import resolve_plan
 from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
+from .model.tp_pad import tp_head_padding
 from .requests import EngineError, Req, RequestOutput, prompt_token_ids, request_error
 from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
                     rank_main)
@@ -60,6 +61,9 @@ class LLM:
         log.info("execution plan:\n%s", self.plan.describe())
         self.path, self.model_config = model_source(config)
         check_topology(self.model_config, config.tp, config.pp)
+        self.head_padding = tp_head_padding(self.model_config, config.tp)
+        if self.head_padding:
+            log.warning("head padding: %s", self.head_padding.describe())
         self._next_rid = 0
         self._procs = []
         self._busy = False                   # ranks starting up or running a generate: they read no stop message
@@ -150,6 +154,7 @@ class LLM:
                 "weight_bytes": sum(i["weight_bytes"] for i in self._infos),
                 "num_params": sum(i["num_params"] for i in self._infos),
                 "kv_pool_tokens": self._infos[0]["kv_pool_tokens"],
+                "head_padding": self.head_padding.as_dict() if self.head_padding else None,
                 "spec": c.spec.__dict__ if c.spec.enabled else None,
                 "peak_memory_bytes": self.last_peak_memory}
 

@@ -16,17 +16,14 @@ from .kv_cache import KVPool
 from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from .model.llama import LlamaForCausalLM, stage_layer_range
+from .model.tp_pad import tp_head_padding
 from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
 from .scheduler import Req, ScheduledBatch, Scheduler
 
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise ConfigError when the model cannot be split as asked."""
-    if cfg.num_attention_heads % tp:
-        raise ConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}")
-    kv = cfg.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise ConfigError(f"tp={tp} and num_key_value_heads={kv}: one must divide the other")
+    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` splits any head count (heads that do
+    not divide are padded exactly, engine.model.tp_pad); ``pp`` may not exceed the layer count."""
     if pp > cfg.num_hidden_layers:
         raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
 
@@ -43,9 +40,12 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.path, self.model_config = model_source(config)
-        mc = self.model_config
-        check_topology(mc, s.tp_size, s.pp_size)
+        self.path, self.checkpoint_config = model_source(config)
+        check_topology(self.checkpoint_config, s.tp_size, s.pp_size)
+        # the shape the modules are built with: the checkpoint's, or its exact zero-head padding for this tp
+        self.head_padding = tp_head_padding(self.checkpoint_config, s.tp_size)
+        self.model_config = mc = (self.head_padding.config(self.checkpoint_config) if self.head_padding
+                                  else self.checkpoint_config)
         self.max_model_len = config.context_length(mc)
         spec = config.spec
         self.spec = spec if spec.enabled else None
@@ -62,9 +62,12 @@ class ModelRunner:
         self.draft = None
         start, end = stage_layer_range(mc.num_hidden_layers, s.pp_size, s.pp_rank)
         if config.load_format == "dummy":
-            weights = dummy_weights(mc, seed=config.seed, dtype=self.dtype, layer_range=(start, end), device=self.device)
+            weights = dummy_weights(self.checkpoint_config, seed=config.seed, dtype=self.dtype,
+                                    layer_range=(start, end), device=self.device)
         else:
             weights = iter_weights(self.path, dtype=self.dtype, layer_range=(start, end))
+        if self.head_padding:
+            weights = self.head_padding.weights(weights)
         if self.spec and s.is_last_stage:
             weights = self._build_draft(weights, max_pos)
         self.model.load_weights(weights)
@@ -119,13 +122,16 @@ class ModelRunner:
         from .speculative.eagle import (EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights)
         if not self.spec.draft:
             raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
-        dcfg = draft_config(self.model_config, self.spec.draft)
-        self.draft = EagleDraft(dcfg, self.dtype, max_pos)
+        dcfg = draft_config(self.checkpoint_config, self.spec.draft)
+        dpad = tp_head_padding(dcfg, ps().tp_size)        # the draft layer is TP-sharded like the target's
+        self.draft = EagleDraft(dpad.config(dcfg) if dpad else dcfg, self.dtype, max_pos)
         if self.config.load_format == "dummy" and not has_draft_weights(self.spec.draft):
             # a config-only draft next to a random target: random draft weights too (labelled random)
             dw = dummy_draft_weights(dcfg, self.config.seed, self.dtype, self.device)
         else:
             dw = iter_draft_weights(self.spec.draft, self.dtype)
+        if dpad:
+            dw = dpad.weights(dw)
         self.draft.load_draft_weights(dw)
         for name, t in weights:               # the draft keeps its own copy of the target embedding
             if name == "model.embed_tokens.weight":

@@ -155,8 +155,8 @@ def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
     r = runner.invoke(app, ["bench", "--config", str(tmp_path)])        # regression: a directory was "not found"
     assert r.exit_code == 2 and r.output.strip() == f"Error: config '{tmp_path}' is a directory, not a YAML file"
-    r = runner.invoke(app, ["bench", "--config", "tiny_cpu", "--tp", "2"])  # regression: a progress bar's blank line came first
-    assert r.exit_code == 2 and r.output.startswith("Error: tp=2 does not divide") and r.output.count("\n") == 1
+    r = runner.invoke(app, ["bench", "--config", "tiny_cpu", "--pp", "99"])  # regression: a progress bar's blank line came first
+    assert r.exit_code == 2 and r.output.startswith("Error: pp=99 is larger") and r.output.count("\n") == 1
     r = runner.invoke(app, ["sweep", "--matrix", "/no/such.yaml"])      # regression: listed /no/such.yaml 3 times
     assert r.exit_code == 2 and "(looked for /no/such.yaml)" in r.output
     r = runner.invoke(app, ["gsm8k", "--pp", "2", "--spec", "--draft", str(draft_dir), "--no-pp-spec"])
@@ -295,13 +295,13 @@ def test_sweep_matrix_dry_run_and_resume(tmp_path):
     assert r.output.count("[skip]") == 3 and (out / "summary.md").is_file()
     # regression (QA, session 8): a failed cell's log went to <repo>/results/raw even with --out
     m2 = _write(tmp_path / "m2.yaml", "name: mini2\nbase: tiny_cpu\ncommands: [bench]\n"
-                                      "cells:\n  - {name: tp2, set: {tp: 2}}\n")
+                                      "cells:\n  - {name: pp99, set: {pp: 99}}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--dry-run"])      # regression: listed without complaint
-    assert r.exit_code == 1 and "tp2: ['bench']  [would fail: tp=2 does not divide num_attention_heads=9]" in r.output
+    assert r.exit_code == 1 and "pp99: ['bench']  [would fail: pp=99 is larger than the number of layers (30)]" in r.output
     r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--out", str(tmp_path / "sweep2")])
-    assert r.exit_code == 1 and "failed cells: tp2/bench" in r.output, r.output
-    log = tmp_path / "sweep2" / "logs" / "tp2-bench.log"
-    assert log.is_file() and "tp=2 does not divide num_attention_heads=9" in log.read_text()
+    assert r.exit_code == 1 and "failed cells: pp99/bench" in r.output, r.output
+    log = tmp_path / "sweep2" / "logs" / "pp99-bench.log"
+    assert log.is_file() and "pp=99 is larger than the number of layers (30)" in log.read_text()
     bad = _write(tmp_path / "bad.yaml", "base: tiny_cpu\naxes: {tpp: [1]}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(bad)])
     assert r.exit_code == 2 and "unknown key 'tpp'" in r.output
