@@ -181,7 +181,7 @@ def test_smollm2_tp2pp2_spec_equals_tp1_spec():
     from harness.prompts import lmeval_contexts
     qs = lmeval_contexts("harness/data/gsm8k", 4)
     prompts = [q["prompt"] for q in qs]
-    params = [SamplingParams(max_new_tokens=64, stop=tuple(q["until"])) for q in qs]
+    params = [SamplingParams(max_new_tokens=40, stop=tuple(q["until"])) for q in qs]
     cfg = resolve(None).engine
     assert cfg.spec.enabled
     with LLM(cfg) as llm:
