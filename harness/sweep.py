@@ -6,6 +6,8 @@ Matrix file::
     base: tiny_cpu                   # run config every cell starts from (suite name or path)
     commands: [gsm8k, bench]         # what each cell runs
     set: {gsm8k: {runs: 2}}          # overrides for every cell (optional)
+    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/config.py): the entry
+    # for the cell's device is applied over that layer, under the layers after it
     axes: {pp: [1, 2], spec.algorithm: [eagle, null]}   # cartesian product (optional)
     cells:                           # explicit cells (optional)
       - {name: tp3pp1-spec, set: {tp: 3}}
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer, find_config, find_toml, load_yaml, merge, resolve
+from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, find_config, find_toml,
+                            layers_device, load_yaml, merge, resolve)
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
@@ -59,8 +62,8 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     commands = m.get("commands", list(COMMANDS))
     if not isinstance(commands, list) or any(c not in COMMANDS for c in commands):
         raise HarnessConfigError(f"{p}: field 'commands': expected a list of {', '.join(COMMANDS)}, got {commands!r}")
-    base = load_yaml(find_config(m["base"], root)) if m.get("base") else {}
-    base = merge(base or {}, m.get("set") or {})
+    base = (load_yaml(find_config(m["base"], root)) if m.get("base") else None) or {}
+    common = m.get("set") or {}
     specs: list[tuple[str, dict]] = []
     axes = m.get("axes") or {}
     if not isinstance(axes, dict) or any(not isinstance(v, list) for v in axes.values()):
@@ -81,8 +84,15 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     if len(set(names)) != len(names):
         raise HarnessConfigError(f"{p}: duplicate cell names {sorted({n for n in names if names.count(n) > 1})}")
     cells = []
+    default_device = resolve(None, {}).engine.device
     for name, over in specs:
-        cfg = merge(base, over)
+        layers = [base, common, over]         # a devices: block applies here, under the layers above it
+        for where, layer in zip(("base", "set", f"cell {name!r}"), layers):
+            check_layer(layer, f"{p}: {where}")   # errors only: the raw values are what config.yaml holds
+        dev = layers_device([{"device": default_device}, *layers])
+        cfg: dict = {}
+        for layer in layers:
+            cfg = merge(cfg, apply_devices(layer, dev))
         cfg["name"] = name
         check_layer(cfg, f"{p}: cell {name!r}")
         cells.append({"name": name, "config": cfg})
