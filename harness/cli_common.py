@@ -166,9 +166,14 @@ def progress_bars(enabled: bool = True) -> Iterator:
 
 
 def show(renderables: list) -> None:
-    """Print tables and lines to stdout."""
+    """Print tables and lines to stdout; a table wider than the terminal is wrapped or split into panels
+    (harness.tables.fit_table), never cut short (the full table is in the result's markdown)."""
+    from rich.table import Table
+
+    from harness.tables import fit_table
     for r in renderables:
-        console.print(r)
+        for part in fit_table(r, console.width) if isinstance(r, Table) else [r]:
+            console.print(part)
 
 
 def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: Path | None) -> Path:
