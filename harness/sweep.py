@@ -94,6 +94,8 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
         for layer in layers:
             cfg = merge(cfg, apply_devices(layer, dev))
         cfg["name"] = name
+        if "description" not in over:             # the base's own description names another topology
+            cfg["description"] = f"{m.get('description') or m.get('name') or p.stem}: cell {name}"
         check_layer(cfg, f"{p}: cell {name!r}")
         cells.append({"name": name, "config": cfg})
     return {"name": m.get("name") or p.stem, "path": str(p), "commands": commands, "cells": cells}
