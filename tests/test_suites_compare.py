@@ -89,6 +89,18 @@ def test_sweep_cells_apply_the_base_device_block_under_the_matrix_set(tmp_path):
     assert cfg["dtype"] == "float32" and cfg["tp"] == 2 and cfg["description"] == "m: cell a"
 
 
+def test_pp_vs_tp_cpu_cells_and_their_commands():
+    from harness.sweep import load_matrix
+    m = load_matrix("pp_vs_tp_cpu")
+    got = {c["name"]: (c["config"]["tp"], c["config"]["pp"], c["config"].get("spec", {}).get("algorithm", "eagle"),
+                       c["commands"]) for c in m["cells"]}
+    assert got == {"tp2-spec": (2, 1, "eagle", ["gsm8k", "bench"]), "pp2-spec": (1, 2, "eagle", ["gsm8k", "bench"]),
+                   "tp2-nospec": (2, 1, None, ["bench"]), "pp2-nospec": (1, 2, None, ["bench"])}
+    big = {c["name"]: (c["config"]["tp"], c["config"]["pp"]) for c in load_matrix("pp_vs_tp")["cells"]}
+    assert big == {"tp4pp2-spec": (4, 2), "tp8-spec": (8, 1), "tp2pp4-spec": (2, 4), "tp4pp2-nospec": (4, 2),
+                   "tp8-nospec": (8, 1), "tp2pp4-nospec": (2, 4)}
+
+
 # ---------------------------------------------------------------------------------------------
 # every shipped suite resolves on this host
 # ---------------------------------------------------------------------------------------------
