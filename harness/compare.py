@@ -1,4 +1,5 @@
-"""``ppspec compare DIR ...``: side-by-side tables, paired tests on shared questions, PNG plots (harness/plots.py).
+"""``ppspec compare DIR ...``: one side-by-side table with a winner column (paired tests), the GSM8K paired-test
+detail, PNG plots (harness/plots.py).
 
 A DIR is a run directory (has summary.json), a sweep cell (subdirectories gsm8k/ bench/), or a
 suite directory of timestamped runs (the newest run of each kind is used).
@@ -17,7 +18,8 @@ KINDS = ("gsm8k", "bench", "gate")
 
 
 def load_entry(path: str | Path, name: str | None = None) -> dict:
-    """Collect the gsm8k / bench summaries (and gsm8k records) found at ``path``."""
+    """Collect the gsm8k / bench summaries (and their records.jsonl: ``gsm8k_records``, ``bench_records``) found at
+    ``path``."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"result directory {p} does not exist")
@@ -146,7 +148,10 @@ def _single_winner(entries: list[dict], values: list, lower_better: bool, kind: 
     if values[i] == values[j]:
         return "tie"
     d = values[i] - values[j]
-    shown = f"{d / 2**30:+.2f} GiB" if kind == "gib" else f"{d:+,} tokens"
+    if kind == "gib":
+        shown = f"{d / 2**30:+.2f} GiB" if abs(d) >= 2**30 / 10 else f"{d / 2**20:+.0f} MiB"
+    else:
+        shown = f"{d:+,} tokens"
     return f"{entries[i]['name']} {shown}"
 
 
