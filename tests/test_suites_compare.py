@@ -266,3 +266,22 @@ def test_fixtures_are_real_results():
         assert e["gsm8k"]["overall"]["runs"] == 2 and len(e["gsm8k_records"]) == 12
         assert {c["batch_size"] for c in e["bench"]["cells"]} == {1, 4} and len(e["bench_records"]) == 15
     assert PACKAGE_ROOT == REPO
+
+
+def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
+    """What ``ppspec bench`` / ``gsm8k`` print, re-rendered from every committed result (floors and peer columns
+    included) and from the fixtures: within 80 columns, nothing cut to an ellipsis."""
+    import json
+
+    from harness import bench, gsm8k
+    paths = sorted((REPO / "results").rglob("summary.json")) + sorted(FIXTURES.rglob("summary.json"))
+    seen = 0
+    for p in paths:
+        s = json.loads(p.read_text())
+        render = {"bench": bench.render, "gsm8k": gsm8k.render}.get(s.get("kind"))
+        if render is None:
+            continue
+        rend, _ = render(s, f"{s['kind']} {p.parent.name}")
+        _fits(_render(rend))
+        seen += 1
+    assert seen >= 4
