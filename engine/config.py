@@ -31,6 +31,15 @@ def token_map_file(path: str | Path) -> Path:
     return p
 
 
+def resolve_device(device: str = "auto") -> str:
+    """``device`` with ``auto`` resolved: ``cuda`` when torch sees a CUDA device, else ``cpu``; any other value
+    (``cpu``, ``cuda``, ``cuda:N``) is returned unchanged. Imports torch only for ``auto``."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE speculative decoding shape (SGLang naming: num_steps S, topk k, num_draft_tokens n incl. root)."""
@@ -83,7 +92,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "cpu"                   # cpu | cuda | cuda:N | auto (resolve_device: cuda when available, else cpu)
     tp: int = 1
     pp: int = 1
     attention_backend: str = "auto"       # auto | torch | flashinfer
@@ -140,9 +149,11 @@ class EngineConfig:
             raise ConfigError(f"cuda_graph_prefill_max_tokens must be >= 0, got {self.cuda_graph_prefill_max_tokens}")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
+        if self.device == "auto":
+            object.__setattr__(self, "device", resolve_device("auto"))
         dev = self.device.split(":")[0]
         if dev not in ("cpu", "cuda"):
-            raise ConfigError(f"device: {self.device!r} (supported: cpu, cuda, cuda:N)")
+            raise ConfigError(f"device: {self.device!r} (supported: cpu, cuda, cuda:N, auto)")
         if dev == "cuda":
             import torch
             if not torch.cuda.is_available():

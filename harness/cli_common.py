@@ -30,7 +30,7 @@ DraftOpt = Annotated[Optional[str], typer.Option(help="EAGLE draft checkpoint di
 TpOpt = Annotated[Optional[int], typer.Option(help="Tensor-parallel size.", rich_help_panel=E)]
 PpOpt = Annotated[Optional[int], typer.Option(help="Pipeline-parallel size.", rich_help_panel=E)]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16.", rich_help_panel=E)]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu | cuda.", rich_help_panel=E)]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (cuda when available, else cpu).", rich_help_panel=E)]
 SpecOpt = Annotated[Optional[bool], typer.Option("--spec/--no-spec", help="Speculative decoding on/off.", rich_help_panel=E)]
 PpSpecOpt = Annotated[Optional[bool], typer.Option("--pp-spec/--no-pp-spec", help="Allow PP x spec (or PPSPEC_ENABLE_PP_SPEC=1).", rich_help_panel=E)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Any field: [cyan]KEY=VALUE[/cyan], e.g. spec.num_steps=4, load_format=dummy.")]
@@ -166,9 +166,14 @@ def progress_bars(enabled: bool = True) -> Iterator:
 
 
 def show(renderables: list) -> None:
-    """Print tables and lines to stdout."""
+    """Print tables and lines to stdout; a table wider than the terminal is wrapped or split into panels
+    (harness.tables.fit_table), never cut short (the full table is in the result's markdown)."""
+    from rich.table import Table
+
+    from harness.tables import fit_table
     for r in renderables:
-        console.print(r)
+        for part in fit_table(r, console.width) if isinstance(r, Table) else [r]:
+            console.print(part)
 
 
 def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: Path | None) -> Path:

@@ -28,7 +28,7 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
             for c in m["cells"]:
                 msg = check_cell(c)
                 bad += msg is not None
-                console.print(f"{c['name']}: {m['commands']}" + (f"  [would fail: {msg}]" if msg else ""),
+                console.print(f"{c['name']}: {c.get('commands', m['commands'])}" + (f"  [would fail: {msg}]" if msg else ""),
                               markup=False, highlight=False, soft_wrap=True)
             if bad:
                 console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
@@ -40,7 +40,7 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
         if unknown:
             raise HarnessConfigError(f"--only {', '.join(unknown)}: no such cell in {matrix} (cells: "
                                      f"{', '.join(c['name'] for c in m['cells'])})")
-        n = sum(1 for c in m["cells"] if not only or c["name"] in only) * len(m["commands"])
+        n = sum(len(c.get("commands", m["commands"])) for c in m["cells"] if not only or c["name"] in only)
         rows, rend, d = run_matrix(matrix, out, only, SweepReporter(n, lambda line: err.print(
             line, markup=False, highlight=False)))
         show(rend)

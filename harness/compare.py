@@ -1,4 +1,5 @@
-"""``ppspec compare DIR ...``: side-by-side tables, paired tests on shared questions, PNG plots (harness/plots.py).
+"""``ppspec compare DIR ...``: one side-by-side table with a winner column (paired tests), the GSM8K paired-test
+detail, PNG plots (harness/plots.py).
 
 A DIR is a run directory (has summary.json), a sweep cell (subdirectories gsm8k/ bench/), or a
 suite directory of timestamped runs (the newest run of each kind is used).
@@ -9,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness import stats
+from harness.gsm8k import INVALID
 from harness.results import load_records, load_summary
 from harness.tables import both, fmt
 
@@ -16,7 +18,8 @@ KINDS = ("gsm8k", "bench", "gate")
 
 
 def load_entry(path: str | Path, name: str | None = None) -> dict:
-    """Collect the gsm8k / bench summaries (and gsm8k records) found at ``path``."""
+    """Collect the gsm8k / bench summaries (and their records.jsonl: ``gsm8k_records``, ``bench_records``) found at
+    ``path``."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"result directory {p} does not exist")
@@ -30,8 +33,8 @@ def load_entry(path: str | Path, name: str | None = None) -> dict:
     entry: dict = {"dir": str(p), "name": name}
     for kind, d in found.items():
         entry[kind] = load_summary(d)
-        if kind == "gsm8k":
-            entry["gsm8k_records"] = load_records(d)
+        if kind in ("gsm8k", "bench"):
+            entry[f"{kind}_records"] = load_records(d)
     meta = next((entry[k].get("meta", {}) for k in KINDS if k in entry), {})
     entry["name"] = name or meta.get("suite") or p.name
     entry["label"] = meta.get("label", "")
@@ -45,48 +48,237 @@ def _engine_desc(entry: dict) -> str:
         return "-"
     spec = e.get("spec", {})
     sp = f"eagle S{spec.get('num_steps')}k{spec.get('topk')}n{spec.get('num_draft_tokens')}" if spec.get("algorithm") else "no spec"
-    return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {e.get('dtype')} {e.get('device')}"
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(e.get("dtype"), e.get("dtype"))
+    return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {dtype} {e.get('device')}"
+
+
+ALPHA = 0.05
+MIN_PAIRS = 3
+WINNER_LEGEND = (
+    "winner: the best entry of the row against the runner-up, with their paired difference (winner - runner-up) and "
+    "its 95% CI. GSM8K accuracy and invalid answers: exact McNemar test on the questions both answered in run 0 "
+    f"(p < {ALPHA}), CI by paired bootstrap over those questions; accept length: paired bootstrap over matched "
+    "(run, question) requests; TTFT/TPOT: paired bootstrap over matched requests (cell, run, position); tok/s: over "
+    f"matched runs; a bootstrap needs >= {MIN_PAIRS} pairs (else 'too few pairs') and wins when its CI excludes 0. "
+    "KV pool tokens (larger wins) and peak memory (smaller wins) are single values.")
+
+
+def _signed(x: float, unit: str) -> str:
+    if unit == "pp":
+        return f"{x * 100:+.1f}"
+    if unit == "ms":
+        return ("+" if x >= 0 else "-") + fmt(abs(x), "ms")
+    return f"{x:+.2f}"
+
+
+def _diff_text(d: float, lo: float, hi: float, unit: str) -> str:
+    u = {"pp": " pp", "ms": " ms"}.get(unit, "")
+    return f"{_signed(d, unit)}{u} [{_signed(lo, unit)}, {_signed(hi, unit)}]"
+
+
+def mcnemar_winner(name_a: str, a: list, name_b: str, b: list, higher_better: bool = True,
+                   alpha: float = ALPHA) -> dict:
+    """Winner of two paired 0/1 samples (``a[i]``, ``b[i]``: one question under each config): exact McNemar
+    (:func:`harness.stats.mcnemar_exact`) decides at ``alpha``; the difference winner - other (rates, 0-1) and its
+    95% CI come from a paired bootstrap over the questions. ``higher_better`` False: the smaller rate wins (invalid
+    answers). Returns ``{winner (name or None), diff, ci, p, n, text}``."""
+    n = len(a)
+    if n == 0:
+        return {"winner": None, "diff": None, "ci": None, "p": None, "n": 0, "text": "no paired questions"}
+    mc = stats.mcnemar_exact(a, b)
+    ra, rb = sum(a) / n, sum(b) / n
+    better_b = (rb > ra) == higher_better and rb != ra
+    w, (x, y) = (name_b, (a, b)) if better_b else (name_a, (b, a))
+    pb = stats.paired_bootstrap(x, y)
+    diff, ci = pb["diff"], (pb["ci_low"], pb["ci_high"])
+    if mc["p_value"] >= alpha:
+        return {"winner": None, "diff": diff, "ci": ci, "p": mc["p_value"], "n": n,
+                "text": f"no detectable difference (p={fmt(mc['p_value'], 'p')})"}
+    return {"winner": w, "diff": diff, "ci": ci, "p": mc["p_value"], "n": n,
+            "text": f"{w} {_diff_text(diff, *ci, 'pp')}, p={fmt(mc['p_value'], 'p')}"}
+
+
+def bootstrap_winner(name_a: str, a: list, name_b: str, b: list, lower_better: bool = True, unit: str = "num",
+                     min_pairs: int = MIN_PAIRS) -> dict:
+    """Winner of two paired samples (``a[i]``, ``b[i]``: one matched request or run under each config) by a paired
+    bootstrap of the mean difference (:func:`harness.stats.paired_bootstrap`): the better mean wins when the 95% CI
+    of winner - other excludes 0; fewer than ``min_pairs`` pairs: ``too few pairs``. ``unit`` ``ms`` formats
+    seconds as milliseconds. Returns ``{winner (name or None), diff, ci, n, text}``."""
+    n = len(a)
+    if n < min_pairs:
+        return {"winner": None, "diff": None, "ci": None, "n": n, "text": f"too few pairs ({n})"}
+    ma, mb = sum(a) / n, sum(b) / n
+    better_b = (mb < ma) == lower_better and mb != ma
+    w, (x, y) = (name_b, (a, b)) if better_b else (name_a, (b, a))
+    pb = stats.paired_bootstrap(x, y)
+    diff, ci = pb["diff"], (pb["ci_low"], pb["ci_high"])
+    if ma == mb or ci[0] <= 0 <= ci[1]:
+        return {"winner": None, "diff": diff, "ci": ci, "n": n,
+                "text": f"no detectable difference ({_diff_text(diff, *ci, unit)})"}
+    return {"winner": w, "diff": diff, "ci": ci, "n": n, "text": f"{w} {_diff_text(diff, *ci, unit)}"}
+
+
+def _top_two(entries: list[dict], values: list, lower_better: bool) -> tuple[int, int] | None:
+    """Indices of the best and the runner-up among the entries with a value; None with fewer than two."""
+    have = [i for i, v in enumerate(values) if v is not None]
+    if len(have) < 2:
+        return None
+    order = sorted(have, key=lambda i: values[i] if lower_better else -values[i])
+    return order[0], order[1]
+
+
+def _paired_row_winner(entries: list[dict], values: list, pairs, lower_better: bool, test: str,
+                       unit: str = "num") -> str:
+    """The winner cell of a row: best vs runner-up by point value, tested on ``pairs(ea, eb) -> (xs, ys)``."""
+    top = _top_two(entries, values, lower_better)
+    if top is None:
+        return "-"
+    i, j = top
+    a, b = pairs(entries[i], entries[j])
+    if test == "mcnemar":
+        return mcnemar_winner(entries[i]["name"], a, entries[j]["name"], b, higher_better=not lower_better)["text"]
+    return bootstrap_winner(entries[i]["name"], a, entries[j]["name"], b, lower_better, unit)["text"]
+
+
+def _single_winner(entries: list[dict], values: list, lower_better: bool, kind: str) -> str:
+    top = _top_two(entries, values, lower_better)
+    if top is None:
+        return "-"
+    i, j = top
+    if values[i] == values[j]:
+        return "tie"
+    d = values[i] - values[j]
+    if kind == "gib":
+        shown = f"{d / 2**30:+.2f} GiB" if abs(d) >= 2**30 / 10 else f"{d / 2**20:+.0f} MiB"
+    else:
+        shown = f"{d:+,} tokens"
+    return f"{entries[i]['name']} {shown}"
+
+
+def _gsm8k_run0(e: dict) -> dict:
+    return {r["doc_id"]: r for r in e.get("gsm8k_records", []) if r.get("run", 0) == 0}
+
+
+def _gsm8k_pairs(field: str, invalid: bool = False):
+    def pairs(ea, eb):
+        ra, rb = _gsm8k_run0(ea), _gsm8k_run0(eb)
+        common = sorted(set(ra) & set(rb))
+        if invalid:
+            return ([int(ra[q][field]["extracted"] == INVALID) for q in common],
+                    [int(rb[q][field]["extracted"] == INVALID) for q in common])
+        return [ra[q][field]["exact_match"] for q in common], [rb[q][field]["exact_match"] for q in common]
+    return pairs
+
+
+def _accept_pairs(ea, eb):
+    def per(e):
+        return {(r.get("run", 0), r["doc_id"]): sum(r["accept_lengths"]) / len(r["accept_lengths"])
+                for r in e.get("gsm8k_records", []) if r.get("accept_lengths")}
+    pa, pb = per(ea), per(eb)
+    common = sorted(set(pa) & set(pb))
+    return [pa[k] for k in common], [pb[k] for k in common]
+
+
+def _request_pairs(L: int, B: int, key: str):
+    """Matched bench requests of cell (L, B): same run, same position in the run."""
+    def per(e):
+        out: dict = {}
+        pos: Counter = Counter()
+        for r in e.get("bench_records", []):
+            if (r["input_len"], r["batch_size"]) == (L, B):
+                out[(r["run"], pos[r["run"]])] = r.get(key)
+                pos[r["run"]] += 1
+        return out
+
+    def pairs(ea, eb):
+        pa, pb = per(ea), per(eb)
+        common = sorted(k for k in set(pa) & set(pb) if pa[k] is not None and pb[k] is not None)
+        return [pa[k] for k in common], [pb[k] for k in common]
+    return pairs
+
+
+def _cell(e: dict, L: int, B: int) -> dict | None:
+    return next((c for c in e.get("bench", {}).get("cells", []) if (c["input_len"], c["batch_size"]) == (L, B)), None)
+
+
+def _run_pairs(L: int, B: int):
+    def pairs(ea, eb):
+        ta = _cell(ea, L, B)["pooled"]["output_throughput_runs"]
+        tb = _cell(eb, L, B)["pooled"]["output_throughput_runs"]
+        n = min(len(ta), len(tb))
+        return list(ta[:n]), list(tb[:n])
+    return pairs
 
 
 def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
-    """Metrics as rows, configs as columns (rich table, markdown)."""
-    rows: list[list[str]] = [["engine"] + [_engine_desc(e) for e in entries]]
+    """Metrics as rows, one column per entry, a last ``winner`` column (:data:`WINNER_LEGEND`); (rich table,
+    markdown with the legend)."""
+    def row(label, vals, win=""):
+        rows.append([label, *vals, win])
+    rows: list[list[str]] = []
+    row("engine", [_engine_desc(e) for e in entries])
     if any(e.get("label") for e in entries):
-        rows.append(["label"] + [e.get("label") or "-" for e in entries])
+        row("label", [e.get("label") or "-" for e in entries])
     if any("gsm8k" in e for e in entries):
-        def g(e, fn):
-            return fn(e["gsm8k"]) if "gsm8k" in e else "-"
-        rows += [
-            ["GSM8K questions"] + [g(e, lambda s: str(s["overall"]["n_questions"])) for e in entries],
-            ["GSM8K flexible per run"] + [g(e, lambda s: _per_run(s, "flexible-extract")) for e in entries],
-            ["GSM8K strict per run"] + [g(e, lambda s: _per_run(s, "strict-match")) for e in entries],
-            ["invalid rate (strict/flex)"] + [g(e, lambda s: f"{fmt(s['overall']['strict-match']['invalid_rate_mean'], 'pct')}"
-                                                 f" / {fmt(s['overall']['flexible-extract']['invalid_rate_mean'], 'pct')}") for e in entries],
-            ["accept length range"] + [g(e, lambda s: _range(s["overall"]["accept_length_range"])) for e in entries],
-            ["run agreement"] + [g(e, lambda s: fmt(s["overall"]["agreement"], "pct")) for e in entries],
-        ]
-    cells = sorted({(c["input_len"], c["batch_size"]) for e in entries if "bench" in e for c in e["bench"]["cells"]})
+        gs = [e.get("gsm8k") for e in entries]
+
+        def g(fn):
+            return [fn(s) if s else "-" for s in gs]
+
+        def ov(path):
+            out = []
+            for s in gs:
+                v = s["overall"] if s else None
+                for k in path:
+                    v = v.get(k) if isinstance(v, dict) else None
+                out.append(v)
+            return out
+        row("GSM8K questions", g(lambda s: str(s["overall"]["n_questions"])))
+        for f, short in (("flexible-extract", "flex"), ("strict-match", "strict")):
+            row(f"GSM8K {short} per run", g(lambda s, f=f: _per_run(s, f)),
+                _paired_row_winner(entries, _first_run(gs, f), _gsm8k_pairs(f), False, "mcnemar"))
+        for f, short in (("strict-match", "strict"), ("flexible-extract", "flex")):
+            rates = ov((f, "invalid_rate_mean"))
+            row(f"invalid answers {short}", [fmt(v, "pct") for v in rates],
+                _paired_row_winner(entries, _first_run_invalid(gs, f), _gsm8k_pairs(f, invalid=True), True, "mcnemar"))
+        acc_mean = [((s["overall"].get("accept_length") or {}).get("mean") if s else None) for s in gs]
+        if any(v is not None for v in acc_mean):
+            row("accept len range (runs)", g(lambda s: _range(s["overall"]["accept_length_range"])),
+                _paired_row_winner(entries, acc_mean, _accept_pairs, False, "bootstrap"))
+        row("run agreement", [fmt(v, "pct") for v in ov(("agreement",))])
+    cells = sorted({(c["input_len"], c["batch_size"]) for e in entries if "bench" in e for c in e["bench"]["cells"]},
+                   key=lambda c: (c[1], c[0]))
+    spec_any = any(((_cell(e, L, B) or {}).get("pooled", {}).get("accept_length") or {}).get("mean") is not None
+                   for e in entries for L, B in cells)
     for L, B in cells:
-        for label, key, kind in (("TTFT mean ms", "ttft", "ms"), ("TPOT mean ms", "tpot", "ms"),
-                                 ("TPOT p99 ms", "tpot", "ms99"), ("tok/s", "tps", "num"), ("accept len", "acc", "num")):
-            row = [f"{label} @bs{B} in{L}"]
-            for e in entries:
-                c = next((c for c in e.get("bench", {}).get("cells", []) if (c["input_len"], c["batch_size"]) == (L, B)), None)
-                if c is None:
-                    row.append("-")
-                elif key == "tps":
-                    t = c["pooled"]["output_throughput_runs"]
-                    row.append(fmt(sum(t) / len(t)) if t else "-")
-                elif key == "acc":                # a bench-only sweep has no acceptance row
-                    a = (c["pooled"].get("accept_length") or {}).get("mean")
-                    row.append(fmt(a) if a is not None else "-")
-                else:
-                    row.append(fmt(c["pooled"][key]["p99" if kind == "ms99" else "mean"], "ms"))
-            rows.append(row)
+        cs = [_cell(e, L, B) for e in entries]
+        for label, key in (("TTFT mean ms", "ttft"), ("TPOT mean ms", "tpot")):
+            vals = [c["pooled"][key]["mean"] if c else None for c in cs]
+            row(f"{label} @bs{B} in{L}", [fmt(v, "ms") for v in vals],
+                _paired_row_winner(entries, vals, _request_pairs(L, B, key), True, "bootstrap", "ms"))
+        tps = [sum(t) / len(t) if c and (t := c["pooled"]["output_throughput_runs"]) else None for c in cs]
+        if B > 1 or len(cells) == 1:
+            row(f"tok/s @bs{B} in{L}", [fmt(v) for v in tps],
+                _paired_row_winner(entries, tps, _run_pairs(L, B), False, "bootstrap"))
+        if spec_any:
+            acc = [(c["pooled"].get("accept_length") or {}).get("mean") if c else None for c in cs]
+            row(f"accept len @bs{B} in{L}", [fmt(a) if a is not None else "-" for a in acc])
     info = [next((e[k].get("engine_info", {}) for k in ("bench", "gsm8k") if k in e), {}) for e in entries]
-    rows.append(["KV pool tokens"] + [fmt(i.get("kv_pool_tokens"), "int") for i in info])
-    rows.append(["peak memory GiB"] + [fmt(i.get("peak_memory_bytes"), "gib") for i in info])
-    return both(title, ["metric"] + [e["name"] for e in entries], rows)
+    kv = [i.get("kv_pool_tokens") for i in info]
+    mem = [i.get("peak_memory_bytes") for i in info]
+    row("KV pool tokens", [fmt(v, "int") for v in kv], _single_winner(entries, kv, False, "int"))
+    row("peak memory GiB", [fmt(v, "gib") for v in mem], _single_winner(entries, mem, True, "gib"))
+    t, md = both(title, ["metric"] + [e["name"] for e in entries] + ["winner"], rows)
+    t.columns[-1].justify = "left"
+    return t, md + f"\n{WINNER_LEGEND}\n"
+
+
+def _first_run(gs: list, f: str) -> list:
+    return [s["runs"][0]["accuracy"][f] if s and s.get("runs") else None for s in gs]
+
+
+def _first_run_invalid(gs: list, f: str) -> list:
+    return [s["runs"][0]["invalid_rate"][f] if s and s.get("runs") else None for s in gs]
 
 
 def _per_run(s: dict, f: str) -> str:
@@ -142,7 +334,8 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
     md = md1 + ("\n" + md2 if tests else "") + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
     summary = {"kind": "compare", "dirs": [e["dir"] for e in entries], "names": [e["name"] for e in entries],
                "paired_tests": tests, "plots": [str(p) for p in pngs]}
-    return summary, [t1] + ([t2] if tests else []), md
+    from rich.text import Text
+    return summary, [t1, Text(WINNER_LEGEND)] + ([t2] if tests else []), md
 
 
 def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) -> tuple[list, Path]:

@@ -2,6 +2,10 @@
 
 Every layer is checked on its own (unknown keys, wrong types) so an error names the file and the
 field in one line; the merged result is validated by the dataclasses (and by EngineConfig).
+
+A layer may hold a ``devices: {cpu: {...}, cuda: {...}}`` block: the entry for the device the layers select
+(the highest-precedence ``device``, ``auto`` resolved by engine.config.resolve_device) is merged right over
+its own layer, so a suite can size its CPU and CUDA cells apart and CLI flags still win over both.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig, SpecConfig
+from engine.config import EngineConfig, SpecConfig, resolve_device
 
 
 class HarnessConfigError(ValueError):
@@ -155,6 +159,7 @@ SECTIONS = {"spec": SpecConfig, "gsm8k": GSM8KConfig, "bench": BenchConfig, "gat
             "paths": PathsConfig}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"spec"}
 META_KEYS = {"name": str, "description": str, "label": str, "train": dict}
+DEVICE_TYPES = ("cpu", "cuda")            # keys of a layer's ``devices:`` block
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -238,6 +243,8 @@ def check_layer(data: Any, source: str) -> dict:
             out[key] = _check(val, engine_hints[key], f"{source}: field {key!r}")
         elif key in META_KEYS:
             out[key] = _check(val, META_KEYS[key], f"{source}: field {key!r}")
+        elif key == "devices":
+            out[key] = _check_devices(val, source)
         elif key in SECTIONS:
             if val is None or val is False:
                 val = {"algorithm": None} if key == "spec" else {}
@@ -253,8 +260,38 @@ def check_layer(data: Any, source: str) -> dict:
                 sec[k] = _check(v, hints[k], f"{source}: field '{key}.{k}'")
             out[key] = sec
         else:
-            raise _unknown(str(key), ENGINE_KEYS | set(SECTIONS) | set(META_KEYS), source)
+            raise _unknown(str(key), ENGINE_KEYS | set(SECTIONS) | set(META_KEYS) | {"devices"}, source)
     return out
+
+
+def _check_devices(val: Any, source: str) -> dict:
+    """A ``devices:`` block: ``{cpu: {...}, cuda: {...}}``, each a layer of its own without ``device``/``devices``."""
+    if not isinstance(val, dict):
+        raise HarnessConfigError(f"{source}: field 'devices': expected a mapping of cpu/cuda -> settings, "
+                                 f"got {type(val).__name__}")
+    out = {}
+    for dev, block in val.items():
+        if dev not in DEVICE_TYPES:
+            raise HarnessConfigError(f"{source}: devices: unknown device {dev!r} (allowed: {', '.join(DEVICE_TYPES)})")
+        if isinstance(block, dict) and ({"device", "devices"} & set(block)):
+            raise HarnessConfigError(f"{source}: devices.{dev}: a device block cannot set device or devices")
+        out[dev] = check_layer(block, f"{source}: devices.{dev}")
+    return out
+
+
+def apply_devices(layer: dict, device: str) -> dict:
+    """``layer`` without its ``devices:`` block, with the block's entry for ``device`` (type ``cpu``/``cuda``,
+    ``cuda:N`` counts as cuda) merged over it."""
+    out = {k: v for k, v in layer.items() if k != "devices"}
+    block = (layer.get("devices") or {}).get(device.split(":")[0])
+    return merge(out, block) if block else out
+
+
+def layers_device(layers: list[dict]) -> str:
+    """The device the merged ``layers`` (lowest precedence first) select, ``auto`` resolved (:func:`resolve_device`);
+    ``cpu`` when none sets one."""
+    dev = next((layer["device"] for layer in reversed(layers) if layer.get("device")), "cpu")
+    return resolve_device(dev)
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -342,9 +379,13 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         yaml_dir = (path.parent,)
     if overrides:
         layers.append(("command line", check_layer(overrides, "command line")))
+    device = layers_device([layer for _, layer in layers])
+    layers = [(src, apply_devices(layer, device)) for src, layer in layers]   # devices.<device> over its own layer
     merged: dict = {}
     for _, layer in layers:
         merged = merge(merged, layer)
+    if merged.get("device") == "auto":
+        merged["device"] = device
 
     notes: list[str] = []
     spec = dict(merged.pop("spec", {}))

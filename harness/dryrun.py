@@ -9,7 +9,7 @@ from harness.config import RunConfig
 def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     """(lines, cells that would fail): one line per cell ``in=L bs=B: N prompts x R runs ...`` with
     ``[would fail: why]`` when the bench's own pre-load checks (context fit, prompt set) refuse it, then one line
-    with the engine, the prompt source and the job's total of timed requests. Loads the model's config and
+    with the engine (topology, rank count and, on CPU, each rank's torch threads), the prompt source and the job's total of timed requests. Loads the model's config and
     tokenizer only."""
     from engine.config import ConfigError
     from harness.bench import check_cells_fit, check_prompt_set
@@ -32,6 +32,9 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
                      f"tokens each" + (f"  [would fail: {why}]" if why else ""))
     spec = (f"eagle S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}" if e.spec.enabled else "no spec")
     base = ", plus the same cells without speculation (--baseline nospec)" if b.baseline == "nospec" else ""
-    lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} {spec} {e.dtype} on {e.device}; prompts {b.prompts}{base}; "
-                 f"{bench_total(cfg)} timed requests in all")
+    import os
+    ranks = (f"{e.world_size} rank(s)" + (f", {max(1, (os.cpu_count() or 1) // e.world_size)} thread(s) each"
+                                          if e.device == "cpu" else ""))
+    lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} ({ranks}) {spec} {e.dtype} on {e.device}; prompts "
+                 f"{b.prompts}{base}; {bench_total(cfg)} timed requests in all")
     return lines, bad

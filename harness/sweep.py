@@ -6,9 +6,12 @@ Matrix file::
     base: tiny_cpu                   # run config every cell starts from (suite name or path)
     commands: [gsm8k, bench]         # what each cell runs
     set: {gsm8k: {runs: 2}}          # overrides for every cell (optional)
+    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/config.py): the entry
+    # for the cell's device is applied over that layer, under the layers after it
     axes: {pp: [1, 2], spec.algorithm: [eagle, null]}   # cartesian product (optional)
-    cells:                           # explicit cells (optional)
+    cells:                           # explicit cells (optional); a cell may run its own commands
       - {name: tp3pp1-spec, set: {tp: 3}}
+      - {name: tp3pp1-nospec, set: {tp: 3, spec: {algorithm: null}}, commands: [bench]}
 
 Each (cell, command) runs ``python -m harness.cli COMMAND --config <cell.yaml> --out <dir>`` in
 its own subprocess (a topology needs a fresh process group). A cell whose summary.json exists is
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer, find_config, find_toml, load_yaml, merge, resolve
+from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, find_config, find_toml,
+                            layers_device, load_yaml, merge, resolve)
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
@@ -47,7 +51,8 @@ def _axis_name(key: str, value) -> str:
 
 
 def load_matrix(path: str | Path, root: Path | None = None) -> dict:
-    """Parse and check a matrix file; returns ``{name, commands, cells: [{name, config: dict}]}``."""
+    """Parse and check a matrix file; returns ``{name, commands, cells: [{name, config: dict, commands}]}``
+    (a cell's ``commands``: its own list, else the matrix's)."""
     root = root or _root()
     p = find_config(path, root)
     m = load_yaml(p)
@@ -59,9 +64,10 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     commands = m.get("commands", list(COMMANDS))
     if not isinstance(commands, list) or any(c not in COMMANDS for c in commands):
         raise HarnessConfigError(f"{p}: field 'commands': expected a list of {', '.join(COMMANDS)}, got {commands!r}")
-    base = load_yaml(find_config(m["base"], root)) if m.get("base") else {}
-    base = merge(base or {}, m.get("set") or {})
+    base = (load_yaml(find_config(m["base"], root)) if m.get("base") else None) or {}
+    common = m.get("set") or {}
     specs: list[tuple[str, dict]] = []
+    own: dict[str, list[str]] = {}
     axes = m.get("axes") or {}
     if not isinstance(axes, dict) or any(not isinstance(v, list) for v in axes.values()):
         raise HarnessConfigError(f"{p}: field 'axes': expected a mapping of key -> list of values")
@@ -72,8 +78,15 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
                 over = merge(over, dotted(k, v))
             specs.append(("-".join(_axis_name(k, v) for k, v in zip(axes, combo)), over))
     for i, c in enumerate(m.get("cells") or []):
-        if not isinstance(c, dict) or "name" not in c or set(c) - {"name", "set"}:
-            raise HarnessConfigError(f"{p}: cells[{i}]: expected {{name: ..., set: {{...}}}}")
+        if not isinstance(c, dict) or "name" not in c or set(c) - {"name", "set", "commands"}:
+            raise HarnessConfigError(f"{p}: cells[{i}]: expected {{name: ..., set: {{...}}, commands: [...]}} "
+                                     "(commands optional)")
+        if "commands" in c:
+            cc = c["commands"]
+            if not isinstance(cc, list) or not cc or any(x not in COMMANDS for x in cc):
+                raise HarnessConfigError(f"{p}: cells[{i}].commands: expected a list of {', '.join(COMMANDS)}, "
+                                         f"got {cc!r}")
+            own[str(c["name"])] = cc
         specs.append((str(c["name"]), c.get("set") or {}))
     if not specs:
         raise HarnessConfigError(f"{p}: no cells (give 'axes' or 'cells')")
@@ -81,11 +94,20 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     if len(set(names)) != len(names):
         raise HarnessConfigError(f"{p}: duplicate cell names {sorted({n for n in names if names.count(n) > 1})}")
     cells = []
+    default_device = resolve(None, {}).engine.device
     for name, over in specs:
-        cfg = merge(base, over)
+        layers = [base, common, over]         # a devices: block applies here, under the layers above it
+        for where, layer in zip(("base", "set", f"cell {name!r}"), layers):
+            check_layer(layer, f"{p}: {where}")   # errors only: the raw values are what config.yaml holds
+        dev = layers_device([{"device": default_device}, *layers])
+        cfg: dict = {}
+        for layer in layers:
+            cfg = merge(cfg, apply_devices(layer, dev))
         cfg["name"] = name
+        if "description" not in over:             # the base's own description names another topology
+            cfg["description"] = f"{m.get('description') or m.get('name') or p.stem}: cell {name}"
         check_layer(cfg, f"{p}: cell {name!r}")
-        cells.append({"name": name, "config": cfg})
+        cells.append({"name": name, "config": cfg, "commands": own.get(name, commands)})
     return {"name": m.get("name") or p.stem, "path": str(p), "commands": commands, "cells": cells}
 
 
@@ -118,7 +140,7 @@ def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None
         cdir.mkdir(parents=True, exist_ok=True)
         cfg_path = cdir / "config.yaml"
         cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
-        for cmd in matrix["commands"]:
+        for cmd in cell.get("commands", matrix["commands"]):
             dest = cdir / cmd
             if (dest / "summary.json").is_file():
                 rows.append({"cell": cell["name"], "command": cmd, "status": "skip"})
@@ -140,7 +162,8 @@ def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None
 def finished_cells(matrix: dict, out_dir: Path) -> list[Path]:
     """Cell directories that hold at least one finished result, in matrix order."""
     return [out_dir / "cells" / c["name"] for c in matrix["cells"]
-            if any((out_dir / "cells" / c["name"] / cmd / "summary.json").is_file() for cmd in matrix["commands"])]
+            if any((out_dir / "cells" / c["name"] / cmd / "summary.json").is_file()
+                   for cmd in c.get("commands", matrix["commands"]))]
 
 
 def _root() -> Path:

@@ -49,3 +49,80 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def both(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[Table, str]:
     """(rich table, markdown section with a ``###`` title)."""
     return rich_table(title, headers, rows), f"### {title}\n\n{markdown_table(headers, rows)}\n"
+
+
+def _words_len(text: str) -> int:
+    """Width of the longest unbreakable piece of ``text`` (what a wrapped column must be at least)."""
+    from rich.cells import cell_len
+    return max((cell_len(w) for line in text.splitlines() or [""] for w in (line.split() or [""])), default=0)
+
+
+def _lines_len(text: str) -> int:
+    from rich.cells import cell_len
+    return max((cell_len(line) for line in text.splitlines() or [""]), default=0)
+
+
+def _wrapped_lines(texts: list[str], width: int) -> int:
+    """Lines ``texts`` take wrapped at spaces to ``width`` (greedy, as rich wraps)."""
+    from rich.cells import cell_len
+    n = 0
+    for text in texts:
+        for line in text.splitlines() or [""]:
+            used = -1
+            n += 1
+            for w in line.split():
+                if used >= 0 and used + 1 + cell_len(w) > width:
+                    n += 1
+                    used = -1
+                used += 1 + cell_len(w)
+    return n
+
+
+def fit_table(table: Table, width: int = 80) -> list[Table]:
+    """``table`` as one or more panels that each fit ``width`` terminal columns with no figure cut short: the table
+    itself when it fits; else its columns wrap at spaces (never inside a word, so nothing is ellipsised), and when
+    even the wrapped columns do not fit, the columns after the first are split into panels that each repeat the
+    first column (the row labels, kept unwrapped when they take at most a third of ``width``), titled
+    ``... (panel i/n)``. A single column wider than ``width`` folds."""
+    heads = [str(c.header) for c in table.columns]
+    cells = [[str(x) for x in c.cells] for c in table.columns]
+    natural = [max([_lines_len(h)] + [_lines_len(x) for x in col]) for h, col in zip(heads, cells)]
+    least = [max([_words_len(h)] + [_words_len(x) for x in col]) for h, col in zip(heads, cells)]
+
+    def span(idx: list[int], widths: list[int]) -> int:     # heavy-head box: 1 edge + (padding 2 + border 1) a column
+        return 1 + sum(widths[i] + 3 for i in idx)
+    if span(list(range(len(heads))), natural) <= width or len(heads) < 2:
+        return [table]
+    panels: list[list[int]] = []
+    cur = [0]
+    pack = [natural[0] if natural[0] <= width // 3 else least[0]] + least[1:]   # row labels kept whole when short
+    for i in range(1, len(heads)):
+        if len(cur) > 1 and span(cur + [i], pack) > width:
+            panels.append(cur)
+            cur = [0]
+        cur.append(i)
+    panels.append(cur)
+    title = str(table.title or "")
+    out = []
+    for k, idx in enumerate(panels):
+        widths = {i: natural[i] for i in idx}
+        while span(idx, [widths.get(i, 0) for i in range(len(heads))]) > width:
+            shrink = [i for i in idx if widths[i] > least[i]]
+            if not shrink:                                  # one unbreakable column wider than the terminal: fold it
+                i = max(idx, key=lambda i: widths[i])
+                widths[i] = max(1, widths[i] - (span(idx, [widths.get(j, 0) for j in range(len(heads))]) - width))
+                break
+            # narrow the column that gains the fewest wrapped lines by it (ties: the widest)
+            i = min(shrink, key=lambda i: (_wrapped_lines([heads[i], *cells[i]], widths[i] - 1)
+                                           - _wrapped_lines([heads[i], *cells[i]], widths[i]), -widths[i]))
+            widths[i] -= 1
+        t = Table(title=title + (f" (panel {k + 1}/{len(panels)})" if len(panels) > 1 else ""),
+                  title_justify="left", header_style="bold")
+        for i in idx:
+            src = table.columns[i]
+            t.add_column(src.header, justify=src.justify, width=widths[i], overflow="fold",
+                         no_wrap=widths[i] >= natural[i])
+        for r in range(len(cells[0]) if cells else 0):
+            t.add_row(*[cells[i][r] for i in idx])
+        out.append(t)
+    return out

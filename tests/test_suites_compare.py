@@ -1,0 +1,287 @@
+"""Suites on the bundled model (device: auto, per-device blocks), the comparison table's winner column and the
+80-column rendering of CLI tables. CPU only, no engine started."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.cells import cell_len
+from rich.console import Console
+from rich.table import Table
+from typer.testing import CliRunner
+
+from engine.config import ConfigError, EngineConfig, resolve_device
+from harness.cli import app
+from harness.compare import bootstrap_winner, comparison_table, load_entry, mcnemar_winner, run_compare
+from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, layers_device, load_yaml,
+                            resolve)
+from harness.tables import fit_table, rich_table
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "data" / "compare"
+SUITES = sorted((REPO / "suites").glob("*.yaml"))
+runner = CliRunner()
+
+
+def _render(renderables, width: int = 80) -> str:
+    con = Console(width=width, record=True, file=open(os.devnull, "w"))
+    for r in renderables:
+        for part in fit_table(r, width) if isinstance(r, Table) else [r]:
+            con.print(part)
+    return con.export_text()
+
+
+def _fits(text: str, width: int = 80) -> None:
+    assert "…" not in text
+    assert max(cell_len(line) for line in text.splitlines()) <= width
+
+
+# ---------------------------------------------------------------------------------------------
+# device: auto and devices: blocks
+# ---------------------------------------------------------------------------------------------
+
+def test_device_auto_resolves_here_and_explicit_devices_stay():
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == here and resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert EngineConfig(device="auto").device == here and EngineConfig(device="cpu").device == "cpu"
+    with pytest.raises(ConfigError, match="supported: cpu, cuda, cuda:N, auto"):
+        EngineConfig(device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU resolution")
+def test_device_auto_merges_the_cpu_block():
+    cfg = resolve("tp4pp2", {})
+    e = cfg.engine
+    assert (e.device, e.dtype, e.tp, e.pp, e.spec.enabled, e.spec.pp_spec) == ("cpu", "float32", 4, 2, True, True)
+    assert (cfg.bench.batch_sizes, cfg.bench.input_lens, cfg.bench.output_len, cfg.bench.runs) == ((1, 4), (64,), 32, 1)
+    assert cfg.gsm8k.runs == 2
+    assert e.spec.draft == str((REPO / "drafts" / "smollm2-eagle").resolve())
+    # flags still beat the device block
+    assert resolve("tp4pp2", {"bench": {"runs": 2}}).bench.runs == 2
+
+
+def test_devices_block_precedence_and_errors():
+    layer = {"device": "auto", "bench": {"runs": 1}, "devices": {"cpu": {"bench": {"runs": 2}},
+                                                                  "cuda": {"dtype": "bfloat16", "bench": {"runs": 3}}}}
+    assert apply_devices(layer, "cuda:0") == {"device": "auto", "bench": {"runs": 3}, "dtype": "bfloat16"}
+    assert apply_devices(layer, "cpu")["bench"] == {"runs": 2}
+    assert layers_device([{"device": "cpu"}, layer, {"device": "cuda"}]) == "cuda"      # the last layer naming one
+    assert layers_device([{}]) == "cpu"
+    with pytest.raises(HarnessConfigError, match="unknown device 'tpu'"):
+        check_layer({"devices": {"tpu": {}}}, "x.yaml")
+    with pytest.raises(HarnessConfigError, match="devices.cpu: a device block cannot set device"):
+        check_layer({"devices": {"cpu": {"device": "cuda"}}}, "x.yaml")
+    with pytest.raises(HarnessConfigError, match=r"devices.cuda: \[bench\]: unknown key 'rns'"):
+        check_layer({"devices": {"cuda": {"bench": {"rns": 3}}}}, "x.yaml")
+
+
+def test_sweep_cells_apply_the_base_device_block_under_the_matrix_set(tmp_path):
+    from harness.sweep import load_matrix
+    m = tmp_path / "m.yaml"
+    m.write_text(yaml.safe_dump({"name": "m", "base": "tp4pp2", "commands": ["bench"],
+                                 "set": {"device": "cpu", "bench": {"runs": 5}},
+                                 "cells": [{"name": "a", "set": {"tp": 2}}]}))
+    cfg = load_matrix(m)["cells"][0]["config"]
+    assert "devices" not in cfg and cfg["bench"]["runs"] == 5 and cfg["bench"]["input_lens"] == [64]
+    assert cfg["dtype"] == "float32" and cfg["tp"] == 2 and cfg["description"] == "m: cell a"
+
+
+def test_pp_vs_tp_cpu_cells_and_their_commands():
+    from harness.sweep import load_matrix
+    m = load_matrix("pp_vs_tp_cpu")
+    got = {c["name"]: (c["config"]["tp"], c["config"]["pp"], c["config"].get("spec", {}).get("algorithm", "eagle"),
+                       c["commands"]) for c in m["cells"]}
+    assert got == {"tp2-spec": (2, 1, "eagle", ["gsm8k", "bench"]), "pp2-spec": (1, 2, "eagle", ["gsm8k", "bench"]),
+                   "tp2-nospec": (2, 1, None, ["bench"]), "pp2-nospec": (1, 2, None, ["bench"])}
+    big = {c["name"]: (c["config"]["tp"], c["config"]["pp"]) for c in load_matrix("pp_vs_tp")["cells"]}
+    assert big == {"tp4pp2-spec": (4, 2), "tp8-spec": (8, 1), "tp2pp4-spec": (2, 4), "tp4pp2-nospec": (4, 2),
+                   "tp8-nospec": (8, 1), "tp2pp4-nospec": (2, 4)}
+
+
+# ---------------------------------------------------------------------------------------------
+# every shipped suite resolves on this host
+# ---------------------------------------------------------------------------------------------
+
+def _resolve_here(path: Path):
+    try:
+        return resolve(path, {})
+    except ConfigError as e:                     # a suite pinned to CUDA, on a host without it
+        assert "sees no CUDA device" in str(e)
+        return resolve(path, {"device": "cpu"})
+
+
+@pytest.mark.parametrize("path", SUITES, ids=[p.stem for p in SUITES])
+def test_every_suite_resolves_dry_run_on_cpu(path):
+    from harness.dryrun import bench_cells
+    from harness.sweep import MATRIX_KEYS, check_cell, load_matrix
+    raw = load_yaml(path)
+    if {"base", "axes", "cells", "commands"} & set(raw) and set(raw) <= MATRIX_KEYS:
+        m = load_matrix(path)
+        for c in m["cells"]:
+            assert check_cell(c) is None, (c["name"], check_cell(c))
+        return
+    cfg = _resolve_here(path)
+    if "train" not in raw:
+        lines, bad = bench_cells(cfg)
+        assert bad == 0, lines
+
+
+TOPOLOGIES = {"tp1pp1": (1, 1), "tp1pp2": (1, 2), "tp1pp3": (1, 3), "tp3pp1": (3, 1), "tp2pp2": (2, 2),
+              "tp4pp2": (4, 2), "tp2pp4": (2, 4), "tp8": (8, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_topology_suites_run_the_bundled_model_with_the_head(name):
+    raw = load_yaml(REPO / "suites" / f"{name}.yaml")
+    assert raw["device"] == "auto" and set(raw["devices"]) == {"cpu", "cuda"}
+    assert "model" not in raw and "load_format" not in raw                 # ppspec.toml: smollm2 + shipped head
+    assert raw["devices"]["cuda"]["bench"] == {"batch_sizes": [1, 8, 32], "input_lens": [2048], "output_len": 256,
+                                               "runs": 3, "warmup": 1}
+    assert raw["devices"]["cuda"]["dtype"] == "bfloat16" and raw["devices"]["cpu"]["dtype"] == "float32"
+    tp, pp = TOPOLOGIES[name]
+    assert (raw["tp"], raw["pp"]) == (tp, pp) and raw.get("spec", {}).get("pp_spec", False) == (pp > 1)
+    big = load_yaml(REPO / "suites" / f"{name}_llama3_8b.yaml") if name in ("tp2pp2", "tp4pp2", "tp8") else None
+    if big:
+        assert big["name"] == f"{name}_llama3_8b" and big["load_format"] == "dummy" and "DUMMY WEIGHTS" in big["label"]
+        assert "DUMMY WEIGHTS" in (REPO / "suites" / f"{name}_llama3_8b.yaml").read_text().splitlines()[0]
+
+
+def test_bench_dry_run_tp4pp2_shows_8_ranks_and_spec(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    threads = max(1, (os.cpu_count() or 1) // 8)
+    for config in ("tp4pp2", "tp4pp2.yaml", str(REPO / "suites" / "tp4pp2.yaml")):
+        r = runner.invoke(app, ["bench", "--config", config, "--dry-run", "--device", "cpu"])
+        assert r.exit_code == 0, r.output
+        assert f"TP4 x PP2 (8 rank(s), {threads} thread(s) each) eagle S3 k1 n4 float32 on cpu" in r.output, r.output
+    r = runner.invoke(app, ["bench", "--config", "tp9", "--dry-run"])
+    assert r.exit_code == 2 and "not found" in r.output and "tp2pp4, tp3pp1, tp4pp2" in r.output, r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# winner logic on hand-made data
+# ---------------------------------------------------------------------------------------------
+
+def test_mcnemar_winner_known_answers():
+    a = [1] * 20 + [0] * 20                       # B right on 12 questions A got wrong, never the other way
+    b = [1] * 20 + [1] * 12 + [0] * 8
+    w = mcnemar_winner("A", a, "B", b)
+    assert w["winner"] == "B" and w["p"] == pytest.approx(2 * 0.5 ** 12) and w["diff"] == pytest.approx(0.3)
+    assert w["ci"][0] > 0 and w["text"].startswith("B +30.0 pp [")
+    w = mcnemar_winner("A", b, "B", a)           # same data, sides swapped: A wins by the same margin
+    assert w["winner"] == "A" and w["diff"] == pytest.approx(0.3)
+    w = mcnemar_winner("A", [1, 0, 1, 1, 0], "B", [0, 1, 1, 1, 1])        # 2 vs 1 discordant: p = 1
+    assert w["winner"] is None and w["text"] == "no detectable difference (p=1)"
+    inv_a, inv_b = [1] * 10 + [0] * 10, [0] * 20                          # invalid answers: fewer wins
+    w = mcnemar_winner("A", inv_a, "B", inv_b, higher_better=False)
+    assert w["winner"] == "B" and w["diff"] == pytest.approx(-0.5) and w["p"] < 0.01
+
+
+def test_bootstrap_winner_known_answers():
+    a = [0.010, 0.011, 0.012, 0.010, 0.011]
+    b = [x - 0.005 for x in a]                   # B exactly 5 ms faster on every matched request
+    w = bootstrap_winner("A", a, "B", b, lower_better=True, unit="ms")
+    assert w["winner"] == "B" and w["diff"] == pytest.approx(-0.005) and w["ci"] == pytest.approx((-0.005, -0.005))
+    assert w["text"] == "B -5.00 ms [-5.00, -5.00]"
+    w = bootstrap_winner("A", [100.0, 110, 120], "B", [90.0, 100, 115], lower_better=False)   # tok/s: larger wins
+    assert w["winner"] == "A" and w["diff"] == pytest.approx(25 / 3)
+    assert bootstrap_winner("A", [1.0, 2], "B", [3.0, 4])["text"] == "too few pairs (2)"
+    w = bootstrap_winner("A", [1.0, 2, 3, 4], "B", [2.0, 1, 4, 3])         # same mean
+    assert w["winner"] is None and w["text"].startswith("no detectable difference")
+    w = bootstrap_winner("A", [1.0, 2, 3, 4, 5, 6], "B", [1.5, 1.5, 3.5, 3.5, 5.5, 5.5])   # noise around 0
+    assert w["winner"] is None
+
+
+def _entry(name, kv, mem, tps):
+    cell = {"input_len": 8, "batch_size": 4, "pooled": {"ttft": {"mean": 0.1}, "tpot": {"mean": 0.01},
+                                                         "output_throughput_runs": tps}}
+    return {"name": name, "dir": name, "bench": {"cells": [cell], "engine_info": {"kv_pool_tokens": kv,
+                                                                                  "peak_memory_bytes": mem}},
+            "bench_records": []}
+
+
+def test_comparison_rows_name_the_winner_of_three():
+    e = [_entry("a", 1000, 3 * 2**30, [10.0, 11, 12]), _entry("b", 4000, 2**30, [20.0, 21, 22]),
+         _entry("c", 2000, 2 * 2**30, [30.0, 31, 32])]
+    _, md = comparison_table(e)
+    lines = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("|")}
+    assert lines["KV pool tokens"].endswith("| b +2,000 tokens |")          # larger wins, against the runner-up c
+    assert lines["peak memory GiB"].endswith("| b -1.00 GiB |")             # smaller wins
+    assert "| c +10.00 [+10.00, +10.00] |" in lines["tok/s @bs4 in8"]     # c against b over 3 matched runs
+    assert lines["TTFT mean ms @bs4 in8"].endswith("| too few pairs (0) |")   # no request records
+
+
+# ---------------------------------------------------------------------------------------------
+# the comparison table from committed result directories, in 80 columns
+# ---------------------------------------------------------------------------------------------
+
+def test_compare_fixture_table_has_winners_and_fits_80_columns(tmp_path, monkeypatch):
+    dirs = [str(FIXTURES / "tiny_pp1"), str(FIXTURES / "tiny_pp2")]
+    summary, rend, md = run_compare(dirs, None, plots=False)
+    assert summary["names"] == ["tiny_pp1", "tiny_pp2"]
+    assert "| metric | tiny_pp1 | tiny_pp2 | winner |" in md
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("|")}
+    for key in ("GSM8K flex per run", "GSM8K strict per run", "invalid answers strict", "accept len range (runs)",
+                "TTFT mean ms @bs1 in32", "TPOT mean ms @bs1 in32", "TTFT mean ms @bs4 in32", "tok/s @bs4 in32",
+                "KV pool tokens", "peak memory GiB"):
+        assert key in rows, key
+    assert rows["GSM8K flex per run"].endswith("| no detectable difference (p=1) |")   # same answers both ways
+    assert rows["KV pool tokens"].endswith("| tie |")
+    assert "ms [" in rows["TPOT mean ms @bs4 in32"]                       # 12 matched requests: a CI
+    text = _render(rend)
+    _fits(text)
+    assert "winner" in text and "McNemar" in text
+    monkeypatch.setenv("COLUMNS", "80")
+    r = runner.invoke(app, ["compare", *dirs, "--out", str(tmp_path / "c"), "--no-plots"])
+    assert r.exit_code == 0, r.output
+    _fits(r.output.split("results:")[0])
+    assert "winner" in (tmp_path / "c" / "compare.md").read_text()
+
+
+def test_compare_of_six_entries_splits_into_panels_without_cutting():
+    entries = [load_entry(FIXTURES / f"tiny_pp{1 + i % 2}", f"topology-{i}") for i in range(6)]
+    t, md = comparison_table(entries)
+    text = _render([t])
+    _fits(text)
+    assert "(panel 1/" in text and all(f"topology-{i}" in text for i in range(6)) and "winner" in text
+    assert md.count("| metric | topology-0 |") == 1                         # markdown: one full table
+
+
+def test_fit_table_keeps_every_figure_of_a_wide_table():
+    headers = ["metric"] + [f"config-{i}" for i in range(9)]
+    rows = [[f"row {r}"] + [f"{1234.5678 * (i + r):,.3f}" for i in range(9)] for r in range(3)]
+    text = _render([rich_table("wide", headers, rows)])
+    _fits(text)
+    for r in rows:
+        assert all(c in text for c in r)
+    narrow = rich_table("narrow", ["a", "b"], [["1", "2"]])
+    assert fit_table(narrow, 80) == [narrow]
+
+
+def test_fixtures_are_real_results():
+    for name in ("tiny_pp1", "tiny_pp2"):
+        e = load_entry(FIXTURES / name)
+        assert e["gsm8k"]["overall"]["runs"] == 2 and len(e["gsm8k_records"]) == 12
+        assert {c["batch_size"] for c in e["bench"]["cells"]} == {1, 4} and len(e["bench_records"]) == 15
+    assert PACKAGE_ROOT == REPO
+
+
+def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
+    """What ``ppspec bench`` / ``gsm8k`` print, re-rendered from every committed result (floors and peer columns
+    included) and from the fixtures: within 80 columns, nothing cut to an ellipsis."""
+    import json
+
+    from harness import bench, gsm8k
+    paths = sorted((REPO / "results").rglob("summary.json")) + sorted(FIXTURES.rglob("summary.json"))
+    seen = 0
+    for p in paths:
+        s = json.loads(p.read_text())
+        render = {"bench": bench.render, "gsm8k": gsm8k.render}.get(s.get("kind"))
+        if render is None:
+            continue
+        rend, _ = render(s, f"{s['kind']} {p.parent.name}")
+        _fits(_render(rend))
+        seen += 1
+    assert seen >= 4
