@@ -228,9 +228,12 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     return summary, records
 
 
-def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float]:
-    """95% percentile bootstrap CI of mean(num) / mean(den), each sample resampled on its own."""
+def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float] | None:
+    """95% percentile bootstrap CI of mean(num) / mean(den), each sample resampled on its own; None when either
+    sample has fewer than 2 values (no interval from one sample)."""
     import numpy as np
+    if num.size < 2 or den.size < 2:
+        return None
     boots = [rng.choice(num, num.size).mean() / rng.choice(den, den.size).mean() for _ in range(n_boot)]
     return [float(x) for x in np.quantile(boots, [0.025, 0.975])]
 
@@ -350,7 +353,9 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
         acc = c["pooled"].get("accept_length") or {}
         if acc.get("per_position"):
             notes.append(f"acceptance, input {c['input_len']} batch {c['batch_size']}: accept length "
-                         f"{stats.accept_detail(acc)} (95% bootstrap CI over requests; per position: share of "
+                         f"{stats.accept_detail(acc)} ("
+                         + ("95% bootstrap CI over requests; " if acc.get("ci95") else "")
+                         + "per position: share of "
                          f"rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
     cat_rend, cat_md = ([], "")
@@ -360,10 +365,14 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                                              f"acceptance by category ({summary.get('prompt_source')}, all cells)")
     for c in (summary.get("baseline") or {}).get("cells", []):
         ci_t, ci_p = c["tok_s_ratio_ci95"], c["tpot_ratio_ci95"]
+        ci_t = [f"{x:.2f}" for x in ci_t] if ci_t else None
+        ci_p = [f"{x:.2f}" for x in ci_p] if ci_p else None
+        n_t = None if ci_t else 1
+        n_p = None if ci_p else 1
         notes.append(f"speedup over no-spec (same topology and prompts), input {c['input_len']} batch "
-                     f"{c['batch_size']}: tok/s x{c['tok_s_ratio']:.2f} [{ci_t[0]:.2f}, {ci_t[1]:.2f}] "
-                     f"(no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT x"
-                     + (f"{c['tpot_ratio']:.2f} [{ci_p[0]:.2f}, {ci_p[1]:.2f}] (no-spec "
+                     f"{c['batch_size']}: tok/s " + stats.with_ci(f"x{c['tok_s_ratio']:.2f}", ci_t, n_t)
+                     + f" (no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT "
+                     + (stats.with_ci(f"x{c['tpot_ratio']:.2f}", ci_p, n_p) + " (no-spec "
                         f"{fmt(c['nospec_tpot_mean'], 'ms')} ms)" if c["tpot_ratio"] is not None else "-"))
     notes += pp_metrics.notes(summary)
     if random_weights:
