@@ -171,6 +171,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     carry ``weights: "random weights"``.
     """
     b = cfg.bench
+    if b.request_rates:
+        return _run_open_loop(cfg, llm, progress)
     if b.baseline == "nospec" and not cfg.engine.spec.enabled:
         from harness.config import HarnessConfigError
         raise HarnessConfigError("bench.baseline nospec measures speculation against plain decoding: turn spec on")
@@ -225,6 +227,31 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                 import torch
                 torch.cuda.empty_cache()
         summary["peer"] = _run_peer(cfg, peer_cells, progress, random_weights)
+    return summary, records
+
+
+def _run_open_loop(cfg: RunConfig, llm, progress) -> tuple[dict, list[dict]]:
+    """``run_bench`` with ``bench.request_rates``: the open-loop runs of harness/openloop.py; the summary has
+    ``open_loop`` (one row per input length x rate) and no ``cells``."""
+    from harness import openloop
+    openloop.check_open_loop(cfg)
+    check_cells_fit(cfg)
+    own = llm is None
+    if own:
+        from engine import LLM
+        llm = LLM(cfg.engine)
+    try:
+        section, records = openloop.run_open_loop(cfg, llm, progress)
+        info = dict(llm.info)
+        tok = getattr(llm, "tokenizer", None)
+    finally:
+        if own:
+            llm.shutdown()
+    b = cfg.bench
+    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+               "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": [],
+               "open_loop": section}
     return summary, records
 
 
@@ -318,6 +345,9 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
     With ``floors`` TTFT mean, TPOT mean/p50 and tok/s read ``measured / floor (ratio x)``; with
     ``peer`` every peer variant adds a row per cell (markdown) or rows per metric (terminal).
     """
+    if summary.get("open_loop"):
+        from harness import openloop
+        return openloop.render(summary, f"{title} (open loop)")
     floors = {(f["input_len"], f["batch_size"]): f for f in (summary.get("floors") or {}).get("cells", [])}
     peer = summary.get("peer")
     random_weights = summary.get("weights") == RANDOM_WEIGHTS or (peer or {}).get("weights") == RANDOM_WEIGHTS
