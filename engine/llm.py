@@ -173,7 +173,8 @@ class LLM:
 
         ``arrival_times`` (open-loop load): per prompt, seconds after this call starts at which the request arrives;
         stage 0's scheduler admits a request only once its arrival time has passed (every stage admits it at the
-        same point of the schedule), and its ``arrival_time`` (the origin of TTFT and E2E) is that instant.
+        same point of the schedule), and its ``arrival_time`` (the origin of TTFT and E2E) is that instant, on
+        ``time.perf_counter`` (system-wide monotonic on Linux, so the front end's clock and stage 0's agree).
         None or all zeros: every request arrives at the call's start (closed loop), the same schedule as before.
 
         Every request is checked here, before any rank sees the call, so a call runs all its requests or none:
