@@ -79,14 +79,20 @@ def test_open_loop_bench_same_tokens_as_closed_loop(tiny_model_dir, pp):
         assert set(r["ttft"]) == {"mean", "p50", "p90", "p99", "n"}
 
 
-def test_deferred_requests_wait_for_arrival(tiny_model_dir):
-    """A request is admitted only after its arrival time: its first token comes after it."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_deferred_requests_wait_for_arrival(tiny_model_dir, overlap):
+    """A request is admitted only after its arrival time (its first token comes after it), with the plain loop and
+    the lookahead loop (overlap_schedule), and the tokens are those of the closed loop."""
     from engine import LLM, EngineConfig, SamplingParams
-    with LLM(EngineConfig(model=str(tiny_model_dir))) as llm:
-        outs = llm.generate([[11, 12, 13], [14, 15, 16]], SamplingParams(max_new_tokens=2, ignore_eos=True),
-                            arrival_times=[0.0, 0.3])
+    prompts = [[11, 12, 13], [14, 15, 16, 17], [21, 22]]
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    with LLM(EngineConfig(model=str(tiny_model_dir), overlap_schedule=overlap)) as llm:
+        assert llm.plan.loop == ("lookahead" if overlap else "plain")
+        closed = llm.generate(prompts, sp)
+        outs = llm.generate(prompts, sp, arrival_times=[0.0, 0.3, 0.05], max_concurrency=2)
     assert outs[1].arrival_time - outs[0].arrival_time == pytest.approx(0.3)
-    assert outs[1].token_times[0] > outs[1].arrival_time
+    assert all(o.token_times[0] > o.arrival_time for o in outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in closed]
 
 
 @pytest.fixture
