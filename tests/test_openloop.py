@@ -121,6 +121,17 @@ def test_bad_open_loop_flags_are_one_line(no_engine, tmp_path, args, needle):
     assert len(lines) == 1 and lines[0].startswith("Error: ") and needle in lines[0], r.output
 
 
+def test_inf_rate_is_strict_json(tmp_path):
+    """summary.json stays strict JSON with an all-at-once rate: the config's inf is written "inf"."""
+    import json
+
+    from harness.cli_common import save
+    cfg = resolve("tiny_cpu", {"bench": {"request_rates": [2.0, float("inf")]}})
+    d = save(cfg, "bench", {"cells": []}, [], "x", tmp_path / "run")
+    text = (d / "summary.json").read_text()
+    assert "Infinity" not in text and json.loads(text)["config"]["bench"]["request_rates"] == [2.0, "inf"]
+
+
 def test_bad_config_rate_is_refused():
     from harness.config import HarnessConfigError
     with pytest.raises(HarnessConfigError, match="request_rates"):
