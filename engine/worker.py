@@ -3,12 +3,14 @@ every topology (pp_size 1 included).
 
 Tick t on stage p (M = pp_size micro-batch slots, slot = (t - p) mod M):
   1. process the relayed ``StepResult`` received at the previous exchange (every stage, identically);
-  2. schedule the slot's next batch with this stage's scheduler replica (same decision as stage 0
-     made p ticks earlier: it has processed exactly the same results);
+  2. admit the open-loop arrivals (``Worker.admit``: stage 0 counts the deferred requests whose arrival time has
+     passed, later stages apply the count relayed with the proxy), then schedule the slot's next batch with this
+     stage's scheduler replica (same decision as stage 0 made p ticks earlier: it has processed exactly the same
+     results and admissions);
   3. run this stage's layers on it (proxy hidden/residual from stage p-1); the last stage samples,
      verifies and tail-drafts, producing the batch's ``StepResult`` (engine.messages);
-  4. ring exchange (parity ordered): stage p sends {relay it processed, proxy, batch identity} to
-     p+1; the last stage sends its new result to stage 0.
+  4. ring exchange (parity ordered): stage p sends {relay it processed, admission count, proxy, batch
+     identity} to p+1; the last stage sends its new result to stage 0.
 Stage 0 therefore processes a slot's result just before scheduling that slot again, and each stage
 forwards the result round the ring. All stages run the same number of ticks.
 """
