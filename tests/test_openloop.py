@@ -139,3 +139,17 @@ def test_bad_config_rate_is_refused():
     cfg = resolve("tiny_cpu", {"bench": {"request_rates": [1.0]}})
     with pytest.raises(HarnessConfigError, match="--peer"):
         openloop.check_open_loop(dataclasses.replace(cfg, bench=dataclasses.replace(cfg.bench, peer=True)))
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 3), (2, 1)])
+def test_admission_agrees_across_ranks(tiny_model_dir, tp, pp):
+    """Three stages (the admission count forwarded by a middle stage) and two TP ranks (their minimum count) admit
+    alike: the run finishes (no "PP stages diverged") with the closed-loop tokens."""
+    from engine import LLM, EngineConfig, SamplingParams
+    prompts = [[31, 32, 33, 34], [41, 42], [51, 52, 53], [61, 62, 63, 64, 65]]
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(EngineConfig(model=str(tiny_model_dir), tp=tp, pp=pp)) as llm:
+        closed = llm.generate(prompts, sp)
+        outs = llm.generate(prompts, sp, arrival_times=[0.0, 0.01, 0.2, 0.21], max_concurrency=2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in closed]
+    assert all(o.token_times[0] > o.arrival_time for o in outs)
