@@ -125,3 +125,13 @@ def all_reduce_min_int(v: int) -> int:
     t = torch.tensor([v], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_PS.cpu_group)
     return int(t.item())
+
+
+def tp_min_int(v: int) -> int:
+    """Minimum of an int over this stage's TP ranks (``v`` itself when tp == 1): one value all of them act on."""
+    s = _PS
+    if s.tp_size == 1 or not dist.is_initialized():
+        return v
+    t = torch.tensor([v], dtype=torch.int64, device="cpu" if s.staged else s.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=s.tp_group)
+    return int(t.item())

@@ -167,8 +167,15 @@ class LLM:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 max_concurrency: int | None = None, progress=None) -> list[RequestOutput]:
+                 max_concurrency: int | None = None, progress=None,
+                 arrival_times: list[float] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids). Outputs come back in input order.
+
+        ``arrival_times`` (open-loop load): per prompt, seconds after this call starts at which the request arrives;
+        stage 0's scheduler admits a request only once its arrival time has passed (every stage admits it at the
+        same point of the schedule), and its ``arrival_time`` (the origin of TTFT and E2E) is that instant, on
+        ``time.perf_counter`` (system-wide monotonic on Linux, so the front end's clock and stage 0's agree).
+        None or all zeros: every request arrives at the call's start (closed loop), the same schedule as before.
 
         Every request is checked here, before any rank sees the call, so a call runs all its requests or none:
         text must be valid Unicode (encodable as UTF-8); token ids must be integers in [0, vocab_size); the
@@ -188,6 +195,12 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError("params must be one SamplingParams or one per prompt")
+        offsets = [0.0] * len(prompts) if arrival_times is None else list(arrival_times)
+        if len(offsets) != len(prompts):
+            raise ConfigError("arrival_times must give one time per prompt")
+        for i, a in enumerate(offsets):
+            if not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):
+                raise ConfigError(f"prompt {i}: arrival time must be a finite number of seconds >= 0, got {a!r}")
         reqs, now = [], time.perf_counter()
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             if not isinstance(sp, SamplingParams):
@@ -201,7 +214,7 @@ class LLM:
             err = request_error(len(ids), sp.max_new_tokens, ctx, info["reserve"], info["kv_pool_tokens"])
             if err:
                 raise ConfigError(f"prompt {i}: {err}")
-            reqs.append(Req(self._next_rid + i, ids, sp, arrival_time=now))
+            reqs.append(Req(self._next_rid + i, ids, sp, arrival_time=now + offsets[i], deferred=offsets[i] > 0))
         self._next_rid += len(reqs)
         if not reqs:
             return []

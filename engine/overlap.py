@@ -52,6 +52,7 @@ class OverlapLoops:
         sched, finished = self.sched, 0
         inflight: InFlight | None = None
         while True:
+            self.admit()
             if inflight is not None:
                 nxt = self._look_ahead(inflight)
                 if inflight.event is not None:
@@ -64,6 +65,9 @@ class OverlapLoops:
             if sched.all_finished():
                 break
             batch = sched.schedule(0)
+            if batch is None and sched.pending:
+                self.wait_arrival()
+                continue
             if batch is None:
                 raise KVCacheError(sched.stall_error())
             if batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
@@ -122,7 +126,11 @@ class OverlapLoops:
         sched, finished = self.sched, 0
         rr = self.runner.round_runner
         while not sched.all_finished():
+            self.admit()
             batch = sched.schedule(0)
+            if batch is None and sched.pending:
+                self.wait_arrival()
+                continue
             if batch is None:
                 raise KVCacheError(sched.stall_error())
             if (batch.kind == "verify" and len(batch.reqs) <= rr.max_bs and self.config.fault is None
@@ -151,6 +159,7 @@ class OverlapLoops:
         rids = [r.rid for r in seg]
         live = list(range(B))
         while True:
+            self.admit()                               # an arrival ends the segment (reserve_ahead admits first)
             dead = [b for b in live if seg[b].status != "running"]
             if dead:
                 rr.retire(st, dead)                    # stream-ordered after the rounds already launched

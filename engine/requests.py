@@ -100,6 +100,7 @@ class Req:
     trees_seeded: int = 0                 # verify trees seeded by a completed prefill (placeholder guard)
     isolated: bool = False                # runs in batches of its own (it shared a batch that failed)
     error: str | None = None              # why the engine failed this request (finish_reason "error")
+    deferred: bool = False                # open-loop: admitted only once arrival_time has passed on stage 0
 
     @property
     def root_token(self) -> int:

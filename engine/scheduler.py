@@ -32,6 +32,7 @@ class Scheduler:
         self.eos_ids, self.detok, self.record_times = set(eos_ids), detok, record_times
         self.reqs: dict[int, Req] = {}
         self.waiting: list[Req] = []
+        self.pending: list[Req] = []          # deferred requests not yet arrived, by (arrival_time, rid)
         self.max_concurrency = max_reqs
 
     @property
@@ -49,7 +50,8 @@ class Scheduler:
         self.add_all([req])
 
     def add_all(self, reqs: list[Req]) -> None:
-        """Queue every request of one call, or none: all are checked before any is queued.
+        """Queue every request of one call, or none: all are checked before any is queued. A ``deferred`` request
+        goes to ``pending`` (ordered by arrival time, then id) until :meth:`release` admits it to the waiting queue.
 
         Raises:
             ConfigError: the first request that cannot be served alone (empty or too long prompt, or a
@@ -62,7 +64,28 @@ class Scheduler:
         for req in reqs:
             req.fill_ids = list(req.prompt_ids)
             self.reqs[req.rid] = req
-            self.waiting.append(req)
+            (self.pending if req.deferred else self.waiting).append(req)
+        self.pending.sort(key=lambda r: (r.arrival_time, r.rid))
+
+    # ----------------------------------------------------------------------------------- open-loop arrivals
+    def arrived(self, now: float) -> int:
+        """How many of ``pending`` (a prefix) have ``arrival_time <= now``. Stage 0 alone reads its clock; every
+        stage then applies the same count (:meth:`release`), so all replicas admit the same requests at the same
+        point of their schedule."""
+        n = 0
+        while n < len(self.pending) and self.pending[n].arrival_time <= now:
+            n += 1
+        return n
+
+    def release(self, n: int) -> None:
+        """Move the first ``n`` pending requests to the back of the waiting queue (in arrival order)."""
+        if n > 0:
+            self.waiting.extend(self.pending[:n])
+            del self.pending[:n]
+
+    def next_arrival(self) -> float | None:
+        """The arrival time of the next pending request (perf_counter seconds), or None."""
+        return self.pending[0].arrival_time if self.pending else None
 
     def reset(self) -> None:
         """Drop every request and give back all their KV slots and rows (after a failed call)."""
@@ -71,6 +94,7 @@ class Scheduler:
                 self._release(r)
         self.reqs.clear()
         self.waiting.clear()
+        self.pending.clear()
 
     def end_run(self) -> None:
         """Check that the idle scheduler holds no KV slot or req_to_token row, then forget the run's requests.

@@ -3,12 +3,14 @@ every topology (pp_size 1 included).
 
 Tick t on stage p (M = pp_size micro-batch slots, slot = (t - p) mod M):
   1. process the relayed ``StepResult`` received at the previous exchange (every stage, identically);
-  2. schedule the slot's next batch with this stage's scheduler replica (same decision as stage 0
-     made p ticks earlier: it has processed exactly the same results);
+  2. admit the open-loop arrivals (``Worker.admit``: stage 0 counts the deferred requests whose arrival time has
+     passed, later stages apply the count relayed with the proxy), then schedule the slot's next batch with this
+     stage's scheduler replica (same decision as stage 0 made p ticks earlier: it has processed exactly the same
+     results and admissions);
   3. run this stage's layers on it (proxy hidden/residual from stage p-1); the last stage samples,
      verifies and tail-drafts, producing the batch's ``StepResult`` (engine.messages);
-  4. ring exchange (parity ordered): stage p sends {relay it processed, proxy, batch identity} to
-     p+1; the last stage sends its new result to stage 0.
+  4. ring exchange (parity ordered): stage p sends {relay it processed, admission count, proxy, batch
+     identity} to p+1; the last stage sends its new result to stage 0.
 Stage 0 therefore processes a slot's result just before scheduling that slot again, and each stage
 forwards the result round the ring. All stages run the same number of ticks.
 """
@@ -21,7 +23,7 @@ import torch
 
 from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
-from .dist import ps
+from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
 from .messages import RelayError, StepResult
 from .overlap import OverlapLoops, report
@@ -197,12 +199,15 @@ class Worker(OverlapLoops):
             if end_tick is None and sched.all_finished():
                 end_tick = tick - s.pp_rank + P - 1
             t1 = clock()
+            arrived = self.admit(inbox)
             batch = sched.schedule((tick - s.pp_rank) % P) if end_tick is None and tick >= s.pp_rank else None
             stats.add("process", t1 - t0)
             stats.add("schedule", clock() - t1)
             idle = 0 if batch is not None or relay is not None or end_tick is not None else idle + 1
-            if idle > 2 * P + 1:                         # nothing scheduled or in flight on any slot
+            if idle > 2 * P + 1 and not sched.pending:   # nothing scheduled or in flight on any slot
                 raise KVCacheError(sched.stall_error())
+            if batch is None:
+                self.wait_arrival()
             expect = inbox.get("batch")
             got = (batch.kind, batch.rids) if batch is not None else None
             if not s.is_first_stage and expect != got:
@@ -216,13 +221,38 @@ class Worker(OverlapLoops):
             if s.is_last_stage:
                 out = {"relay": out or None}
             else:
-                out["relay"] = relay
+                out["relay"], out["arrived"] = relay, arrived
             inbox = ring_exchange(out)
             stats.ticks += 1
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
         return self.finish_run(reqs)
+
+    def admit(self, inbox: dict | None = None) -> int | None:
+        """Open-loop arrivals: release the deferred requests whose arrival time has passed into the waiting queue,
+        before this tick's schedule. Stage 0 decides from its clock (its TP ranks agree on the minimum count);
+        every later stage applies the count its predecessor relayed (``inbox["arrived"]``), which is stage 0's
+        decision at the tick whose schedule this stage replays, so every replica admits the same requests.
+        Returns the count applied (relayed onwards), or None when nothing is pending."""
+        sched = self.sched
+        if not sched.pending:
+            return None
+        if ps().is_first_stage:
+            n = tp_min_int(sched.arrived(time.perf_counter()))
+        else:
+            n = int((inbox or {}).get("arrived") or 0)
+        sched.release(n)
+        return n
+
+    def wait_arrival(self, cap_s: float = 0.02) -> None:
+        """Stage 0 with nothing admitted left to serve: sleep toward the next arrival, at most ``cap_s`` (the ring
+        keeps exchanging meanwhile)."""
+        sched = self.sched
+        if sched.pending and not sched.waiting and sched.num_active() == 0 and ps().is_first_stage:
+            dt = sched.next_arrival() - time.perf_counter()
+            if dt > 0:
+                time.sleep(min(dt, cap_s))
 
     def finish_run(self, reqs: list[Req]) -> list[Req]:
         """End of a run: the stage's counters kept (``last_stats``), the idle scheduler checked and emptied."""

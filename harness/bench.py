@@ -171,6 +171,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     carry ``weights: "random weights"``.
     """
     b = cfg.bench
+    if b.request_rates:
+        return _run_open_loop(cfg, llm, progress)
     if b.baseline == "nospec" and not cfg.engine.spec.enabled:
         from harness.config import HarnessConfigError
         raise HarnessConfigError("bench.baseline nospec measures speculation against plain decoding: turn spec on")
@@ -228,9 +230,37 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     return summary, records
 
 
-def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float]:
-    """95% percentile bootstrap CI of mean(num) / mean(den), each sample resampled on its own."""
+def _run_open_loop(cfg: RunConfig, llm, progress) -> tuple[dict, list[dict]]:
+    """``run_bench`` with ``bench.request_rates``: the open-loop runs of harness/openloop.py; the summary has
+    ``open_loop`` (one row per input length x rate) and no ``cells``."""
+    from harness import openloop
+    openloop.check_open_loop(cfg)
+    check_cells_fit(cfg)
+    own = llm is None
+    if own:
+        from engine import LLM
+        llm = LLM(cfg.engine)
+    try:
+        section, records = openloop.run_open_loop(cfg, llm, progress)
+        info = dict(llm.info)
+        tok = getattr(llm, "tokenizer", None)
+    finally:
+        if own:
+            llm.shutdown()
+    b = cfg.bench
+    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+               "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": [],
+               "open_loop": section}
+    return summary, records
+
+
+def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float] | None:
+    """95% percentile bootstrap CI of mean(num) / mean(den), each sample resampled on its own; None when either
+    sample has fewer than 2 values (no interval from one sample)."""
     import numpy as np
+    if num.size < 2 or den.size < 2:
+        return None
     boots = [rng.choice(num, num.size).mean() / rng.choice(den, den.size).mean() for _ in range(n_boot)]
     return [float(x) for x in np.quantile(boots, [0.025, 0.975])]
 
@@ -315,6 +345,9 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
     With ``floors`` TTFT mean, TPOT mean/p50 and tok/s read ``measured / floor (ratio x)``; with
     ``peer`` every peer variant adds a row per cell (markdown) or rows per metric (terminal).
     """
+    if summary.get("open_loop"):
+        from harness import openloop
+        return openloop.render(summary, f"{title} (open loop)")
     floors = {(f["input_len"], f["batch_size"]): f for f in (summary.get("floors") or {}).get("cells", [])}
     peer = summary.get("peer")
     random_weights = summary.get("weights") == RANDOM_WEIGHTS or (peer or {}).get("weights") == RANDOM_WEIGHTS
@@ -350,7 +383,9 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
         acc = c["pooled"].get("accept_length") or {}
         if acc.get("per_position"):
             notes.append(f"acceptance, input {c['input_len']} batch {c['batch_size']}: accept length "
-                         f"{stats.accept_detail(acc)} (95% bootstrap CI over requests; per position: share of "
+                         f"{stats.accept_detail(acc)} ("
+                         + ("95% bootstrap CI over requests; " if acc.get("ci95") else "")
+                         + "per position: share of "
                          f"rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
     cat_rend, cat_md = ([], "")
@@ -360,10 +395,14 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                                              f"acceptance by category ({summary.get('prompt_source')}, all cells)")
     for c in (summary.get("baseline") or {}).get("cells", []):
         ci_t, ci_p = c["tok_s_ratio_ci95"], c["tpot_ratio_ci95"]
+        ci_t = [f"{x:.2f}" for x in ci_t] if ci_t else None
+        ci_p = [f"{x:.2f}" for x in ci_p] if ci_p else None
+        n_t = None if ci_t else 1
+        n_p = None if ci_p else 1
         notes.append(f"speedup over no-spec (same topology and prompts), input {c['input_len']} batch "
-                     f"{c['batch_size']}: tok/s x{c['tok_s_ratio']:.2f} [{ci_t[0]:.2f}, {ci_t[1]:.2f}] "
-                     f"(no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT x"
-                     + (f"{c['tpot_ratio']:.2f} [{ci_p[0]:.2f}, {ci_p[1]:.2f}] (no-spec "
+                     f"{c['batch_size']}: tok/s " + stats.with_ci(f"x{c['tok_s_ratio']:.2f}", ci_t, n_t)
+                     + f" (no-spec {fmt(c['nospec_output_throughput'])} tok/s), TPOT "
+                     + (stats.with_ci(f"x{c['tpot_ratio']:.2f}", ci_p, n_p) + " (no-spec "
                         f"{fmt(c['nospec_tpot_mean'], 'ms')} ms)" if c["tpot_ratio"] is not None else "-"))
     notes += pp_metrics.notes(summary)
     if random_weights:

@@ -181,7 +181,11 @@ def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: 
     from harness.results import make_run_dir, run_metadata, write_run
     d = make_run_dir(cfg, kind, out)
     title = f"# {kind}: {cfg.name}" + (f" ({cfg.label})" if cfg.label else "")
-    write_run(d, {"kind": kind, "meta": run_metadata(cfg, kind), "config": cfg.to_dict(), **summary},
+    config = cfg.to_dict()
+    rates = (config.get("bench") or {}).get("request_rates")
+    if rates:                            # strict JSON has no Infinity: an all-at-once rate is written "inf"
+        config["bench"]["request_rates"] = ["inf" if r == float("inf") else r for r in rates]
+    write_run(d, {"kind": kind, "meta": run_metadata(cfg, kind), "config": config, **summary},
               f"{title}\n\n{md}", records)
     err.print(f"results: {d}", markup=False, highlight=False)
     return d

@@ -3,7 +3,8 @@ built-in one), the suites ``--config`` accepts, and one example per command.
 
 ``HelpGroup`` is the Typer group class of the ``ppspec`` app: when Click looks a command up (to run it or to show
 its help) its options' help gets ``[default: X]`` appended and its epilog the example. Cheap: reads ppspec.toml and
-lists ``suites/`` (no torch, no engine).
+lists ``suites/`` (no torch, no engine). It also prints a Click usage error (unknown option, bad value, missing
+argument) as one stderr line, ``Error: ... (try 'ppspec CMD --help')``, exit 2, instead of Typer's boxed panel.
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ OPTIONS = {
                                                       "max_concurrency")}},
     "bench": {**ENGINE, **{k: f"bench.{k}" for k in ("batch_sizes", "input_lens", "output_len", "num_prompts", "runs",
                                                       "warmup", "cells", "floors", "peer", "peer_prompt_lookup",
-                                                      "baseline", "prompts")}},
+                                                      "baseline", "prompts", "max_concurrency")}},
     "gate": {**ENGINE, **{k: f"gate.{k}" for k in ("limit", "accuracy_margin", "accept_length_margin")}},
     "generate": ENGINE,
     "token-map": {"model": "model"},
 }
-NONE_MEANS = {"bench.num_prompts": "the batch size", "gsm8k.max_concurrency": "the engine's", "bench.cells":
+NONE_MEANS = {"bench.num_prompts": "the batch size (open loop: 16)", "bench.max_concurrency": "the engine's", "gsm8k.max_concurrency": "the engine's", "bench.cells":
               "input lens x batch sizes", "bench.baseline": "none", "gsm8k.limit": "all 1319", "gate.limit": "all 1319"}
 EXAMPLES = {
     "gsm8k": "ppspec gsm8k --config tiny_cpu --limit 8",
@@ -147,3 +148,33 @@ class HelpGroup(TyperGroup):
         if cmd is not None:
             annotate(cmd, cmd_name)
         return cmd
+
+    def main(self, *args, standalone_mode: bool = True, **kw):
+        """Typer's ``main``; in standalone mode a usage error is one line on stderr (exit 2) and any other Click
+        error keeps Typer's rendering."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kw)
+        import sys
+
+        import typer.core
+        click = getattr(typer.core, "_click", None)       # the Click Typer runs on (vendored in newer Typers)
+        if click is None:
+            import click
+        try:
+            rv = super().main(*args, standalone_mode=False, **kw)
+        except click.exceptions.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":          # the help is already printed
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (try '{ctx.command_path} --help')" if ctx is not None else ""
+            msg = " ".join(e.format_message().split())
+            click.echo(f"Error: {msg}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.ClickException as e:
+            from typer import rich_utils
+            rich_utils.rich_format_error(e)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)

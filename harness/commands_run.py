@@ -84,17 +84,31 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).")] = None,
           baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
           prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k[/cyan] (GSM8K train, cut to the input length) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
+          request_rate: Annotated[Optional[list[str]], typer.Option(help="Open loop: Poisson arrivals at this many requests/s ([cyan]inf[/cyan]: all at once); repeat for one row per rate.", rich_help_panel="Open loop")] = None,
+          max_concurrency: Annotated[Optional[int], typer.Option(help="Open loop: requests in flight at most.", rich_help_panel="Open loop")] = None,
+          slo: Annotated[Optional[str], typer.Option(help="Open loop goodput SLOs in ms, e.g. [cyan]ttft=2000,tpot=200[/cyan].", rich_help_panel="Open loop")] = None,
           dry_run: Annotated[bool, typer.Option(help="List the cells (and which would fail) and exit; loads no model.")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
-    prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing."""
+    prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing.
+    With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate."""
     from harness.bench import render, run_bench
+    from harness.openloop import parse_rate, parse_slo
     with user_errors():
         check_out(out)
+        rates = tuple(parse_rate(r) for r in request_rate) if request_rate else None
+        slos = parse_slo(slo) or {}
+        if slos and not rates:
+            raise HarnessConfigError("--slo sets goodput bounds of an open-loop run: give --request-rate too")
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, bench=dict(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"), input_lens=_ints(input_lens, "--input-lens"),
             output_len=output_len, num_prompts=num_prompts, runs=runs, warmup=warmup, cells=_cells(cells),
-            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts)))
+            floors=floors, peer=peer, peer_prompt_lookup=peer_prompt_lookup, baseline=baseline, prompts=prompts,
+            request_rates=list(rates) if rates else None, max_concurrency=max_concurrency,
+            slo_ttft_ms=slos.get("ttft"), slo_tpot_ms=slos.get("tpot"))))
+        if cfg.bench.request_rates:
+            from harness.openloop import check_open_loop
+            check_open_loop(cfg)
         if dry_run:
             from harness.dryrun import bench_cells
             lines, bad = bench_cells(cfg)

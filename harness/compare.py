@@ -312,7 +312,7 @@ def paired_tests(entries: list[dict]) -> tuple[list[dict], tuple]:
     headers = ["A vs B", "filter", "n", "acc A", "acc B", "B-A [95% CI]", "discordant", "McNemar p",
                "MDD paired", "MDD unpaired"]
     rows = [[f"{t['a']} vs {t['b']}", t["filter"], str(t["n"]), fmt(t["acc_a"], "pct"), fmt(t["acc_b"], "pct"),
-             f"{fmt(t['diff'], 'pct')} [{fmt(t['ci_low'], 'pct')}, {fmt(t['ci_high'], 'pct')}]",
+             stats.with_ci(fmt(t["diff"], "pct"), [fmt(t["ci_low"], "pct"), fmt(t["ci_high"], "pct")], t["n"]),
              str(t["mcnemar"]["discordant"]), fmt(t["mcnemar"]["p_value"], "p"),
              fmt(stats.shown_mdd(t["mdd_paired"]), "pct"), fmt(stats.shown_mdd(t["mdd_unpaired"]), "pct")]
             for t in out]

@@ -65,6 +65,10 @@ class BenchConfig:
     peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
     baseline: str | None = None           # "nospec": also run every cell without speculation, same prompts; ratios
     prompts: str = "gsm8k"                # prompt text: GSM8K train (cut to input_len) or a natural set (harness/prompt_sets.py)
+    request_rates: tuple[float, ...] | None = None   # open loop: Poisson arrivals per rate, req/s (.inf: all at once)
+    max_concurrency: int | None = None    # open loop: requests in flight at most (None: engine max_running_requests)
+    slo_ttft_ms: float | None = None      # open loop goodput: TTFT bound (ms)
+    slo_tpot_ms: float | None = None      # open loop goodput: TPOT bound (ms)
 
     def __post_init__(self) -> None:
         data = PACKAGE_ROOT / "harness" / "data"
@@ -85,7 +89,15 @@ class BenchConfig:
             for c in self.cells:
                 if len(c) != 2 or min(c) < 1:
                     raise HarnessConfigError(f"bench.cells: every cell is [input_len, batch_size] >= 1, got {list(c)}")
-        _positive("bench", output_len=self.output_len, num_prompts=self.num_prompts, runs=self.runs)
+        _positive("bench", output_len=self.output_len, num_prompts=self.num_prompts, runs=self.runs,
+                  max_concurrency=self.max_concurrency)
+        if self.request_rates is not None and (not self.request_rates or not all(r > 0 for r in self.request_rates)):
+            raise HarnessConfigError(f"bench.request_rates: every rate must be > 0 requests/s (or .inf), "
+                                     f"got {list(self.request_rates)}")
+        for k in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, k)
+            if v is not None and not (0 < v < float("inf")):
+                raise HarnessConfigError(f"bench.{k}: must be a number of milliseconds > 0, got {v}")
         if self.warmup < 0:
             raise HarnessConfigError("bench.warmup: must be >= 0")
 

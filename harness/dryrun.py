@@ -18,6 +18,8 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     b = cfg.bench
     e = cfg.engine
     lines, bad = [], 0
+    if b.request_rates:
+        return _open_loop_lines(cfg)
     for L, B in b.cell_list():
         one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, B),)))
         why = None
@@ -37,4 +39,31 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
                                           if e.device == "cpu" else ""))
     lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} ({ranks}) {spec} {e.dtype} on {e.device}; prompts "
                  f"{b.prompts}{base}; {bench_total(cfg)} timed requests in all")
+    return lines, bad
+
+
+def _open_loop_lines(cfg: RunConfig) -> tuple[list[str], int]:
+    """``bench_cells`` for an open-loop run: one line per input length x request rate."""
+    from engine.config import ConfigError
+    from harness.bench import check_cells_fit
+    from harness.config import HarnessConfigError
+    from harness.openloop import DEFAULT_NUM_PROMPTS, check_open_loop, rate_label
+    from harness.progress import bench_total
+    b, e = cfg.bench, cfg.engine
+    lines, bad = [], 0
+    for L in dict.fromkeys(L for L, _ in b.cell_list()):
+        one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, 1),)))
+        why = None
+        try:
+            check_open_loop(one)
+            check_cells_fit(one)
+        except (HarnessConfigError, ConfigError, FileNotFoundError) as x:
+            why = str(x)
+        for r in b.request_rates:
+            bad += why is not None
+            lines.append(f"in={L} rate={rate_label(r)} req/s: {b.num_prompts or DEFAULT_NUM_PROMPTS} Poisson "
+                         f"arrivals x {b.runs} run(s), at most {b.max_concurrency or e.max_running_requests} in "
+                         f"flight, {b.output_len} output tokens each" + (f"  [would fail: {why}]" if why else ""))
+    lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} {e.dtype} on {e.device}; open loop; "
+                 f"{bench_total(cfg)} timed requests in all")
     return lines, bad

@@ -328,8 +328,8 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
                    [[str(k), str(v), fmt(v / total, "pct")] for k, v in hist.items()])
     if o["accept_length"].get("per_position"):
-        md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: 95% bootstrap CI over "
-                "requests; per position = share of rounds accepting at least that many drafted tokens\n")
+        md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: "
+                + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
              f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
              "interval over questions]' ('all': over the questions' mean score across runs)")

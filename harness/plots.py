@@ -256,12 +256,54 @@ def plot_busy(series: dict[str, Sequence[float]], path: Path,
     return [_save(fig, path)]
 
 
+def plot_open_loop(rows: list[dict], path: Path, title: str = "latency vs request throughput (open loop)"
+                   ) -> list[Path]:
+    """Open-loop rows (harness/openloop.py): TTFT (left) and TPOT (right), mean and p99 in ms, against the achieved
+    request throughput (req/s), one pair of lines per input length, points labelled with the offered rate
+    ``R=...``. Written only when some input length has at least two rates."""
+    by_len: dict[int, list[dict]] = {}
+    for r in rows:
+        if r.get("request_throughput") is not None:
+            by_len.setdefault(r["input_len"], []).append(r)
+    if not any(len(v) >= 2 for v in by_len.values()):
+        return []
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(FIGSIZE[0] * 1.6, FIGSIZE[1]))
+    for ax, key, name in ((axes[0], "ttft", "TTFT (ms, from arrival to first token)"),
+                          (axes[1], "tpot", "TPOT (ms per output token)")):
+        ys_all, xs_all = [], []
+        for i, (L, rs) in enumerate(sorted(by_len.items())):
+            rs = sorted(rs, key=lambda r: r["request_throughput"])
+            xs = [r["request_throughput"] for r in rs]
+            for j, (q, lab) in enumerate((("mean", "mean"), ("p99", "p99"))):
+                ys = [r[key][q] * 1e3 if r[key][q] is not None else None for r in rs]
+                st = _style(2 * i + j)
+                line, = ax.plot(xs, ys, label=f"input {L}: {lab}", **st)
+                ys_all += [y for y in ys if y is not None]
+                if j == 0:
+                    for r, x, y in zip(rs, xs, ys):
+                        if y is not None:
+                            ax.annotate(f"R={r['request_rate']}", (x, y), textcoords="offset points",
+                                        xytext=(4, 4), fontsize=8, color=line.get_color())
+            xs_all += xs
+        ax.margins(x=0.12, y=0.12)
+        _maybe_log(ax, "y", ys_all)
+        ax.set(xlabel="request throughput (req/s, completed / duration)", ylabel=name)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle(title + " (R = offered rate, req/s)")
+    return [_save(fig, path)]
+
+
 def bench_plots(summary: dict, out_dir: Path) -> list[Path]:
-    """A bench summary's plots: ``frontier.png`` (TPOT vs throughput across batch sizes, with the no-spec
+    """A bench summary's plots; open loop: ``open_loop_latency.png`` only. Closed loop: ``frontier.png`` (TPOT vs throughput across batch sizes, with the no-spec
     baseline when measured), ``accept_by_category.png`` (natural prompt sets), ``accept_per_position.png`` and
     ``accept_length_hist.png`` (per cell), ``pp_stage_busy.png`` (with PP metrics)."""
     out_dir = Path(out_dir)
     name = topology(summary)
+    if summary.get("open_loop"):
+        return plot_open_loop(summary["open_loop"]["rows"], out_dir / "open_loop_latency.png",
+                              f"latency vs request throughput, open loop ({name})")
     written = plot_frontier(frontier_series(summary, name), out_dir / "frontier.png",
                             f"TPOT vs output throughput across batch sizes ({name})")
     if summary.get("accept_by_category"):

@@ -20,8 +20,13 @@ LOADING = "loading model…"
 
 
 def bench_total(cfg) -> int:
-    """Timed requests of a bench run: per cell (num_prompts or batch size) x runs, twice with the no-spec baseline."""
+    """Timed requests of a bench run: per cell (num_prompts or batch size) x runs, twice with the no-spec baseline;
+    open loop: num_prompts x runs per input length and request rate."""
     b = cfg.bench
+    if b.request_rates:                   # open loop: num_prompts per input length x rate x run
+        from harness.openloop import DEFAULT_NUM_PROMPTS
+        lens = len(dict.fromkeys(L for L, _ in b.cell_list()))
+        return (b.num_prompts or DEFAULT_NUM_PROMPTS) * b.runs * lens * len(b.request_rates)
     n = sum((b.num_prompts or B) * b.runs for _, B in b.cell_list())
     return n * (2 if b.baseline == "nospec" and cfg.engine.spec.enabled else 1)
 

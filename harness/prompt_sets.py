@@ -106,6 +106,7 @@ def render_categories(acc: dict[str, dict], title: str = "acceptance by category
     """Rich table + markdown of :func:`accept_by_category`: requests, rounds, mean accept length [95% bootstrap CI
     over requests], acceptance per draft position, tokens-per-round histogram. ``([], "")`` when no category has
     a verify round (no speculation)."""
+    from harness import stats
     from harness.tables import both
     rows = []
     for c, a in acc.items():
@@ -113,7 +114,7 @@ def render_categories(acc: dict[str, dict], title: str = "acceptance by category
             continue
         ci = a.get("ci95")
         rows.append([c, str(a["requests"]), str(a["rounds"]),
-                     f"{a['mean']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""),
+                     stats.with_ci(f"{a['mean']:.2f}", [f"{x:.2f}" for x in ci] if ci else None, a["requests"]),
                      " / ".join(f"{x:.2f}" for x in a.get("per_position") or []) or "-",
                      " ".join(f"{k}:{v}" for k, v in a["hist"].items())])
     if not rows:

@@ -67,7 +67,7 @@ def accept_stats(accept_lengths: Sequence[Sequence[int]], positions: int | None 
     per_req = [a for a in per_req if a.size]
     pooled = np.concatenate(per_req) if per_req else np.zeros(0)
     hist = Counter(int(a) for a in pooled)
-    out = {"mean": float(pooled.mean()) if pooled.size else None, "rounds": int(pooled.size),
+    out = {"mean": float(pooled.mean()) if pooled.size else None, "rounds": int(pooled.size), "requests": len(per_req),
            "hist": {int(k): int(hist[k]) for k in sorted(hist)}, "ci95": None, "per_position": []}
     if not pooled.size:
         return out
@@ -82,12 +82,25 @@ def accept_stats(accept_lengths: Sequence[Sequence[int]], positions: int | None 
     return out
 
 
+NO_CI = "n=1, no CI"
+"""What a table shows in place of a confidence interval computed from a single sample."""
+
+
+def with_ci(text: str, ci, n: int | None) -> str:
+    """``text [lo, hi]`` (``ci`` already formatted as two strings), or ``text (n=1, no CI)`` when ``n`` < 2 or
+    there is no interval."""
+    if ci is None or (n is not None and n < 2):
+        return f"{text} ({NO_CI})" if n is not None and n < 2 else text
+    return f"{text} [{ci[0]}, {ci[1]}]"
+
+
 def accept_detail(acc: dict) -> str:
-    """One line of :func:`accept_stats`: ``mean [lo, hi]; per position p0 / p1 / ...`` ('-' without rounds)."""
+    """One line of :func:`accept_stats`: ``mean [lo, hi]; per position p0 / p1 / ...`` ('-' without rounds;
+    ``mean (n=1, no CI)`` for a single request)."""
     if not acc or acc.get("mean") is None:
         return "-"
     ci = acc.get("ci95")
-    s = f"{acc['mean']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+    s = with_ci(f"{acc['mean']:.2f}", [f"{x:.2f}" for x in ci] if ci else None, acc.get("requests"))
     pos = acc.get("per_position") or []
     return s + ("; per position " + " / ".join(f"{x:.2f}" for x in pos) if pos else "")
 
