@@ -86,7 +86,8 @@ class EngineConfig:
     device: str = "cpu"
     tp: int = 1
     pp: int = 1
-    attention_backend: str = "auto"       # auto | torch | flashinfer
+    attention_backend: str = "auto"       # auto | ragged | torch | flashinfer (auto: flashinfer for CUDA half, torch for
+                                          # CUDA float32, ragged on CPU; torch is ragged's padded reference twin)
     load_format: str = "auto"             # auto | dummy (random weights from config.json only)
     max_num_tokens: int | None = None     # KV pool capacity in tokens (None: sized from memory)
     mem_fraction: float = 0.8
@@ -130,8 +131,9 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16)")
         if self.tp < 1 or self.pp < 1:
             raise ConfigError("tp and pp must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, torch, flashinfer)")
+        if self.attention_backend not in ("auto", "ragged", "torch", "flashinfer"):
+            raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, ragged, torch, "
+                              "flashinfer)")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
         if self.cuda_graph_max_bs < 1:
