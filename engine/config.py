@@ -109,6 +109,8 @@ class EngineConfig:
     spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
                                           # (engine.speculative.device_round) and round t+1 is launched before round t is
                                           # read back; implies the device tree
+    cpu_decode_threads: int | None = 1    # CPU: torch intra-op threads while a decode / verify batch runs (its draft
+                                          # steps included; prefill keeps torch's setting); None: torch's setting
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
@@ -140,6 +142,8 @@ class EngineConfig:
             raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_prefill_max_tokens < 0:
             raise ConfigError(f"cuda_graph_prefill_max_tokens must be >= 0, got {self.cuda_graph_prefill_max_tokens}")
+        if self.cpu_decode_threads is not None and self.cpu_decode_threads < 1:
+            raise ConfigError(f"cpu_decode_threads must be >= 1 (or unset), got {self.cpu_decode_threads}")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
         dev = self.device.split(":")[0]
