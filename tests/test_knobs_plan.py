@@ -161,7 +161,7 @@ def _cli(*args, env=None):
 
 def test_ppspec_plan_cli():
     r = _cli("plan", "--config", "tp1pp2")
-    assert r.returncode == 0 and "loop ring" in r.stdout and "attention torch" in r.stdout, r.stderr
+    assert r.returncode == 0 and "loop ring" in r.stdout and "attention ragged" in r.stdout, r.stderr
     r = _cli("plan", "--config", "h200", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)

@@ -158,14 +158,13 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def gguf_tokenizer_cache(path: Path) -> Path | None:
-    """Where the tokenizer built from GGUF ``path`` is kept on disk (``$XDG_CACHE_HOME`` or ~/.cache, then
-    ppspec/tokenizers/<hash of the file's path, size and mtime>), or None when no cache directory can be named.
+    """Where the tokenizer built from GGUF ``path`` is kept on disk (~/.cache/ppspec/tokenizers/<hash of the file's
+    path, size and mtime>), or None when no home directory can be named.
     Building it from the GGUF metadata takes seconds to tens of seconds; loading the saved one, well under one."""
     import hashlib
-    import os
     try:
         st = path.stat()
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        root = Path.home() / ".cache"
     except (OSError, RuntimeError):
         return None
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
