@@ -95,7 +95,8 @@ class EngineConfig:
     device: str = "cpu"                   # cpu | cuda | cuda:N | auto (resolve_device: cuda when available, else cpu)
     tp: int = 1
     pp: int = 1
-    attention_backend: str = "auto"       # auto | torch | flashinfer
+    attention_backend: str = "auto"       # auto | ragged | torch | flashinfer (auto: flashinfer for CUDA half, torch for
+                                          # CUDA float32, ragged on CPU; torch is ragged's padded reference twin)
     load_format: str = "auto"             # auto | dummy (random weights from config.json only)
     max_num_tokens: int | None = None     # KV pool capacity in tokens (None: sized from memory)
     mem_fraction: float = 0.8
@@ -117,6 +118,8 @@ class EngineConfig:
     spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
                                           # (engine.speculative.device_round) and round t+1 is launched before round t is
                                           # read back; implies the device tree
+    cpu_decode_threads: int | None = 1    # CPU: torch intra-op threads while a decode / verify batch runs (its draft
+                                          # steps included; prefill keeps torch's setting); None: torch's setting
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
@@ -139,14 +142,17 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16)")
         if self.tp < 1 or self.pp < 1:
             raise ConfigError("tp and pp must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, torch, flashinfer)")
+        if self.attention_backend not in ("auto", "ragged", "torch", "flashinfer"):
+            raise ConfigError(f"attention_backend: {self.attention_backend!r} (supported: auto, ragged, torch, "
+                              "flashinfer)")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r} (supported: auto, dummy)")
         if self.cuda_graph_max_bs < 1:
             raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_prefill_max_tokens < 0:
             raise ConfigError(f"cuda_graph_prefill_max_tokens must be >= 0, got {self.cuda_graph_prefill_max_tokens}")
+        if self.cpu_decode_threads is not None and self.cpu_decode_threads < 1:
+            raise ConfigError(f"cpu_decode_threads must be >= 1 (or unset), got {self.cpu_decode_threads}")
         if self.max_prefill_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError("max_prefill_tokens and max_running_requests must be >= 1")
         if self.device == "auto":

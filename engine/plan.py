@@ -55,7 +55,8 @@ class ExecutionPlan:
 
     @property
     def backend(self) -> str:
-        """Attention backend name: ``torch`` or ``flashinfer``."""
+        """Attention backend name: ``ragged`` (the CPU default), ``torch`` (its padded reference twin) or
+        ``flashinfer``."""
         return self.attention["backend"]
 
     @property
@@ -124,15 +125,15 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend
     if backend == "auto":
-        backend = "flashinfer" if cuda and config.dtype in HALF else "torch"
+        backend = "flashinfer" if cuda and config.dtype in HALF else "torch" if cuda else "ragged"
     graphs = _graphs(config, cuda, backend, staged, spec, spec_overlap)
     dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
     fi = backend == "flashinfer"
     attention = {"backend": backend,
-                 "prefill": f"flashinfer {kn.fi_prefill_backend}" if fi else "torch",
+                 "prefill": f"flashinfer {kn.fi_prefill_backend}" if fi else backend,
                  "decode": (f"device-planned Triton up to bs {dev_max}, then flashinfer" if dev_max and fi
-                            else "flashinfer" if fi else "torch"),
-                 "verify": "flashinfer (tree mask)" if fi else "torch (tree mask)"}
+                            else "flashinfer" if fi else backend),
+                 "verify": "flashinfer (tree mask)" if fi else f"{backend} (tree mask)"}
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .kernels.argmax import argmax_rows
-from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
+from .attention.backend import ForwardContext, RaggedTorchBackend, TorchBackend, get_backend, h2d, set_backend, set_context
 from . import knobs
 from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
@@ -115,6 +115,8 @@ class ModelRunner:
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
             from .attention.flashinfer import FlashInferBackend
             set_backend(FlashInferBackend(self.device, self.dtype))
+        elif self.plan.backend == "ragged":
+            set_backend(RaggedTorchBackend())
         else:
             set_backend(TorchBackend())
 

@@ -16,8 +16,10 @@ forwards the result round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -75,6 +77,22 @@ def thaw_startup_objects() -> None:
     _FROZEN_ENGINES = max(0, _FROZEN_ENGINES - 1)
     if _FROZEN_ENGINES == 0:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def few_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
+    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
+    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
+    prev = torch.get_num_threads()
+    if n is None or n >= prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 class Worker(OverlapLoops):
@@ -173,7 +191,9 @@ class Worker(OverlapLoops):
         failed = inbox.get("failed")
         if failed is None:
             try:
-                return self.forward_batch(batch, inbox)
+                with few_threads(self.config.cpu_decode_threads if batch.kind != "prefill" and
+                                 self.runner.device.type == "cpu" else None):
+                    return self.forward_batch(batch, inbox)
             except _FATAL:
                 raise
             except Exception as e:                       # noqa: BLE001 - the batch fails, the engine serves on

@@ -125,7 +125,7 @@ def test_plan_pp1_cuda_resolved_on_any_host():
 def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
     monkeypatch.setenv("PPSPEC_ENABLE_PP_SPEC", "1")
     p = resolve_plan(EngineConfig(pp=2))
-    assert (p.device, p.loop, p.tree, p.reserve, p.backend, p.graphs) == ("cpu", "ring", None, 1, "torch", ())
+    assert (p.device, p.loop, p.tree, p.reserve, p.backend, p.graphs) == ("cpu", "ring", None, 1, "ragged", ())
     assert p.linear["policy"] == "unfused" and not any(p.kernels.values())
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)))
     assert (p.loop, p.tree, p.reserve) == ("ring", "host", 7)
@@ -165,7 +165,7 @@ def _cli(*args, env=None):
 
 def test_ppspec_plan_cli():
     r = _cli("plan", "--config", "tp1pp2")
-    assert r.returncode == 0 and "loop ring" in r.stdout and "attention torch" in r.stdout, r.stderr
+    assert r.returncode == 0 and "loop ring" in r.stdout and "attention ragged" in r.stdout, r.stderr
     r = _cli("plan", "--config", "h200", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)

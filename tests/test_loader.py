@@ -87,6 +87,34 @@ def test_smollm2_config(smollm2_path):
     assert 2 in cfg.eos_token_ids
 
 
+def test_gguf_tokenizer_disk_cache_is_the_built_one(smollm2_path, tmp_path, monkeypatch):
+    """The tokenizer saved on disk after the first GGUF build loads back identical: ids, special tokens, template."""
+    from engine.model import loader
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = loader._resolved(smollm2_path)
+    saved = loader.gguf_tokenizer_cache(path)
+    assert saved is not None and str(saved).startswith(str(tmp_path)) and not saved.exists()
+    loader._load_tokenizer_cached.cache_clear()
+    try:
+        built = load_tokenizer(smollm2_path)
+        assert (saved / "tokenizer.json").is_file()
+        loader._load_tokenizer_cached.cache_clear()
+        again = load_tokenizer(smollm2_path)
+    finally:
+        loader._load_tokenizer_cached.cache_clear()
+    assert again is not built
+    texts = [GSM8K_PROMPT, "Question: 12 + 7 = ?\nAnswer: 19 #### 19<|im_end|>", "  spaced\t\ttabs  and ünïcödé €"]
+    for t in texts:
+        assert again(t)["input_ids"] == built(t)["input_ids"]
+        assert again.decode(again(t)["input_ids"]) == built.decode(built(t)["input_ids"])
+    assert (again.eos_token, again.bos_token, again.eos_token_id, len(again)) == \
+        (built.eos_token, built.bos_token, built.eos_token_id, len(built))
+    assert again.chat_template == built.chat_template
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    assert again.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 def test_smollm2_tokenizer(smollm2_path):
     tok = load_tokenizer(smollm2_path)
     assert tok.is_fast and load_tokenizer(smollm2_path) is tok  # cached

@@ -157,17 +157,53 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(cfg, eos_token_ids=_hf_eos_ids(path, cfg))
 
 
+def gguf_tokenizer_cache(path: Path) -> Path | None:
+    """Where the tokenizer built from GGUF ``path`` is kept on disk (~/.cache/ppspec/tokenizers/<hash of the file's
+    path, size and mtime>), or None when no home directory can be named.
+    Building it from the GGUF metadata takes seconds to tens of seconds; loading the saved one, well under one."""
+    import hashlib
+    try:
+        st = path.stat()
+        root = Path.home() / ".cache"
+    except (OSError, RuntimeError):
+        return None
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return root / "ppspec" / "tokenizers" / key
+
+
+def _save_tokenizer(tok, dest: Path) -> None:
+    """``tok.save_pretrained`` into ``dest`` through a fresh sibling directory renamed into place (ranks building
+    it at once never see a partial copy); failures leave no cache (the next load rebuilds)."""
+    import shutil
+    import tempfile
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(dest)
+        except OSError:                       # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+
+
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer_cached(key: str):
     import transformers
     path = Path(key)
     try:
         if _is_gguf(path):
+            saved = gguf_tokenizer_cache(path)
+            if saved is not None and (saved / "tokenizer.json").is_file():
+                return transformers.AutoTokenizer.from_pretrained(str(saved))
             tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             if not getattr(tok, "chat_template", None):
                 tmpl = _gguf_meta(str(path))["fields"].get("tokenizer.chat_template")
                 if tmpl:
                     tok.chat_template = tmpl
+            if saved is not None and tok.is_fast:
+                _save_tokenizer(tok, saved)
         else:
             tok = transformers.AutoTokenizer.from_pretrained(str(path))
     except ConfigError:
