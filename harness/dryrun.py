@@ -11,9 +11,7 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     ``[would fail: why]`` when the bench's own pre-load checks (context fit, prompt set) refuse it, then one line
     with the engine (topology, rank count and, on CPU, each rank's torch threads), the prompt source and the job's total of timed requests. Loads the model's config and
     tokenizer only."""
-    from engine.config import ConfigError
     from harness.bench import check_cells_fit, check_prompt_set
-    from harness.config import HarnessConfigError
     from harness.progress import bench_total
     b = cfg.bench
     e = cfg.engine
@@ -22,12 +20,7 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
         return _open_loop_lines(cfg)
     for L, B in b.cell_list():
         one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, B),)))
-        why = None
-        try:
-            check_cells_fit(one)
-            check_prompt_set(one)
-        except (HarnessConfigError, ConfigError, FileNotFoundError) as x:
-            why = str(x)
+        why = _failure(one, check_cells_fit, check_prompt_set)
         bad += why is not None
         n = b.num_prompts or B
         lines.append(f"in={L} bs={B}: {n} prompt(s) x {b.runs} run(s) after {b.warmup} warmup, {b.output_len} output "
@@ -42,23 +35,28 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     return lines, bad
 
 
+def _failure(cfg: RunConfig, *checks) -> str | None:
+    """The one-line error of the first of ``checks`` (each ``check(cfg)``) that rejects ``cfg``, or None."""
+    from engine.config import ConfigError
+    from harness.config import HarnessConfigError
+    try:
+        for check in checks:
+            check(cfg)
+    except (HarnessConfigError, ConfigError, FileNotFoundError) as x:
+        return str(x)
+    return None
+
+
 def _open_loop_lines(cfg: RunConfig) -> tuple[list[str], int]:
     """``bench_cells`` for an open-loop run: one line per input length x request rate."""
-    from engine.config import ConfigError
     from harness.bench import check_cells_fit
-    from harness.config import HarnessConfigError
     from harness.openloop import DEFAULT_NUM_PROMPTS, check_open_loop, rate_label
     from harness.progress import bench_total
     b, e = cfg.bench, cfg.engine
     lines, bad = [], 0
     for L in dict.fromkeys(L for L, _ in b.cell_list()):
         one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, 1),)))
-        why = None
-        try:
-            check_open_loop(one)
-            check_cells_fit(one)
-        except (HarnessConfigError, ConfigError, FileNotFoundError) as x:
-            why = str(x)
+        why = _failure(one, check_open_loop, check_cells_fit)
         for r in b.request_rates:
             bad += why is not None
             lines.append(f"in={L} rate={rate_label(r)} req/s: {b.num_prompts or DEFAULT_NUM_PROMPTS} Poisson "
