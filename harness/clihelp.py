@@ -160,6 +160,8 @@ class HelpGroup(TyperGroup):
         click = getattr(typer.core, "_click", None)       # the Click Typer runs on (vendored in newer Typers)
         if click is None:
             import click
+        # Abort is absent from some vendored Clicks; an empty tuple catches nothing
+        abort = getattr(click.exceptions, "Abort", None) or getattr(click, "Abort", None) or ()
         try:
             rv = super().main(*args, standalone_mode=False, **kw)
         except click.exceptions.UsageError as e:
@@ -174,7 +176,7 @@ class HelpGroup(TyperGroup):
             from typer import rich_utils
             rich_utils.rich_format_error(e)
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
