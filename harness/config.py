@@ -387,7 +387,11 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     yaml_dir: tuple[Path, ...] = ()
     if config is not None:
         path = find_config(config, root)
-        layers.append((str(path), check_layer(load_yaml(path), str(path))))
+        raw = load_yaml(path)
+        if isinstance(raw, dict) and {"cells", "axes"} & set(raw):
+            raise HarnessConfigError(f"{path} is a sweep matrix, not a run config: run it with "
+                                     f"ppspec sweep --matrix {path.stem}")
+        layers.append((str(path), check_layer(raw, str(path))))
         yaml_dir = (path.parent,)
     if overrides:
         layers.append(("command line", check_layer(overrides, "command line")))

@@ -58,6 +58,9 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     m = load_yaml(p)
     if not isinstance(m, dict):
         raise HarnessConfigError(f"{p}: expected a mapping")
+    if not {"cells", "axes"} & set(m):
+        raise HarnessConfigError(f"{p} is a run config, not a sweep matrix (no 'cells' or 'axes'): run it with "
+                                 f"ppspec bench/gsm8k --config {p.stem}")
     for k in m:
         if k not in MATRIX_KEYS:
             raise HarnessConfigError(f"{p}: unknown key {k!r} (allowed: {', '.join(sorted(MATRIX_KEYS))})")

@@ -575,3 +575,12 @@ def test_gsm8k_interrupted_run_keeps_records_and_resumes(tmp_path, monkeypatch):
     assert resumed["runs"][1]["output_tokens"] == whole["runs"][1]["output_tokens"] == 5 * 6
     r = runner.invoke(app, [*args, "--out", str(d), "--resume"])
     assert r.exit_code == 2 and "already holds a result (summary.json)" in r.output
+
+
+def test_matrix_as_config_and_config_as_matrix_are_named():
+    """Regression: a sweep matrix passed to --config (or a run config to --matrix) failed on 'unknown key'."""
+    r = runner.invoke(app, ["bench", "--config", "matrix_cpu", "--dry-run"])
+    assert r.exit_code == 2 and "is a sweep matrix, not a run config: run it with ppspec sweep --matrix matrix_cpu" \
+        in r.output and r.output.count("\n") == 1
+    r = runner.invoke(app, ["sweep", "--matrix", "tp1pp2", "--dry-run"])
+    assert r.exit_code == 2 and "is a run config, not a sweep matrix" in r.output and r.output.count("\n") == 1
