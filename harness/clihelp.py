@@ -140,6 +140,40 @@ def annotate(cmd, name: str) -> None:
         cmd.epilog = f"Example: [cyan]{escape(EXAMPLES[name])}[/cyan]"
 
 
+class _Folding:
+    """A Typer help highlighter whose Text folds onto the next line instead of ending in an ellipsis when the
+    option table is narrower than the name (an 80-column terminal cuts no option name)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, text):
+        out = self.inner(text)
+        out.overflow = "fold"
+        return out
+
+
+def _fold_help_text() -> None:
+    """Make Typer's option-panel names, types and defaults fold rather than truncate (idempotent)."""
+    from rich.text import Text
+    from typer import rich_utils as ru
+    for name in ("highlighter", "negative_highlighter", "types_highlighter"):
+        h = getattr(ru, name, None)
+        if h is not None and not isinstance(h, _Folding):
+            setattr(ru, name, _Folding(h))
+    if not getattr(ru, "_ppspec_fold", False):
+        base = ru._get_parameter_help
+
+        def folded(*a, **kw):
+            cols = base(*a, **kw)
+            for item in getattr(cols, "renderables", []):
+                if isinstance(item, Text):
+                    item.overflow = "fold"
+            return cols
+        ru._get_parameter_help = folded
+        ru._ppspec_fold = True
+
+
 class HelpGroup(TyperGroup):
     """TyperGroup whose commands carry their effective defaults, suites and example (:func:`annotate`)."""
 
@@ -147,6 +181,7 @@ class HelpGroup(TyperGroup):
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None:
             annotate(cmd, cmd_name)
+            _fold_help_text()
         return cmd
 
     def main(self, *args, standalone_mode: bool = True, **kw):

@@ -584,3 +584,15 @@ def test_matrix_as_config_and_config_as_matrix_are_named():
         in r.output and r.output.count("\n") == 1
     r = runner.invoke(app, ["sweep", "--matrix", "tp1pp2", "--dry-run"])
     assert r.exit_code == 2 and "is a run config, not a sweep matrix" in r.output and r.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["bench", "gsm8k", "gate", "sweep", "compare"])
+def test_help_cuts_nothing_at_80_columns(command):
+    """Regression: long option names and defaults ended in '…' in an 80-column terminal (they fold now)."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "harness", command, "--help"], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    assert r.returncode == 0 and "…" not in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
