@@ -148,6 +148,8 @@ def _single_winner(entries: list[dict], values: list, lower_better: bool, kind: 
     if values[i] == values[j]:
         return "tie"
     d = values[i] - values[j]
+    if kind == "gib" and abs(d) < 2**20:
+        return "tie (< 1 MiB apart)"
     if kind == "gib":
         shown = f"{d / 2**30:+.2f} GiB" if abs(d) >= 2**30 / 10 else f"{d / 2**20:+.0f} MiB"
     else:
@@ -263,6 +265,7 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
         if spec_any:
             acc = [(c["pooled"].get("accept_length") or {}).get("mean") if c else None for c in cs]
             row(f"accept len @bs{B} in{L}", [fmt(a) if a is not None else "-" for a in acc])
+    _open_loop_rows(entries, row)
     info = [next((e[k].get("engine_info", {}) for k in ("bench", "gsm8k") if k in e), {}) for e in entries]
     kv = [i.get("kv_pool_tokens") for i in info]
     mem = [i.get("peak_memory_bytes") for i in info]
@@ -271,6 +274,25 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
     t, md = both(title, ["metric"] + [e["name"] for e in entries] + ["winner"], rows)
     t.columns[-1].justify = "left"
     return t, md + f"\n{WINNER_LEGEND}\n"
+
+
+def _open_loop_rows(entries: list[dict], row) -> None:
+    """Rows of open-loop bench results (``summary.json`` ``open_loop``), one block per (input length, offered rate):
+    request throughput, TTFT / TPOT mean and p99, goodput under each result's own SLOs. Shown side by side without a
+    winner test (arrival-matched pairs across results are not recorded)."""
+    def rows_of(e):
+        ol = (e.get("bench") or {}).get("open_loop") or {}
+        return {(r["input_len"], str(r["request_rate"])): r for r in ol.get("rows", [])}
+    per = [rows_of(e) for e in entries]
+    keys = sorted({k for p in per for k in p}, key=lambda k: (k[0], float(k[1])))
+    for L, rate in keys:
+        rs = [p.get((L, rate)) for p in per]
+        tag = f"r={rate} in{L}"
+        row(f"req/s {tag}", [fmt(r["request_throughput"]) if r else "-" for r in rs])
+        for label, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
+            row(f"{label} ms mean/p99 {tag}",
+                [f"{fmt(r[key]['mean'], 'ms')}/{fmt(r[key]['p99'], 'ms')}" if r else "-" for r in rs])
+        row(f"goodput {tag}", [fmt(r["goodput"]["share"], "pct") if r and r.get("goodput") else "-" for r in rs])
 
 
 def _first_run(gs: list, f: str) -> list:

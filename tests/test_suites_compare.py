@@ -285,3 +285,20 @@ def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
         _fits(_render(rend))
         seen += 1
     assert seen >= 4
+
+
+def test_compare_shows_open_loop_rows(tmp_path):
+    """Regression: an open-loop bench compared with only its engine, KV and memory rows."""
+    from harness.compare import comparison_table, load_entry
+    import io
+    from rich.console import Console
+    a = load_entry("results/cpu/openloop", "now")
+    b = load_entry("results/cpu/openloop/earlier_sitting", "earlier")
+    t, md = comparison_table([a, b])
+    assert "goodput r=0.05 in64" in md and "75.0%" in md and "100.0%" in md
+    assert "req/s r=inf in64" in md and "TTFT ms mean/p99 r=0.2 in64" in md
+    from harness.tables import fit_table
+    buf = io.StringIO()
+    for panel in fit_table(t, 80):
+        Console(file=buf, width=80).print(panel)
+    assert "…" not in buf.getvalue() and "43590.5/70491.5" in buf.getvalue()
