@@ -5,6 +5,7 @@ Each is a thin wrapper over a plain function in harness/ (harness.gsm8k, harness
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -56,6 +57,9 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     with user_errors():
         if resume and out is None:
             raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
+        if resume and (Path(out) / "summary.json").is_file():
+            raise HarnessConfigError(f"--out {out} holds a finished run (summary.json): nothing to resume; "
+                                     f"its results are in {Path(out) / 'summary.md'}")
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))

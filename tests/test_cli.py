@@ -347,6 +347,9 @@ def test_out_holding_a_result_is_refused_and_kept(tmp_path):
         r = runner.invoke(app, [cmd, "--out", str(d)])
         assert r.exit_code == 2 and "already holds a result (summary.json)" in r.output, r.output
     assert (d / "summary.json").read_text() == '{"kept": true}' and sorted(p.name for p in d.iterdir()) == ["summary.json"]
+    r = runner.invoke(app, ["gsm8k", "--resume", "--out", str(d)])    # regression: told to delete a finished run
+    assert r.exit_code == 2 and "holds a finished run (summary.json): nothing to resume" in r.output
+    assert r.output.count("\n") == 1 and (d / "summary.json").read_text() == '{"kept": true}'
 
 
 def test_generate_prints_the_completion_unwrapped(fake_engine, monkeypatch):
@@ -574,7 +577,7 @@ def test_gsm8k_interrupted_run_keeps_records_and_resumes(tmp_path, monkeypatch):
     assert _comparable(resumed) == _comparable(whole)
     assert resumed["runs"][1]["output_tokens"] == whole["runs"][1]["output_tokens"] == 5 * 6
     r = runner.invoke(app, [*args, "--out", str(d), "--resume"])
-    assert r.exit_code == 2 and "already holds a result (summary.json)" in r.output
+    assert r.exit_code == 2 and "holds a finished run (summary.json): nothing to resume" in r.output
 
 
 def test_matrix_as_config_and_config_as_matrix_are_named():
