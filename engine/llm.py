@@ -21,7 +21,7 @@ from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .model.tp_pad import tp_head_padding
-from .requests import EngineError, Req, RequestOutput, prompt_token_ids, request_error
+from .requests import EngineError, Req, RequestOutput, arrival_offsets, prompt_token_ids, request_error
 from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
                     rank_main)
 
@@ -195,12 +195,7 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError("params must be one SamplingParams or one per prompt")
-        offsets = [0.0] * len(prompts) if arrival_times is None else list(arrival_times)
-        if len(offsets) != len(prompts):
-            raise ConfigError("arrival_times must give one time per prompt")
-        for i, a in enumerate(offsets):
-            if not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):
-                raise ConfigError(f"prompt {i}: arrival time must be a finite number of seconds >= 0, got {a!r}")
+        offsets = arrival_offsets(arrival_times, len(prompts))
         reqs, now = [], time.perf_counter()
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             if not isinstance(sp, SamplingParams):

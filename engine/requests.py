@@ -3,6 +3,8 @@ KV-pool checks shared by the front end and every rank's scheduler.
 """
 from __future__ import annotations
 
+import bisect
+
 import numbers
 from dataclasses import dataclass, field
 
@@ -152,3 +154,52 @@ def stop_string_hit(r: Req, detok) -> bool:
     if n < len(out):
         text = detok(out[-min(len(out), n + 2):])
     return any(s in text for s in r.params.stop)
+
+
+class Arrivals:
+    """Deferred requests that have not arrived yet (open-loop load), in order of (arrival_time, rid).
+
+    Stage 0 alone reads its clock (:meth:`arrived`); every stage then takes the same count (:meth:`pop`), so all
+    replicas admit the same requests at the same point of their schedule. Truthy while any request waits here."""
+
+    def __init__(self):
+        self.reqs: list[Req] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+    def add(self, reqs: list[Req]) -> None:
+        self.reqs.extend(reqs)
+        self.reqs.sort(key=lambda r: (r.arrival_time, r.rid))
+
+    def arrived(self, now: float) -> int:
+        """How many (a prefix) have ``arrival_time <= now`` (perf_counter seconds)."""
+        return bisect.bisect_right(self.reqs, now, key=lambda r: r.arrival_time)
+
+    def pop(self, n: int) -> list[Req]:
+        """Remove and return the first ``n``, in arrival order."""
+        out = self.reqs[:n]
+        del self.reqs[:n]
+        return out
+
+    def next_arrival(self) -> float | None:
+        """The arrival time of the next one (perf_counter seconds), or None."""
+        return self.reqs[0].arrival_time if self.reqs else None
+
+    def clear(self) -> None:
+        self.reqs.clear()
+
+
+def arrival_offsets(arrival_times, n: int) -> list[float]:
+    """``LLM.generate``'s ``arrival_times`` checked: ``n`` finite seconds >= 0 (None: ``n`` zeros, closed loop).
+
+    Raises:
+        ConfigError: a count other than ``n``, or a value that is not a finite number >= 0 (named by prompt index).
+    """
+    offsets = [0.0] * n if arrival_times is None else list(arrival_times)
+    if len(offsets) != n:
+        raise ConfigError("arrival_times must give one time per prompt")
+    for i, a in enumerate(offsets):
+        if not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):
+            raise ConfigError(f"prompt {i}: arrival time must be a finite number of seconds >= 0, got {a!r}")
+    return offsets

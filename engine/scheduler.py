@@ -13,7 +13,7 @@ import torch
 from .config import ConfigError
 from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
 from .messages import StepResult
-from .requests import (Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
+from .requests import (Arrivals, Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
                        stop_string_hit)
 
 
@@ -32,7 +32,7 @@ class Scheduler:
         self.eos_ids, self.detok, self.record_times = set(eos_ids), detok, record_times
         self.reqs: dict[int, Req] = {}
         self.waiting: list[Req] = []
-        self.pending: list[Req] = []          # deferred requests not yet arrived, by (arrival_time, rid)
+        self.pending = Arrivals()            # deferred requests not yet arrived (open-loop load)
         self.max_concurrency = max_reqs
 
     @property
@@ -64,28 +64,12 @@ class Scheduler:
         for req in reqs:
             req.fill_ids = list(req.prompt_ids)
             self.reqs[req.rid] = req
-            (self.pending if req.deferred else self.waiting).append(req)
-        self.pending.sort(key=lambda r: (r.arrival_time, r.rid))
-
-    # ----------------------------------------------------------------------------------- open-loop arrivals
-    def arrived(self, now: float) -> int:
-        """How many of ``pending`` (a prefix) have ``arrival_time <= now``. Stage 0 alone reads its clock; every
-        stage then applies the same count (:meth:`release`), so all replicas admit the same requests at the same
-        point of their schedule."""
-        n = 0
-        while n < len(self.pending) and self.pending[n].arrival_time <= now:
-            n += 1
-        return n
+        self.waiting.extend(r for r in reqs if not r.deferred)
+        self.pending.add([r for r in reqs if r.deferred])
 
     def release(self, n: int) -> None:
-        """Move the first ``n`` pending requests to the back of the waiting queue (in arrival order)."""
-        if n > 0:
-            self.waiting.extend(self.pending[:n])
-            del self.pending[:n]
-
-    def next_arrival(self) -> float | None:
-        """The arrival time of the next pending request (perf_counter seconds), or None."""
-        return self.pending[0].arrival_time if self.pending else None
+        """Move the first ``n`` pending requests (``Arrivals.arrived`` on stage 0) to the back of the waiting queue."""
+        self.waiting.extend(self.pending.pop(n))
 
     def reset(self) -> None:
         """Drop every request and give back all their KV slots and rows (after a failed call)."""

@@ -259,7 +259,7 @@ class Worker(OverlapLoops):
         if not sched.pending:
             return None
         if ps().is_first_stage:
-            n = tp_min_int(sched.arrived(time.perf_counter()))
+            n = tp_min_int(sched.pending.arrived(time.perf_counter()))
         else:
             n = int((inbox or {}).get("arrived") or 0)
         sched.release(n)
@@ -270,7 +270,7 @@ class Worker(OverlapLoops):
         keeps exchanging meanwhile)."""
         sched = self.sched
         if sched.pending and not sched.waiting and sched.num_active() == 0 and ps().is_first_stage:
-            dt = sched.next_arrival() - time.perf_counter()
+            dt = sched.pending.next_arrival() - time.perf_counter()
             if dt > 0:
                 time.sleep(min(dt, cap_s))
 
