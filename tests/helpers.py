@@ -40,6 +40,21 @@ def run(model, prompts, params=GREEDY, **kw):
         return llm.generate(prompts, params)
 
 
+def prompt_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] float32 of one prompt through ``model`` (a last-stage ``LlamaForCausalLM``) without a
+    KV cache, with the torch attention backend's plan (the caller sets the ParallelState and backend)."""
+    from engine.attention.backend import ForwardContext, TorchBackend, set_context
+    ctx = ForwardContext([0, len(ids)])
+    TorchBackend().prepare(ctx)
+    set_context(ctx)
+    try:
+        with torch.no_grad():
+            f, _ = model(torch.tensor(ids), torch.arange(len(ids)))
+            return model.compute_logits(f)
+    finally:
+        set_context(None)
+
+
 # ------------------------------------------------------------------------------ Triton's CPU interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

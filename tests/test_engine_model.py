@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+from engine.attention.backend import TorchBackend, set_backend
 from engine.config import ModelConfig
 from engine.dist import ParallelState, set_ps
 from engine.model.llama import LlamaForCausalLM, stage_layer_range
+from helpers import prompt_logits
 from engine.model.loader import hf_weight_shapes, iter_weights, load_model_config, save_hf_checkpoint
 
 
@@ -21,15 +22,7 @@ def our_logits(path, ids):
     mc = load_model_config(path)
     m = LlamaForCausalLM(mc, torch.float32, 512)
     m.load_weights(iter_weights(path))
-    ctx = ForwardContext([0, len(ids)])
-    TorchBackend().prepare(ctx)
-    set_context(ctx)
-    try:
-        with torch.no_grad():
-            f, _ = m(torch.tensor(ids), torch.arange(len(ids)))
-            return m.compute_logits(f)
-    finally:
-        set_context(None)
+    return prompt_logits(m, ids)
 
 
 def hf_logits(path, ids):

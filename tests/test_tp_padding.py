@@ -8,12 +8,13 @@ import torch
 import torch.multiprocessing as mp
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+from engine.attention.backend import TorchBackend, set_backend
 from engine.config import ModelConfig
 from engine.dist import ParallelState, init_distributed, set_ps
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import iter_weights, load_model_config
 from engine.model.tp_pad import tp_head_padding
+from helpers import prompt_logits
 
 
 def smol_shape(**kw) -> ModelConfig:
@@ -61,18 +62,6 @@ def test_pad_shapes_and_errors():
         p.pad("model.layers.0.self_attn.q_proj.weight", torch.randn(100, 576))
 
 
-def _logits(model, ids):
-    ctx = ForwardContext([0, len(ids)])
-    TorchBackend().prepare(ctx)
-    set_context(ctx)
-    try:
-        with torch.no_grad():
-            f, _ = model(torch.tensor(ids), torch.arange(len(ids)))
-            return model.compute_logits(f)
-    finally:
-        set_context(None)
-
-
 def _model(path, tp_pad_for: int | None):
     ck = load_model_config(path)
     pad = tp_head_padding(ck, tp_pad_for) if tp_pad_for else None
@@ -91,7 +80,7 @@ def test_zero_heads_change_no_logit(tiny_model_dir, tiny_prompts):
     padded, pad = _model(tiny_model_dir, 3)
     assert pad is not None and (pad.padded_attention_heads, pad.padded_key_value_heads) == (6, 3)
     for ids in tiny_prompts[:3]:
-        torch.testing.assert_close(_logits(padded, ids), _logits(plain, ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(prompt_logits(padded, ids), prompt_logits(plain, ids), rtol=0, atol=1e-5)
 
 
 def test_tiny_tp3_greedy_equal(tiny_model_dir, tiny_prompts, tiny_reference):
@@ -114,7 +103,7 @@ def _rank_logits(rank, world, port, path, prompts, q):
     init_distributed(rank, world, world, 1, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 300)
     set_backend(TorchBackend())
     m, _ = _model(path, world)
-    out = [_logits(m, ids) for ids in prompts]
+    out = [prompt_logits(m, ids) for ids in prompts]
     if rank == 0:
         q.put([t.numpy() for t in out])        # by value: the rank may exit before the queue is read
     torch.distributed.barrier()
@@ -137,7 +126,7 @@ def test_smollm2_padded_tp_logits_equal_tp1(smollm2_path, smol_ids, tp):
     set_ps(ParallelState())
     set_backend(TorchBackend())
     m, _ = _model(smollm2_path, None)
-    ref = [_logits(m, ids) for ids in smol_ids]
+    ref = [prompt_logits(m, ids) for ids in smol_ids]
     del m
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
