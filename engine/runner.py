@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from .kernels.argmax import argmax_rows
-from .attention.backend import ForwardContext, RaggedTorchBackend, TorchBackend, get_backend, h2d, set_backend, set_context
+from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
+from .attention.ragged import RaggedTorchBackend
 from . import knobs
 from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps

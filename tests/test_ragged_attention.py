@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import (RAGGED_VIEW_MAX_Q, ForwardContext, RaggedTorchBackend, TorchBackend,
-                                      get_backend, set_backend, set_context)
+from engine.attention.backend import ForwardContext, TorchBackend, get_backend, set_backend, set_context
+from engine.attention.ragged import RAGGED_VIEW_MAX_Q, RaggedTorchBackend
 from engine.kv_cache import KVPool
 from helpers import GREEDY, STRESS, run
 
