@@ -145,8 +145,8 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_RELAY_CODEC", "choice", "packed", _B, "PP message codec: packed (pickled skeleton + one byte "
          "buffer, one staging copy) or torch (torch.save, the reference twin)", "engine/transport.py", "relay_codec",
          choices=("packed", "torch")),
-    Knob("PPSPEC_CPU_KV_TOKENS", "int", 16384, _B, "KV pool tokens on CPU when max_num_tokens is unset",
-         "engine/runner.py", "cpu_kv_tokens", minimum=1),
+    Knob("PPSPEC_CPU_KV_TOKENS", "int", 0, _B, "KV pool tokens on CPU when max_num_tokens is unset (0: a share of "
+         "the free host memory, engine.runner.CPU_KV_SHARE)", "engine/runner.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
          "harness/config.py", "toml"),
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),

@@ -23,8 +23,8 @@ class KVPool:
     copy (:meth:`store`); ``k_cache[layer]`` / ``v_cache[layer]`` are ``[num_slots, Hk, D]`` views of it."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
-        self.kv_cache = [torch.zeros(num_slots, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
-                         for _ in range(num_layers)]
+        shape = (num_slots, 2, num_kv_heads, head_dim)
+        self.kv_cache = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
         self.k_cache = [kv[:, 0] for kv in self.kv_cache]
         self.v_cache = [kv[:, 1] for kv in self.kv_cache]
 
@@ -37,6 +37,40 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros(shape)``; on CPU from numpy's ``calloc``, whose large blocks are zero pages the OS maps on first
+    touch, so a large pool costs memory only as far as it is written (torch.zeros writes every byte)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    item = torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * item, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def host_available_bytes() -> int:
+    """Memory this process may still take: /proc/meminfo's MemAvailable, lowered to the cgroup's headroom
+    (``memory.max`` - ``memory.current``, cgroup v2) when a limit is set. 0 when neither can be read."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            lim = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            cur = int(f.read().strip())
+        if lim != "max":
+            room = max(0, int(lim) - cur)
+            avail = min(avail, room) if avail else room
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ class LLM:
                 "load_format": c.load_format,
                 "weight_bytes": sum(i["weight_bytes"] for i in self._infos),
                 "num_params": sum(i["num_params"] for i in self._infos),
-                "kv_pool_tokens": self._infos[0]["kv_pool_tokens"],
+                "kv_pool_tokens": self._infos[0]["kv_pool_tokens"], "prefix_cache": c.prefix_cache,
                 "head_padding": self.head_padding.as_dict() if self.head_padding else None,
                 "spec": c.spec.__dict__ if c.spec.enabled else None,
                 "peak_memory_bytes": self.last_peak_memory}
@@ -240,7 +240,7 @@ class LLM:
                     text = text[:text.index(s)]
         return RequestOutput(r.rid, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "length",
                              r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions,
-                             r.error)
+                             r.error, r.num_cached_tokens)
 
     def shutdown(self) -> None:
         """Stop and reap every rank, then release the queues. Idempotent; safe from ``__del__``, from a ``finally``

@@ -103,6 +103,8 @@ class Req:
     isolated: bool = False                # runs in batches of its own (it shared a batch that failed)
     error: str | None = None              # why the engine failed this request (finish_reason "error")
     deferred: bool = False                # open-loop: admitted only once arrival_time has passed on stage 0
+    num_cached_tokens: int = 0            # prompt positions served from the prefix cache at the last admission
+    cached_blocks: list = field(default_factory=list, repr=False)   # prefix-cache blocks pinned while admitted
 
     @property
     def root_token(self) -> int:
@@ -137,6 +139,7 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus incl.)
     num_retractions: int = 0
     error: str | None = None               # finish_reason "error": why the engine failed this request
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last admission)
 
 
 def stop_string_hit(r: Req, detok) -> bool:

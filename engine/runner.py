@@ -13,12 +13,17 @@ from .attention.ragged import RaggedTorchBackend
 from . import knobs
 from .config import ConfigError, EngineConfig, ModelConfig
 from .dist import all_reduce_min_int, ps
-from .kv_cache import KVPool
+from .kv_cache import KVPool, host_available_bytes
 from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.tp_pad import tp_head_padding
 from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
+from .prefix_cache import PREFIX_BLOCK
+
+CPU_KV_SHARE = 0.5           # CPU pools: this share of mem_fraction x available memory (the rest: weights,
+                             # activations, the harness)
+CPU_KV_MIN_TOKENS = 4096
 from .scheduler import Req, ScheduledBatch, Scheduler
 
 
@@ -86,7 +91,8 @@ class ModelRunner:
         eos = tuple(mc.eos_token_ids)
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
-                               bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times)
+                               bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times,
+                               PREFIX_BLOCK if config.prefix_cache else 0)
         # every stage rebuilds verify trees: on the device (device_tree: from relayed device or host rows), else on the
         # host from host relay data
         self.tree_ops = None
@@ -159,8 +165,12 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
             cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
-        else:
+        elif knobs.current().cpu_kv_tokens:
             cap = knobs.current().cpu_kv_tokens
+        else:                                # CPU: a share of the host's free memory, written only as it fills
+            local = s.tp_size * s.pp_size          # every rank of a CPU run shares this host
+            cap = max(CPU_KV_MIN_TOKENS, int(host_available_bytes() * self.config.mem_fraction * CPU_KV_SHARE
+                                             / per_tok / local))
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)

@@ -13,6 +13,7 @@ import torch
 from .config import ConfigError
 from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
 from .messages import StepResult
+from .prefix_cache import PrefixCache
 from .requests import (Arrivals, Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
                        stop_string_hit)
 
@@ -23,8 +24,9 @@ class Scheduler:
 
     def __init__(self, capacity: int, max_reqs: int, max_model_len: int, reserve: int, spec: bool,
                  max_prefill_tokens: int, num_slots: int, eos_ids: tuple[int, ...], detok=None,
-                 record_times: bool = False):
+                 record_times: bool = False, prefix_block: int = 0):
         self.allocator = SlotAllocator(capacity)
+        self.cache = PrefixCache(self.allocator, prefix_block) if prefix_block else None
         self.rows = ReqToTokenPool(max_reqs, max_model_len + reserve + 1)
         self._rt_np = self.rows.req_to_token.numpy()          # shares memory with req_to_token
         self.max_reqs, self.max_model_len, self.reserve, self.spec = max_reqs, max_model_len, reserve, spec
@@ -72,19 +74,25 @@ class Scheduler:
         self.waiting.extend(self.pending.pop(n))
 
     def reset(self) -> None:
-        """Drop every request and give back all their KV slots and rows (after a failed call)."""
+        """Drop every request and give back all their KV slots and rows (after a failed call), and empty the prefix
+        cache: after a failure the pool's contents are not trusted."""
         for r in self.reqs.values():
             if r.row >= 0:
-                self._release(r)
+                self._release(r, cache=False)
+        if self.cache is not None:
+            self.cache.clear()
         self.reqs.clear()
         self.waiting.clear()
         self.pending.clear()
 
     def end_run(self) -> None:
-        """Check that the idle scheduler holds no KV slot or req_to_token row, then forget the run's requests.
-        Raises KVCacheError naming the leak."""
-        if self.allocator.num_used or len(self.rows.free_rows) != self.max_reqs:
-            raise KVCacheError(f"idle engine still holds {self.allocator.num_used} KV slots and "
+        """Check that the idle scheduler holds no KV slot (but the prefix cache's, none of them pinned) or
+        req_to_token row, then forget the run's requests. Raises KVCacheError naming the leak."""
+        cached = self.cache.num_slots if self.cache is not None else 0
+        pinned = self.cache.num_pinned if self.cache is not None else 0
+        if self.allocator.num_used != cached or pinned or len(self.rows.free_rows) != self.max_reqs:
+            raise KVCacheError(f"idle engine still holds {self.allocator.num_used - cached} KV slots, "
+                               f"{pinned} pinned prefix blocks and "
                                f"{self.max_reqs - len(self.rows.free_rows)} req_to_token rows (leak)")
         self.allocator.check()
         self.reqs.clear()
@@ -134,25 +142,48 @@ class Scheduler:
                 if r.status == "prefilling":
                     continue
                 break
+            if r.status == "waiting":
+                if not self.rows.free_rows or not self._admit(r, slot):
+                    break
+                active += 1
             start = r.prefilled
             end = min(len(r.fill_ids), start + budget)
             is_last = end == len(r.fill_ids)
-            if r.status == "waiting":
-                if not self.rows.free_rows:
-                    break
-                slots = self.allocator.alloc(len(r.fill_ids) + self.reserve)
-                if slots is None:
-                    break
-                self.waiting.remove(r)
-                r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
-                self.append_slots(r, slots)
-                active += 1
             reqs.append(r)
             chunks.append((start, end, is_last))
             budget -= end - start
         if not reqs:
             return None
         return ScheduledBatch("prefill", slot, reqs, chunks)
+
+    def _admit(self, r: Req, slot: int) -> bool:
+        """Give waiting ``r`` a row and every slot its prefill needs (the fill plus the reserve) in micro-batch
+        ``slot``; positions that the prefix cache holds map to its slots and are not prefilled again (the cache is
+        evicted for the rest when the pool is short). False (nothing taken) when the pool cannot hold it."""
+        matched = self.cache.match(r.fill_ids) if self.cache is not None else []
+        cached = len(matched) * (self.cache.block_size if matched else 0)
+        need = len(r.fill_ids) - cached + self.reserve
+        if matched:
+            self.cache.acquire(matched, len(r.fill_ids))
+        if self.cache is not None and self.allocator.num_free < need:
+            self.cache.evict(need)
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            if matched:
+                self.cache.release(matched)
+            return False
+        self.waiting.remove(r)
+        r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
+        r.cached_blocks, r.num_cached_tokens = matched, cached
+        r.prefilled = r.seq_len = cached
+        self.append_slots(r, [s for b in matched for s in b.slots] + slots)
+        return True
+
+    def _make_room(self, need: int) -> bool:
+        """Whether ``need`` slots are free, evicting unpinned prefix-cache blocks first when they are not."""
+        if need > self.allocator.num_free and self.cache is not None:
+            self.cache.evict(need)
+        return need <= self.allocator.num_free
 
     def stall_error(self) -> str:
         """One line for a scheduler that has unfinished requests but can run none of them."""
@@ -169,7 +200,7 @@ class Scheduler:
 
     def reserve_decode(self, running: list[Req]) -> bool:
         need = [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]
-        if sum(need) > self.allocator.num_free:
+        if not self._make_room(sum(need)):
             return False
         for r, n in zip(running, need):
             self.append_slots(r, self.allocator.alloc(n))
@@ -190,7 +221,7 @@ class Scheduler:
                 return None
         width = self.req_to_token.shape[1]
         need = [max(0, min(r.seq_len + ahead + self.reserve, width) - r.allocated_len) for r in reqs]
-        if sum(need) > self.allocator.num_free:
+        if not self._make_room(sum(need)):
             return None
         new = []
         for i, (r, k) in enumerate(zip(reqs, need)):
@@ -201,8 +232,20 @@ class Scheduler:
                 new.append((i, p0, slots))
         return new
 
-    def _release(self, r: Req) -> None:
-        self.allocator.free(self.req_to_token[r.row, :r.allocated_len].tolist())
+    def _release(self, r: Req, cache: bool = True) -> None:
+        """Give back ``r``'s row and slots. With a prefix cache, the full blocks of its prompt whose K/V is final
+        (prefilled; ``cache``) are kept there instead of freed, and its pinned blocks are unpinned."""
+        slots = self.req_to_token[r.row, :r.allocated_len].tolist()
+        if self.cache is None:
+            self.allocator.free(slots)
+        else:
+            matched, keep = r.cached_blocks, set()
+            if cache:
+                keep = self.cache.insert(r.prompt_ids, slots, matched, min(r.prefilled, len(r.prompt_ids)))
+            self.cache.release(matched)
+            skip = r.num_cached_tokens
+            self.allocator.free([s for i, s in enumerate(slots) if i >= skip and i not in keep])
+            r.cached_blocks = []
         self.rows.free(r.row)
         r.row, r.allocated_len, r.seq_len = -1, 0, 0
 

@@ -21,6 +21,12 @@ from harness.config import RunConfig
 from harness.tables import both, fmt, rich_table
 
 
+def cold(engine):
+    """The engine config a timed cell runs: the prefix cache off, so every run and warmup prefills its prompts
+    (the cells repeat identical prompts; a cache would time the second and later runs without their prefill)."""
+    return engine.replace(prefix_cache=False)
+
+
 def load_texts(data_dir: str | Path, split: str = "train") -> list[str]:
     """GSM8K documents rendered as lm-eval shots: ``Question: q\\nAnswer: a``."""
     path = Path(data_dir) / f"{split}.jsonl"
@@ -188,7 +194,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     own = llm is None
     if own:
         from engine import LLM
-        llm = LLM(cfg.engine)
+        llm = LLM(cold(cfg.engine))
     try:
         cells, records, peer_cells, tok = _run_cells(cfg, llm, progress)
         model_config = getattr(llm, "model_config", None)
@@ -239,7 +245,7 @@ def _run_open_loop(cfg: RunConfig, llm, progress) -> tuple[dict, list[dict]]:
     own = llm is None
     if own:
         from engine import LLM
-        llm = LLM(cfg.engine)
+        llm = LLM(cold(cfg.engine))
     try:
         section, records = openloop.run_open_loop(cfg, llm, progress)
         info = dict(llm.info)
@@ -274,7 +280,7 @@ def _run_baseline(cfg: RunConfig, progress, spec_cells: list[dict]) -> dict:
     from engine import LLM, SpecConfig
     import dataclasses
     base_cfg = dataclasses.replace(cfg, engine=cfg.engine.replace(spec=SpecConfig()))
-    llm = LLM(base_cfg.engine)
+    llm = LLM(cold(base_cfg.engine))
     try:
         cells = _run_cells(base_cfg, llm, progress, tag="no-spec ")[0]
     finally:

@@ -271,6 +271,8 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
         "ci95": {f: stats.wilson_ci(sum(d[f]["exact_match"] for d in recs), n) for f in FILTERS},
         "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs], depth),
         "output_tokens": out_tokens, "wall_time_s": wall,
+        "prompt_tokens": sum(d.get("prompt_tokens") or 0 for d in recs),
+        "cached_prompt_tokens": sum(d.get("cached_tokens") or 0 for d in recs),   # prefix-cache hits
         "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
         "ttft": stats.summarize([d.get("ttft") for d in recs]) if walls else None,
         "tpot": stats.summarize([d.get("tpot") for d in recs]) if walls else None, "scorer_mismatches": mismatches,
@@ -333,6 +335,10 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
              f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
              "interval over questions]' ('all': over the questions' mean score across runs)")
+    cached = [(r.get("cached_prompt_tokens"), r.get("prompt_tokens")) for r in summary["runs"]]
+    if cached and all(p for _, p in cached):
+        notes += "; prompt tokens served by the prefix cache per run: " + ", ".join(
+            fmt(c / p, "pct") for c, p in cached)
     return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
 
 

@@ -61,7 +61,7 @@ def test_cpu_kv_tokens_knob_checked(tiny_model_dir, monkeypatch, bad):
     """Regression (QA, session 6): PPSPEC_CPU_KV_TOKENS=-5 reached torch.zeros and ended in a RuntimeError
     traceback; a malformed or non-positive pool size is now a one-line ConfigError naming the variable."""
     monkeypatch.setenv("PPSPEC_CPU_KV_TOKENS", bad)
-    with pytest.raises(ConfigError, match="PPSPEC_CPU_KV_TOKENS must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="PPSPEC_CPU_KV_TOKENS must be an integer >= 0"):
         LLM(EngineConfig(model=str(tiny_model_dir)))
 
 

@@ -50,7 +50,7 @@ def test_parse_defaults_and_values():
     ("PPSPEC_GEMV", "yes", "PPSPEC_GEMV must be 0 or 1"),
     ("PPSPEC_PDL", "on", "PPSPEC_PDL must be 0 or 1"),
     ("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "-1", "PPSPEC_DEV_ATTN_DECODE_MAX_BS must be an integer >= 0"),
-    ("PPSPEC_CPU_KV_TOKENS", "lots", "PPSPEC_CPU_KV_TOKENS must be an integer >= 1"),
+    ("PPSPEC_CPU_KV_TOKENS", "lots", "PPSPEC_CPU_KV_TOKENS must be an integer >= 0"),
     ("PPSPEC_BLAS", "mkl", "PPSPEC_BLAS must be one of cublas, cublaslt"),
     ("PPSPEC_GEMV_OPS", "qkv,lm_head", "PPSPEC_GEMV_OPS takes a comma list"),
     ("PPSPEC_GEMV_CFG_QKV", "3,512,4,1", "PPSPEC_GEMV_CFG_QKV must be BLOCK_N"),
