@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import time
 import weakref
 
 import torch
@@ -21,7 +20,7 @@ from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .model.tp_pad import tp_head_padding
-from .requests import EngineError, Req, RequestOutput, arrival_offsets, prompt_token_ids, request_error
+from .requests import EngineError, Req, RequestOutput, make_requests
 from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
                     rank_main)
 
@@ -187,29 +186,9 @@ class LLM:
             ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.
             EngineError: a rank failed (the whole group is stopped).
         """
-        if params is None:
-            params = SamplingParams()
-        if isinstance(prompts, (str, bytes, bytearray)):
-            raise ConfigError("prompts must be a list of prompts (each a string or a list of token ids)")
-        prompts = list(prompts)
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ConfigError("params must be one SamplingParams or one per prompt")
-        offsets = arrival_offsets(arrival_times, len(prompts))
-        reqs, now = [], time.perf_counter()
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            if not isinstance(sp, SamplingParams):
-                raise ConfigError(f"prompt {i}: params must be a SamplingParams, got {type(sp).__name__}")
-            ids = prompt_token_ids(i, p, self.model_config.vocab_size, self.encode)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in sp.stop_token_ids if t >= vocab]
-            if bad:
-                raise ConfigError(f"prompt {i}: stop token id {bad[0]} is out of range [0, {vocab})")
-            info, ctx = self._infos[0], self.config.context_length(self.model_config)
-            err = request_error(len(ids), sp.max_new_tokens, ctx, info["reserve"], info["kv_pool_tokens"])
-            if err:
-                raise ConfigError(f"prompt {i}: {err}")
-            reqs.append(Req(self._next_rid + i, ids, sp, arrival_time=now + offsets[i], deferred=offsets[i] > 0))
+        info, ctx = self._infos[0], self.config.context_length(self.model_config)
+        reqs = make_requests(prompts, params, arrival_times, self._next_rid, self.model_config.vocab_size,
+                             self.encode, ctx, info["reserve"], info["kv_pool_tokens"])
         self._next_rid += len(reqs)
         if not reqs:
             return []

@@ -4,6 +4,7 @@ KV-pool checks shared by the front end and every rank's scheduler.
 from __future__ import annotations
 
 import bisect
+import time
 
 import numbers
 from dataclasses import dataclass, field
@@ -206,3 +207,37 @@ def arrival_offsets(arrival_times, n: int) -> list[float]:
         if not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):
             raise ConfigError(f"prompt {i}: arrival time must be a finite number of seconds >= 0, got {a!r}")
     return offsets
+
+
+def make_requests(prompts, params, arrival_times, first_rid: int, vocab_size: int, encode, context_len: int,
+                  reserve: int, pool_tokens: int) -> list[Req]:
+    """The requests of one ``LLM.generate`` call, every one checked before any is made (a call runs all its
+    requests or none): ``prompts`` a list of text or token-id prompts, ``params`` one SamplingParams or one per
+    prompt (None: defaults), ``arrival_times`` per-prompt offsets in seconds (:func:`arrival_offsets`). Request
+    ids run from ``first_rid``; arrival times are ``time.perf_counter`` seconds.
+
+    Raises:
+        ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.
+    """
+    if params is None:
+        params = SamplingParams()
+    if isinstance(prompts, (str, bytes, bytearray)):
+        raise ConfigError("prompts must be a list of prompts (each a string or a list of token ids)")
+    prompts = list(prompts)
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ConfigError("params must be one SamplingParams or one per prompt")
+    offsets = arrival_offsets(arrival_times, len(prompts))
+    reqs, now = [], time.perf_counter()
+    for i, (p, sp) in enumerate(zip(prompts, plist)):
+        if not isinstance(sp, SamplingParams):
+            raise ConfigError(f"prompt {i}: params must be a SamplingParams, got {type(sp).__name__}")
+        ids = prompt_token_ids(i, p, vocab_size, encode)
+        bad = [t for t in sp.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i}: stop token id {bad[0]} is out of range [0, {vocab_size})")
+        err = request_error(len(ids), sp.max_new_tokens, context_len, reserve, pool_tokens)
+        if err:
+            raise ConfigError(f"prompt {i}: {err}")
+        reqs.append(Req(first_rid + i, ids, sp, arrival_time=now + offsets[i], deferred=offsets[i] > 0))
+    return reqs

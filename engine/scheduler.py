@@ -11,9 +11,9 @@ import time
 import torch
 
 from .config import ConfigError
-from .kv_cache import KVCacheError, ReqToTokenPool, SlotAllocator, commit_order
+from .kv_cache import commit_order
+from .kv_manager import KVManager
 from .messages import StepResult
-from .prefix_cache import PrefixCache
 from .requests import (Arrivals, Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
                        stop_string_hit)
 
@@ -25,10 +25,9 @@ class Scheduler:
     def __init__(self, capacity: int, max_reqs: int, max_model_len: int, reserve: int, spec: bool,
                  max_prefill_tokens: int, num_slots: int, eos_ids: tuple[int, ...], detok=None,
                  record_times: bool = False, prefix_block: int = 0):
-        self.allocator = SlotAllocator(capacity)
-        self.cache = PrefixCache(self.allocator, prefix_block) if prefix_block else None
-        self.rows = ReqToTokenPool(max_reqs, max_model_len + reserve + 1)
-        self._rt_np = self.rows.req_to_token.numpy()          # shares memory with req_to_token
+        self.kv = KVManager(capacity, max_reqs, max_model_len + reserve + 1, prefix_block)
+        self.allocator, self.rows, self.cache = self.kv.allocator, self.kv.rows, self.kv.cache
+        self._rt_np = self.kv.rt_np
         self.max_reqs, self.max_model_len, self.reserve, self.spec = max_reqs, max_model_len, reserve, spec
         self.max_prefill_tokens, self.num_slots = max_prefill_tokens, num_slots
         self.eos_ids, self.detok, self.record_times = set(eos_ids), detok, record_times
@@ -78,9 +77,8 @@ class Scheduler:
         cache: after a failure the pool's contents are not trusted."""
         for r in self.reqs.values():
             if r.row >= 0:
-                self._release(r, cache=False)
-        if self.cache is not None:
-            self.cache.clear()
+                self.kv.release(r, cache=False)
+        self.kv.clear_cache()
         self.reqs.clear()
         self.waiting.clear()
         self.pending.clear()
@@ -88,13 +86,7 @@ class Scheduler:
     def end_run(self) -> None:
         """Check that the idle scheduler holds no KV slot (but the prefix cache's, none of them pinned) or
         req_to_token row, then forget the run's requests. Raises KVCacheError naming the leak."""
-        cached = self.cache.num_slots if self.cache is not None else 0
-        pinned = self.cache.num_pinned if self.cache is not None else 0
-        if self.allocator.num_used != cached or pinned or len(self.rows.free_rows) != self.max_reqs:
-            raise KVCacheError(f"idle engine still holds {self.allocator.num_used - cached} KV slots, "
-                               f"{pinned} pinned prefix blocks and "
-                               f"{self.max_reqs - len(self.rows.free_rows)} req_to_token rows (leak)")
-        self.allocator.check()
+        self.kv.check_idle()
         self.reqs.clear()
 
     def all_finished(self) -> bool:
@@ -143,8 +135,10 @@ class Scheduler:
                     continue
                 break
             if r.status == "waiting":
-                if not self.rows.free_rows or not self._admit(r, slot):
+                if not self.kv.admit(r, self.reserve):
                     break
+                self.waiting.remove(r)
+                r.status, r.slot = "prefilling", slot
                 active += 1
             start = r.prefilled
             end = min(len(r.fill_ids), start + budget)
@@ -156,35 +150,6 @@ class Scheduler:
             return None
         return ScheduledBatch("prefill", slot, reqs, chunks)
 
-    def _admit(self, r: Req, slot: int) -> bool:
-        """Give waiting ``r`` a row and every slot its prefill needs (the fill plus the reserve) in micro-batch
-        ``slot``; positions that the prefix cache holds map to its slots and are not prefilled again (the cache is
-        evicted for the rest when the pool is short). False (nothing taken) when the pool cannot hold it."""
-        matched = self.cache.match(r.fill_ids) if self.cache is not None else []
-        cached = len(matched) * (self.cache.block_size if matched else 0)
-        need = len(r.fill_ids) - cached + self.reserve
-        if matched:
-            self.cache.acquire(matched, len(r.fill_ids))
-        if self.cache is not None and self.allocator.num_free < need:
-            self.cache.evict(need)
-        slots = self.allocator.alloc(need)
-        if slots is None:
-            if matched:
-                self.cache.release(matched)
-            return False
-        self.waiting.remove(r)
-        r.row, r.status, r.slot = self.rows.alloc(), "prefilling", slot
-        r.cached_blocks, r.num_cached_tokens = matched, cached
-        r.prefilled = r.seq_len = cached
-        self.append_slots(r, [s for b in matched for s in b.slots] + slots)
-        return True
-
-    def _make_room(self, need: int) -> bool:
-        """Whether ``need`` slots are free, evicting unpinned prefix-cache blocks first when they are not."""
-        if need > self.allocator.num_free and self.cache is not None:
-            self.cache.evict(need)
-        return need <= self.allocator.num_free
-
     def stall_error(self) -> str:
         """One line for a scheduler that has unfinished requests but can run none of them."""
         left = [r for r in self.reqs.values() if r.status != "finished"]
@@ -193,18 +158,9 @@ class Scheduler:
         return (f"scheduler stalled with {len(left)} unfinished requests and {self.allocator.num_free} of "
                 f"{self.allocator.capacity} KV slots free: the pool needs at least {need} tokens")
 
-    def append_slots(self, r: Req, slots: list[int]) -> None:
-        if slots:                          # through the numpy view: ~10x cheaper than a torch slice assignment
-            self._rt_np[r.row, r.allocated_len:r.allocated_len + len(slots)] = slots
-            r.allocated_len += len(slots)
-
     def reserve_decode(self, running: list[Req]) -> bool:
-        need = [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]
-        if not self._make_room(sum(need)):
-            return False
-        for r, n in zip(running, need):
-            self.append_slots(r, self.allocator.alloc(n))
-        return True
+        """Slots for one more decode / verify step of each of ``running`` (seq_len + reserve): all or none."""
+        return self.kv.grow(running, [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]) is not None
 
     def reserve_ahead(self, reqs: list[Req], ahead: int) -> list[tuple[int, int, list[int]]] | None:
         """KV slots for ``reqs`` to advance ``ahead`` more positions before their results are read back (the
@@ -220,41 +176,14 @@ class Scheduler:
             if r.status != "running" or len(r.prompt_ids) + len(r.output_ids) + ahead >= self.max_model_len:
                 return None
         width = self.req_to_token.shape[1]
-        need = [max(0, min(r.seq_len + ahead + self.reserve, width) - r.allocated_len) for r in reqs]
-        if not self._make_room(sum(need)):
-            return None
-        new = []
-        for i, (r, k) in enumerate(zip(reqs, need)):
-            if k:
-                p0 = r.allocated_len
-                slots = self.allocator.alloc(k)
-                self.append_slots(r, slots)
-                new.append((i, p0, slots))
-        return new
-
-    def _release(self, r: Req, cache: bool = True) -> None:
-        """Give back ``r``'s row and slots. With a prefix cache, the full blocks of its prompt whose K/V is final
-        (prefilled; ``cache``) are kept there instead of freed, and its pinned blocks are unpinned."""
-        slots = self.req_to_token[r.row, :r.allocated_len].tolist()
-        if self.cache is None:
-            self.allocator.free(slots)
-        else:
-            matched, keep = r.cached_blocks, set()
-            if cache:
-                keep = self.cache.insert(r.prompt_ids, slots, matched, min(r.prefilled, len(r.prompt_ids)))
-            self.cache.release(matched)
-            skip = r.num_cached_tokens
-            self.allocator.free([s for i, s in enumerate(slots) if i >= skip and i not in keep])
-            r.cached_blocks = []
-        self.rows.free(r.row)
-        r.row, r.allocated_len, r.seq_len = -1, 0, 0
+        return self.kv.grow(reqs, [max(0, min(r.seq_len + ahead + self.reserve, width) - r.allocated_len) for r in reqs])
 
     def _retract(self, r: Req, preempted: bool = True) -> None:
         """Preempt by recompute: free everything and requeue at the front. The new fill is the prompt and every
         output token but the last; that one is the root again when the re-prefill completes (its KV is written
         by the next decode or verify step, as before), so a re-prefill emits no token and the request's outputs,
         accept lengths and sampling coins are those it would have had without the retraction."""
-        self._release(r)
+        self.kv.release(r)
         r.status, r.slot, r.prefilled, r.tree = "waiting", -1, 0, None
         r.fill_ids = r.prompt_ids + r.output_ids[:-1]
         r.num_retractions += preempted            # counts memory pressure only
@@ -347,5 +276,5 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: str) -> None:
         r.status, r.finish_reason = "finished", reason
-        self._release(r)
+        self.kv.release(r)
 

@@ -128,3 +128,51 @@ def test_sampled_requests_with_seeds_agree(tiny_model_dir, tiny_prompts):
     off = _two_calls(tiny_model_dir, prompts, False, params)
     for a, b in zip(on, off):
         _same(a, b)
+
+
+# ------------------------------------------------------------------------------ the scheduler with a cache
+
+def _sched(capacity):
+    from engine.scheduler import Scheduler
+    return Scheduler(capacity=capacity, max_reqs=4, max_model_len=64, reserve=1, spec=False, max_prefill_tokens=64,
+                     num_slots=1, eos_ids=(2,), prefix_block=4)
+
+
+def _finish_prefill_and_decode(s, b):
+    import torch
+    from engine.messages import StepResult
+    s.process_output(StepResult("prefill", 0, b.rids, torch.tensor([[7]] * len(b.rids)), chunks=b.chunks))
+    while (b := s.schedule(0)) is not None:
+        s.process_output(StepResult("decode", 0, b.rids, torch.tensor([[9]] * len(b.rids))))
+
+
+def test_scheduler_reuses_and_evicts_before_admission_fails():
+    from engine.scheduler import Req
+    s = _sched(capacity=40)
+    a = list(range(3, 20))                                       # 17 tokens: 4 blocks cached (16 positions)
+    s.add(Req(0, a, SamplingParams(max_new_tokens=2)))
+    _finish_prefill_and_decode(s, s.schedule(0))
+    assert s.cache.num_slots == 16 and s.allocator.num_used == 16
+    s.end_run()                                                  # cached blocks are not a leak
+    s.add(Req(1, a, SamplingParams(max_new_tokens=2)))           # same prompt: prefill only its last token
+    b = s.schedule(0)
+    assert b.chunks == [(16, 17, True)] and s.reqs[1].num_cached_tokens == 16 and s.cache.num_pinned == 4
+    _finish_prefill_and_decode(s, b)
+    s.end_run()
+    s.add(Req(2, list(range(30, 60)), SamplingParams(max_new_tokens=2)))   # 30 + 1 slots: 24 free, evict
+    b = s.schedule(0)
+    assert b is not None and b.rids == [2] and b.chunks == [(0, 30, True)]
+    assert s.cache.num_slots <= 40 - 31 and s.reqs[2].num_cached_tokens == 0
+    _finish_prefill_and_decode(s, b)
+    s.end_run()
+
+
+def test_failed_call_empties_the_cache():
+    from engine.scheduler import Req
+    s = _sched(capacity=40)
+    s.add(Req(0, list(range(3, 20)), SamplingParams(max_new_tokens=2)))
+    _finish_prefill_and_decode(s, s.schedule(0))
+    s.add(Req(1, list(range(3, 20)), SamplingParams(max_new_tokens=2)))
+    s.schedule(0)                                                # pinned, then the call fails
+    s.reset()
+    assert s.cache.num_slots == 0 and s.allocator.num_used == 0

@@ -202,9 +202,12 @@ def idle_problem(llm) -> str | None:
         return None
     s = w.sched
     held = s.rows.req_to_token.shape[0] - len(s.rows.free_rows)
-    if s.reqs or s.waiting or s.allocator.num_used or held:
+    cached = s.cache.num_slots if s.cache is not None else 0          # the prefix cache's blocks stay
+    pinned = s.cache.num_pinned if s.cache is not None else 0
+    if s.reqs or s.waiting or s.allocator.num_used != cached or pinned or held:
         return (f"idle engine holds {len(s.reqs)} requests ({len(s.waiting)} waiting), "
-                f"{s.allocator.num_used} KV slots, {held} rows")
+                f"{s.allocator.num_used - cached} KV slots outside the prefix cache, {pinned} pinned prefix "
+                f"blocks, {held} rows")
     return None
 
 
