@@ -44,7 +44,7 @@ class FakeLLM:
             outs.append(SimpleNamespace(
                 rid=i, prompt_token_ids=list(p) if not isinstance(p, str) else [1] * 10, token_ids=list(range(n)),
                 text=" 9 * 2 = 18.\n#### 18\n\n", finish_reason="length" if sp.ignore_eos else "stop",
-                arrival_time=9.5, token_times=times, accept_lengths=[step] * (n // step)))
+                arrival_time=9.5, token_times=times, accept_lengths=[step] * (n // step), num_cached_tokens=0))
             if progress:
                 progress(i + 1, len(prompts))
         return outs

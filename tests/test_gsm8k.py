@@ -112,7 +112,7 @@ class EchoLLM:
         for i, p in enumerate(prompts):
             outs.append(SimpleNamespace(rid=i, prompt_token_ids=[0] * 3, token_ids=[1, 2], text=f"{p} ANS<|endoftext|>tail",
                                         finish_reason="stop", arrival_time=0.0, token_times=[1.0, 2.0],
-                                        accept_lengths=[1]))
+                                        accept_lengths=[1], num_cached_tokens=0))
             if progress:
                 progress(i + 1, len(prompts))
         return outs
