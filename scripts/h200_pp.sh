@@ -37,11 +37,11 @@ probe)
   PPSPEC_CPROFILE=$out/cprof_b8 bench pp2_spec_b8_prof 120 $D --set pp=2 --set spec.pp_spec=true \
       --set bench.batch_sizes=[8] --set bench.runs=1 --set bench.warmup=0 ;;
 tests)
-  # the GPU tests: PP relay paths and copies, graphs and kernels (tests/kernels compiled, not interpreted)
+  # the GPU tests: PP relay paths and copies, graphs and kernels (tests/kernel_tests compiled, not interpreted)
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
       tests/test_cuda_graph.py tests/test_flashinfer.py 2>&1 | grep -v -i warning \
       | grep -E "IPC relay|spec rounds|passed|failed|Error|assert" | tail -15
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | grep -v -i warning \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests 2>&1 | grep -v -i warning \
       | grep -E "passed|failed|Error|assert" | tail -8 ;;
 codec)
   # the reworked codec and the CUDA IPC relay, one sitting: PP1 + spec (first: it takes the FlashInfer JIT), PP2 + spec

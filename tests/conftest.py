@@ -1,4 +1,4 @@
-"""Shared pytest fixtures; tests/kernels left out of the collection where its kernels cannot run."""
+"""Shared pytest fixtures; tests/kernel_tests left out of the collection where its kernels cannot run."""
 from __future__ import annotations
 
 import sys
@@ -9,11 +9,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parents[1]))          # the tools package (tools.tiny, tools.fuzz)
 
-KERNELS = Path(__file__).resolve().parent / "kernels"
+KERNELS = Path(__file__).resolve().parent / "kernel_tests"
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/kernels is collected only under Triton's CPU interpreter (TRITON_INTERPRET=1, as
+    """tests/kernel_tests is collected only under Triton's CPU interpreter (TRITON_INTERPRET=1, as
     tests/test_kernels_interpreted.py runs it) or with CUDA (compiled); elsewhere its kernels cannot run."""
     if Path(collection_path).resolve() == KERNELS:
         import os

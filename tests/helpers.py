@@ -2,10 +2,10 @@
 
 - Engine runs on the tiny model: :func:`run`, :data:`GREEDY`, :data:`STRESS` (tests/test_engine_*.py, conftest's
   ``tiny_reference``).
-- Triton's CPU interpreter: :data:`INTERPRETED`, :data:`needs_interpreter`, :func:`kernel_device` (tests/kernels).
+- Triton's CPU interpreter: :data:`INTERPRETED`, :data:`needs_interpreter`, :func:`kernel_device` (tests/kernel_tests).
 - Device-planned attention cases: :func:`make_case`, :func:`cases`, :func:`naive`, :func:`empty_rows`
-  (tests/test_dev_attention.py and tests/kernels/test_dev_attention.py).
-- Spec-loop Triton kernels against their torch references: :func:`tree_kernel_counts` (tests/kernels, compiled in
+  (tests/test_dev_attention.py and tests/kernel_tests/test_dev_attention.py).
+- Spec-loop Triton kernels against their torch references: :func:`tree_kernel_counts` (tests/kernel_tests, compiled in
   tests/test_cuda_graph.py).
 - GPU end to end: a tiny random bf16 Llama and EAGLE head, dense reference logits and the bf16 near-tie criterion
   for greedy divergences: :func:`make_model`, :func:`make_draft`, :func:`reference_logits`, :func:`divergences`
@@ -67,7 +67,7 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def kernel_device() -> str:
-    """Where tests/kernels put their tensors: ``cpu`` under the interpreter, else ``cuda`` (compiled kernels)."""
+    """Where tests/kernel_tests put their tensors: ``cpu`` under the interpreter, else ``cuda`` (compiled kernels)."""
     return "cpu" if INTERPRETED else "cuda"
 
 

@@ -1,5 +1,5 @@
 """engine.kernels.argmax off the Triton path: plain CPU tensors take torch.argmax (with and without an index map).
-The Triton kernel against torch.argmax: tests/kernels/test_argmax.py (interpreted), tests/test_cuda_graph.py
+The Triton kernel against torch.argmax: tests/kernel_tests/test_argmax.py (interpreted), tests/test_cuda_graph.py
 (compiled)."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 float64 loop over the cases of helpers.cases (mixed prefixes, GQA groups 1/3/4, draft-step / causal / tree tail
 masks, split counts below and above the number of blocks, strided q, shuffled req_to_token rows, rows that see
 nothing); the torch fallback, the split heuristic, the ValueError messages; on a GPU the compiled kernels in bf16
-and under CUDA-graph replay. The Triton kernels through the CPU interpreter: tests/kernels/test_dev_attention.py."""
+and under CUDA-graph replay. The Triton kernels through the CPU interpreter: tests/kernel_tests/test_dev_attention.py."""
 from __future__ import annotations
 
 import sys

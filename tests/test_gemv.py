@@ -1,6 +1,6 @@
 """Dispatch of the batch-1 GEMV kernels (engine.kernels.gemv) and of programmatic dependent launch
 (engine.kernels.pdl): when they are on, the per-op block configs, the knobs' error messages. The kernels against the
-unfused torch computation and end to end: tests/kernels/test_gemv.py."""
+unfused torch computation and end to end: tests/kernel_tests/test_gemv.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """Dispatch of the fused skinny GEMMs (engine.kernels.skinny): when they are on, the row and weight limits, the
 block configs, the knobs' error messages. The kernels against the unfused torch computation and end to end:
-tests/kernels/test_skinny.py."""
+tests/kernel_tests/test_skinny.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """The host (numpy) path of engine.attention.packed_mask.pack_verify_mask. The Triton spec-loop kernels against the
-torch references: tests/kernels/test_tree_kernels.py (interpreted), tests/test_cuda_graph.py (compiled)."""
+torch references: tests/kernel_tests/test_tree_kernels.py (interpreted), tests/test_cuda_graph.py (compiled)."""
 from __future__ import annotations
 
 

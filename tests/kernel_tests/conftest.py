@@ -1,4 +1,4 @@
-"""tests/kernels: each test skips, with the reason, where Triton's kernels cannot run (neither Triton's CPU
+"""tests/kernel_tests: each test skips, with the reason, where Triton's kernels cannot run (neither Triton's CPU
 interpreter nor CUDA), as when the package is named explicitly on such a machine."""
 from __future__ import annotations
 
