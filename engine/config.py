@@ -130,9 +130,10 @@ class EngineConfig:
     spec_device_tree: bool | None = None  # EAGLE (every topology): the draft tree stays on the device (Triton tree
                                           # build / verify walk / mask packing on CUDA, torch reference elsewhere);
                                           # under PP every stage rebuilds it there from the relayed tensors
-    spec_overlap: bool | None = None      # EAGLE on one stage (pp=1, tp=1), greedy: each round runs on the device
-                                          # (engine.speculative.device_round) and round t+1 is launched before round t is
-                                          # read back; implies the device tree
+    spec_overlap: bool | None = None      # EAGLE, greedy rounds on the device; implies the device tree. pp=1, tp=1:
+                                          # the whole round (engine.speculative.device_round), round t+1 launched
+                                          # before round t is read back; otherwise every stage's verify round
+                                          # (engine.speculative.stage_round), results relayed as device tensors
     cpu_decode_threads: int | None = None  # CPU: torch intra-op threads while a decode / verify batch runs (its draft
                                           # steps included; prefill keeps torch's setting); None: torch's setting
     seed: int = 0
@@ -224,7 +225,7 @@ class EngineConfig:
 
     @property
     def use_spec_overlap(self) -> bool:
-        """``spec_overlap`` resolved (None: on for CUDA); the runner applies it to pp=1, tp=1 only."""
+        """``spec_overlap`` resolved (None: on for CUDA): the plan's round ``device`` (pp=1, tp=1) or ``stage``."""
         return self._auto(self.spec_overlap)
 
     @property

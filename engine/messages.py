@@ -123,6 +123,22 @@ class StepResult:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return StepResult("error", slot, rids, torch.zeros(0, 1, dtype=torch.int64), error=f"{type(e).__name__}: {msg}")
 
+    def on_host(self) -> StepResult:
+        """This result with ``tokens``, ``accept_nodes`` and ``accept_lens`` on the host, read back in ONE
+        device->host copy when any is on a device (the trees stay where they are); self when all are host."""
+        parts = [t for t in (self.tokens, self.accept_nodes, self.accept_lens) if t is not None]
+        if all(t.device.type == "cpu" for t in parts):
+            return self
+        B = self.tokens.shape[0]
+        cols = [t.reshape(B, -1).long() for t in parts]
+        host = torch.split(d2h(torch.cat([h2d(c, parts[0].device) for c in cols], 1)), [c.shape[1] for c in cols], 1)
+        it = iter(host)
+        tokens = next(it).view(self.tokens.shape)
+        nodes = next(it) if self.accept_nodes is not None else None
+        lens = next(it).view(-1) if self.accept_lens is not None else None
+        return StepResult(self.kind, self.slot, self.rids, tokens, self.chunks, nodes, lens, self.next_tree,
+                          self.num_draft_tokens, self.error)
+
     @property
     def tree_width(self) -> int:
         """n, the verify segment width of this result's trees (``next_tree`` or ``num_draft_tokens``)."""

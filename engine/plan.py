@@ -29,7 +29,11 @@ class ExecutionPlan:
     stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
     (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
     PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
-    tensor). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``.
+    tensor). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
+    where a greedy verify round runs: None (no spec), ``host`` (host-planned attention, the walk read back before the
+    draft), ``stage`` (every stage's verify on the device, the last stage's walk, commit, draft extend and tail draft in
+    the same launch: :mod:`engine.speculative.stage_round`; pp > 1 or tp > 1) or ``device`` (the overlapped whole
+    round of pp=1, tp=1: loop ``spec_rounds``).
     reserve: KV slots per request past seq_len.
     attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
@@ -45,6 +49,7 @@ class ExecutionPlan:
     loop: str
     relay: str | None
     tree: str | None
+    round: str | None
     reserve: int
     attention: dict
     graphs: tuple
@@ -77,6 +82,7 @@ class ExecutionPlan:
         on = [n for n, v in k.items() if v]
         lines = [f"device {self.device} {self.dtype}, tp={self.tp} pp={self.pp}" + (" (staged)" if self.staged else ""),
                  f"loop {self.loop}; relay {self.relay or '-'}; draft tree {self.tree or '-'}; "
+                 f"spec round {self.round or '-'}; "
                  f"KV reserve {self.reserve}/request",
                  f"attention {a['backend']}: prefill {a['prefill']}, decode {a['decode']}, verify {a['verify']}",
                  f"graphs {', '.join(self.graphs) or 'none'}",
@@ -114,7 +120,9 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
     spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
-    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap)
+    stage_round = bool(spec) and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
+    round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = None
@@ -126,7 +134,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     backend = config.attention_backend
     if backend == "auto":
         backend = "flashinfer" if cuda and config.dtype in HALF else "torch" if cuda else "ragged"
-    graphs = _graphs(config, cuda, backend, staged, spec, spec_overlap)
+    graphs = _graphs(config, cuda, backend, staged, spec, round_)
     dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
     fi = backend == "flashinfer"
     attention = {"backend": backend,
@@ -135,7 +143,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
                             else "flashinfer" if fi else backend),
                  "verify": "flashinfer (tree mask)" if fi else f"{backend} (tree mask)"}
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
-                         ("device" if device_tree else "host") if spec else None, reserve, attention, graphs,
+                         ("device" if device_tree else "host") if spec else None, round_, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
                          libs)
 
@@ -152,11 +160,16 @@ def _visible_gpus(world: int) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else world
 
 
-def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, spec_overlap: bool) -> tuple:
-    """Captured graph kinds: decode / verify / prefill / draft / draft_extend (``ModelRunner._init_cuda_graphs``)
-    and spec_rounds (whole EAGLE rounds, ``SpecRoundRunner``)."""
+def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, round_: str | None) -> tuple:
+    """Captured graph kinds: decode / verify / prefill / draft / draft_extend (``ModelRunner._init_cuda_graphs``),
+    spec_rounds (whole EAGLE rounds, ``SpecRoundRunner``) and stage_rounds (a stage's verify round,
+    ``StageRoundRunner``)."""
     fi = cuda and backend == "flashinfer"          # every captured graph reads FlashInfer's attention plans
-    out = ["spec_rounds"] if spec_overlap and config.cuda_graph and fi else []
+    out = []
+    if config.cuda_graph and fi and round_ == "device":
+        out.append("spec_rounds")
+    if config.cuda_graph and fi and round_ == "stage" and not (config.tp > 1 and staged):
+        out.append("stage_rounds")
     if config.cuda_graph and fi and not (config.tp > 1 and staged):
         out.append("verify" if spec else "decode")
         if min(config.cuda_graph_prefill_max_tokens, config.max_prefill_tokens) > 0:
@@ -168,7 +181,7 @@ def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, 
     return tuple(sorted(out, key=_GRAPH_ORDER.index))
 
 
-_GRAPH_ORDER = ("decode", "verify", "prefill", "draft", "draft_extend", "spec_rounds")
+_GRAPH_ORDER = ("decode", "verify", "prefill", "draft", "draft_extend", "spec_rounds", "stage_rounds")
 
 
 def _fused_ok(kn, cuda: bool, dtype: str, libs: dict) -> bool:

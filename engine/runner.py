@@ -111,6 +111,15 @@ class ModelRunner:
             self.round_runner = SpecRoundRunner(self, max_bs, use_graphs="spec_rounds" in self.plan.graphs)
             if self.round_runner.use_graphs:
                 self.round_runner.capture_all()
+        self.stage_rounds = None              # plan round "stage": this stage's verify round on the device
+        if self.plan.round == "stage":
+            from .speculative.stage_round import StageRoundRunner
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
+                else config.max_running_requests
+            self.stage_rounds = StageRoundRunner(self, max_bs, use_graphs="stage_rounds" in self.plan.graphs,
+                                                 keep_tree=config.debug_hash_rebuild)
+            if self.stage_rounds.use_graphs:
+                self.stage_rounds.capture_all()
 
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:

@@ -216,6 +216,7 @@ class Scheduler:
         if kind == "error":
             self.fail(out.rids, out.error)
             return
+        out = out.on_host()                       # one device->host copy for a result still on the device
         toks = out.tokens.tolist()
         if kind == "verify":
             n = out.tree_width

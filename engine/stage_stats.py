@@ -30,6 +30,7 @@ class StageStats:
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.cuda = device.type == "cuda"
         self.ticks = self.batches = 0
+        self.device_rounds = 0                # verify batches run as device stage rounds (engine.speculative.stage_round)
         self.host = dict.fromkeys(PHASES, 0.0)
         self.busy_s = 0.0
         self._events: list = []
@@ -69,6 +70,7 @@ class StageStats:
         w, ru = transport.WIRE, resource.getrusage(resource.RUSAGE_SELF)
         self.host["send"], self.host["recv"] = w.send_s, w.recv_s
         return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "ticks": self.ticks, "batches": self.batches,
+                "device_rounds": self.device_rounds,
                 "wall_s": wall, "busy_s": self.busy_s, "host_s": dict(self.host), "messages": w.messages,
                 "bytes": dict(w.bytes), "d2h": D2H_COPIES[0] - self._d2h0,
                 "ctx_switches": {"voluntary": ru.ru_nvcsw - self._ru0.ru_nvcsw,

@@ -119,6 +119,8 @@ class Worker(OverlapLoops):
             bad = [q.rid for q in batch.reqs if self._fail_token[0] in q.prompt_ids]
             if bad:
                 raise IndexError(f"injected failure (fault fail_token): request {bad[0]}")
+        if r.stage_rounds is not None and r.stage_rounds.can_run(batch):
+            return self._stage_round(batch, inbox)
         eagle = r.eagle                                  # last stage only
         tree = r.tree_ops.build(batch.reqs, self.spec.topk) if batch.kind == "verify" else None
         thash = tree_input_hash(tree) if tree is not None and self.config.debug_hash_rebuild else None
@@ -158,6 +160,24 @@ class Worker(OverlapLoops):
             tokens[torch.tensor(done), 0] = d2h(sampled)
         out.tokens = tokens
         return out
+
+    def _stage_round(self, batch: ScheduledBatch, inbox: dict):
+        """A greedy verify batch on the device (:mod:`engine.speculative.stage_round`): the proxies for the next
+        stage, or on the last stage the batch's result (device tensors, read back by whoever processes it)."""
+        s = ps()
+        proxy = inbox.get("proxy") if not s.is_first_stage else None
+        n = self.spec.num_draft_tokens
+        if proxy is not None and proxy[0].shape[0] != len(batch.reqs) * n:
+            raise RelayError(f"proxy has {proxy[0].shape[0]} rows, batch has {len(batch.reqs) * n} tokens")
+        out, kept = self.runner.stage_rounds.run(batch, proxy)
+        if self.stats is not None:
+            self.stats.device_rounds += 1
+        thash = tree_input_hash(kept) if kept is not None else None
+        if thash is not None and inbox.get("tree_hash") not in (None, thash):
+            raise RelayError(f"stage {s.pp_rank}: rebuilt verify input differs from stage {s.pp_rank - 1}")
+        if s.is_last_stage:
+            return out
+        return {"proxy": out, "batch": (batch.kind, batch.rids), "tree_hash": thash}
 
     # ------------------------------------------------------------------------------------ event loop
     def run(self, reqs: list[Req], max_concurrency: int | None = None, progress=None) -> list[Req]:

@@ -429,8 +429,6 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
     meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
     engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
-    if merged.get("spec_overlap") and (engine.pp > 1 or engine.tp > 1) and engine.spec.enabled:
-        notes.append("note: spec_overlap applies to pp=1, tp=1 only; other topologies run the normal spec round")
     default_name = Path(str(config)).stem if config is not None else "default"
     return RunConfig(
         name=meta.get("name") or default_name, engine=engine,

@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2 OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
@@ -58,4 +58,22 @@ table)
     bench pp${pp}_spec 120 $G --set pp=$pp --set spec.pp_spec=true
     bench pp${pp}_plain 90 $G --no-spec --set pp=$pp
   done ;;
+round)
+  # the device stage round under PP, one sitting (random weights of the SmolLM2 shape + the shipped head): its GPU
+  # tests, then pp=1 + spec (first: FlashInfer's JIT), pp=2 + spec with the stage round (the default) and with the
+  # host round (spec_overlap=false, the earlier path)
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py 2>&1 | grep -v -i warning \
+      | grep -E "round:|IPC relay|passed|failed|Error|assert" | tail -12
+  bench pp1_spec 150 $D
+  bench pp2_spec 110 $D --set pp=2 --set spec.pp_spec=true
+  bench pp2_spec_hostround 100 $D --set pp=2 --set spec.pp_spec=true --set spec_overlap=false ;;
+round2)
+  # the rest of the table in one sitting: pp=3 + spec, plain decoding at pp=1, 2, 3
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  bench pp1_spec 150 $D
+  bench pp3_spec 110 $D --set pp=3 --set spec.pp_spec=true
+  bench pp1_plain 80 $D --no-spec
+  bench pp2_plain 90 $D --no-spec --set pp=2
+  bench pp3_plain 90 $D --no-spec --set pp=3 ;;
 esac

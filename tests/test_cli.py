@@ -385,16 +385,15 @@ def test_train_section_checked_before_training():
     check_train_kwargs(real, {**base, "lr": 1})                     # an int where a float is expected is fine
 
 
-def test_one_stage_options_under_pp_are_noted(draft_dir):
-    """spec_overlap is a one-stage option: under PP the resolver says it does not apply (no silent ignore);
-    spec_device_tree applies at every topology and is not noted."""
+def test_spec_options_under_pp_are_not_noted(draft_dir):
+    """spec_device_tree and spec_overlap apply at every topology (under PP spec_overlap selects the device stage
+    round, engine.speculative.stage_round): neither is noted as ignored."""
     ov = {"pp": 2, "spec_device_tree": True, "spec": {"algorithm": "eagle", "draft": str(draft_dir), "pp_spec": True}}
     c = resolve(None, ov)
     assert c.engine.spec.enabled and c.engine.spec_device_tree
     assert not any("spec_device_tree" in n for n in c.notes)
     ov2 = {**ov, "spec_overlap": True}
-    assert "note: spec_overlap applies to pp=1, tp=1 only; other topologies run the normal spec round" in \
-        resolve(None, ov2).notes
+    assert resolve(None, ov2).engine.spec_overlap and not any("spec_overlap" in n for n in resolve(None, ov2).notes)
     assert not any("spec_overlap" in n for n in resolve(None, {**ov2, "pp": 1}).notes)
 
 

@@ -129,10 +129,16 @@ def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
     assert p.linear["policy"] == "unfused" and not any(p.kernels.values())
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)))
     assert (p.loop, p.tree, p.reserve) == ("ring", "host", 7)
+    assert p.round == "host"
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda")
     assert p.tree == "device" and p.loop == "ring"     # every stage rebuilds the relayed tree on the device
+    assert p.round == "stage"                          # ... in its device verify round (engine.speculative.stage_round)
+    p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=False,
+                                  spec_overlap=False), device="cuda")
+    assert (p.tree, p.round) == ("host", "host")
+    # the stage round needs the device tree: asking for the host tree alone does not turn it off
     p = resolve_plan(EngineConfig(pp=2, spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=False), device="cuda")
-    assert p.tree == "host"
+    assert (p.tree, p.round) == ("device", "stage")
     p = resolve_plan(EngineConfig(spec=SpecConfig("eagle", "d", **CHAIN), spec_device_tree=True))
     assert (p.loop, p.tree) == ("plain", "device")
 

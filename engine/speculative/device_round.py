@@ -94,23 +94,40 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     draft-step split-KV count) of :mod:`engine.attention.device`. Reads and updates ``st`` in place; the round's
     result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by :class:`SpecRoundRunner`).
     """
-    from .eagle_worker import draft_beam_search
-    spec, model = runner.spec, runner.model
-    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
-    B = st.bs
-    L = st.seq_lens
+    tree, feature, _ = verify_forward(runner, st, splits[0])
+    round_tail(runner, st, splits, tree, feature)
+
+
+def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=None):
+    """Steps 1 of the round on this stage: build the verify trees of ``st`` and run this stage's layers over
+    ``rt[b, L:L+n]`` with the tree mask (attention from device tensors; ``splits``: its split-KV count).
+    ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage).
+    Returns (TreeInfo, this stage's output [bs*n, H] (the EAGLE feature on the last stage), residual or None)."""
+    k, n = runner.spec.topk, runner.spec.num_draft_tokens
+    B, L = st.bs, st.seq_lens
     tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
-    ar = st.ar
-    vpos = L.view(B, 1) + ar[:n]
-    seg = st.rt.gather(1, vpos)                                           # the verify segment's slots [B, n]
-    lay = DeviceLayout(st.rt, st.rows, L, seg, tree.tree_mask, splits[0])
+    seg = st.rt.gather(1, L.view(B, 1) + st.ar[:n])                       # the verify segment's slots [B, n]
+    lay = DeviceLayout(st.rt, st.rows, L, seg, tree.tree_mask, splits)
     ctx = ForwardContext(list(range(0, B * n + 1, n)), None, None, seg.reshape(-1), runner.kv_pool, "verify",
                          device_layout=lay)
     set_context(ctx)
     try:
-        feature, _ = model(tree.candidates.reshape(-1), tree.positions.reshape(-1))
+        out, res = runner.model(tree.candidates.reshape(-1), tree.positions.reshape(-1), hidden, residual)
     finally:
         set_context(None)
+    return tree, out, res
+
+
+def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor) -> None:
+    """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit
+    (``st.rt`` permuted, ``st.seq_lens`` advanced), draft extend, tail draft into ``st.tokens`` / ``st.parents`` /
+    ``st.tsi``, the result row into ``st.out``. No host sync."""
+    from .eagle_worker import draft_beam_search
+    spec, model = runner.spec, runner.model
+    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+    B, L, ar = st.bs, st.seq_lens, st.ar
+    vpos = L.view(B, 1) + ar[:n]
+    seg = st.rt.gather(1, vpos)
     pred = model.greedy_tokens(feature).view(B, n)
     res = verify_tree_greedy_any(tree, pred, S)
     alen = res.accept_length
@@ -263,7 +280,7 @@ class SpecRoundRunner:
                 g = self._capture(st)
             g.replay()
         else:
-            spec_round(self.r, st, self._splits(bs))
+            self.round(st, self._splits(bs))
         self.num_rounds += 1
         cuda = host_out.is_pinned()
         host_out.copy_(st.out, non_blocking=cuda)
@@ -273,12 +290,16 @@ class SpecRoundRunner:
         ev.record()
         return ev
 
+    def round(self, st: RoundState, splits: tuple[int, int]) -> None:
+        """The round this runner captures and runs: :func:`spec_round`."""
+        spec_round(self.r, st, splits)
+
     def _capture(self, st: RoundState):
-        """Capture :func:`spec_round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
+        """Capture :meth:`round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
         saved first and restored afterwards: warm-up and capture runs advance it like real rounds."""
         saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi)]   # rt: row copies
         splits = self._splits(st.bs)
-        g, _, self.pool = capture(lambda: spec_round(self.r, st, splits), self.r.device, self.pool,
+        g, _, self.pool = capture(lambda: self.round(st, splits), self.r.device, self.pool,
                                   reset=lambda: self._restore(st, saved))
         self._restore(st, saved)
         self.graphs[st.bs] = g

@@ -1,0 +1,129 @@
+"""The EAGLE verify round of one PP stage on the device (the plan's ``round: stage``): the device round of
+:mod:`engine.speculative.device_round` cut at the stage boundary, so PP (and TP) runs get what pp=1 has.
+
+Every stage, for a greedy verify batch of B requests (padded to a captured batch size bs):
+  1. load: the requests' req_to_token rows, seq_lens and relayed trees into the stage's :class:`RoundState`
+     (one pinned host->device copy for the rows, the tree rows copied device to device);
+  2. :func:`stage_round`: build the verify trees with the device tree kernels (every stage rebuilds the identical
+     input), run this stage's layers over ``rt[b, L:L+n]`` with attention read from device tensors
+     (:mod:`engine.attention.device`: nothing planned on the host), from the previous stage's proxies;
+  3. the last stage continues in the same launch: greedy walk, commit, draft extend, tail draft
+     (:func:`engine.speculative.device_round.round_tail`), the result row [accept_nodes | accept_length | emitted |
+     bonus] and the next trees written to device buffers.
+On CUDA with graphs each (stage, bs) is one captured graph. Nothing is read back here: non-last stages hand on
+device proxies, the last stage a :class:`StepResult` of device tensors that the relay carries as they are (NCCL) or
+stages (gloo); each stage's scheduler reads it in one device->host copy when it processes it
+(``StepResult.on_host``). The host keeps req_to_token one round behind, exactly as on the host round: the commit
+permutation is applied when the relayed result is processed.
+
+Sampled requests, batches larger than the largest captured size and trees not relayed take the host round
+(``EagleWorker.verify``); both give the same tokens and accept lengths (tests/test_stage_round.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dist import ps
+from ..messages import DraftTree, StepResult
+from .device_round import RoundState, SpecRoundRunner, round_tail, verify_forward
+
+_TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")
+
+
+class KeptTree:
+    """The verify input one stage rebuilt (the fields :func:`engine.speculative.tree_host.tree_input_hash` reads),
+    first B rows of the state's copies."""
+
+    def __init__(self, bufs: dict, B: int):
+        for f in _TREE_KEPT:
+            setattr(self, f, bufs[f][:B])
+
+
+def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, last: bool) -> None:
+    """One greedy verify round of this stage for the ``st.bs`` rows of ``st`` (no host sync; capturable).
+
+    Reads ``st.h_in`` / ``st.r_in`` [bs*n, H] (the previous stage's proxies) unless ``first``; writes
+    ``st.h_out`` / ``st.r_out`` unless ``last``; on the last stage runs :func:`round_tail` (``st.out``, the next
+    trees in ``st.tokens`` / ``st.parents`` / ``st.tsi``). With ``st.kept`` (debug_hash_rebuild) the rebuilt
+    verify input is copied there."""
+    tree, out, res = verify_forward(runner, st, splits[0], None if first else st.h_in, None if first else st.r_in)
+    if st.kept is not None:
+        for f in _TREE_KEPT:
+            st.kept[f].copy_(getattr(tree, f))
+    if not last:
+        st.h_out.copy_(out)
+        st.r_out.copy_(res)
+        return
+    round_tail(runner, st, splits, tree, out)
+
+
+class StageRoundRunner(SpecRoundRunner):
+    """Per captured batch size: a :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the
+    captured :func:`stage_round`. ``can_run`` decides (identically on every stage: from the batch alone) whether a
+    verify batch takes this path; ``run`` executes it."""
+
+    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False):
+        super().__init__(runner, max_bs, use_graphs)
+        s = ps()
+        self.first, self.last = s.is_first_stage, s.is_last_stage
+        self.keep_tree = keep_tree
+        self.drop_tree = runner.config.fault == "drop_tree"
+
+    def can_run(self, batch) -> bool:
+        """A verify batch of at most ``max_bs`` greedy requests whose trees were relayed."""
+        return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
+                and all(r.params.greedy and r.tree is not None for r in batch.reqs))
+
+    def state(self, bs: int) -> RoundState:
+        """:meth:`SpecRoundRunner.state` plus the proxy buffers [bs*n, H] (in: not on the first stage; out: not on
+        the last) and the kept verify input (``keep_tree``)."""
+        new = bs not in self.states
+        st = super().state(bs)
+        if new:
+            r, T = self.r, bs * self.n
+            H = r.model_config.hidden_size
+            z = dict(dtype=r.dtype, device=r.device)
+            st.h_in = st.r_in = st.h_out = st.r_out = None
+            if not self.first:
+                st.h_in, st.r_in = torch.zeros(T, H, **z), torch.zeros(T, H, **z)
+            if not self.last:
+                st.h_out, st.r_out = torch.zeros(T, H, **z), torch.zeros(T, H, **z)
+            st.kept = None
+            if self.keep_tree:
+                i64 = dict(dtype=torch.int64, device=r.device)
+                st.kept = {f: torch.zeros(bs, self.n, **i64) for f in _TREE_KEPT if f != "tree_mask"}
+                st.kept["tree_mask"] = torch.zeros(bs, self.n, self.n, dtype=torch.bool, device=r.device)
+        return st
+
+    @torch.inference_mode()
+    def run(self, batch, proxy=None):
+        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage.
+
+        Returns (non-last stage) the proxies [B*n, H] as owned device tensors, or (last stage) the batch's
+        :class:`StepResult` with device tensors (owned copies) and the kept verify input (or None) as a second
+        value in both cases."""
+        reqs, B, n = batch.reqs, len(batch.reqs), self.n
+        st = self.load(reqs, self.r.sched.req_to_token)
+        if not self.first:
+            st.h_in[:B * n].copy_(proxy[0])
+            st.r_in[:B * n].copy_(proxy[1])
+        if self.use_graphs:
+            g = self.graphs.get(st.bs) or self._capture(st)
+            g.replay()
+        else:
+            self.round(st, self._splits(st.bs))
+        self.num_rounds += 1
+        kept = KeptTree(st.kept, B) if st.kept is not None else None
+        if not self.last:
+            return (st.h_out[:B * n].clone(), st.r_out[:B * n].clone()), kept
+        c = self.S + 1
+        out = st.out[:B].clone()
+        bonus = out[:, 2 * c + 1]
+        tree = (DraftTree.degenerate(bonus, self.r.spec) if self.drop_tree else
+                DraftTree(st.tokens[:B], st.parents[:B], st.tsi[:B]).to_host(to_host=False))
+        return StepResult("verify", batch.slot, batch.rids, out[:, c + 1:2 * c + 1], accept_nodes=out[:, :c],
+                          accept_lens=out[:, c], next_tree=tree), kept
+
+    def round(self, st: RoundState, splits: tuple[int, int]) -> None:
+        """The round this runner captures and runs: :func:`stage_round` of this stage."""
+        stage_round(self.r, st, splits, self.first, self.last)
