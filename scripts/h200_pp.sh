@@ -69,11 +69,12 @@ round)
   bench pp2_spec 110 $D --set pp=2 --set spec.pp_spec=true
   bench pp2_spec_hostround 100 $D --set pp=2 --set spec.pp_spec=true --set spec_overlap=false ;;
 round2)
-  # the rest of the table in one sitting: pp=3 + spec, plain decoding at pp=1, 2, 3
+  # the GPU tests of the stage round, then the table in one sitting (1 timed run after 1 warmup per cell):
+  # pp=1, 2, 3 with spec (the stage round under PP) and without
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
-  bench pp1_spec 150 $D
-  bench pp3_spec 110 $D --set pp=3 --set spec.pp_spec=true
-  bench pp1_plain 80 $D --no-spec
-  bench pp2_plain 90 $D --no-spec --set pp=2
-  bench pp3_plain 90 $D --no-spec --set pp=3 ;;
+  timeout 230 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py tests/test_cuda_graph.py \
+      -k "relay_paths or stage_round" 2>&1 | grep -v -i warning \
+      | grep -E "round:|IPC relay|FI-RESULT|passed|failed|Error|assert" | cut -c1-400 | tail -14
+  for pp in 1 2 3; do bench pp${pp}_spec 70 $D --set pp=$pp --set spec.pp_spec=true --set bench.runs=1; done
+  for pp in 1 2 3; do bench pp${pp}_plain 60 $D --no-spec --set pp=$pp --set bench.runs=1; done ;;
 esac

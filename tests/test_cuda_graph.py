@@ -7,6 +7,8 @@ that graphs were actually replayed (a padded batch included: 5 prompts replay th
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -195,6 +197,47 @@ def test_graph_spec_overlap_matches_normal_path(setup):
     assert c["rounds"] >= 10 and c["ahead"] >= c["rounds"] // 3 and c["graphs"] >= 1, c
     assert abs(sum(acc1) / len(acc1) - sum(acc0) / len(acc0)) < 0.3
     divergences("eagle: overlap vs normal path", prompts, ref, got, logits)
+
+
+def _generate_pp(model_dir, draft, prompts, lens, **kw):
+    """Tokens, accept lengths and per-rank stage counters of a PP2 x EAGLE run (two ranks on this GPU). The ranks
+    are processes that load the model's tokenizer: a word-level one over the tiny vocabulary is written first."""
+    from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+    if not (Path(model_dir) / "tokenizer.json").exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                eos_token="t2").save_pretrained(str(model_dir))
+    cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                       spec=SpecConfig("eagle", str(draft), 3, 2, 6, pp_spec=True), max_num_tokens=8192,
+                       max_prefill_tokens=512, cuda_graph_max_bs=8, pp=2, **kw)
+    with LLM(cfg) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lens])
+        return ([o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths], llm.last_stage_stats,
+                llm.plan)
+
+
+def test_graph_stage_round_under_pp_matches_eager_and_host_round(setup):
+    """The device stage round under PP2 (engine.speculative.stage_round: each stage's verify round one graph, Triton
+    attention over device layouts) replayed from graphs vs the same round eagerly vs the host round (FlashInfer):
+    greedy tokens equal up to bf16 near-ties, similar acceptance, every rank ran the device rounds."""
+    model, draft, prompts, logits = setup
+    lens = [12, 30, 20, 41, 25]
+    graph, acc_g, st_g, plan_g = _generate_pp(model, draft, prompts, lens)
+    eager, acc_e, st_e, plan_e = _generate_pp(model, draft, prompts, lens, cuda_graph=False)
+    host, acc_h, st_h, plan_h = _generate_pp(model, draft, prompts, lens, spec_overlap=False)
+    assert plan_g.round == plan_e.round == "stage" and plan_h.round == "host"
+    assert "stage_rounds" in plan_g.graphs and "stage_rounds" not in plan_e.graphs
+    print("stage round: " + "; ".join(f"stage {s['pp_rank']} {s['device_rounds']} device rounds, {s['d2h']} d2h in "
+                                      f"{s['batches']} batches" for s in st_g) +
+          f"; accept {sum(acc_g) / len(acc_g):.3f} (eager {sum(acc_e) / len(acc_e):.3f}, host round "
+          f"{sum(acc_h) / len(acc_h):.3f})")
+    assert all(s["device_rounds"] > 0 for s in st_g) and all(s["device_rounds"] == 0 for s in st_h)
+    assert abs(sum(acc_g) / len(acc_g) - sum(acc_h) / len(acc_h)) < 0.3
+    divergences("stage round under PP: graph vs eager", prompts, eager, graph, logits)
+    divergences("stage round under PP vs host round", prompts, host, graph, logits)
 
 
 def test_graph_spec_overlap_chain_and_token_map(setup, tmp_path):

@@ -41,37 +41,25 @@ def _run(monkeypatch, env: dict, **kw):
 
 
 def test_pp2_relay_paths_agree_and_copies_per_round(monkeypatch):
+    """The same round through the CUDA IPC relay and the staged relay gives the same tokens (the stage round, the
+    CUDA default); on the host round the device tree gives the host tree's. Copies per batch are counted."""
     ipc = _run(monkeypatch, {"PPSPEC_RELAY_IPC": "1"})
     staged = _run(monkeypatch, {})
     host_tree = _run(monkeypatch, {}, spec_device_tree=False, spec_overlap=False)
+    dev_tree = _run(monkeypatch, {}, spec_overlap=False)
     assert ipc[3].relay == "cuda ipc" and staged[3].relay == "staged" and ipc[3].tree == "device"
-    assert ipc[:2] == staged[:2] == host_tree[:2]
+    assert (host_tree[3].tree, host_tree[3].round, dev_tree[3].tree) == ("host", "host", "device")
+    assert ipc[:2] == staged[:2]
+    assert host_tree[:2] == dev_tree[:2]
     s0, s1 = ipc[2][0], ipc[2][1]
     rounds = sum(len(a) for a in ipc[1])
     print(f"IPC relay: stage 0 {s0['d2h']} d2h in {s0['batches']} batches; last stage {s1['d2h']} in "
           f"{s1['batches']} ({rounds} verify rounds); staged: {staged[2][0]['d2h']}, {staged[2][1]['d2h']}")
     assert s0["d2h"] == 0                                    # the proxy never leaves the GPU
-    # last stage: one copy per verify batch (its result), two per prefill batch (sampled token, first tree)
+    # last stage: one copy per verify batch (reading the relayed result), two per prefill batch (sampled token,
+    # first tree)
     assert s1["d2h"] <= s1["batches"] + len(_prompts())
     assert staged[2][0]["d2h"] == staged[2][0]["batches"]
-
-
-
-def test_pp2_stage_round_graph_eager_and_host_round_agree(monkeypatch):
-    """The device stage round (the CUDA default under PP) replayed from graphs equals it run eagerly and the host
-    round; device->host copies per verify round: at most one per stage (the staging of what it sends: the proxies
-    on stage 0, the result on the last stage; stage 0 reads the relayed result from the staged frame)."""
-    graph = _run(monkeypatch, {})
-    eager = _run(monkeypatch, {}, cuda_graph=False)
-    host = _run(monkeypatch, {}, spec_overlap=False)
-    assert graph[3].round == "stage" and "stage_rounds" in graph[3].graphs and host[3].round == "host"
-    assert "stage_rounds" not in eager[3].graphs
-    assert graph[:2] == eager[:2] == host[:2]
-    for name, run in (("graph", graph), ("host", host)):
-        print(f"{name} round: " + "; ".join(f"stage {s['pp_rank']} {s['d2h']} d2h in {s['batches']} batches "
-                                            f"({s['device_rounds']} device rounds)" for s in run[2]))
-    s0, s1 = graph[2]
-    assert s0["device_rounds"] == s1["device_rounds"] > 0
-    assert s0["d2h"] <= s0["batches"]
-    prefill_batches = s1["batches"] - s1["device_rounds"]
-    assert s1["d2h"] - 2 * prefill_batches <= s1["device_rounds"]
+    for st in staged[2]:                                     # stage round, staged: one staging copy per verify round
+        assert st["device_rounds"] > 0
+        assert st["d2h"] - 2 * (st["batches"] - st["device_rounds"]) <= st["device_rounds"]
