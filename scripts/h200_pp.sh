@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2 OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
@@ -68,13 +68,15 @@ round)
   bench pp1_spec 150 $D
   bench pp2_spec 110 $D --set pp=2 --set spec.pp_spec=true
   bench pp2_spec_hostround 100 $D --set pp=2 --set spec.pp_spec=true --set spec_overlap=false ;;
-round2)
-  # the GPU tests of the stage round, then the table in one sitting (1 timed run after 1 warmup per cell):
-  # pp=1, 2, 3 with spec (the stage round under PP) and without
+round2a)
+  # the GPU tests of the stage round (relay paths, copies per round, graph vs eager vs host round)
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
+      tests/test_cuda_graph.py -k "relay_paths or stage_round" 2>&1 | grep -v -i warning \
+      | grep -E "round:|IPC relay|FI-RESULT|passed|failed|Error|assert" | cut -c1-400 | tail -14 ;;
+round2b)
+  # the table in one sitting (1 timed run after 1 warmup per cell): pp=1, 2, 3 with spec (the stage round under
+  # PP) and without; the first cell takes FlashInfer's JIT
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
-  timeout 230 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py tests/test_cuda_graph.py \
-      -k "relay_paths or stage_round" 2>&1 | grep -v -i warning \
-      | grep -E "round:|IPC relay|FI-RESULT|passed|failed|Error|assert" | cut -c1-400 | tail -14
-  for pp in 1 2 3; do bench pp${pp}_spec 70 $D --set pp=$pp --set spec.pp_spec=true --set bench.runs=1; done
-  for pp in 1 2 3; do bench pp${pp}_plain 60 $D --no-spec --set pp=$pp --set bench.runs=1; done ;;
+  for pp in 1 2 3; do bench pp${pp}_spec 150 $D --set pp=$pp --set spec.pp_spec=true --set bench.runs=1; done
+  for pp in 1 2 3; do bench pp${pp}_plain 80 $D --no-spec --set pp=$pp --set bench.runs=1; done ;;
 esac
