@@ -55,7 +55,8 @@ def test_pp2_relay_paths_agree_and_copies_per_round(monkeypatch):
     rounds = sum(len(a) for a in ipc[1])
     print(f"IPC relay: stage 0 {s0['d2h']} d2h in {s0['batches']} batches; last stage {s1['d2h']} in "
           f"{s1['batches']} ({rounds} verify rounds); staged: {staged[2][0]['d2h']}, {staged[2][1]['d2h']}")
-    assert s0["d2h"] == 0                                    # the proxy never leaves the GPU
+    # the proxy never leaves the GPU: stage 0's only copies read the relayed results of its verify rounds
+    assert 0 < s0["d2h"] <= s0["device_rounds"]
     # last stage: one copy per verify batch (reading the relayed result), two per prefill batch (sampled token,
     # first tree)
     assert s1["d2h"] <= s1["batches"] + len(_prompts())
