@@ -71,7 +71,7 @@ round)
 round2a)
   # the GPU tests of the stage round (relay paths, copies per round, graph vs eager vs host round)
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
-      tests/test_cuda_graph.py -k "relay_paths or stage_round" 2>&1 | grep -v -i warning \
+      tests/test_cuda_graph.py -k "relay_paths or stage_round or host_round" 2>&1 | grep -v -i warning \
       | grep -E "round:|IPC relay|FI-RESULT|passed|failed|Error|assert" | cut -c1-400 | tail -14 ;;
 round2b)
   # the table in one sitting (1 timed run after 1 warmup per cell): pp=1, 2, 3 with spec (the stage round under
