@@ -65,6 +65,86 @@ def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:
     return out
 
 
+EAGLE3_RECIPE = dict(aux_layers=(0, 2, 3), bias=0.05, gain=9.0, seed=3, kv_heads=4)
+
+
+def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), bias: float = 0.05, gain: float = 9.0,
+                     seed: int = 3, kv_heads: int = 4) -> Path:
+    """An EAGLE-3 head for the tiny target, initialised (not trained) so that it drafts well: the tiny target's next
+    token depends mostly on its current token, which an EAGLE-3 layer sees only through attention, so
+
+    * fc.weight = 0 and fc.bias = a constant: hidden_norm(x) is the same vector at every position of a draft extend;
+    * q and k read only that half, each head c = ``gain`` on its first D/2 (RoPE-pair) dims: q.k = c^2 sum cos(d theta)
+      peaks at relative distance d = 0, so each row attends (almost) only to itself;
+    * v reads the normed token embedding (``kv_heads`` = H / D KV heads: KV head j its dims j*D .. j*D + D), o_proj
+      puts it back, so the residual carries a copy of the token's normed embedding; MLP zero; draft norm 1;
+    * lm_head = the target head's rows of the draft vocabulary: every token's approximate next token
+      argmax(lm_head rmsnorm(embed)) (a strict subset of the target vocabulary), ``d2t`` accordingly.
+
+    Drafting steps after the first feed the draft's own hidden (not a constant), which blurs the attention, so
+    deeper drafts are weaker. Writes the published layout (float32) to ``out``."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.dist import ParallelState, set_ps
+    from engine.model.loader import load_model_config
+    from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, save_eagle3
+
+    set_ps(ParallelState())
+    mc = load_model_config(model_dir)
+    w = load_file(str(Path(model_dir) / "model.safetensors"))
+    E, W = w["model.embed_tokens.weight"].float(), w["lm_head.weight"].float()
+    normed = E * torch.rsqrt(E.pow(2).mean(-1, keepdim=True) + mc.rms_norm_eps)
+    hot = (normed @ W.T).argmax(-1).unique().sort().values
+    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "num_key_value_heads": kv_heads})
+    d = Eagle3Draft(Eagle3Spec(dcfg, tuple(aux_layers), hot.numel(), True), torch.float32, 64)
+    H, D, Hq, Hk = mc.hidden_size, mc.head_dim, mc.num_attention_heads, kv_heads
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.zero_()
+        for n in (d.layer.input_layernorm, d.layer.hidden_norm, d.layer.post_attention_layernorm, d.norm):
+            n.weight.fill_(1.0)
+        d.fc.bias.copy_(torch.sign(torch.randn(H, generator=g)) * bias)
+        z = d.fc.bias / d.fc.bias.pow(2).mean().add(mc.rms_norm_eps).sqrt()       # hidden_norm(fc.bias)
+        a = d.layer.self_attn
+        qkv = torch.zeros((Hq + 2 * Hk) * D, 2 * H)
+        pattern = torch.cat([torch.full((D // 2,), gain), torch.zeros(D - D // 2)])
+        for h in range(Hq + Hk):                                   # q heads, then k heads: c * z / |z|^2 . z
+            qkv[h * D:(h + 1) * D, H:] = pattern.view(D, 1) * z.view(1, H) / z.pow(2).sum()
+        for j in range(Hk):                                        # v head j reads embedding dims j*D .. j*D + D
+            r0 = (Hq + Hk + j) * D
+            qkv[r0:r0 + D, j * D:(j + 1) * D] = torch.eye(D)
+        a.qkv_proj.weight.copy_(qkv)
+        o = torch.zeros(H, Hq * D)
+        group = Hq // Hk
+        for j in range(Hk):                                        # the first q head of each KV group writes back
+            o[j * D:(j + 1) * D, (j * group) * D:(j * group + 1) * D] = torch.eye(D)
+        a.o_proj.weight.copy_(o)
+        d.lm_head.weight.copy_(W[hot])
+        d.d2t.copy_(hot - torch.arange(hot.numel()))
+        d.embed_tokens.weight.copy_(E)
+    save_eagle3(out, mc, d, dtype=torch.float32)
+    return out
+
+
+def cached_tiny_eagle3(cache: str | Path | None = None) -> str:
+    """Directory of the tiny target's EAGLE-3 head (:func:`make_tiny_eagle3` with ``EAGLE3_RECIPE``), built on first
+    use next to :func:`cached_tiny`'s model, keyed by a hash of the recipes."""
+    model, _ = cached_tiny(cache)
+    key = hashlib.sha256(json.dumps(EAGLE3_RECIPE, sort_keys=True).encode()).hexdigest()[:8]
+    done = Path(model).parent / f"eagle3-{key}"
+    if not done.is_dir():
+        with open(Path(model).parent / f"eagle3-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.is_dir():
+                tmp = done.with_suffix(".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                make_tiny_eagle3(model, tmp, **EAGLE3_RECIPE)
+                tmp.rename(done)
+    return str(done)
+
+
 def gsm8k_prompts(n: int, offset: int = 0, split: str = "train") -> list[str]:
     """``n`` GSM8K questions from ``offset`` as "Question: ...\\nAnswer:" prompts (the shipped copy)."""
     rows = (REPO / "harness" / "data" / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[offset:offset + n]
