@@ -65,24 +65,25 @@ def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:
     return out
 
 
-EAGLE3_RECIPE = dict(aux_layers=(0, 2, 3), bias=0.05, gain=9.0, seed=3, kv_heads=4)
+EAGLE3_RECIPE = dict(aux_layers=(0, 2, 3), mix=(0.4, -0.3, 0.1), bias=0.05, gain=3.0, seed=3, kv_heads=4)
 
 
-def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), bias: float = 0.05, gain: float = 9.0,
-                     seed: int = 3, kv_heads: int = 4) -> Path:
-    """An EAGLE-3 head for the tiny target, initialised (not trained) so that it drafts well: the tiny target's next
-    token depends mostly on its current token, which an EAGLE-3 layer sees only through attention, so
+def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), mix=(0.5, -0.5, 0.25), bias: float = 0.05,
+                     gain: float = 3.0, seed: int = 3, kv_heads: int = 4) -> Path:
+    """An EAGLE-3 head for the tiny target, initialised (not trained) so that it drafts, and so that its drafts depend
+    on every aux slot. The tiny target's next token depends mostly on its current token, which an EAGLE-3 layer sees
+    only through attention, so (``kv_heads`` = H / D KV heads, one per query head):
 
-    * fc.weight = 0 and fc.bias = a constant: hidden_norm(x) is the same vector at every position of a draft extend;
-    * q and k read only that half, each head c = ``gain`` on its first D/2 (RoPE-pair) dims: q.k = c^2 sum cos(d theta)
-      peaks at relative distance d = 0, so each row attends (almost) only to itself;
-    * v reads the normed token embedding (``kv_heads`` = H / D KV heads: KV head j its dims j*D .. j*D + D), o_proj
-      puts it back, so the residual carries a copy of the token's normed embedding; MLP zero; draft norm 1;
+    * q, k and v of head j read the normed token embedding's dims j*D .. j*D + D (q and k scaled by ``gain``): a row
+      attends (almost) only to itself (or to earlier copies of its token, whose values are equal), so o_proj (the
+      identity) puts the token's normed embedding into the residual;
+    * fc = ``mix`` of the three aux slots (identity blocks, signed) plus a small random ``bias``: the residual also
+      carries a weighted sum of the target's aux features, so a wrong, missing or misordered slot changes the draft
+      tokens; MLP zero; final norm 1;
     * lm_head = the target head's rows of the draft vocabulary: every token's approximate next token
       argmax(lm_head rmsnorm(embed)) (a strict subset of the target vocabulary), ``d2t`` accordingly.
 
-    Drafting steps after the first feed the draft's own hidden (not a constant), which blurs the attention, so
-    deeper drafts are weaker. Writes the published layout (float32) to ``out``."""
+    Writes the published layout (float32) to ``out``."""
     import torch
     from safetensors.torch import load_file
 
@@ -98,29 +99,22 @@ def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), bia
     hot = (normed @ W.T).argmax(-1).unique().sort().values
     dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "num_key_value_heads": kv_heads})
     d = Eagle3Draft(Eagle3Spec(dcfg, tuple(aux_layers), hot.numel(), True), torch.float32, 64)
-    H, D, Hq, Hk = mc.hidden_size, mc.head_dim, mc.num_attention_heads, kv_heads
+    H, D, Hq = mc.hidden_size, mc.head_dim, mc.num_attention_heads
+    assert kv_heads == Hq and Hq * D == H
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in d.parameters():
             p.zero_()
         for n in (d.layer.input_layernorm, d.layer.hidden_norm, d.layer.post_attention_layernorm, d.norm):
             n.weight.fill_(1.0)
-        d.fc.bias.copy_(torch.sign(torch.randn(H, generator=g)) * bias)
-        z = d.fc.bias / d.fc.bias.pow(2).mean().add(mc.rms_norm_eps).sqrt()       # hidden_norm(fc.bias)
-        a = d.layer.self_attn
-        qkv = torch.zeros((Hq + 2 * Hk) * D, 2 * H)
-        pattern = torch.cat([torch.full((D // 2,), gain), torch.zeros(D - D // 2)])
-        for h in range(Hq + Hk):                                   # q heads, then k heads: c * z / |z|^2 . z
-            qkv[h * D:(h + 1) * D, H:] = pattern.view(D, 1) * z.view(1, H) / z.pow(2).sum()
-        for j in range(Hk):                                        # v head j reads embedding dims j*D .. j*D + D
-            r0 = (Hq + Hk + j) * D
-            qkv[r0:r0 + D, j * D:(j + 1) * D] = torch.eye(D)
-        a.qkv_proj.weight.copy_(qkv)
-        o = torch.zeros(H, Hq * D)
-        group = Hq // Hk
-        for j in range(Hk):                                        # the first q head of each KV group writes back
-            o[j * D:(j + 1) * D, (j * group) * D:(j * group + 1) * D] = torch.eye(D)
-        a.o_proj.weight.copy_(o)
+        d.fc.weight.copy_(torch.cat([m * torch.eye(H) for m in mix], 1))
+        d.fc.bias.copy_(torch.randn(H, generator=g) * bias)
+        eye = torch.eye(H)
+        d.layer.self_attn.qkv_proj.weight.copy_(torch.cat([
+            torch.cat([gain * eye, torch.zeros(H, H)], 1),          # q: the embedding half
+            torch.cat([gain * eye, torch.zeros(H, H)], 1),          # k
+            torch.cat([eye, torch.zeros(H, H)], 1)]))               # v
+        d.layer.self_attn.o_proj.weight.copy_(eye)
         d.lm_head.weight.copy_(W[hot])
         d.d2t.copy_(hot - torch.arange(hot.numel()))
         d.embed_tokens.weight.copy_(E)
