@@ -53,12 +53,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if amx() else "float32"
 
 
+ALGORITHMS = ("eagle", "eagle3")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE speculative decoding shape (SGLang naming: num_steps S, topk k, num_draft_tokens n incl. root)."""
 
-    algorithm: str | None = None          # None or "eagle"
-    draft: str | None = None              # path to an EAGLE-1/2 checkpoint directory
+    algorithm: str | None = None          # None, "eagle" (EAGLE-1/2 head) or "eagle3" (EAGLE-3 head: target aux features)
+    draft: str | None = None              # path to the draft checkpoint directory (EAGLE-1/2 or EAGLE-3 layout)
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
@@ -70,8 +73,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.algorithm is None:
             return
-        if self.algorithm != "eagle":
-            raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle)")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle, eagle3)")
         S, k, n = self.num_steps, self.topk, self.num_draft_tokens
         if S < 1 or k < 1 or n < 2:
             raise ConfigError("spec: num_steps >= 1, topk >= 1 and num_draft_tokens >= 2 are required")
@@ -82,11 +85,19 @@ class SpecConfig:
         if k == 1 and n != S + 1:
             raise ConfigError(f"spec: with topk=1 num_draft_tokens must equal num_steps+1={S + 1}, got {n}")
         if self.token_map is not None:
+            if self.is_eagle3:
+                raise ConfigError("spec.token_map with spec.algorithm eagle3: an EAGLE-3 head has its own draft "
+                                  "vocabulary (d2t); drop the token map")
             token_map_file(self.token_map)
 
     @property
     def enabled(self) -> bool:
         return self.algorithm is not None
+
+    @property
+    def is_eagle3(self) -> bool:
+        """EAGLE-3: the draft reads three target layers' outputs (relayed through the PP proxy)."""
+        return self.algorithm == "eagle3"
 
     @property
     def is_chain(self) -> bool:

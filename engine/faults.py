@@ -4,11 +4,13 @@ the tests and the gate can prove that they would catch it.
 * ``drop_tree``: the relay carries degenerate draft trees (outputs stay correct, acceptance collapses);
 * ``fail_token:ID[:STAGE]``: a batch holding token ID fails in its forward on pp stage STAGE (default 0);
 * ``fail_rank:RANK``: that rank's ``Worker.run`` raises;
-* ``exit_rank:RANK``: that rank's process exits silently at start.
+* ``exit_rank:RANK``: that rank's process exits silently at start;
+* ``drop_aux:STAGE``: EAGLE-3: pp stage STAGE leaves its auxiliary features out of the hidden-state handoff (the next
+  stage, or the last stage assembling the draft's feature, must refuse the batch).
 """
 from __future__ import annotations
 
-FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK"
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
 
 
 def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
@@ -23,7 +25,8 @@ def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
 
 def rank_fault(fault: str | None, kind: str) -> int | None:
     """The rank of a ``fail_rank:RANK`` (``kind`` "fail_rank": that rank's ``Worker.run`` raises) or
-    ``exit_rank:RANK`` (``kind`` "exit_rank": that rank's process exits silently at start) fault, else None."""
+    ``exit_rank:RANK`` (``kind`` "exit_rank": that rank's process exits silently at start) fault, or the stage of a
+    ``drop_aux:STAGE`` fault (``kind`` "drop_aux"), else None."""
     if not fault or not fault.startswith(kind + ":"):
         return None
     rank = fault[len(kind) + 1:]
@@ -35,6 +38,6 @@ def check_fault(fault: str | None) -> None:
     from .config import ConfigError
     if fault is None or fault == "drop_tree" or fail_token_fault(fault) is not None:
         return
-    if rank_fault(fault, "fail_rank") is not None or rank_fault(fault, "exit_rank") is not None:
+    if any(rank_fault(fault, k) is not None for k in ("fail_rank", "exit_rank", "drop_aux")):
         return
     raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")

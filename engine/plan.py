@@ -39,6 +39,8 @@ class ExecutionPlan:
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
+    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept off the captured-graph and device-round
+    paths, which do not carry its auxiliary features).
     """
 
     device: str
@@ -57,6 +59,7 @@ class ExecutionPlan:
     kernels: dict
     knobs: dict
     libraries: dict
+    notes: tuple = ()
 
     @property
     def backend(self) -> str:
@@ -89,6 +92,7 @@ class ExecutionPlan:
                  f"linear {li['policy']}",
                  f"kernels on: {', '.join(on) or 'none'}",
                  "knobs " + (", ".join(f"{n}={v}" for n, v in self.knobs.items()) or "all default")]
+        lines += [f"note: {n}" for n in self.notes]
         if self.libraries.get("assumed"):
             lines.append("(resolved off a GPU host: flashinfer and triton assumed importable)")
         return "\n".join(lines)
@@ -119,8 +123,14 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         staged = cuda and _visible_gpus(config.world_size) < config.world_size
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
+    notes = []
     spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
-    stage_round = bool(spec) and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+    eagle3 = bool(spec) and spec.is_eagle3
+    if eagle3 and config._auto_for(config.spec_overlap, dev):
+        notes.append("eagle3: device spec rounds off (they do not carry the auxiliary features)")
+    if eagle3:
+        spec_overlap = False
+    stage_round = bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
@@ -135,6 +145,10 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     if backend == "auto":
         backend = "flashinfer" if cuda and config.dtype in HALF else "torch" if cuda else "ragged"
     graphs = _graphs(config, cuda, backend, staged, spec, round_)
+    if eagle3 and graphs:
+        notes.append(f"eagle3: CUDA graphs off ({', '.join(graphs)}): captured forwards do not carry the auxiliary "
+                     "features")
+        graphs = ()
     dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
     fi = backend == "flashinfer"
     attention = {"backend": backend,
@@ -145,7 +159,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, round_, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
-                         libs)
+                         libs, tuple(notes))
 
 
 def _libraries(cuda: bool) -> dict:

@@ -11,7 +11,7 @@ from .kernels.argmax import argmax_rows
 from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
 from . import knobs
-from .config import ConfigError, EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig, rank_fault
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool, host_available_bytes
 from .plan import resolve_plan
@@ -67,6 +67,13 @@ class ModelRunner:
         self.model = LlamaForCausalLM(mc, self.dtype, max_pos)
         self.draft = None
         start, end = stage_layer_range(mc.num_hidden_layers, s.pp_size, s.pp_rank)
+        # EAGLE-3: every stage reads the draft's config for the aux layers; this stage captures the ones it owns
+        self.eagle3 = None
+        if self.spec and spec.is_eagle3:
+            from .speculative.eagle3 import eagle3_config
+            self.eagle3 = eagle3_config(self.checkpoint_config, self.spec.draft)
+            self.model.aux_layers = tuple(i for i in self.eagle3.aux_layers if start <= i < end)
+        self._drop_aux = self.eagle3 is not None and rank_fault(config.fault, "drop_aux") == s.pp_rank
         if config.load_format == "dummy":
             weights = dummy_weights(self.checkpoint_config, seed=config.seed, dtype=self.dtype,
                                     layer_range=(start, end), device=self.device)
@@ -80,8 +87,11 @@ class ModelRunner:
         self.model.to(self.device)
         if self.draft is not None:
             self.draft.to(self.device)
-        self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map), last stage only
-        if self.draft is not None and self.spec.token_map:
+        self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map) or the EAGLE-3 head, last stage
+        if self.draft is not None and self.eagle3 is not None:
+            from .speculative.eagle3 import Eagle3Head
+            self.hot_head = Eagle3Head(self.draft)
+        elif self.draft is not None and self.spec.token_map:
             from .speculative.token_map import HotHead, load_token_map
             self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))
         if self.draft is not None and self.spec.is_chain:
@@ -140,6 +150,9 @@ class ModelRunner:
         from .speculative.eagle import (EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights)
         if not self.spec.draft:
             raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
+        if self.eagle3 is not None:
+            yield from self._build_eagle3(weights, max_pos)
+            return
         dcfg = draft_config(self.checkpoint_config, self.spec.draft)
         dpad = tp_head_padding(dcfg, ps().tp_size)        # the draft layer is TP-sharded like the target's
         self.draft = EagleDraft(dpad.config(dcfg) if dpad else dcfg, self.dtype, max_pos)
@@ -152,6 +165,26 @@ class ModelRunner:
             dw = dpad.weights(dw)
         self.draft.load_draft_weights(dw)
         for name, t in weights:               # the draft keeps its own copy of the target embedding
+            if name == "model.embed_tokens.weight":
+                self.draft.embed_tokens.load(t)
+            yield name, t
+
+    def _build_eagle3(self, weights, max_pos):
+        """The EAGLE-3 draft (engine.speculative.eagle3) on the last stage; passes ``weights`` on, copying the
+        target embedding into the draft."""
+        from .speculative.eagle import has_draft_weights, iter_draft_weights
+        from .speculative.eagle3 import Eagle3Draft, dummy_eagle3_weights
+        e3 = self.eagle3
+        if tp_head_padding(e3.cfg, ps().tp_size):
+            raise ConfigError(f"spec.algorithm eagle3: tp={ps().tp_size} does not divide the draft's heads "
+                              f"({e3.cfg.num_attention_heads} q, {e3.cfg.num_key_value_heads} kv)")
+        self.draft = Eagle3Draft(e3, self.dtype, max_pos)
+        if self.config.load_format == "dummy" and not has_draft_weights(self.spec.draft):
+            dw = dummy_eagle3_weights(e3, self.config.seed, self.dtype, self.device)
+        else:
+            dw = iter_draft_weights(self.spec.draft, self.dtype)
+        self.draft.load_draft_weights(dw)
+        for name, t in weights:
             if name == "model.embed_tokens.weight":
                 self.draft.embed_tokens.load(t)
             yield name, t
@@ -182,8 +215,11 @@ class ModelRunner:
                                              / per_tok / local))
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
-        self.draft_pool = (KVPool(1, self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
-                           if self.draft is not None else None)
+        self.draft_pool = None
+        if self.draft is not None:                # the draft layer's own KV layout (it may differ from the target's)
+            dc = self.draft.cfg
+            self.draft_pool = KVPool(1, self.capacity + 1, max(1, dc.num_key_value_heads // s.tp_size), dc.head_dim,
+                                     self.dtype, self.device)
 
     # ------------------------------------------------------------------------------------ forward
     def batch_inputs(self, batch: ScheduledBatch, tree=None, lookahead: bool = False):
@@ -255,10 +291,38 @@ class ModelRunner:
             from .speculative.draft_graphs import DraftGraphRunner
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend="draft_extend" in kinds)
 
+    # ------------------------------------------------------------------------------------ EAGLE-3 aux features
+    def aux_slots(self, proxy) -> list | None:
+        """The EAGLE-3 aux features this stage starts from: the proxy's third element (earlier stages' slots, layer
+        order) as a new list, ``[]`` on stage 0; None without EAGLE-3. RelayError when the count does not match the
+        aux layers below this stage's first layer."""
+        if self.eagle3 is None:
+            return None
+        from .speculative.eagle3 import check_incoming
+        aux = list(proxy[2]) if proxy is not None and len(proxy) > 2 else []
+        if not ps().is_first_stage:
+            check_incoming(aux, self.eagle3.aux_layers, self.model.start, ps().pp_rank)
+        return aux
+
+    def draft_features(self, aux):
+        """EAGLE-3 on the last stage: the draft's input feature, the aux features concatenated in layer order
+        [T, 3H] (RelayError if a slot is missing); None otherwise (the draft reads the target's final-norm output)."""
+        if self.eagle3 is None or self.draft is None:
+            return None
+        from .speculative.eagle3 import assemble_features
+        return assemble_features(aux, self.eagle3.aux_layers, ps().pp_rank)
+
     @torch.inference_mode()
-    def forward(self, ids, pos, ctx, hidden=None, residual=None):
+    def forward(self, ids, pos, ctx, hidden=None, residual=None, aux: list | None = None):
         """Run this stage on one batch: a captured graph when one fits (decode/verify, one-request prefill from
-        position 0), else eagerly."""
+        position 0), else eagerly. ``aux`` (EAGLE-3): the list the stage's aux-layer outputs are appended to
+        (:meth:`aux_slots`; always eager: graphs do not capture aux features)."""
+        if aux is not None:
+            n = len(aux)
+            out = self._eager(ids, pos, ctx, hidden, residual, aux)
+            if self._drop_aux:                    # fault drop_aux: this stage's features never reach the proxy
+                del aux[n:]
+            return out
         g = self.graphs if self.graphs is not None and self.graphs.can_run(ctx) else None
         if g is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(ctx):
             g = self.prefill_graphs
@@ -267,13 +331,18 @@ class ModelRunner:
             if not ps().is_last_stage:            # proxies leave this tick: own them
                 return h.clone(), res.clone()
             return h, res
+        return self._eager(ids, pos, ctx, hidden, residual)
+
+    def _eager(self, ids, pos, ctx, hidden, residual, aux=None):
         get_backend().prepare(ctx)
         set_context(ctx)
         try:
             if hidden is not None:
                 hidden = hidden.to(self.device, self.dtype)
                 residual = residual.to(self.device, self.dtype) if residual is not None else None
-            return self.model(ids, pos, hidden, residual)
+            if aux is not None:
+                aux[:] = [a.to(self.device, self.dtype) for a in aux]
+            return self.model(ids, pos, hidden, residual, aux)
         finally:
             set_context(None)
 

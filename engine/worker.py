@@ -130,12 +130,15 @@ class Worker(OverlapLoops):
         proxy = inbox.get("proxy") if not s.is_first_stage else None
         if proxy is not None and proxy[0].shape[0] != ids.shape[0]:
             raise RelayError(f"proxy has {proxy[0].shape[0]} rows, batch has {ids.shape[0]} tokens")
-        hidden, residual = r.forward(ids, pos, ctx, *(proxy or (None, None)))
+        aux = r.aux_slots(proxy)                         # EAGLE-3 aux features (layer order), else None
+        hidden, residual = r.forward(ids, pos, ctx, *(proxy[:2] if proxy else (None, None)), aux=aux)
         if not s.is_last_stage:
-            return {"proxy": (hidden, residual), "batch": (batch.kind, batch.rids), "tree_hash": thash}
+            return {"proxy": (hidden, residual) + ((tuple(aux),) if aux is not None else ()),
+                    "batch": (batch.kind, batch.rids), "tree_hash": thash}
         qo = ctx.qo_indptr
+        dfeat = r.draft_features(aux)                    # EAGLE-3: the draft's [T, 3H] feature, else None
         if batch.kind == "verify":
-            return eagle.verify(batch, hidden, tree, qo)
+            return eagle.verify(batch, hidden, tree, qo, draft_feature=dfeat)
         out = StepResult(batch.kind, batch.slot, batch.rids, None)
         if batch.kind == "prefill":
             out.chunks = batch.chunks
@@ -153,7 +156,7 @@ class Worker(OverlapLoops):
         if self.spec is not None:
             # the draft's prefill is launched before the sampled tokens are read back (EagleWorker.after_prefill)
             B, S = len(batch.reqs), self.spec.num_steps
-            out.next_tree = eagle.after_prefill(batch, hidden, done, sampled, qo)
+            out.next_tree = eagle.after_prefill(batch, hidden if dfeat is None else dfeat, done, sampled, qo)
             out.accept_nodes = torch.full((B, S + 1), -1, dtype=torch.int64)
             out.accept_lens = torch.zeros(B, dtype=torch.int64)
         if done:

@@ -16,10 +16,11 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
                 model: Annotated[Optional[str], typer.Option(help="Target model to distil from.")] = None,
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
+                algorithm: Annotated[Optional[str], typer.Option(help="Head to train: [cyan]eagle[/cyan] (EAGLE-1/2) or [cyan]eagle3[/cyan] (EAGLE-3: three target layers, own draft vocabulary).")] = None,
                 set_: SetOpt = None, progress: ProgressOpt = True) -> None:
     """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
-        flags = {k: v for k, v in dict(model=model, data=data, out=out).items() if v is not None}
+        flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm).items() if v is not None}
         cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}))
         try:
             from harness.train_draft import train_draft as _train

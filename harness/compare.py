@@ -47,7 +47,7 @@ def _engine_desc(entry: dict) -> str:
     if not e:
         return "-"
     spec = e.get("spec", {})
-    sp = f"eagle S{spec.get('num_steps')}k{spec.get('topk')}n{spec.get('num_draft_tokens')}" if spec.get("algorithm") else "no spec"
+    sp = f"{spec.get('algorithm')} S{spec.get('num_steps')}k{spec.get('topk')}n{spec.get('num_draft_tokens')}" if spec.get("algorithm") else "no spec"
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(e.get("dtype"), e.get("dtype"))
     return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {dtype} {e.get('device')}"
 

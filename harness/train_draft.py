@@ -1,4 +1,5 @@
-"""Train an EAGLE-1/2 draft head for any supported target (``ppspec train-draft``).
+"""Train an EAGLE-1/2 draft head for any supported target (``ppspec train-draft``; EAGLE-3 heads:
+``algorithm="eagle3"``, :mod:`harness.train_eagle3`, on the same data path).
 
 Objective (Li et al., EAGLE, ICML 2024): at position p the draft sees (x_{p+1}, f_p) and must
 predict the target's next feature f_{p+1} (smooth-L1) and the target's next-token distribution
@@ -187,14 +188,19 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
                 limit: int | None = None, seed: int = 0, save_dtype: str = "bfloat16", progress=None,
                 sequences_cache: str | Path | None = None, prompt_weight: float = 1.0,
-                cache_features: bool = True, log=print) -> dict:
-    """Train and save an EAGLE-1/2 head in the published layout; returns training stats.
+                cache_features: bool = True, algorithm: str = "eagle", aux_layers: list | None = None,
+                draft_vocab_size: int = 32000, log=print) -> dict:
+    """Train and save an EAGLE-1/2 head (``algorithm`` "eagle") or an EAGLE-3 head ("eagle3",
+    :mod:`harness.train_eagle3`: ``aux_layers`` target layer ids, default SGLang's; ``draft_vocab_size``; ``noise``
+    and ``cls_weight`` unused) in the published layout; returns training stats.
 
     prompt_weight: loss weight of rows inside a self-distillation prompt (the target's own
     continuation always has weight 1; see :func:`row_weights`). cache_features: compute the frozen
     target's features once per batch and keep them (device memory: tokens x hidden x 4 bytes).
     Raises ConfigError for a bad model path or data file.
     """
+    if algorithm not in ("eagle", "eagle3"):
+        raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
     rows = read_jsonl(data)[:limit]
     if not rows:
         raise ConfigError(f"training data {data} is empty")
@@ -215,6 +221,16 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             Path(sequences_cache).write_text(json.dumps({"seqs": seqs, "prompt_lens": plens}))
     t_gen = time.perf_counter() - t0
     set_ps(ParallelState(device=torch.device(device)))
+    if algorithm == "eagle3":
+        from harness.train_eagle3 import train_eagle3
+        with tf32_matmul(device):
+            set_backend(TorchBackend())
+            return train_eagle3(model=model, data=data, out=out, mc=mc, path=path, seqs=seqs, plens=plens,
+                                device=device, dtype=dtype, epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                                max_len=max_len, unroll=unroll, seed=seed, save_dtype=save_dtype,
+                                prompt_weight=prompt_weight, cache_features=cache_features, aux_layers=aux_layers,
+                                draft_vocab_size=draft_vocab_size, progress=progress, log=log, t_gen=t_gen, t0=t0,
+                                helpers=(iter_weights, _dense_ctx, _shift, _token_batches, row_weights))
     with tf32_matmul(device):
         set_backend(TorchBackend())
         tdt = getattr(torch, dtype)

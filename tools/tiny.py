@@ -65,6 +65,80 @@ def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:
     return out
 
 
+EAGLE3_RECIPE = dict(aux_layers=(0, 2, 3), mix=(0.4, -0.3, 0.1), bias=0.05, gain=3.0, seed=3, kv_heads=4)
+
+
+def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), mix=(0.5, -0.5, 0.25), bias: float = 0.05,
+                     gain: float = 3.0, seed: int = 3, kv_heads: int = 4) -> Path:
+    """An EAGLE-3 head for the tiny target, initialised (not trained) so that it drafts, and so that its drafts depend
+    on every aux slot. The tiny target's next token depends mostly on its current token, which an EAGLE-3 layer sees
+    only through attention, so (``kv_heads`` = H / D KV heads, one per query head):
+
+    * q, k and v of head j read the normed token embedding's dims j*D .. j*D + D (q and k scaled by ``gain``): a row
+      attends (almost) only to itself (or to earlier copies of its token, whose values are equal), so o_proj (the
+      identity) puts the token's normed embedding into the residual;
+    * fc = ``mix`` of the three aux slots (identity blocks, signed) plus a small random ``bias``: the residual also
+      carries a weighted sum of the target's aux features, so a wrong, missing or misordered slot changes the draft
+      tokens; MLP zero; final norm 1;
+    * lm_head = the target head's rows of the draft vocabulary: every token's approximate next token
+      argmax(lm_head rmsnorm(embed)) (a strict subset of the target vocabulary), ``d2t`` accordingly.
+
+    Writes the published layout (float32) to ``out``."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.dist import ParallelState, set_ps
+    from engine.model.loader import load_model_config
+    from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, save_eagle3
+
+    set_ps(ParallelState())
+    mc = load_model_config(model_dir)
+    w = load_file(str(Path(model_dir) / "model.safetensors"))
+    E, W = w["model.embed_tokens.weight"].float(), w["lm_head.weight"].float()
+    normed = E * torch.rsqrt(E.pow(2).mean(-1, keepdim=True) + mc.rms_norm_eps)
+    hot = (normed @ W.T).argmax(-1).unique().sort().values
+    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "num_key_value_heads": kv_heads})
+    d = Eagle3Draft(Eagle3Spec(dcfg, tuple(aux_layers), hot.numel(), True), torch.float32, 64)
+    H, D, Hq = mc.hidden_size, mc.head_dim, mc.num_attention_heads
+    assert kv_heads == Hq and Hq * D == H
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.zero_()
+        for n in (d.layer.input_layernorm, d.layer.hidden_norm, d.layer.post_attention_layernorm, d.norm):
+            n.weight.fill_(1.0)
+        d.fc.weight.copy_(torch.cat([m * torch.eye(H) for m in mix], 1))
+        d.fc.bias.copy_(torch.randn(H, generator=g) * bias)
+        eye = torch.eye(H)
+        d.layer.self_attn.qkv_proj.weight.copy_(torch.cat([
+            torch.cat([gain * eye, torch.zeros(H, H)], 1),          # q: the embedding half
+            torch.cat([gain * eye, torch.zeros(H, H)], 1),          # k
+            torch.cat([eye, torch.zeros(H, H)], 1)]))               # v
+        d.layer.self_attn.o_proj.weight.copy_(eye)
+        d.lm_head.weight.copy_(W[hot])
+        d.d2t.copy_(hot - torch.arange(hot.numel()))
+        d.embed_tokens.weight.copy_(E)
+    save_eagle3(out, mc, d, dtype=torch.float32)
+    return out
+
+
+def cached_tiny_eagle3(cache: str | Path | None = None) -> str:
+    """Directory of the tiny target's EAGLE-3 head (:func:`make_tiny_eagle3` with ``EAGLE3_RECIPE``), built on first
+    use next to :func:`cached_tiny`'s model, keyed by a hash of the recipes."""
+    model, _ = cached_tiny(cache)
+    key = hashlib.sha256(json.dumps(EAGLE3_RECIPE, sort_keys=True).encode()).hexdigest()[:8]
+    done = Path(model).parent / f"eagle3-{key}"
+    if not done.is_dir():
+        with open(Path(model).parent / f"eagle3-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.is_dir():
+                tmp = done.with_suffix(".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                make_tiny_eagle3(model, tmp, **EAGLE3_RECIPE)
+                tmp.rename(done)
+    return str(done)
+
+
 def gsm8k_prompts(n: int, offset: int = 0, split: str = "train") -> list[str]:
     """``n`` GSM8K questions from ``offset`` as "Question: ...\\nAnswer:" prompts (the shipped copy)."""
     rows = (REPO / "harness" / "data" / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[offset:offset + n]

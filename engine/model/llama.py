@@ -138,9 +138,12 @@ def load_layer_weight(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:
 class LlamaForCausalLM(nn.Module):
     """One PP stage of the target model.
 
-    forward(input_ids [T] int64, positions [T] int64, hidden/residual [T, H] from the previous stage)
+    forward(input_ids [T] int64, positions [T] int64, hidden/residual [T, H] from the previous stage, aux)
       -> non-last stage: (hidden, residual) proxies [T, H];
          last stage: (feature [T, H], None) where feature = final-norm output (the EAGLE feature).
+    ``aux`` (EAGLE-3): a list of [T, H] tensors (the slots received from earlier stages, in layer order) or None;
+    when a list, the output (hidden + residual) of every layer of this stage listed in ``aux_layers`` (global ids,
+    ascending) is appended to it, so the list stays in global layer order. None: nothing is captured.
     ``compute_logits(feature [R, H]) -> [R, V]`` on the last stage.
     """
 
@@ -158,12 +161,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
         for layer in self.layers:
             layer.self_attn.rotary = self.rotary
+        self.aux_layers: tuple[int, ...] = ()     # EAGLE-3 capture (global layer ids), set by the owner
 
-    def forward(self, input_ids, positions, hidden=None, residual=None):
+    def forward(self, input_ids, positions, hidden=None, residual=None, aux: list | None = None):
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers, self.start):
             hidden, residual = layer(positions, hidden, residual)
+            if aux is not None and i in self.aux_layers:
+                aux.append(hidden + residual)
         if not self.is_last:
             return hidden, residual
         if residual is None:

@@ -70,8 +70,10 @@ def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
     d = json.loads(p.read_text())
     if int(d.get("hidden_size", -1)) != target.hidden_size:
         raise ConfigError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {target.hidden_size}")
-    if d.get("eagle_version", 2) == 3 or "d2t" in d:
-        raise ConfigError("EAGLE-3 checkpoints are not supported by the EAGLE-1/2 draft module")
+    from .eagle3 import is_eagle3_config
+    if is_eagle3_config(d) or "d2t" in d:
+        raise ConfigError(f"{p}: an EAGLE-3 checkpoint; use spec.algorithm: eagle3 (the EAGLE-1/2 module would read "
+                          "the wrong feature)")
     fields = target.to_hf()
     for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                 "rope_theta", "attention_bias"):
@@ -101,19 +103,24 @@ def dummy_draft_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, de
 
 
 def iter_draft_weights(draft_dir: str | Path, dtype=torch.float32):
+    """(name, tensor) pairs of a draft checkpoint (``*.safetensors``, else ``pytorch_model.bin``): floating tensors
+    in ``dtype``, integer and bool tensors (EAGLE-3 ``d2t`` / ``t2d``) as stored."""
     from safetensors import safe_open
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() else t
     files = sorted(Path(draft_dir).glob("*.safetensors"))
     if files:
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 for k in fh.keys():
-                    yield k, fh.get_tensor(k).to(dtype)
+                    yield k, cast(fh.get_tensor(k))
         return
     binf = Path(draft_dir) / "pytorch_model.bin"
     if not binf.exists():
         raise ConfigError(f"no draft weights (*.safetensors or pytorch_model.bin) in {draft_dir}")
     for k, v in torch.load(binf, map_location="cpu", weights_only=True).items():
-        yield k, v.to(dtype)
+        yield k, cast(v)
 
 
 def save_draft(out_dir: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.bfloat16,

@@ -221,9 +221,12 @@ class EagleWorker:
             tree = DraftTree.degenerate(d2h(root), self.spec)
         return out.with_rows(done, self._fault(tree, root).to_host())
 
-    def verify(self, batch, feature: torch.Tensor, tree, qo: list[int]) -> StepResult:
+    def verify(self, batch, feature: torch.Tensor, tree, qo: list[int],
+               draft_feature: torch.Tensor | None = None) -> StepResult:
         """Verify the batch's trees (``tree``: their TreeInfo), draft-extend the accepted path and tail-draft the
-        next trees; feature [B*n, H] is the target's last hidden state per tree node."""
+        next trees; feature [B*n, H] is the target's last hidden state per tree node (scored by the target's head);
+        draft_feature [B*n, F] what the draft reads per node (default ``feature``; EAGLE-3: the aux features, 3H)."""
+        dfeat = feature if draft_feature is None else draft_feature
         spec, reqs = self.spec, batch.reqs
         S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
         logits = self.target.compute_logits(feature)                           # [B*n, V]
@@ -264,10 +267,10 @@ class EagleWorker:
         locs = torch.cat(locs)
         last = torch.arange(B) * W + alen - 1
         graphs = self.draft_graphs
-        if graphs is not None and graphs.extend and graphs.can_run(B):
+        if graphs is not None and graphs.extend and graphs.can_run(B) and draft_feature is None:
             nxt = with_root(bonus, *graphs.run_round(feature, fidx, ids, pos, locs, kv, last, rows, L_new))
         else:
-            hid = self.draft_extend(ids, feature[h2d(fidx, feature.device)], pos, locs, kv,
+            hid = self.draft_extend(ids, dfeat[h2d(fidx, dfeat.device)], pos, locs, kv,
                                     list(range(0, B * W + 1, W)))
             nxt = self.tail_draft(rows, L_new, bonus, hid[h2d(last, hid.device)])
         return StepResult("verify", batch.slot, batch.rids, emitted, accept_nodes=accept_nodes, accept_lens=alen,

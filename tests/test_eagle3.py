@@ -1,0 +1,269 @@
+"""EAGLE-3 under PP: the draft module and its checkpoint layout, aux features through the PP proxy (every topology
+gives PP1's tokens and accept lengths), a dropped aux feature refused, the gate, the trainer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, ConfigError, EngineConfig, EngineError, SamplingParams, SpecConfig
+
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
+P = SamplingParams(max_new_tokens=16, ignore_eos=True)
+CHUNKED = dict(max_prefill_tokens=40)                      # several prefill chunks per prompt
+
+
+@pytest.fixture(scope="session")
+def e3_dir(tiny_model_dir):
+    """The tiny target's EAGLE-3 head (aux layers 0, 2, 3; a draft vocabulary of ~18k of 49k ids; fc bias)."""
+    from tiny import cached_tiny_eagle3
+    return cached_tiny_eagle3()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_prompts):
+    return tiny_prompts[:6]                                   # 5 .. 120 tokens
+
+
+def gen(model, prompts, draft, shape, params=P, **kw):
+    spec = SpecConfig(algorithm="eagle3", draft=draft, pp_spec=True, **shape)
+    with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
+        return llm.generate(prompts, params)
+
+
+def mean_accept(outs) -> float:
+    al = [a for o in outs for a in o.accept_lengths]
+    return sum(al) / len(al)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_model_dir, prompts):
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        return [o.token_ids for o in llm.generate(prompts, P)]
+
+
+@pytest.fixture(scope="module")
+def pp1(tiny_model_dir, e3_dir, prompts, greedy):
+    out = {name: gen(tiny_model_dir, prompts, e3_dir, shape, **CHUNKED) for name, shape in (("chain", CHAIN),
+                                                                                            ("tree", TREE))}
+    for outs in out.values():
+        assert [o.token_ids for o in outs] == greedy               # lossless
+        assert mean_accept(outs) >= 1.4                            # the head drafts: acceptance well above 1
+    return out
+
+
+# ------------------------------------------------------------------------------------------ PP equals PP1
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("name,shape", [("chain", CHAIN), ("tree", TREE)])
+def test_pp_equals_pp1(tiny_model_dir, e3_dir, prompts, pp1, pp, name, shape):
+    """Aux layers 0, 2, 3 of the 4-layer target: PP2 stages [0,1] [2,3] (stage 0 sends one slot, the last stage adds
+    two); PP3 [0,1] [2] [3] (the middle stage passes one on and adds one, the last adds the third). Chunked prefill."""
+    outs = gen(tiny_model_dir, prompts, e3_dir, shape, pp=pp, debug_hash_rebuild=True, **CHUNKED)
+    ref = pp1[name]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+
+
+def test_pp3_retraction(tiny_model_dir, e3_dir, prompts, greedy):
+    """A pool too small for every request at once: requests are retracted and re-prefilled (their draft restarts
+    from the re-prefill's aux features); outputs equal PP1's (and greedy) and acceptance stays at PP1's level."""
+    kw = dict(max_num_tokens=200, max_prefill_tokens=40)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    ref = gen(tiny_model_dir, prompts, e3_dir, TREE, params, **kw)
+    outs = gen(tiny_model_dir, prompts, e3_dir, TREE, params, pp=3, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.token_ids[:16] for o in outs] == greedy
+    assert sum(o.num_retractions for o in outs) > 0
+    # a retraction restarts a request's tree at a different round under PP3's micro-batch slots than under PP1,
+    # so per-round accept lengths may differ there; their level may not
+    assert mean_accept(outs) >= mean_accept(ref) - 0.2
+
+
+def test_tp2_pp2(tiny_model_dir, e3_dir, prompts, pp1):
+    """TP2 x PP2: every TP rank of a stage appends the same (replicated) aux features; the draft layer is TP-sharded."""
+    outs = gen(tiny_model_dir, prompts[:3], e3_dir, CHAIN, tp=2, pp=2, **CHUNKED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in pp1["chain"][:3]]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in pp1["chain"][:3]]
+
+
+# ------------------------------------------------------------------------------------------ dropped aux features
+@pytest.mark.parametrize("pp,stage", [(2, 0), (3, 1), (3, 2)])
+def test_dropped_aux_feature_is_refused(tiny_model_dir, e3_dir, prompts, pp, stage):
+    """Fault drop_aux:STAGE (that stage's aux-layer outputs never reach the proxy): the next stage, or the last stage
+    assembling the 3H feature, raises; the run fails with a one-line error instead of drafting from a wrong feature."""
+    with pytest.raises(EngineError, match=r"RelayError: stage \d+: .*EAGLE-3 .*auxiliary features") as e:
+        gen(tiny_model_dir, prompts[:2], e3_dir, CHAIN, pp=pp, dist_timeout_s=60, fault=f"drop_aux:{stage}")
+    assert "\n" not in str(e.value)
+
+
+def test_dropped_aux_feature_pp1(tiny_model_dir, e3_dir, prompts):
+    """The same capture path on one stage: a missing slot at assembly is a RelayError."""
+    from engine.messages import RelayError
+    with pytest.raises(RelayError, match=r"stage 0: EAGLE-3 needs 3 auxiliary features \(layers \[0, 2, 3\]\), "
+                                         r"the proxy carried 0"):
+        gen(tiny_model_dir, prompts[:1], e3_dir, CHAIN, fault="drop_aux:0")
+
+
+@pytest.mark.parametrize("corrupt", ["swap", "zero"])
+def test_wrong_aux_content_changes_acceptance(tiny_model_dir, e3_dir, prompts, pp1, monkeypatch, corrupt):
+    """Slots of the right shape but wrong content (low and high layer swapped, or all zero) raise nothing; the
+    fixture head reads every slot, so its accept lengths move off PP1's (what the equality tests above compare and
+    the gate's accept-length margin watches), while the output stays greedy."""
+    from engine.runner import ModelRunner
+    real = ModelRunner.draft_features
+
+    def wrong(self, aux):
+        f = real(self, aux)
+        if f is None:
+            return f
+        H = self.model_config.hidden_size
+        if corrupt == "zero":
+            return torch.zeros_like(f)
+        return torch.cat([f[:, 2 * H:], f[:, H:2 * H], f[:, :H]], 1)
+    monkeypatch.setattr(ModelRunner, "draft_features", wrong)
+    outs = gen(tiny_model_dir, prompts, e3_dir, CHAIN, **CHUNKED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in pp1["chain"]]
+    assert [o.accept_lengths for o in outs] != [o.accept_lengths for o in pp1["chain"]]
+
+
+# ------------------------------------------------------------------------------------------ module and checkpoint
+def _load(target_dir, draft_dir):
+    from engine.dist import ParallelState, set_ps
+    from engine.model.loader import iter_weights, load_model_config
+    from engine.speculative.eagle import iter_draft_weights
+    from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
+    set_ps(ParallelState())
+    mc = load_model_config(target_dir)
+    e3 = eagle3_config(mc, draft_dir)
+    d = Eagle3Draft(e3, torch.float32, 256)
+    d.load_draft_weights(iter_draft_weights(draft_dir))
+    for name, t in iter_weights(target_dir):
+        if name == "model.embed_tokens.weight":
+            d.embed_tokens.load(t)
+    return mc, d
+
+
+def _draft_tokens(d):
+    """Greedy draft tokens (target ids) of a 5-row extend from fixed random 3H features, then one own-feature step."""
+    from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+    from engine.speculative.eagle3 import Eagle3Head
+    set_backend(TorchBackend())
+    g = torch.Generator().manual_seed(0)
+    H = d.fc.out_features
+    ctx = ForwardContext([0, 5])
+    TorchBackend().prepare(ctx)
+    set_context(ctx)
+    try:
+        with torch.no_grad():
+            h = d(torch.tensor([5, 9, 11, 300, 4000]), torch.randn(5, 3 * H, generator=g), torch.arange(5))
+            h2 = d(Eagle3Head(d).greedy(h), h, torch.arange(1, 6))
+    finally:
+        set_context(None)
+    head = Eagle3Head(d)
+    return torch.cat([head.greedy(h), head.greedy(h2)]), head.topk(h, 3)
+
+
+def test_checkpoint_round_trip(tiny_model_dir, e3_dir, tmp_path):
+    """Load -> save (safetensors) -> load gives the same tensors and draft tokens; the same as pytorch_model.bin;
+    the saved config is the published layout (architectures, draft_vocab_size, eagle_config aux layer ids)."""
+    from safetensors.torch import load_file
+
+    from engine.speculative.eagle3 import eagle3_state_dict, save_eagle3
+    mc, d = _load(tiny_model_dir, e3_dir)
+    save_eagle3(tmp_path / "st", mc, d, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "st" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == d.draft_vocab_size
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3] and cfg["bias"] is True
+    st = load_file(str(tmp_path / "st" / "model.safetensors"))
+    H = mc.hidden_size
+    assert st["fc.weight"].shape == (H, 3 * H) and st["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert st["d2t"].dtype == torch.int64 and st["t2d"].dtype == torch.bool and int(st["t2d"].sum()) == d.draft_vocab_size
+    assert "midlayer.hidden_norm.weight" in st and "embed_tokens.weight" not in st
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text(json.dumps(cfg))
+    torch.save({"model." + k if k.startswith("midlayer") else k: v for k, v in st.items()},
+               tmp_path / "bin" / "pytorch_model.bin")
+    want = eagle3_state_dict(d)
+    ref_tokens, (ref_p, ref_i) = _draft_tokens(d)
+    assert (ref_i == ref_tokens[:5, None]).any(1).all()
+    for sub in ("st", "bin"):
+        _, d2 = _load(tiny_model_dir, tmp_path / sub)
+        got = eagle3_state_dict(d2)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), sub
+        toks, (p, i) = _draft_tokens(d2)
+        assert torch.equal(toks, ref_tokens) and torch.equal(i, ref_i) and torch.allclose(p, ref_p)
+    # a changed tensor changes the draft tokens (the comparison above can fail)
+    with torch.no_grad():
+        d2.lm_head.weight.mul_(-1)
+    assert not torch.equal(_draft_tokens(d2)[0], ref_tokens)
+
+
+def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch):
+    """One-line refusals: EAGLE-3 head under eagle, EAGLE-2 head under eagle3, token map with eagle3, bad aux layer
+    ids, feature width; EAGLE-3 under PP is no longer refused (gate on)."""
+    from engine.model.loader import load_model_config
+    from engine.speculative.eagle import draft_config
+    from engine.speculative.eagle3 import default_aux_layers, eagle3_config
+    mc = load_model_config(tiny_model_dir)
+    monkeypatch.delenv("PPSPEC_ENABLE_PP_SPEC", raising=False)
+    assert EngineConfig(model=tiny_model_dir, pp=2, spec=SpecConfig("eagle3", e3_dir, pp_spec=True, **CHAIN)).pp == 2
+    with pytest.raises(ConfigError, match="pipeline parallelism with speculative decoding is off by default"):
+        EngineConfig(model=tiny_model_dir, pp=2, spec=SpecConfig("eagle3", e3_dir, **CHAIN))
+    cases = [
+        (lambda: draft_config(mc, e3_dir), "an EAGLE-3 checkpoint; use spec.algorithm: eagle3"),
+        (lambda: eagle3_config(mc, tiny_draft_dir), "not an EAGLE-3 checkpoint"),
+        (lambda: SpecConfig("eagle3", e3_dir, token_map="x.json", **CHAIN), "spec.token_map with spec.algorithm eagle3"),
+        (lambda: SpecConfig("eagle4", e3_dir, **CHAIN), r"unknown algorithm 'eagle4' \(supported: eagle, eagle3\)"),
+    ]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((__import__("pathlib").Path(e3_dir) / "config.json").read_text())
+    for ids, msg in (([2, 0, 3], "strictly increasing"), ([0, 2, 4], r"in \[0, 4\)")):
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        (bad / "config.json").write_text(json.dumps(cfg))
+        cases.append((lambda: eagle3_config(mc, bad), msg))
+    del cfg["eagle_config"]                     # the default (1, L//2-1, L-4) = (1, 1, 0) cannot serve a 4-layer target
+    (bad / "config.json").write_text(json.dumps(cfg))
+    cases.append((lambda: eagle3_config(mc, bad), r"aux layers \[1, 1, 0\]"))
+    for fn, msg in cases:
+        with pytest.raises(ConfigError, match=msg) as e:
+            fn()
+        assert "\n" not in str(e.value)
+    assert default_aux_layers(30) == (1, 14, 26) and default_aux_layers(32) == (1, 15, 28)
+    _, d = _load(tiny_model_dir, e3_dir)
+    with pytest.raises(ValueError, match="features of width 192 .* or 64"):
+        d(torch.tensor([1]), torch.zeros(1, 128), torch.tensor([0]))
+
+
+def test_plan_keeps_eagle3_off_graphs():
+    from engine import knobs
+    from engine.plan import resolve_plan
+    spec = SpecConfig("eagle3", "d", **CHAIN)
+    p = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec), device="cuda", kn=knobs.read({}))
+    assert p.graphs == () and p.loop == "plain" and len(p.notes) == 2 and "eagle3" in p.describe()
+    p2 = resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda",
+                      kn=knobs.read({}))
+    assert p2.graphs and p2.loop == "spec_rounds" and p2.notes == ()
+
+
+# ------------------------------------------------------------------------------------------ trainer
+def test_train_eagle3_smoke(tiny_model_dir, tmp_path):
+    """train_draft(algorithm="eagle3") on given text (no generation): the loss falls, the saved head loads into the
+    engine and decodes losslessly."""
+    from harness.train_draft import train_draft
+    from tiny import gsm8k_prompts
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t * 2}) for t in gsm8k_prompts(8, 0)))
+    r = train_draft(tiny_model_dir, data, tmp_path / "head", epochs=6, lr=1e-2, batch_tokens=512, max_len=128,
+                    algorithm="eagle3", aux_layers=[0, 2, 3], draft_vocab_size=1024, unroll=2, save_dtype="float32",
+                    log=lambda *_: None)
+    assert r["algorithm"] == "eagle3" and r["draft_vocab_size"] == 1024 and r["aux_layers"] == [0, 2, 3]
+    assert r["loss_last"] < 0.8 * r["loss_first"], r
+    ids = [5, 9, 11, 300]
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        ref = llm.generate([ids], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    out = gen(tiny_model_dir, [ids], str(tmp_path / "head"), CHAIN, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out[0].token_ids == ref
