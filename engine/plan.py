@@ -130,7 +130,9 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         notes.append("eagle3: device spec rounds off (they do not carry the auxiliary features)")
     if eagle3:
         spec_overlap = False
-    stage_round = bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+    # the stage round's default (auto) on CUDA covers chains; trees take it when spec_overlap is set explicitly
+    stage_round = (bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+                   and (config.spec_overlap is not None or spec.is_chain))
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None

@@ -228,7 +228,8 @@ def _pp_run(setup, name: str):
     ``eager`` (the stage round without graphs) or ``host`` (the host round: FlashInfer, host-planned)."""
     if name not in _PP_RUNS:
         model, draft, prompts, _ = setup
-        kw = {"graph": {}, "eager": {"cuda_graph": False}, "host": {"spec_overlap": False}}[name]
+        kw = {"graph": {"spec_overlap": True}, "eager": {"cuda_graph": False, "spec_overlap": True},
+              "host": {"spec_overlap": False}}[name]
         _PP_RUNS[name] = _generate_pp(model, draft, prompts, _PP_LENS, **kw)
     return _PP_RUNS[name]
 

@@ -42,9 +42,14 @@ def test_plan_picks_the_stage_round(tiny_model_dir, tiny_draft_dir):
     assert (plan.round, plan.tree, plan.loop) == ("stage", "device", "ring")
     assert resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=False)).round == "host"
     assert resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True)).round == "device"
-    cuda = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, dtype="bfloat16"), device="cuda",
+    chain = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, **CHAIN)
+    cuda = resolve_plan(EngineConfig(model=tiny_model_dir, spec=chain, pp=2, dtype="bfloat16"), device="cuda",
                         staged=True)
-    assert cuda.round == "stage" and "stage_rounds" in cuda.graphs       # the CUDA default under PP
+    assert cuda.round == "stage" and "stage_rounds" in cuda.graphs       # the CUDA default under PP for a chain
+    # trees take the stage round on CUDA only when asked for (spec_overlap=True)
+    tree = dict(model=tiny_model_dir, spec=spec, pp=2, dtype="bfloat16")
+    assert resolve_plan(EngineConfig(**tree), device="cuda", staged=True).round == "host"
+    assert resolve_plan(EngineConfig(**tree, spec_overlap=True), device="cuda", staged=True).round == "stage"
 
 
 @pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (3, 1, "tree"), (1, 2, "tree"), (2, 2, "chain")])
