@@ -4,10 +4,10 @@ relayed by field, device->host copies, context switches.
 Phases of a tick of :meth:`engine.worker.Worker.run`: ``process`` (apply the collected result), ``schedule``
 (admission and the scheduler), ``forward`` (host time to build the inputs and launch the stage's steps and, on the
 last stage, verify and draft, including the syncs inside), ``send`` and ``recv`` (the ring exchange: packing and
-sending; waiting for the predecessor and unpacking). Context switches are the process's (``getrusage``: voluntary ones are mostly the
-blocking waits of the exchange and of device syncs). Busy time is measured on the device between events recorded
-around each batch's forward (CUDA: no sync until the end of the run) or by the host clock on CPU, where the
-forward is synchronous. Definitions: ``docs/metrics.md``.
+sending; waiting for the predecessor and unpacking). Context switches are the process's (``getrusage``: voluntary
+ones are mostly the blocking waits of the exchange and of device syncs). Busy time is measured on the device
+between events recorded around each batch's forward (CUDA: no sync until the end of the run) or by the host clock
+on CPU, where the forward is synchronous. Definitions: ``docs/metrics.md``.
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ class StageStats:
             self.busy_s = sum(a.elapsed_time(b) for a, b in self._events if b is not None) / 1e3
         w, ru = transport.WIRE, resource.getrusage(resource.RUSAGE_SELF)
         self.host["send"], self.host["recv"] = w.send_s, w.recv_s
-        return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "loop": self.loop, "ticks": self.ticks, "batches": self.batches,
-                "wall_s": wall, "busy_s": self.busy_s, "host_s": dict(self.host), "messages": w.messages,
-                "bytes": dict(w.bytes), "d2h": D2H_COPIES[0] - self._d2h0,
+        return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "loop": self.loop, "ticks": self.ticks,
+                "batches": self.batches, "wall_s": wall, "busy_s": self.busy_s, "host_s": dict(self.host),
+                "messages": w.messages, "bytes": dict(w.bytes), "d2h": D2H_COPIES[0] - self._d2h0,
                 "ctx_switches": {"voluntary": ru.ru_nvcsw - self._ru0.ru_nvcsw,
                                  "involuntary": ru.ru_nivcsw - self._ru0.ru_nivcsw}}
 
