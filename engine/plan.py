@@ -24,9 +24,9 @@ HALF = ("bfloat16", "float16")
 class ExecutionPlan:
     """Resolved decisions (all JSON-able values).
 
-    loop: ``lookahead`` (plain greedy decode on one stage, step t+1 launched before step t is read), ``spec_rounds``
-    (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (the PP event loop, pp > 1) or ``plain`` (that loop on one
-    stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
+    loop: the executor of the worker's event loop (``engine.executors``): ``lookahead`` (plain greedy decode on one
+    stage, step t+1 launched before step t is read), ``spec_rounds`` (EAGLE rounds on the device, pp=1 tp=1),
+    ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
     (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
     PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
     tensor). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:

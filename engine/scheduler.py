@@ -95,6 +95,10 @@ class Scheduler:
     def num_active(self) -> int:
         return sum(r.status in ("prefilling", "running") for r in self.reqs.values())
 
+    def can_admit(self) -> bool:
+        """Whether a waiting request is under the concurrency limit (the next schedule would try to admit it)."""
+        return bool(self.waiting) and self.num_active() < min(self.max_concurrency, self.max_reqs)
+
     # ----------------------------------------------------------------------------------- schedule
     def schedule(self, slot: int) -> ScheduledBatch | None:
         """Pick the next batch for micro-batch ``slot``: prefill first (chunked), else decode/verify."""
@@ -162,13 +166,29 @@ class Scheduler:
         """Slots for one more decode / verify step of each of ``running`` (seq_len + reserve): all or none."""
         return self.kv.grow(running, [max(0, r.seq_len + self.reserve - r.allocated_len) for r in running]) is not None
 
+    def reserve_lookahead(self, reqs: list[Req]) -> list[int] | None:
+        """For a decode step of ``reqs`` whose tokens are not read back yet: the indices of the requests that keep
+        running after it (not finished, not ending by length with the token in flight), with the KV slot of the
+        step after it reserved (``reserve_decode``: the reserve covers seq_len + 1). None (nothing allocated) when
+        a waiting request could be admitted, none keeps running or the pool is short."""
+        if self.can_admit():
+            return None
+        keep = []
+        for i, r in enumerate(reqs):
+            n_out = len(r.output_ids) + 1                      # + the token in flight
+            if (r.status == "running" and n_out < r.params.max_new_tokens
+                    and len(r.prompt_ids) + n_out < self.max_model_len):
+                keep.append(i)
+        if not keep or not self.reserve_decode([reqs[i] for i in keep]):
+            return None
+        return keep
+
     def reserve_ahead(self, reqs: list[Req], ahead: int) -> list[tuple[int, int, list[int]]] | None:
         """KV slots for ``reqs`` to advance ``ahead`` more positions before their results are read back (the
         overlapped rounds), plus the reserve; None (nothing allocated) when a request is not running or would pass
         the context, a request waits to be admitted or is prefilling, or the pool is short. Returns the new slots
         as (index in ``reqs``, first position, slots), already appended to the requests' rows."""
-        limit = min(self.max_concurrency, self.max_reqs)
-        if self.waiting and self.num_active() < limit:
+        if self.can_admit():
             return None
         if any(r.status == "prefilling" for r in self.reqs.values()):
             return None

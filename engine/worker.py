@@ -1,24 +1,26 @@
-"""The per-rank PP event loop (SGLang ``event_loop_pp`` with the #30775 spec relay), one code path for
-every topology (pp_size 1 included).
+"""The per-rank event loop (``Worker.run``), one for every plan and topology. A tick:
 
-Tick t on stage p (M = pp_size micro-batch slots, slot = (t - p) mod M):
-  1. process the relayed ``StepResult`` received at the previous exchange (every stage, identically);
-  2. admit the open-loop arrivals (``Worker.admit``: stage 0 counts the deferred requests whose arrival time has
-     passed, later stages apply the count relayed with the proxy), then schedule the slot's next batch with this
-     stage's scheduler replica (same decision as stage 0 made p ticks earlier: it has processed exactly the same
-     results and admissions);
-  3. run this stage's layers on it (proxy hidden/residual from stage p-1); the last stage samples,
-     verifies and tail-drafts, producing the batch's ``StepResult`` (engine.messages);
-  4. ring exchange (parity ordered): stage p sends {relay it processed, admission count, proxy, batch
-     identity} to p+1; the last stage sends its new result to stage 0.
-Stage 0 therefore processes a slot's result just before scheduling that slot again, and each stage
-forwards the result round the ring. All stages run the same number of ticks.
+  1. admit the open-loop arrivals (``Worker.admit``); with no run in flight, schedule the slot's next batch on this
+     rank's scheduler replica and launch it (``launch``, engine.executors: the plan's loop);
+  2. while the executor allows (``chain``, at most ``depth`` steps in flight), launch the next step of the
+     same requests before the previous one is read back;
+  3. collect the oldest step in flight (``collect``; under PP the ring exchange) and apply its result
+     (``Scheduler.process_output``); once the run's steps are all read back it resumes (``chain``) or ends.
+
+Under PP (P = pp_size micro-batch slots) tick t on stage p serves slot (t - p) mod P: stage p schedules the batch
+stage 0 scheduled p ticks earlier (its replica has processed the same results and admissions: stage 0 decides the
+admission count from its clock, later stages apply the count relayed with the proxy), runs its layers (proxy from
+stage p-1; the last stage samples, verifies and tail-drafts, producing the batch's ``StepResult``) and exchanges in
+parity order: stage p sends {relay it processed, admission count, proxy, batch identity} to p+1, the last stage
+sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again; every
+stage forwards it round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -27,14 +29,13 @@ from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
+from .executors import EXECUTORS, RingExecutor
 from .messages import RelayError, StepResult
-from .overlap import OverlapLoops, report
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
 from . import knobs, transport
-from .transport import ring_exchange
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -95,16 +96,14 @@ def few_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(prev)
 
 
-class Worker(OverlapLoops):
+class Worker:
     def __init__(self, config, record_times: bool = False):
         self.runner = ModelRunner(config, record_times)
         self.sched = self.runner.sched
         self.spec = self.runner.spec
         self.config = config
-        self.num_lookahead = 0                # decode steps launched before the previous step was read back
-        self.num_overlap_rounds = 0           # EAGLE rounds run by the overlapped spec path (engine.speculative.device_round)
-        self.num_round_lookahead = 0          # ... of which launched before the previous round was read back
-        self.num_retired_rows = 0             # finished requests kept as padding rows of a running segment
+        executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)          # engine.executors
+        self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
         if self.runner.plan.relay == "cuda ipc":
             transport.open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
@@ -189,7 +188,8 @@ class Worker(OverlapLoops):
         All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError naming the first that cannot
         be served). A batch whose forward raises fails only the request that fails alone (``Scheduler.fail``:
         finish_reason "error"). Any other exception leaves the scheduler empty (no request or KV slot of the
-        failed call survives it) and propagates.
+        failed call survives it) and propagates: KVCacheError when nothing can run (the pool is too small),
+        RelayError when the stages' schedules or a relayed message disagree.
         """
         sched = self.sched
         if rank_fault(self.config.fault, "fail_rank") == ps().rank:
@@ -197,15 +197,66 @@ class Worker(OverlapLoops):
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         sched.add_all(reqs)
         try:
-            loop = self.runner.plan.loop                 # lookahead / spec_rounds / plain / ring
-            if loop == "lookahead":
-                return self._run_overlap(reqs, progress)
-            if loop == "spec_rounds" and getattr(self.runner, "round_runner", None) is not None:
-                return self._run_spec_overlap(reqs, progress)
-            return self._run_ring(reqs, progress)
+            self._loop(reqs, progress)
+            return self.finish_run(reqs)
         except BaseException:
             sched.reset()
             raise
+
+    def _loop(self, reqs: list[Req], progress) -> None:
+        """The event loop (module docstring) until every request has finished and the ring is drained."""
+        s, sched, ex = ps(), self.sched, self.executor
+        P, p = s.pp_size, s.pp_rank
+        stats = self.stats = StageStats(p, s.tp_rank, self.runner.device, ex.name)
+        clock = time.perf_counter
+
+        def chain(prev):
+            stats.forward_begin()
+            h = ex.chain(prev)
+            stats.forward_end(h is not None)
+            return h
+
+        ex.start()
+        inflight: deque = deque()              # steps launched and not yet collected, oldest first
+        last = res = None                      # the run's newest step (None: no run in flight); the last result
+        tick, end_tick, finished, idle = 0, None, 0, 0
+        while True:
+            if end_tick is None and last is None and sched.all_finished():
+                end_tick = tick - p + P - 1
+            t0 = clock()
+            arrived = self.admit(ex.inbox)
+            batch = None
+            if last is None and end_tick is None and tick >= p:
+                batch = sched.schedule((tick - p) % P)
+            stats.add("schedule", clock() - t0)
+            idle = 0 if batch is not None or res is not None or last is not None or end_tick is not None else idle + 1
+            if idle > 2 * P + 1 and not sched.pending:      # nothing scheduled or in flight on any slot
+                raise KVCacheError(sched.stall_error())
+            if last is None:
+                if batch is None:
+                    self.wait_arrival()
+                stats.forward_begin()
+                last = ex.launch(batch, arrived)           # the ring launches (and exchanges) without a batch too
+                stats.forward_end(batch is not None)
+                if last is not None:
+                    inflight.append(last)
+            while last is not None and len(inflight) < ex.depth and (h := chain(last)) is not None:
+                inflight.append(last := h)
+            res = ex.collect(inflight.popleft()) if inflight else None
+            t1 = clock()
+            if res is not None:
+                sched.process_output(res)
+                if progress is not None and (now := sum(r.status == "finished" for r in reqs)) != finished:
+                    progress(finished := now, len(reqs))
+            stats.add("process", clock() - t1)
+            if last is not None and not inflight:          # the run's steps are all read back: resume it or end it
+                last = chain(last)
+                if last is not None:
+                    inflight.append(last)
+            stats.ticks += 1
+            if end_tick is not None and tick >= end_tick:
+                break
+            tick += 1
 
     def forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> StepResult | dict:
         """``forward_batch``, or on a stage whose forward raised (or that received a failed batch) the batch's
@@ -224,53 +275,6 @@ class Worker(OverlapLoops):
         if not s.is_last_stage:
             return {"failed": failed, "batch": (batch.kind, batch.rids)}
         return failed
-
-    def _run_ring(self, reqs: list[Req], progress=None) -> list[Req]:
-        s, sched = ps(), self.sched
-        P = s.pp_size
-        stats = self.stats = StageStats(s.pp_rank, s.tp_rank, self.runner.device)
-        clock = time.perf_counter
-        inbox: dict = {}
-        tick, end_tick, finished, idle = 0, None, 0, 0
-        while True:
-            t0 = clock()
-            relay = inbox.get("relay")
-            if relay is not None:
-                relay.validate(self.spec)
-                sched.process_output(relay)
-                finished = report(reqs, progress, finished)
-            if end_tick is None and sched.all_finished():
-                end_tick = tick - s.pp_rank + P - 1
-            t1 = clock()
-            arrived = self.admit(inbox)
-            batch = sched.schedule((tick - s.pp_rank) % P) if end_tick is None and tick >= s.pp_rank else None
-            stats.add("process", t1 - t0)
-            stats.add("schedule", clock() - t1)
-            idle = 0 if batch is not None or relay is not None or end_tick is not None else idle + 1
-            if idle > 2 * P + 1 and not sched.pending:   # nothing scheduled or in flight on any slot
-                raise KVCacheError(sched.stall_error())
-            if batch is None:
-                self.wait_arrival()
-            expect = inbox.get("batch")
-            got = (batch.kind, batch.rids) if batch is not None else None
-            if not s.is_first_stage and expect != got:
-                raise RelayError(f"PP stages diverged at tick {tick}: stage {s.pp_rank} scheduled {got}, "
-                                 f"stage {s.pp_rank - 1} ran {expect}")
-            out = {}
-            if batch is not None:
-                stats.forward_begin()
-                out = self.forward_or_fail(batch, inbox)
-                stats.forward_end()
-            if s.is_last_stage:
-                out = {"relay": out or None}
-            else:
-                out["relay"], out["arrived"] = relay, arrived
-            inbox = ring_exchange(out)
-            stats.ticks += 1
-            if end_tick is not None and tick >= end_tick:
-                break
-            tick += 1
-        return self.finish_run(reqs)
 
     def admit(self, inbox: dict | None = None) -> int | None:
         """Open-loop arrivals: release the deferred requests whose arrival time has passed into the waiting queue,

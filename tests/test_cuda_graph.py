@@ -74,7 +74,7 @@ def _generate(model_dir, prompts, graph: bool, draft=None, max_new_tokens=40, ov
             runner = llm._worker.runner
             replays = runner.graphs.num_replays if runner.graphs is not None else 0
             if counters is not None:
-                w = llm._worker
+                w = llm._worker.executor
                 counters.update(prefill_replays=runner.prefill_graphs.num_replays if runner.prefill_graphs else 0,
                                 prefill_buckets=list(runner.prefill_graphs.buckets) if runner.prefill_graphs else [],
                                 rounds=w.num_overlap_rounds, ahead=w.num_round_lookahead, retired=w.num_retired_rows,

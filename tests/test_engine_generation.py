@@ -51,12 +51,12 @@ def test_overlap_schedule_equals_plain_loop(tiny_model_dir, tiny_prompts, tiny_r
     with LLM(EngineConfig(model=tiny_model_dir, overlap_schedule=True, **STRESS)) as llm:
         assert llm._worker.runner.reserve == 2
         outs = llm.generate(tiny_prompts, GREEDY)
-        ahead = llm._worker.num_lookahead
+        ahead = llm._worker.executor.num_lookahead
         assert [o.token_ids for o in outs] == tiny_reference
         assert sum(o.num_retractions for o in outs) > 0 and ahead > 10     # ran ahead, under KV pressure
         outs = llm.generate(tiny_prompts, GREEDY, max_concurrency=3)   # admission waits for finishes
         assert [o.token_ids for o in outs] == tiny_reference
-        assert llm._worker.num_lookahead - ahead > 24
+        assert llm._worker.executor.num_lookahead - ahead > 24
 
 
 def test_overlap_schedule_mixed_requests(tiny_model_dir, tiny_prompts, tiny_reference):
@@ -71,7 +71,7 @@ def test_overlap_schedule_mixed_requests(tiny_model_dir, tiny_prompts, tiny_refe
         plain = llm.generate(prompts, params)
     with LLM(EngineConfig(model=tiny_model_dir, overlap_schedule=True)) as llm:
         over = llm.generate(prompts, params)
-        ahead = llm._worker.num_lookahead
+        ahead = llm._worker.executor.num_lookahead
     assert [o.token_ids for o in over] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in over] == [o.finish_reason for o in plain]
     assert over[1].finish_reason == "stop" and over[1].token_ids[-1] == stop_tok

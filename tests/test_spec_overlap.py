@@ -23,7 +23,7 @@ def gen(model, prompts, draft, shape, params=P, **kw):
     with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
         outs = llm.generate(prompts, params)
         w = llm._worker
-        return outs, (w.num_overlap_rounds, w.num_round_lookahead, w.num_retired_rows)
+        return outs, (w.executor.num_overlap_rounds, w.executor.num_round_lookahead, w.executor.num_retired_rows)
 
 
 def same(a, b):

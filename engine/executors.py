@@ -1,0 +1,206 @@
+"""Executors of the worker's event loop (``engine.worker``): ``launch(batch, arrived)`` queues a scheduled batch and
+returns its handle; ``chain(prev)`` launches the step after ``prev`` for its requests that keep running, without the
+scheduler, or returns None; ``collect(h)`` reads a step back as the ``StepResult`` the scheduler applies. At most
+``depth`` steps are in flight. Executors keep no request state and take every KV slot from the scheduler, so tokens
+and accept lengths do not depend on the executor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention.backend import h2d
+from .dist import ps
+from .messages import DraftTree, RelayError, StepResult
+from .scheduler import Req, ScheduledBatch
+from .transport import ring_exchange
+
+
+class RingExecutor:
+    """A PP stage (plan loops ``ring`` and ``plain``; the protocol: ``engine.worker``), and the eager fallback of the
+    executors below. It launches every tick, with or without a batch (``forward``: ``Worker.forward_or_fail``, proxy
+    from ``inbox``), building the message for stage p+1. ``collect`` is the ring exchange (pp = 1: the message
+    itself); the relay it brings, checked against the schema, is the tick's result."""
+
+    name, depth = "ring", 1
+    num_lookahead = 0           # decode steps launched before the previous one was read back (cumulative)
+    num_overlap_rounds = 0      # EAGLE rounds run on the device
+    num_round_lookahead = 0     # ... of them launched before the previous round was read back
+    num_retired_rows = 0        # finished requests kept as padding rows of a segment
+
+    def __init__(self, runner, forward, fault=None):
+        self.runner, self.sched, self.forward, self.fault = runner, runner.sched, forward, fault
+        self.start()
+
+    def start(self) -> None:
+        self.inbox: dict = {}   # the message of the last exchange (a new run: none)
+        self.ticks = 0
+
+    def launch(self, batch: ScheduledBatch | None, arrived: int | None = None) -> dict:
+        s = ps()
+        expect, got = self.inbox.get("batch"), (batch.kind, batch.rids) if batch is not None else None
+        if not s.is_first_stage and expect != got:
+            raise RelayError(f"PP stages diverged at tick {self.ticks}: stage {s.pp_rank} scheduled {got}, "
+                             f"stage {s.pp_rank - 1} ran {expect}")
+        out = self.forward(batch, self.inbox) if batch is not None else {}
+        if s.is_last_stage:
+            return {"relay": out or None}
+        out["relay"], out["arrived"] = self.inbox.get("relay"), arrived
+        return out
+
+    def chain(self, prev):
+        return None
+
+    def collect(self, out: dict) -> StepResult | None:
+        self.inbox = ring_exchange(out)
+        self.ticks += 1
+        relay = self.inbox.get("relay")
+        if relay is not None:
+            relay.validate(self.runner.spec)
+        return relay
+
+
+@dataclass
+class Step:
+    """A step launched before its result is read back: its requests, the host buffer its result is copied to
+    (pinned, asynchronously) and the copy's CUDA event (None on CPU); the sampled tokens on the device (decode) or
+    the segment (spec rounds); ``read`` once collected."""
+
+    reqs: list[Req]
+    host: torch.Tensor
+    event: object
+    tokens: torch.Tensor | None = None
+    seg: Segment | None = None
+    read: bool = False
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        self.read = True
+        return self.host
+
+
+class LookaheadExecutor(RingExecutor):
+    """One-stage greedy decoding with the host one step ahead (SGLang's overlap scheduler, simplified): while step
+    t runs, step t+1 of its requests that keep running (``Scheduler.reserve_lookahead``: position seq_len + 1, a
+    second reserved slot) is launched with step t's tokens still on the device; a request found finished at step t
+    wastes its step-t+1 row. Prefill and sampled batches run eagerly."""
+
+    name, depth = "lookahead", 2
+
+    def launch(self, batch, arrived=None):
+        if batch is not None and batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
+            return self._decode(batch.reqs, None)
+        return super().launch(batch, arrived)
+
+    def chain(self, prev):
+        if not isinstance(prev, Step) or prev.read:
+            return None                                        # only ahead of a step in flight
+        keep = self.sched.reserve_lookahead(prev.reqs)
+        if keep is None:
+            return None
+        ids = prev.tokens if len(keep) == len(prev.reqs) else prev.tokens[h2d(torch.tensor(keep), prev.tokens.device)]
+        self.num_lookahead += 1
+        return self._decode([prev.reqs[i] for i in keep], ids)
+
+    def collect(self, h):
+        if not isinstance(h, Step):
+            return super().collect(h)
+        return StepResult("decode", 0, [r.rid for r in h.reqs], h.wait().view(-1, 1))
+
+    def _decode(self, reqs: list[Req], ids_dev) -> Step:
+        """Launch one greedy decode step; ``ids_dev``: its input tokens on the device (lookahead)."""
+        r = self.runner
+        ids, pos, ctx = r.batch_inputs(ScheduledBatch("decode", 0, reqs), lookahead=ids_dev is not None)
+        tokens = r.model.greedy_tokens(r.forward(ids if ids_dev is None else ids_dev, pos, ctx)[0])   # [B]
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else None
+        if cuda:
+            event.record()
+        return Step(reqs, host, event, tokens=tokens)
+
+
+@dataclass
+class Segment:
+    """Requests whose rounds run on the device: their ``RoundState`` (None once closed), the rows still running,
+    3 pinned result buffers used in turn (at most 2 rounds in flight)."""
+
+    reqs: list[Req]
+    st: object
+    bufs: list
+    live: list[int]
+    launched: int = 0
+    inflight: int = 0
+
+
+class SpecRoundExecutor(RingExecutor):
+    """One-stage EAGLE at tp = 1 with overlapped rounds (``engine.speculative.device_round``): a greedy verify batch
+    of trees (no fault injection) within the captured sizes, with ``Scheduler.reserve_ahead`` slots, becomes a
+    segment whose rounds run on the device, round t+1 launched before round t is read back. A finished request
+    stays as a padding row (``SpecRoundRunner.retire``) until a smaller captured size would do; then, or when a
+    request waits for admission, the segment closes and its running requests get their next trees (device rows).
+    Other batches run eagerly."""
+
+    name, depth = "spec_rounds", 2
+
+    def __init__(self, runner, forward, fault=None):
+        super().__init__(runner, forward, fault)
+        self.rr = runner.round_runner
+
+    def launch(self, batch, arrived=None):
+        rr = self.rr
+        if (batch is None or batch.kind != "verify" or len(batch.reqs) > rr.max_bs or self.fault is not None
+                or not all(r.params.greedy and r.tree is not None for r in batch.reqs)
+                or self.sched.reserve_ahead(batch.reqs, rr.S + 1) is None):
+            return super().launch(batch, arrived)
+        st = rr.load(batch.reqs, self.sched.req_to_token)     # after the first round's slots were allocated
+        bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=st.out.is_cuda) for _ in range(3)]
+        return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs)))))
+
+    def chain(self, prev):
+        """The segment's next round (rows of requests finished since retired), or None (no KV, or a smaller captured
+        size would do); then with no round in flight the segment closes."""
+        g, rr = prev.seg if isinstance(prev, Step) else None, self.rr
+        if g is None or g.st is None:
+            return None
+        dead = [b for b in g.live if g.reqs[b].status != "running"]
+        if dead:
+            rr.retire(g.st, dead)                       # stream-ordered after the rounds already launched
+            self.num_retired_rows += len(dead)
+            g.live = [b for b in g.live if g.reqs[b].status == "running"]
+        # KV for one more round with g.inflight in flight (a round advances a request by at most S+1 positions;
+        # tokens past max_new_tokens are dropped by the scheduler), the new slots mirrored to the device rows
+        new = None
+        if g.live and rr.pick(len(g.live)) == g.st.bs:
+            new = self.sched.reserve_ahead([g.reqs[b] for b in g.live], (rr.S + 1) * (g.inflight + 1))
+        if new is not None:
+            rr.append_slots(g.st, [(g.live[i], p0, slots) for i, p0, slots in new])
+            self.num_round_lookahead += int(g.inflight > 0)
+            return self._round(g)
+        if not g.inflight:
+            for r, tree in zip(g.reqs, rr.trees(g.st, len(g.reqs))):
+                if r.status == "running":
+                    r.tree = DraftTree(**tree)
+            g.st = None
+        return None
+
+    def collect(self, h):
+        if not isinstance(h, Step):
+            return super().collect(h)
+        h.seg.inflight -= 1
+        self.num_overlap_rounds += 1
+        c, res = self.rr.S + 1, h.wait()[:len(h.reqs)]
+        return StepResult("verify", 0, [r.rid for r in h.reqs], res[:, c + 1:2 * c + 1], accept_nodes=res[:, :c],
+                          accept_lens=res[:, c], num_draft_tokens=self.rr.n)
+
+    def _round(self, g: Segment) -> Step:
+        buf = g.bufs[g.launched % len(g.bufs)]
+        g.launched += 1
+        g.inflight += 1
+        return Step(g.reqs, buf, self.rr.launch(g.st, buf), seg=g)
+
+
+EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor}   # plan loop -> class (else ring)
