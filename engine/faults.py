@@ -33,11 +33,28 @@ def rank_fault(fault: str | None, kind: str) -> int | None:
     return int(rank) if rank.isdigit() else None
 
 
-def check_fault(fault: str | None) -> None:
-    """Raise ConfigError (one line) unless ``fault`` is None or one of :data:`FAULTS`."""
+def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
+    """Raise ConfigError (one line) unless ``fault`` is None or one of :data:`FAULTS` whose rank (``fail_rank``,
+    ``exit_rank``: below ``world_size``) or pp stage (``fail_token``, ``drop_aux``: below ``pp``) exists; a fault aimed
+    at a rank or stage the engine does not have would never fire (sizes None: not checked)."""
     from .config import ConfigError
-    if fault is None or fault == "drop_tree" or fail_token_fault(fault) is not None:
+    if fault is None or fault == "drop_tree":
         return
-    if any(rank_fault(fault, k) is not None for k in ("fail_rank", "exit_rank", "drop_aux")):
+    tok = fail_token_fault(fault)
+    if tok is not None:
+        _check_target(fault, tok[1], pp, "pp stage")
         return
+    for kind, limit, what in (("fail_rank", world_size, "rank"), ("exit_rank", world_size, "rank"),
+                              ("drop_aux", pp, "pp stage")):
+        target = rank_fault(fault, kind)
+        if target is not None:
+            _check_target(fault, target, limit, what)
+            return
     raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
+
+
+def _check_target(fault: str, target: int, limit: int | None, what: str) -> None:
+    from .config import ConfigError
+    if limit is not None and target >= limit:
+        raise ConfigError(f"fault: {fault!r} names {what} {target}, but this engine has {limit} "
+                          f"({what}s 0-{limit - 1}): it would never fire")

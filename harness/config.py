@@ -339,8 +339,18 @@ def load_yaml(path: Path) -> Any:
         raise HarnessConfigError(f"{path}:{pos} invalid YAML: {getattr(e, 'problem', None) or e}") from None
 
 
-def find_config(name: str | Path, root: Path) -> Path:
-    """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml)."""
+def _is_matrix(p: Path) -> bool:
+    """Whether the suite file ``p`` is a sweep matrix (a mapping with ``cells`` or ``axes``)."""
+    try:
+        m = load_yaml(p)
+    except Exception:                         # noqa: BLE001 - a broken suite is listed as neither
+        return False
+    return isinstance(m, dict) and bool({"cells", "axes"} & set(m))
+
+
+def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
+    """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml). When nothing is found
+    the error lists the suites of ``kind`` (``matrix``: sweep matrices, ``run``: run configs, None: all)."""
     p = Path(name)
     if p.is_absolute():                       # an absolute NAME is looked for where it says only
         cands = [p] + ([] if p.suffix in (".yaml", ".yml") else [p.with_name(p.name + ".yaml")])
@@ -351,9 +361,11 @@ def find_config(name: str | Path, root: Path) -> Path:
             return c.resolve()
     if p.is_dir():
         raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml"))
+    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml")
+                   if kind is None or _is_matrix(q) == (kind == "matrix"))
+    label = {"matrix": "sweep matrices", "run": "run configs"}.get(kind, "suites")
     raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
-                            + (f"; suites: {', '.join(avail)}" if avail else ""))
+                            + (f"; {label}: {', '.join(avail)}" if avail else ""))
 
 
 def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str | None:
@@ -386,7 +398,7 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         layers.append((str(toml_path), check_layer(raw, str(toml_path))))
     yaml_dir: tuple[Path, ...] = ()
     if config is not None:
-        path = find_config(config, root)
+        path = find_config(config, root, kind="run")
         raw = load_yaml(path)
         if isinstance(raw, dict) and {"cells", "axes"} & set(raw):
             raise HarnessConfigError(f"{path} is a sweep matrix, not a run config: run it with "

@@ -54,7 +54,7 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     """Parse and check a matrix file; returns ``{name, commands, cells: [{name, config: dict, commands}]}``
     (a cell's ``commands``: its own list, else the matrix's)."""
     root = root or _root()
-    p = find_config(path, root)
+    p = find_config(path, root, kind="matrix")
     m = load_yaml(p)
     if not isinstance(m, dict):
         raise HarnessConfigError(f"{p}: expected a mapping")

@@ -97,7 +97,13 @@ def test_fault_values():
     for bad in ("fail_rank:", "fail_rank:x", "exit_rank", "explode"):
         with pytest.raises(ConfigError, match="supported: drop_tree, fail_token:ID"):
             check_fault(bad)
-    assert EngineConfig(fault="exit_rank:1").fault == "exit_rank:1"
+    assert EngineConfig(fault="exit_rank:1", pp=2).fault == "exit_rank:1"
+    # regression: a fault aimed at a rank or stage the engine does not have never fired and the run passed silently
+    for bad, kw in (("exit_rank:9", dict(pp=2)), ("fail_rank:2", dict(tp=2)), ("fail_token:77:2", dict(pp=2)),
+                    ("exit_rank:1", {})):
+        with pytest.raises(ConfigError, match="it would never fire"):
+            EngineConfig(fault=bad, **kw)
+    assert EngineConfig(fault="fail_rank:3", tp=2, pp=2).fault == "fail_rank:3"
     assert "adaptive" not in {f.name for f in dataclasses.fields(SpecConfig)}
     assert "eagle_version" not in {f.name for f in dataclasses.fields(SpecConfig)}
 
