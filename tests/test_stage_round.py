@@ -65,15 +65,14 @@ def test_stage_round_equals_host_round_and_pp1(tiny_model_dir, tiny_draft_dir, t
 @pytest.mark.parametrize("name", ["chain", "tree"])
 def test_stage_round_with_chunks_retractions_and_finishes(tiny_model_dir, tiny_draft_dir, tiny_prompts, name):
     """A small pool (retractions), 48-token prefill chunks (prompts merge into running batches while results travel
-    the ring) and mixed output lengths (finishes mid-run): PP2 stage round == PP2 host round == PP1."""
+    the ring) and mixed output lengths (finishes mid-run): PP2 stage round == PP2 host round (which
+    tests/test_pp_spec.py holds equal to PP1 under retractions)."""
     shape = CHAIN if name == "chain" else TREE
     params = [SamplingParams(max_new_tokens=16 + 8 * (i % 4), ignore_eos=True) for i in range(8)]
     kw = dict(max_prefill_tokens=48, max_num_tokens=500 if name == "chain" else 600)    # pools that retract here
-    base, _ = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, spec_overlap=False, **kw)
     host, _ = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=False, **kw)
     dev, stats = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=True, **kw)
-    same(host, base)
-    same(dev, base)
+    same(dev, host)
     assert all(s["device_rounds"] > 0 for s in stats)
     assert [len(o.token_ids) for o in dev] == [p.max_new_tokens for p in params]
     assert sum(o.num_retractions for o in dev) > 0
