@@ -108,6 +108,23 @@ def target_features(target: LlamaForCausalLM, seqs: list[list[int]], device) -> 
     return feat, ctx
 
 
+def shifted_rows(seqs: list[list[int]], f_in_all: torch.Tensor, f_tgt_all: torch.Tensor):
+    """Draft training rows of ``seqs`` (packed in that order along dim 0 of both feature tensors): for each sequence,
+    positions p = 0..n-2 give token x_{p+1}, input feature ``f_in_all[p]`` and target feature ``f_tgt_all[p+1]``.
+    Returns (ids [R] int64, f_in [R, *], f_tgt [R, *], positions [R] int64, rows per sequence), on the features'
+    devices (ids and positions on the host)."""
+    ids, f_in, f_tgt, pos, lens, off = [], [], [], [], [], 0
+    for s in seqs:
+        n = len(s)
+        ids.append(torch.tensor(s[1:]))
+        f_in.append(f_in_all[off:off + n - 1])
+        f_tgt.append(f_tgt_all[off + 1:off + n])
+        pos.append(torch.arange(n - 1))
+        lens.append(n - 1)
+        off += n
+    return torch.cat(ids), torch.cat(f_in), torch.cat(f_tgt), torch.cat(pos), lens
+
+
 def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]], device, noise: float,
                cls_weight: float, unroll: int, weights: torch.Tensor | None = None,
                feat: torch.Tensor | None = None):
@@ -118,18 +135,9 @@ def draft_loss(draft: EagleDraft, target: LlamaForCausalLM, seqs: list[list[int]
     """
     if feat is None:
         feat, _ = target_features(target, seqs, device)
-    # draft rows: for each sequence positions p = 0..n-2: token x_{p+1}, feature f_p -> target f_{p+1}
-    ids, f_in, f_tgt, pos, lens, off = [], [], [], [], [], 0
-    for s in seqs:
-        n = len(s)
-        ids.append(torch.tensor(s[1:]))
-        f_in.append(feat[off:off + n - 1])
-        f_tgt.append(feat[off + 1:off + n])
-        pos.append(torch.arange(n - 1))
-        lens.append(n - 1)
-        off += n
-    ids, pos = torch.cat(ids).to(device), torch.cat(pos).to(device)
-    f_in, f_tgt = torch.cat(f_in).float(), torch.cat(f_tgt).float()
+    ids, f_in, f_tgt, pos, lens = shifted_rows(seqs, feat, feat)
+    ids, pos = ids.to(device), pos.to(device)
+    f_in, f_tgt = f_in.float(), f_tgt.float()
     w = (torch.ones(f_tgt.shape[0]) if weights is None else weights.float()).to(f_tgt.device)
     ctx = _dense_ctx(lens)
     total, stats = 0.0, {}

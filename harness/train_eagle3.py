@@ -23,6 +23,7 @@ from engine.attention.backend import set_context
 from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, check_aux_layers, default_aux_layers, save_eagle3
+from harness.train_draft import shifted_rows
 
 
 def draft_vocab(seqs: list[list[int]], size: int, vocab_size: int) -> torch.Tensor:
@@ -62,17 +63,8 @@ def eagle3_loss(draft: Eagle3Draft, target: LlamaForCausalLM, seqs: list[list[in
     input features, weights [rows] per-row loss weight (None: 1)."""
     dev = aux.device
     hot = draft.target_ids()
-    ids, f_in, f_tgt, pos, lens, off = [], [], [], [], [], 0
-    for s in seqs:
-        n = len(s)
-        ids.append(torch.tensor(s[1:]))
-        f_in.append(aux[off:off + n - 1])
-        f_tgt.append(feat[off + 1:off + n])
-        pos.append(torch.arange(n - 1))
-        lens.append(n - 1)
-        off += n
-    ids, pos = torch.cat(ids).to(dev), torch.cat(pos).to(dev)
-    x, f_tgt = torch.cat(f_in).float(), torch.cat(f_tgt)
+    ids, x, f_tgt, pos, lens = shifted_rows(seqs, aux, feat)
+    ids, pos, x = ids.to(dev), pos.to(dev), x.float()
     w = (torch.ones(f_tgt.shape[0]) if weights is None else weights.float()).to(dev)
     ctx = ctx_fn(lens)
     total, stats = 0.0, {}
