@@ -185,10 +185,31 @@ def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: 
     rates = (config.get("bench") or {}).get("request_rates")
     if rates:                            # strict JSON has no Infinity: an all-at-once rate is written "inf"
         config["bench"]["request_rates"] = ["inf" if r == float("inf") else r for r in rates]
+    line = engine_line(summary.get("engine_info") or {})
     write_run(d, {"kind": kind, "meta": run_metadata(cfg, kind), "config": config, **summary},
-              f"{title}\n\n{md}", records)
+              f"{title}\n\n" + (f"{line}\n\n" if line else "") + md, records)
     err.print(f"results: {d}", markup=False, highlight=False)
     return d
+
+
+def engine_line(info: dict) -> str:
+    """One line naming the engine a result ran: topology, speculative decoding (algorithm and shape, or off) and TP head
+    padding, from a summary's ``engine_info``; "" when it has none."""
+    if not info:
+        return ""
+    parts = [f"engine: tp={info.get('tp', 1)} pp={info.get('pp', 1)}"]
+    sp = info.get("spec") or {}
+    if sp.get("algorithm"):
+        parts.append(f"speculative decoding {sp['algorithm']} on (S={sp.get('num_steps')} k={sp.get('topk')} "
+                     f"n={sp.get('num_draft_tokens')}" + (", PP x spec" if info.get("pp", 1) > 1 else "") + ")")
+    else:
+        parts.append("speculative decoding off")
+    hp = info.get("head_padding")
+    if hp:
+        q, kv = hp["attention_heads"], hp["kv_heads"]
+        parts.append(f"heads padded for TP {hp['tp']}: {q[0]} q / {kv[0]} kv -> {q[1]} / {kv[1]} "
+                     f"({hp['wasted_attention_fraction']:.0%} of attention is padding)")
+    return "; ".join(parts)
 
 
 def write_run_plots(kind: str, summary: dict, d: Path) -> None:

@@ -2,6 +2,7 @@
 80-column rendering of CLI tables. CPU only, no engine started."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -302,3 +303,14 @@ def test_compare_shows_open_loop_rows(tmp_path):
     for panel in fit_table(t, 80):
         Console(file=buf, width=80).print(panel)
     assert "…" not in buf.getvalue() and "43590.5/70491.5" in buf.getvalue()
+
+
+def test_engine_line_of_a_committed_result():
+    """summary.md's engine line names speculative decoding and TP head padding (the tp4pp2 result's engine_info), and
+    says when speculative decoding is off."""
+    from harness.cli_common import engine_line
+    info = json.loads((REPO / "results" / "cpu" / "suites" / "tp4pp2-bench" / "summary.json").read_text())["engine_info"]
+    assert engine_line(info) == ("engine: tp=4 pp=2; speculative decoding eagle on (S=3 k=1 n=4, PP x spec); heads "
+                                 "padded for TP 4: 9 q / 3 kv -> 12 / 4 (25% of attention is padding)")
+    assert engine_line({"tp": 1, "pp": 1, "spec": None}) == "engine: tp=1 pp=1; speculative decoding off"
+    assert engine_line({}) == ""

@@ -26,3 +26,7 @@ def test_bench_tp4pp2_yaml_runs_pp_spec_with_padding(tmp_path):
     for c in s["cells"]:
         assert c["pooled"]["accept_length"]["mean"] > 1.5, c["batch_size"]
     assert "head padding: tp=4: attention heads padded 9 q / 3 kv -> 12 / 4" in r.stdout + r.stderr   # startup log
+    # regression: summary.md said neither that speculative decoding ran nor that the heads were padded
+    md = (out / "summary.md").read_text()
+    assert "speculative decoding eagle on (S=3 k=1 n=4, PP x spec)" in md
+    assert "heads padded for TP 4: 9 q / 3 kv -> 12 / 4 (25% of attention is padding)" in md
