@@ -235,10 +235,13 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, sca
     o_part = torch.empty(B, Hk, S + 1, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hk, S + 1, M, dtype=torch.float32, device=q.device)
     tm = lay.tail_mask.view(torch.uint8)                    # same bytes; Triton loads bytes, not i1
+    # the kernel indexes rows / prefix_lens by lane: a broadcast view (an expanded [1, k] flattened keeps stride 0)
+    # would be read past its one element
+    rows, lens = lay.rows.contiguous(), lay.prefix_lens.contiguous()
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit inputs
     _split_kernel[(B, Hk, S + 1)](
         q, q.stride(0), q.stride(1), kv_cache, lay.req_to_token, lay.req_to_token.stride(0),
-        lay.req_to_token.shape[1], lay.rows, lay.prefix_lens, lay.tail_slots, lay.tail_slots.stride(0),
+        lay.req_to_token.shape[1], rows, lens, lay.tail_slots, lay.tail_slots.stride(0),
         tm, tm.stride(0), tm.stride(1), o_part, lse_part, float(scale) * _LOG2E,
         Q=Q, QT=Qt, G=G, HK=Hk, D=D, M=M, M_PAD=max(16, triton.next_power_of_2(M)), S=S, BLOCK=BLOCK_N,
         TB=max(16, min(64, triton.next_power_of_2(max(Qt, 1)))), PREC=prec, num_warps=4, **pdl.launch_kwargs(q))

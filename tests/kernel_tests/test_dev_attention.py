@@ -78,3 +78,21 @@ def test_kernels_match_naive():
             da.attention_ref(q, kv, lay, scale)
     assert n == len(cases()) + 4
     assert worst <= TOL
+
+
+@needs_interpreter
+@pytest.mark.skipif(_interpreter_broken(), reason="Triton's CPU interpreter missing or broken with this NumPy")
+def test_broadcast_rows_and_lengths():
+    """Regression: lane rows / prefix lengths made by expanding one request over its k draft lanes and flattening keep
+    stride 0 when the batch has one request ([1, k] -> [k] is a view); the kernel indexed them by lane and read the
+    memory after the one element (an illegal access on the GPU for EAGLE trees at batch size 1). Here the element
+    after each broadcast one is a valid but wrong row / length, so reading it changes the result."""
+    import dataclasses
+    from engine.attention import device as da
+    q, kv, lay, scale = make_case(11, prefixes=[40, 57], Q=1, Qt=1, Hq=4, Hk=2, D=16, splits=2, mask="causal", pad=16)
+    base_rows, base_lens = torch.tensor([0, 1]), torch.tensor([40, 3])
+    rows, lens = base_rows[:1].expand(2), base_lens[:1].expand(2)
+    assert rows.stride(0) == 0 and lens.stride(0) == 0
+    lay = dataclasses.replace(lay, rows=rows, prefix_lens=lens)
+    got = da.attention(q, kv, lay, scale)
+    assert (got.double() - naive(q, kv, lay, scale)).abs().max().item() <= TOL
