@@ -144,8 +144,8 @@ class EngineConfig:
     spec_overlap: bool | None = None      # EAGLE, greedy rounds on the device; implies the device tree. pp=1, tp=1:
                                           # the whole round (engine.speculative.device_round), round t+1 launched
                                           # before round t is read back; otherwise every stage's verify round
-                                          # (engine.speculative.stage_round), results relayed as device tensors;
-                                          # its CUDA default covers chain drafts (trees: set it to true)
+                                          # (engine.speculative.stage_round), results relayed as device tensors
+                                          # (chains and trees; the CUDA default)
     cpu_decode_threads: int | None = None  # CPU: torch intra-op threads while a decode / verify batch runs (its draft
                                           # steps included; prefill keeps torch's setting); None: torch's setting
     seed: int = 0

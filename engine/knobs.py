@@ -140,6 +140,9 @@ REGISTRY: tuple[Knob, ...] = (
          "engine/transport.py", "relay_p2p"),
     Knob("PPSPEC_RELAY_IPC", "bool", False, _B, "PP relay device tensors through CUDA IPC slots when ranks share one "
          "GPU (default 0: staged through host memory)", "engine/ipc.py", "relay_ipc"),
+    Knob("PPSPEC_RELAY_SHM", "bool", None, _B, "PP message frames through a shared-memory ring per ring edge (auto: "
+         "when the ranks share one GPU on an x86-64 host; 1: also CPU ranks of one host; 0: gloo)",
+         "engine/shm_ring.py", "relay_shm"),
     Knob("PPSPEC_RELAY_IPC_SLOT_MB", "int", 16, _B, "size of one CUDA IPC relay slot (larger payloads are staged)",
          "engine/ipc.py", "relay_ipc_slot_mb", minimum=1),
     Knob("PPSPEC_RELAY_CODEC", "choice", "packed", _B, "PP message codec: packed (pickled skeleton + one byte "

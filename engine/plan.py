@@ -29,7 +29,9 @@ class ExecutionPlan:
     ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
     (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
     PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
-    tensor). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
+    tensor). frames: how the CPU part of every PP message travels: None (pp = 1), ``gloo`` or ``shm`` (a shared-memory
+    ring per ring edge, :mod:`engine.shm_ring`; auto when the ranks share one GPU on an x86-64 host,
+    PPSPEC_RELAY_SHM=1 forces it, also on CPU ranks of one host). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
     where a greedy verify round runs: None (no spec), ``host`` (host-planned attention, the walk read back before the
     draft), ``stage`` (every stage's verify on the device, the last stage's walk, commit, draft extend and tail draft in
     the same launch: :mod:`engine.speculative.stage_round`; pp > 1 or tp > 1) or ``device`` (the overlapped whole
@@ -60,6 +62,7 @@ class ExecutionPlan:
     knobs: dict
     libraries: dict
     notes: tuple = ()
+    frames: str | None = None
 
     @property
     def backend(self) -> str:
@@ -84,7 +87,8 @@ class ExecutionPlan:
         a, li, k = self.attention, self.linear, self.kernels
         on = [n for n, v in k.items() if v]
         lines = [f"device {self.device} {self.dtype}, tp={self.tp} pp={self.pp}" + (" (staged)" if self.staged else ""),
-                 f"loop {self.loop}; relay {self.relay or '-'}; draft tree {self.tree or '-'}; "
+                 f"loop {self.loop}; relay {self.relay or '-'}" + (f" (frames {self.frames})" if self.frames else "")
+                 + f"; draft tree {self.tree or '-'}; "
                  f"spec round {self.round or '-'}; "
                  f"KV reserve {self.reserve}/request",
                  f"attention {a['backend']}: prefill {a['prefill']}, decode {a['decode']}, verify {a['verify']}",
@@ -130,15 +134,16 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         notes.append("eagle3: device spec rounds off (they do not carry the auxiliary features)")
     if eagle3:
         spec_overlap = False
-    # the stage round's default (auto) on CUDA covers chains; trees take it when spec_overlap is set explicitly
-    stage_round = (bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
-                   and (config.spec_overlap is not None or spec.is_chain))
+    stage_round = bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
-    relay = None
+    relay = frames = None
     if not pp1:
+        from .shm_ring import supported as shm_supported
+        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())
+        frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
         ipc = cuda and staged and kn.relay_ipc
         relay = "device group" if p2p else "cuda ipc" if ipc else "staged" if cuda else "gloo"
@@ -161,7 +166,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, round_, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
-                         libs, tuple(notes))
+                         libs, tuple(notes), frames)
 
 
 def _libraries(cuda: bool) -> dict:

@@ -10,6 +10,10 @@ Device tensors of a message travel one of three ways (the plan's ``relay``):
 - **cuda ipc** (ranks sharing one GPU): through shared device slots (:mod:`engine.ipc`);
 - **staged**: copied into the frame in ONE device->host copy per message.
 
+The frame itself goes over the CPU (gloo) group, or, when the plan's ``frames`` is ``shm`` (ranks of one host),
+through a shared-memory ring per ring edge (:mod:`engine.shm_ring`; frames larger than its slot still go over
+gloo, in order).
+
 The frame is one CPU-group send when it fits ``_FRAME`` bytes (the receiver posts a buffer of that size and reads
 the true length from the frame's head), two otherwise. ``PPSPEC_RELAY_CODEC=torch`` selects the codec's reference
 twin (``torch.save`` of the message).
@@ -65,6 +69,52 @@ class _Ipc:
 IPC = _Ipc()
 
 
+@dataclasses.dataclass
+class _Shm:
+    out: object = None          # engine.shm_ring.ShmRing toward out_peer (this rank writes), or None
+    inp: object = None          # ... from in_peer (this rank reads), or None
+    out_peer: int = -1
+    in_peer: int = -1
+    timeout_s: float = 600.0
+
+
+SHM = _Shm()
+
+
+def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 20) -> bool:
+    """Route this rank's PP frames to and from its ring neighbours through shared-memory rings. Collective over
+    the CPU group: every rank calls it once, at the same point, before its first message. An edge whose reader
+    cannot map the writer's file (another host) keeps gloo; returns whether both of this rank's edges use the ring."""
+    import socket
+    from .shm_ring import ShmRing
+    s = ps()
+    close_shm_frames()
+    if s.pp_size == 1:
+        return False
+    succ, pred = s.global_rank(s.pp_rank + 1), s.global_rank(s.pp_rank - 1)
+    out = ShmRing(create=True, n_slots=n_slots, slot_bytes=slot_bytes)
+    got = ring_exchange({"shm": out.describe(), "host": socket.gethostname()})
+    inp = None
+    if got["host"] == socket.gethostname():
+        try:
+            inp = ShmRing(**got["shm"])
+        except OSError:
+            inp = None
+    oks = [None] * dist.get_world_size(s.cpu_group)
+    dist.all_gather_object(oks, inp is not None, group=s.cpu_group)
+    out.unlink()
+    SHM.out, SHM.out_peer = (out, succ) if oks[succ] else (None, -1)
+    SHM.inp, SHM.in_peer = (inp, pred) if inp is not None else (None, -1)
+    SHM.timeout_s = timeout_s
+    return SHM.out is not None and SHM.inp is not None
+
+
+def close_shm_frames() -> None:
+    """Stop using shared-memory frames (the next messages go over gloo)."""
+    SHM.out = SHM.inp = None
+    SHM.out_peer = SHM.in_peer = -1
+
+
 def open_same_gpu_ipc(slot_bytes: int) -> None:
     """Route the staged device payloads of this rank's PP messages through CUDA IPC slots (ranks sharing one GPU).
     Collective: every stage calls it once, at the same point, before its first message of a run."""
@@ -85,7 +135,9 @@ def send_msg(obj: dict, dst: int) -> None:
     else:
         frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None, IPC.sender)
     WIRE.bytes["frame"] = WIRE.bytes.get("frame", 0) + frame.numel()
-    if frame.numel() <= _FRAME:
+    if SHM.out is not None and dst == SHM.out_peer and SHM.out.put(frame.numpy(), frame.numel(), SHM.timeout_s):
+        pass
+    elif frame.numel() <= _FRAME:
         dist.send(frame, dst, group=s.cpu_group)
     else:
         dist.send(frame[:_FRAME], dst, group=s.cpu_group)
@@ -102,10 +154,17 @@ def recv_msg(src: int) -> dict:
     s = ps()
     if not _RECV_FRAME:
         _RECV_FRAME.append(torch.empty(_FRAME, dtype=torch.uint8))
-    frame = _RECV_FRAME[0]
-    dist.recv(frame, src, group=s.cpu_group)
+    frame = None
+    if SHM.inp is not None and src == SHM.in_peer:
+        frame, _ = SHM.inp.get(_RECV_FRAME[0], SHM.timeout_s)
+        if frame is not None and frame.numel() > _RECV_FRAME[0].numel():
+            _RECV_FRAME[0] = frame
+    over_shm = frame is not None
+    if not over_shm:
+        frame = _RECV_FRAME[0]
+        dist.recv(frame, src, group=s.cpu_group)
     total, _, _, n_dev, slot, codec = _HEAD.unpack_from(memoryview(frame.numpy()), 0)
-    if total > _FRAME:
+    if total > _FRAME and not over_shm:
         big = torch.empty(total, dtype=torch.uint8)
         big[:_FRAME] = frame
         dist.recv(big[_FRAME:], src, group=s.cpu_group)

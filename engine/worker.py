@@ -105,6 +105,8 @@ class Worker:
         executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)          # engine.executors
         self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
+        if self.runner.plan.frames == "shm":
+            transport.open_shm_frames(config.dist_timeout_s)
         if self.runner.plan.relay == "cuda ipc":
             transport.open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
         self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)

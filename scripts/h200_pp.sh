@@ -5,6 +5,9 @@
 # Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
+#   round3:  the stage round's GPU tests (trees included), the ring probe, pp=2 + spec on the staged and the IPC relay.
+#   round4:  the table in one sitting with the PP frames through shared memory (the default when ranks share the
+#            GPU), gloo frames as the control, and a tree (S=4 k=4 n=12) at pp=1 and pp=2.
 #   table:   the bundled SmolLM2 GGUF (/tmp/g/smollm2.gguf) + the shipped head: pp=1, 2, 3, spec and plain, b=1 and 8.
 # Every call: mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl (once per
 # machine) and PYTHONPATH=/tmp/site:$PWD HOME=/tmp.
@@ -79,4 +82,22 @@ round2b)
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
   for pp in 1 2 3; do bench pp${pp}_spec 150 $D --set pp=$pp --set spec.pp_spec=true --set bench.runs=1; done
   for pp in 1 2 3; do bench pp${pp}_plain 80 $D --no-spec --set pp=$pp --set bench.runs=1; done ;;
+round3)
+  TESTS_TIMEOUT=300 bash "$0" round2a "$out"
+  timeout 40 python3 -m tools.ring_probe --pp 2 --device cuda --iters 2000
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy"
+  bench pp1_spec 120 $D --set bench.runs=1
+  bench pp2_spec 70 $D --set pp=2 --set spec.pp_spec=true --set bench.runs=1
+  PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc 70 $D --set pp=2 --set spec.pp_spec=true --set bench.runs=1 ;;
+round4)
+  for f in "" --shm; do timeout 30 python3 -m tools.ring_probe --pp 2 --device cuda --iters 1000 $f; done
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy --set bench.runs=1"
+  T="--set spec.num_steps=4 --set spec.topk=4 --set spec.num_draft_tokens=12"
+  bench pp1_spec 130 $D
+  for pp in 2 3; do bench pp${pp}_spec 60 $D --set pp=$pp --set spec.pp_spec=true; done
+  PPSPEC_RELAY_SHM=0 bench pp2_spec_gloo 60 $D --set pp=2 --set spec.pp_spec=true
+  for pp in 1 2 3; do bench pp${pp}_plain 50 $D --no-spec --set pp=$pp; done
+  PPSPEC_RELAY_SHM=0 bench pp2_plain_gloo 50 $D --no-spec --set pp=2
+  bench pp1_tree 50 $D $T
+  bench pp2_tree 60 $D $T --set pp=2 --set spec.pp_spec=true ;;
 esac

@@ -149,6 +149,23 @@ def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
     assert (p.loop, p.tree) == ("plain", "device")
 
 
+def test_plan_frames(monkeypatch):
+    """PP frames: gloo on CPU ranks and with one GPU per rank, shared memory when the ranks share one GPU (x86-64),
+    PPSPEC_RELAY_SHM forces either way; pp = 1 has none."""
+    from engine import shm_ring
+    monkeypatch.setattr(shm_ring, "supported", lambda: True)
+    assert resolve_plan(EngineConfig()).frames is None
+    assert resolve_plan(EngineConfig(pp=2)).frames == "gloo"
+    assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=False).frames == "gloo"
+    p = resolve_plan(EngineConfig(pp=2), device="cuda", staged=True)
+    assert (p.relay, p.frames) == ("staged", "shm") and "(frames shm)" in p.describe()
+    assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=True,
+                        kn=knobs.read({"PPSPEC_RELAY_SHM": "0"})).frames == "gloo"
+    assert resolve_plan(EngineConfig(pp=2), kn=knobs.read({"PPSPEC_RELAY_SHM": "1"})).frames == "shm"
+    monkeypatch.setattr(shm_ring, "supported", lambda: False)
+    assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=True).frames == "gloo"
+
+
 def test_engine_runs_the_plan(tiny_model_dir):
     """LLM.plan and the runner's decisions are one resolution."""
     from engine import LLM

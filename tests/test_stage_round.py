@@ -46,10 +46,10 @@ def test_plan_picks_the_stage_round(tiny_model_dir, tiny_draft_dir):
     cuda = resolve_plan(EngineConfig(model=tiny_model_dir, spec=chain, pp=2, dtype="bfloat16"), device="cuda",
                         staged=True)
     assert cuda.round == "stage" and "stage_rounds" in cuda.graphs       # the CUDA default under PP for a chain
-    # trees take the stage round on CUDA only when asked for (spec_overlap=True)
+    # trees take the stage round on CUDA by default too; spec_overlap=False keeps the host round
     tree = dict(model=tiny_model_dir, spec=spec, pp=2, dtype="bfloat16")
-    assert resolve_plan(EngineConfig(**tree), device="cuda", staged=True).round == "host"
-    assert resolve_plan(EngineConfig(**tree, spec_overlap=True), device="cuda", staged=True).round == "stage"
+    assert resolve_plan(EngineConfig(**tree), device="cuda", staged=True).round == "stage"
+    assert resolve_plan(EngineConfig(**tree, spec_overlap=False), device="cuda", staged=True).round == "host"
 
 
 @pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (3, 1, "tree"), (1, 2, "tree"), (2, 2, "chain")])

@@ -26,6 +26,9 @@ def _rank(rank: int, a, port: int, q) -> None:
         torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
     init_distributed(rank, a.pp, 1, a.pp, dev, f"tcp://127.0.0.1:{port}", 60)
+    if a.shm:
+        from engine.transport import open_shm_frames
+        open_shm_frames(60)
     if a.ipc:
         from engine.transport import open_same_gpu_ipc
         open_same_gpu_ipc(16 << 20)
@@ -55,6 +58,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--shm", action="store_true", help="frames through shared-memory rings (ranks of one host)")
     ap.add_argument("--ipc", action="store_true", help="device payloads through CUDA IPC slots (ranks share one GPU)")
     a = ap.parse_args(argv)
     from engine.ranks import free_port
@@ -67,7 +71,7 @@ def main(argv=None) -> None:
     res = dict(q.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    print(json.dumps({"pp": a.pp, "device": a.device, "ipc": a.ipc, "us_per_exchange": {r: res[r] for r in sorted(res)}}))
+    print(json.dumps({"pp": a.pp, "device": a.device, "ipc": a.ipc, "shm": a.shm, "us_per_exchange": {r: res[r] for r in sorted(res)}}))
 
 
 if __name__ == "__main__":

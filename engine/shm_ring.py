@@ -1,0 +1,141 @@
+"""Same-host PP frames through shared memory: a single-producer single-consumer ring per directed ring edge.
+
+When PP ranks share a host (always so when they share one GPU), the CPU part of every PP message (the frame of
+:mod:`engine.transport`) goes through a memory-mapped file in ``/dev/shm`` instead of a gloo send over loopback
+TCP. A gloo message wakes the receiving process through the kernel and gloo's I/O thread several times (about
+140 us a message on the H200 host, ``tools/ring_probe``); a write into shared memory is seen by a polling reader
+within microseconds. This is the host half of what NCCL does inside a node (its device half is :mod:`engine.ipc`).
+
+Layout of one ring (``n_slots`` slots of ``slot_bytes``)::
+
+    [0:8]    write_seq  int64  messages published by the writer
+    [64:72]  read_seq   int64  messages released by the reader (its own cache line)
+    [128:]   slots; slot i = [length int64][payload], message ``seq`` in slot ``seq % n_slots``
+
+The writer waits until ``write_seq - read_seq < n_slots``, writes the payload and its length, then publishes
+``write_seq + 1``; the reader waits until ``write_seq > read_seq``, copies the payload out and publishes
+``read_seq + 1``. Each counter has one writer. Correctness relies on stores becoming visible in program order
+(x86-64's TSO), so the ring is selected automatically only on x86-64 hosts. A frame longer than a slot is sent
+over gloo instead; its slot carries the marker length ``-total`` so the receiver knows to take it from there, in
+order.
+
+Waiting polls: a tight loop first, then ``sched_yield``, then 50 us sleeps, so an idle engine does not hold a core;
+past ``timeout_s`` the wait raises ``RuntimeError`` naming the peer (a dead peer never publishes).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+import uuid
+
+import numpy as np
+import torch
+
+_CTL = 128                      # bytes of the control block (two counters on separate cache lines)
+_SPIN = 2000                    # tight polls before yielding
+_YIELD_S = 0.002                # then sched_yield until this long, then short sleeps
+
+
+def supported() -> bool:
+    """Whether shared-memory frames may be selected automatically on this host (x86-64: stores are seen in order)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _shm_dir() -> str:
+    import tempfile
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class ShmRing:
+    """One direction of one ring edge. ``create=True`` makes a new file (the writer's side); otherwise ``path`` is
+    opened (the reader's side). ``unlink()`` removes the name once both sides have mapped it."""
+
+    def __init__(self, path: str | None = None, n_slots: int = 4, slot_bytes: int = 1 << 20, create: bool = False):
+        if create:
+            path = os.path.join(_shm_dir(), f"ppspec-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            size = _CTL + n_slots * slot_bytes
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            np.frombuffer(self._mm, dtype=np.int64, count=_CTL // 8)[:] = 0
+        else:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.path, self.n_slots, self.slot_bytes = path, n_slots, slot_bytes
+        self._ctl = np.frombuffer(self._mm, dtype=np.int64, count=_CTL // 8)
+        self._data = np.frombuffer(self._mm, dtype=np.uint8, offset=_CTL)
+        if self._data.size != n_slots * slot_bytes:
+            raise ValueError(f"shared-memory ring {path}: {self._data.size} data bytes, expected "
+                             f"{n_slots} x {slot_bytes}")
+
+    @property
+    def max_payload(self) -> int:
+        return self.slot_bytes - 8
+
+    def describe(self) -> dict:
+        """What the reader needs to open this ring (picklable)."""
+        return {"path": self.path, "n_slots": self.n_slots, "slot_bytes": self.slot_bytes}
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # ----------------------------------------------------------------------------------------------- waiting
+    def _wait(self, ready, timeout_s: float, what: str) -> None:
+        for _ in range(_SPIN):
+            if ready():
+                return
+        t0 = time.perf_counter()
+        while not ready():
+            waited = time.perf_counter() - t0
+            if waited < _YIELD_S:
+                os.sched_yield()
+            elif waited < timeout_s:
+                time.sleep(5e-5)
+            else:
+                raise RuntimeError(f"PP relay: {what} for {timeout_s:.0f} s on the shared-memory ring {self.path} "
+                                   "(the peer stage stopped)")
+
+    # ----------------------------------------------------------------------------------------------- writer
+    def put(self, frame: np.ndarray | None, total: int, timeout_s: float) -> bool:
+        """Publish ``frame[:total]`` (uint8) in the next slot, or, when ``total`` exceeds :attr:`max_payload`, the
+        marker that the frame follows over gloo (``frame`` unused; returns False). Waits while the ring is full."""
+        ctl = self._ctl
+        seq = int(ctl[0])
+        self._wait(lambda: seq - int(ctl[8]) < self.n_slots, timeout_s, "waited for the reader to free a slot")
+        base = (seq % self.n_slots) * self.slot_bytes
+        fits = total <= self.max_payload
+        if fits:
+            self._data[base + 8:base + 8 + total] = frame[:total]
+        self._data[base:base + 8].view(np.int64)[0] = total if fits else -total
+        ctl[0] = seq + 1
+        return fits
+
+    # ----------------------------------------------------------------------------------------------- reader
+    def get(self, out: torch.Tensor | None, timeout_s: float) -> tuple[torch.Tensor | None, int]:
+        """Take the next message: ``(frame, total)`` with the payload copied into ``out`` (uint8, reused when large
+        enough, else a new tensor), or ``(None, total)`` when the frame of ``total`` bytes follows over gloo."""
+        ctl = self._ctl
+        seq = int(ctl[8])
+        self._wait(lambda: int(ctl[0]) > seq, timeout_s, "waited for a message")
+        base = (seq % self.n_slots) * self.slot_bytes
+        n = int(self._data[base:base + 8].view(np.int64)[0])
+        frame = None
+        if n >= 0:
+            if out is None or out.numel() < n:
+                out = torch.empty(max(n, 1), dtype=torch.uint8)
+            out.numpy()[:n] = self._data[base + 8:base + 8 + n]
+            frame = out
+        ctl[8] = seq + 1
+        return frame, abs(n)

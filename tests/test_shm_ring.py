@@ -1,0 +1,109 @@
+"""Same-host PP frames through shared-memory rings (engine.shm_ring, PPSPEC_RELAY_SHM): the ring's FIFO order,
+wrap-around, back-pressure and oversize markers in one process; a ring of ranks exchanging through it; an engine
+whose PP frames take the rings gives the tokens and accept lengths of the gloo frames."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.shm_ring import ShmRing
+
+
+def _pair(n_slots=3, slot_bytes=64):
+    w = ShmRing(create=True, n_slots=n_slots, slot_bytes=slot_bytes)
+    r = ShmRing(**w.describe())
+    w.unlink()
+    return w, r
+
+
+def test_fifo_wraparound_and_oversize_marker():
+    w, r = _pair()
+    out = None
+    for i in range(10):                              # more messages than slots: the ring wraps
+        msg = np.arange(i, i + 20, dtype=np.uint8)
+        assert w.put(msg, 20, 1.0)
+        out, n = r.get(out, 1.0)
+        assert n == 20 and out[:n].tolist() == msg.tolist()
+    assert not w.put(None, 57, 1.0)                  # over the slot's 56-byte payload: the marker
+    frame, n = r.get(out, 1.0)
+    assert frame is None and n == 57
+    assert w.put(np.full(56, 7, np.uint8), 56, 1.0)  # exactly a slot's payload still fits
+    frame, n = r.get(None, 1.0)
+    assert n == 56 and frame[:n].tolist() == [7] * 56
+
+
+def test_full_ring_waits_for_the_reader_and_empty_ring_times_out():
+    w, r = _pair(n_slots=2)
+    for i in range(2):
+        assert w.put(np.full(8, i, np.uint8), 8, 1.0)
+    with pytest.raises(RuntimeError, match="free a slot"):
+        w.put(np.zeros(8, np.uint8), 8, 0.05)
+    got = []
+
+    def reader():
+        for _ in range(3):
+            f, n = r.get(None, 5.0)
+            got.append(int(f[0]))
+    t = threading.Thread(target=reader)
+    t.start()
+    assert w.put(np.full(8, 2, np.uint8), 8, 5.0)    # blocked until the reader frees slot 0
+    t.join(10)
+    assert got == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="waited for a message"):
+        r.get(None, 0.05)
+
+
+def _ring_worker(rank, world, port, rounds, q):
+    import os
+    os.environ["PPSPEC_RELAY_SHM"] = "1"
+    from engine import transport
+    from engine.dist import init_distributed
+    torch.set_num_threads(1)
+    init_distributed(rank, world, 1, world, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 60)
+    ok = transport.open_shm_frames(60, n_slots=2, slot_bytes=4096)
+    got = None
+    sizes = []
+    for i in range(rounds):
+        n = 5000 if i == 2 else 3                    # round 2's frame exceeds the slot: it goes over gloo, in order
+        got = transport.ring_exchange({"payload": torch.full((n,), float(rank * 1000 + i)), "i": i})
+        sizes.append(got["payload"].numel())
+        assert got["i"] == i and float(got["payload"][0]) == ((rank - 1) % world) * 1000 + i
+    q.put((rank, ok, sizes))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_exchange_over_shared_memory(world):
+    import torch.multiprocessing as mp
+    from engine.ranks import free_port
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port, rounds = free_port(), 5
+    procs = [ctx.Process(target=_ring_worker, args=(r, world, port, rounds, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=30)
+    assert res == [(r, True, [3, 3, 5000, 3, 3]) for r in range(world)]
+
+
+def test_engine_frames_over_shared_memory_equal_gloo(tiny_model_dir, tiny_draft_dir, tiny_prompts, monkeypatch):
+    """PP2 + spec (chain) and PP3 plain: the same tokens and accept lengths with the frames over the rings; the plan
+    names the frames."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, num_steps=3, topk=1, num_draft_tokens=4)
+
+    def run(**kw):
+        with LLM(EngineConfig(model=tiny_model_dir, **kw)) as llm:
+            return [(o.token_ids, o.accept_lengths) for o in llm.generate(tiny_prompts[:4], params)], llm.plan.frames
+    for kw in (dict(pp=2, spec=spec), dict(pp=3)):
+        monkeypatch.setenv("PPSPEC_RELAY_SHM", "0")
+        ref, frames = run(**kw)
+        assert frames == "gloo"
+        monkeypatch.setenv("PPSPEC_RELAY_SHM", "1")
+        got, frames = run(**kw)
+        assert frames == "shm" and got == ref
