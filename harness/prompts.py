@@ -6,10 +6,13 @@ self-distillation set. Train prompts never use a test question; a train question
 """
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import tempfile
 from pathlib import Path
+
+TEST200 = Path(__file__).parent / "data" / "gsm8k" / "test200_lmeval_8shot.jsonl.gz"
 
 
 def lmeval_contexts(data_dir: str | Path, limit: int, num_fewshot: int = 8) -> list[dict]:
@@ -49,15 +52,32 @@ def lmeval_contexts(data_dir: str | Path, limit: int, num_fewshot: int = 8) -> l
 def train_prompts(data_dir: str | Path, limit: int | None = None, num_fewshot: int = 8, seed: int = 1234) -> list[dict]:
     """8-shot prompts for train questions in lm-eval's gsm8k layout, shots drawn from the rest of train."""
     rows = [json.loads(x) for x in (Path(data_dir) / "train.jsonl").read_text().splitlines() if x.strip()]
+    return fewshot_prompts(rows, limit, num_fewshot, seed)
+
+
+def fewshot_prompts(rows: list[dict], limit: int | None = None, num_fewshot: int = 8, seed: int = 1234) -> list[dict]:
+    """[{"prompt", "train_index"}] for the first ``limit`` (None: all) of ``rows`` (GSM8K layout: "question",
+    "answer"): question i after ``num_fewshot`` worked examples drawn from the other rows with ``random.Random(seed +
+    i)``, in lm-eval's gsm8k layout ("Question: ...\nAnswer: ..." blocks joined by a blank line, ending "Answer:")."""
     n = len(rows) if limit is None else min(limit, len(rows))
     out = []
     for i in range(n):
         rng = random.Random(seed + i)
-        shots = rng.sample([j for j in range(len(rows)) if j != i], num_fewshot) if num_fewshot else []
+        # the same draw as rng.sample over the other rows' indices (sample picks by position in the population)
+        shots = [j + (j >= i) for j in rng.sample(range(len(rows) - 1), num_fewshot)] if num_fewshot else []
         text = "\n\n".join(f"Question: {rows[j]['question']}\nAnswer: {rows[j]['answer']}" for j in shots)
         prompt = (text + "\n\n" if text else "") + f"Question: {rows[i]['question']}\nAnswer:"
         out.append({"prompt": prompt, "train_index": i})
     return out
+
+
+def read_contexts(path: str | Path = TEST200) -> list[dict]:
+    """Exported contexts (jsonl, gzip-compressed when the name ends in ``.gz``) as a list of dicts; the default is
+    the shipped export of :func:`lmeval_contexts` for the first 200 GSM8K test questions, 8-shot
+    ({"doc_id", "prompt", "until", "target"}), for machines without lm-eval."""
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:

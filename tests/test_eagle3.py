@@ -267,3 +267,151 @@ def test_train_eagle3_smoke(tiny_model_dir, tmp_path):
         ref = llm.generate([ids], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
     out = gen(tiny_model_dir, [ids], str(tmp_path / "head"), CHAIN, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert out[0].token_ids == ref
+
+
+def test_train_eagle3_time_budget_and_schedule(tiny_model_dir, tmp_path):
+    """A spent time budget stops training before the first step (the head is still written); the learning-rate
+    factor warms up linearly, then follows a cosine to 0 at progress 1."""
+    from harness.train_draft import train_draft
+    from harness.train_eagle3 import lr_factor
+    from tiny import gsm8k_prompts
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in gsm8k_prompts(4, 0)))
+    r = train_draft(tiny_model_dir, data, tmp_path / "head", epochs=3, batch_tokens=512, max_len=128,
+                    algorithm="eagle3", aux_layers=[0, 2, 3], draft_vocab_size=256, time_budget_s=1e-9,
+                    log=lambda *_: None)
+    assert r["steps"] == 0 and (tmp_path / "head" / "model.safetensors").is_file()
+    assert lr_factor(0, 0.0, 4) == 0.25 and lr_factor(3, 0.0, 4) == 1.0
+    assert abs(lr_factor(10, 0.5, 4) - 0.5) < 1e-12 and lr_factor(10, 1.0, 4) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------ training-time test
+def _random_draft(tiny_model_dir, seed=0):
+    """An EAGLE-3 draft of the tiny target's shape (4 heads, 2 KV heads: the GQA path) with every weight random
+    (std 0.2: attention and MLP change the output visibly), float32, draft vocabulary 512."""
+    from engine.dist import ParallelState, set_ps
+    from engine.model.loader import load_model_config
+    from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec
+    set_ps(ParallelState())
+    mc = load_model_config(tiny_model_dir)
+    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
+    d = Eagle3Draft(Eagle3Spec(dcfg, (0, 2, 3), 512, False), torch.float32, 128)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 1 else 0.2))
+    return d
+
+
+def _engine_forward(d, ids, feats, pos, lens):
+    """The draft's own forward through the engine's attention backend: packed sequences ``lens``, each causal."""
+    from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+    set_backend(TorchBackend())
+    qo = [0]
+    for n in lens:
+        qo.append(qo[-1] + n)
+    ctx = ForwardContext(qo)
+    TorchBackend().prepare(ctx)
+    set_context(ctx)
+    try:
+        with torch.no_grad():
+            return d(ids, feats, pos)
+    finally:
+        set_context(None)
+
+
+def test_ttt_mask_structure():
+    """Step j's mask is [n, (j+1) n]: the step-0 block causal (row t sees rows 0..t), every later block the identity
+    (row t sees only its own row of that step); step 0 is the causal mask."""
+    from harness.train_eagle3 import ttt_mask
+    n = 6
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(ttt_mask(n, 0), causal)
+    for j in (1, 2, 4):
+        m = ttt_mask(n, j)
+        assert m.shape == (n, (j + 1) * n) and m.dtype == torch.bool
+        assert torch.equal(m[:, :n], causal)
+        for i in range(1, j + 1):
+            assert torch.equal(m[:, i * n:(i + 1) * n], torch.eye(n, dtype=torch.bool))
+        assert m.sum(1).tolist() == [t + 1 + j for t in range(n)]        # t+1 context rows + one per earlier step
+
+
+def test_ttt_step0_equals_causal_forward(tiny_model_dir):
+    """Training-time-test step 0 on padded rows equals the draft's forward through the engine's causal attention on
+    the packed sequences (plain causal training)."""
+    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    d = _random_draft(tiny_model_dir)
+    H = d.fc.out_features
+    g = torch.Generator().manual_seed(1)
+    seqs = [[int(x) for x in torch.randint(0, 3000, (n,), generator=g)] for n in (9, 4, 12)]
+    T = sum(map(len, seqs))
+    aux = torch.randn(T, 3 * H, generator=g)
+    tok, x, w, _ = padded_rows(seqs, aux, None, 0)
+    N = x.shape[1]
+    with torch.no_grad():
+        h = ttt_forward(d, tok, x, torch.arange(N).expand(len(seqs), N), [], ttt_mask(N, 0))
+    ids, feats, pos, off = [], [], [], 0
+    for s in seqs:
+        ids += s[1:]
+        feats.append(aux[off:off + len(s) - 1])
+        pos.append(torch.arange(len(s) - 1))
+        off += len(s)
+    ref = _engine_forward(d, torch.tensor(ids), torch.cat(feats), torch.cat(pos), [len(s) - 1 for s in seqs])
+    assert torch.allclose(h[w > 0], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_ttt_steps_equal_inference_chain(tiny_model_dir):
+    """Step j at row t equals draft depth j+1 at inference: the draft run causally over the context rows 0..t (target
+    features) followed by its own chain (x_{t+2}, h_t) .. at positions t+1 .. t+j, each chain row fed the previous
+    depth's output at that row. The context rows go in as fc(aux) (the draft's first op on a 3H feature)."""
+    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    d = _random_draft(tiny_model_dir, seed=2)
+    H = d.fc.out_features
+    g = torch.Generator().manual_seed(3)
+    U = 3
+    seqs = [[int(x) for x in torch.randint(0, 3000, (n,), generator=g)] for n in (11, 7)]
+    aux = torch.randn(sum(map(len, seqs)), 3 * H, generator=g)
+    tok, x, w, _ = padded_rows(seqs, aux, None, U - 1)
+    B, N = x.shape[:2]
+    kv, outs = [], []
+    with torch.no_grad():
+        for j in range(U):
+            x = ttt_forward(d, tok[:, j:j + N], x, torch.arange(N).expand(B, N) + j, kv, ttt_mask(N, j))
+            outs.append(x)
+        off = 0
+        for b, s in enumerate(seqs):
+            n = len(s) - 1
+            base = d.fc(aux[off:off + n])
+            for t in range(n):
+                chain = []                                   # (token, feature, position) of depths 2 .. U
+                h = _engine_forward(d, torch.tensor(s[1:t + 2]), base[:t + 1], torch.arange(t + 1), [t + 1])[-1]
+                assert torch.allclose(outs[0][b, t], h, atol=1e-5, rtol=1e-4)
+                for j in range(1, U):
+                    if t + j + 1 > n:                        # no token x_{t+j+1}: past the sequence's end
+                        break
+                    chain.append((s[t + j + 1], h, t + j))
+                    ids = torch.tensor(s[1:t + 2] + [c[0] for c in chain])
+                    feats = torch.cat([base[:t + 1], torch.stack([c[1] for c in chain])])
+                    pos = torch.cat([torch.arange(t + 1), torch.tensor([c[2] for c in chain])])
+                    h = _engine_forward(d, ids, feats, pos, [len(ids)])[-1]
+                    assert torch.allclose(outs[j][b, t], h, atol=1e-5, rtol=1e-4), (b, t, j)
+            off += len(s)
+
+
+def test_ttt_differs_from_causal_unroll(tiny_model_dir):
+    """The exact mask matters: at step 1, attending causally over step 1's own rows (the earlier approximation) gives
+    other outputs than the training-time-test mask."""
+    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    d = _random_draft(tiny_model_dir, seed=4)
+    H = d.fc.out_features
+    g = torch.Generator().manual_seed(5)
+    seqs = [[int(x) for x in torch.randint(0, 3000, (10,), generator=g)]]
+    tok, x, _, _ = padded_rows(seqs, torch.randn(10, 3 * H, generator=g), None, 1)
+    N = x.shape[1]
+    pos = torch.arange(N)[None]
+    with torch.no_grad():
+        kv = []
+        h0 = ttt_forward(d, tok[:, :N], x, pos, kv, ttt_mask(N, 0))
+        exact = ttt_forward(d, tok[:, 1:N + 1], h0, pos + 1, kv, ttt_mask(N, 1))
+        causal = ttt_forward(d, tok[:, 1:N + 1], h0, pos + 1, [], ttt_mask(N, 0))
+    assert not torch.allclose(exact[0, 1:], causal[0, 1:], atol=1e-3)

@@ -87,3 +87,65 @@ def test_tf32_flag_restored_after_cuda_training_scope():
     assert torch.backends.cuda.matmul.allow_tf32 is False
     with tf32_matmul("cpu"):
         assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_shipped_test_contexts_are_lmeval_contexts():
+    """The shipped first-200 GSM8K test contexts are lm-eval's own (first rows re-exported where lm-eval is
+    installed), in doc order, each ending with its question."""
+    import json
+    from pathlib import Path
+
+    from harness.prompts import TEST200, read_contexts
+    rows = read_contexts(TEST200)
+    assert [r["doc_id"] for r in rows] == list(range(200))
+    root = Path(__file__).resolve().parents[1]
+    test = [json.loads(x) for x in (root / "harness/data/gsm8k/test.jsonl").read_text().splitlines()[:200]]
+    assert all(r["prompt"].endswith(f"Question: {t['question']}\nAnswer:") for r, t in zip(rows, test))
+    assert all(r["target"] == t["answer"].split("####")[-1].strip() for r, t in zip(rows, test))
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return
+    from harness.prompts import lmeval_contexts
+    assert lmeval_contexts(root / "harness/data/gsm8k", 4) == rows[:4]
+
+
+def test_build_sequences_time_budget_keeps_a_prefix(tiny_model_dir):
+    """With a spent time budget generation stops after the first chunk (a prefix of the prompts); without one every
+    prompt gets its continuation, and the first chunk's sequences are the same either way."""
+    from harness.train_draft import build_sequences
+    rows = [{"prompt": f"Question: {i} plus {i} is\nAnswer:"} for i in range(6)]
+    lines = []
+    s1, p1 = build_sequences(tiny_model_dir, rows, "cpu", "float32", 8, 128, time_budget_s=1e-6, first_chunk=2,
+                             max_running=4, log=lines.append)
+    s2, p2 = build_sequences(tiny_model_dir, rows, "cpu", "float32", 8, 128, max_running=4)
+    assert len(s1) == 2 and len(s2) == 6 and len(lines) == 1
+    assert s1 == s2[:2] and p1 == p2[:2]
+
+
+def test_gsm8k_layout_rows_make_the_shipped_prompts():
+    """A GSM8K file is valid training data; its 8-shot prompts (fewshot_prompts over the whole file) start with the
+    shipped EAGLE-2 prompt set, all 1,500 of them."""
+    from pathlib import Path
+
+    from harness.prompts import fewshot_prompts
+    from harness.train_draft import read_jsonl
+    root = Path(__file__).resolve().parents[1]
+    rows = read_jsonl(root / "harness/data/gsm8k/train.jsonl")
+    shipped = read_jsonl(root / "drafts/smollm2-eagle/train_prompts.jsonl.gz")
+    assert fewshot_prompts(rows, 1500) == shipped
+
+
+def test_shipped_train_recipes_pass_the_train_section_check():
+    """Every suites/train_*.yaml `train:` section names only train_draft's keyword arguments, with matching types."""
+    from pathlib import Path
+
+    import yaml
+
+    from harness.commands_drafts import check_train_kwargs
+    from harness.train_draft import train_draft
+    root = Path(__file__).resolve().parents[1]
+    recipes = sorted((root / "suites").glob("train_*.yaml"))
+    assert {p.stem for p in recipes} >= {"train_smollm2_draft", "train_smollm2_eagle3"}
+    for p in recipes:
+        check_train_kwargs(train_draft, yaml.safe_load(p.read_text())["train"])

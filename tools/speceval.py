@@ -4,10 +4,12 @@ Runs where lm-eval is absent (the GPU box): prompts come from ``harness.prompts.
 (exact lm-eval contexts and stop strings), answers are scored with ``harness.gsm8k.score_response``
 (checked against lm-eval's own filters in tests). Usage:
   python -m tools.speceval --model M --draft D --prompts test200.jsonl --shape 3,1,4 --shape 4,4,12 --out r.json
+(``--algorithm eagle3`` for an EAGLE-3 head; prompt files may be gzip-compressed, ``.gz``).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from pathlib import Path
@@ -17,19 +19,23 @@ from harness.config import spec_shape
 
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
              device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
-             plain: bool = True, max_concurrency: int | None = None, token_map: str | None = None) -> dict:
+             plain: bool = True, max_concurrency: int | None = None, token_map: str | None = None,
+             algorithm: str = "eagle") -> dict:
     """Run plain decoding (unless ``plain`` is False) and each EAGLE ``shapes`` entry (S, k, n) on ``prompts``;
-    ``token_map``: an FR-Spec draft vocabulary for the EAGLE runs. Returns {config name: accept length, histogram,
-    GSM8K strict/flexible scores, output tokens, wall seconds, tokens/s, output token ids}."""
+    ``token_map``: an FR-Spec draft vocabulary for the EAGLE runs; ``algorithm``: "eagle" (EAGLE-1/2 head) or
+    "eagle3" (EAGLE-3 head; its config names are "eagle3 S=.. k=.. n=.."). Returns {config name: accept length, histogram,
+    GSM8K strict/flexible scores, output tokens, wall seconds (generate), tokens/s, prompts, config seconds (engine
+    start, warm-up and generate), output token ids}."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.gsm8k import score_response
     texts = [p["prompt"] for p in prompts]
     params = [SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(p.get("until", ["Question:"]))) for p in prompts]
     configs = ([("plain", SpecConfig())] if plain else []) + [
-        (f"eagle S={S} k={k} n={n}" + (f" map={Path(token_map).name}" if token_map else ""),
-         SpecConfig("eagle", draft, S, k, n, token_map=token_map)) for S, k, n in shapes]
+        (f"{algorithm} S={S} k={k} n={n}" + (f" map={Path(token_map).name}" if token_map else ""),
+         SpecConfig(algorithm, draft, S, k, n, token_map=token_map)) for S, k, n in shapes]
     results = {}
     for name, spec in configs:
+        t_cfg = time.perf_counter()
         with LLM(EngineConfig(model=model, device=device, dtype=dtype, spec=spec, attention_backend=backend,
                               max_running_requests=256, max_prefill_tokens=16384)) as llm:
             llm.generate(texts[:2], params[:2])                          # warmup
@@ -46,11 +52,13 @@ def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tu
             "accept_length": sum(acc) / max(1, len(acc)), "accept_hist": dict(sorted(hist.items())),
             "strict_match": _mean([s["strict-match"]["exact_match"] for s in scored if s]),
             "flexible_extract": _mean([s["flexible-extract"]["exact_match"] for s in scored if s]),
-            "output_tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall,
+            "output_tokens": ntok, "wall_s": wall, "tokens_per_s": ntok / wall, "prompts": len(prompts),
+            "config_s": time.perf_counter() - t_cfg,
             "outputs": [o.token_ids for o in outs],
         }
         print(f"{name}: accept_length {results[name]['accept_length']:.3f} flex "
-              f"{results[name]['flexible_extract']} tok/s {ntok / wall:.1f}", flush=True)
+              f"{results[name]['flexible_extract']} tok/s {ntok / wall:.1f} ({len(prompts)} prompts, generate "
+              f"{wall:.1f} s, with engine start and warm-up {results[name]['config_s']:.1f} s)", flush=True)
     return results
 
 
@@ -73,12 +81,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE runs")
+    ap.add_argument("--algorithm", default="eagle", choices=("eagle", "eagle3"), help="kind of the --draft head")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    prompts = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()][a.offset:]
+    raw = Path(a.prompts).read_bytes()
+    text = (gzip.decompress(raw) if a.prompts.endswith(".gz") else raw).decode()
+    prompts = [json.loads(x) for x in text.splitlines() if x.strip()][a.offset:]
     prompts = prompts[:a.limit]
     res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
-                   a.max_concurrency, a.token_map)
+                   a.max_concurrency, a.token_map, a.algorithm)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
 
