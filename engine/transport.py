@@ -76,6 +76,7 @@ class _Shm:
     out_peer: int = -1
     in_peer: int = -1
     timeout_s: float = 600.0
+    buf: object = None          # reused receive buffer of ring frames (uint8, grows to the largest frame)
 
 
 SHM = _Shm()
@@ -93,16 +94,18 @@ def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 2
         return False
     succ, pred = s.global_rank(s.pp_rank + 1), s.global_rank(s.pp_rank - 1)
     out = ShmRing(create=True, n_slots=n_slots, slot_bytes=slot_bytes)
-    got = ring_exchange({"shm": out.describe(), "host": socket.gethostname()})
-    inp = None
-    if got["host"] == socket.gethostname():
-        try:
-            inp = ShmRing(**got["shm"])
-        except OSError:
-            inp = None
-    oks = [None] * dist.get_world_size(s.cpu_group)
-    dist.all_gather_object(oks, inp is not None, group=s.cpu_group)
-    out.unlink()
+    try:                            # the name is unlinked however the set-up ends (a peer may die during it)
+        got = ring_exchange({"shm": out.describe(), "host": socket.gethostname()})
+        inp = None
+        if got["host"] == socket.gethostname():
+            try:
+                inp = ShmRing(**got["shm"])
+            except OSError:
+                inp = None
+        oks = [None] * dist.get_world_size(s.cpu_group)
+        dist.all_gather_object(oks, inp is not None, group=s.cpu_group)
+    finally:
+        out.unlink()
     SHM.out, SHM.out_peer = (out, succ) if oks[succ] else (None, -1)
     SHM.inp, SHM.in_peer = (inp, pred) if inp is not None else (None, -1)
     SHM.timeout_s = timeout_s
@@ -156,9 +159,9 @@ def recv_msg(src: int) -> dict:
         _RECV_FRAME.append(torch.empty(_FRAME, dtype=torch.uint8))
     frame = None
     if SHM.inp is not None and src == SHM.in_peer:
-        frame, _ = SHM.inp.get(_RECV_FRAME[0], SHM.timeout_s)
-        if frame is not None and frame.numel() > _RECV_FRAME[0].numel():
-            _RECV_FRAME[0] = frame
+        frame, _ = SHM.inp.get(SHM.buf, SHM.timeout_s)   # its own buffer: _RECV_FRAME keeps gloo's _FRAME bytes
+        if frame is not None:
+            SHM.buf = frame
     over_shm = frame is not None
     if not over_shm:
         frame = _RECV_FRAME[0]

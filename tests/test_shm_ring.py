@@ -3,6 +3,7 @@ wrap-around, back-pressure and oversize markers in one process; a ring of ranks 
 whose PP frames take the rings gives the tokens and accept lengths of the gloo frames."""
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -64,15 +65,46 @@ def _ring_worker(rank, world, port, rounds, q):
     from engine.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed(rank, world, 1, world, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 60)
-    ok = transport.open_shm_frames(60, n_slots=2, slot_bytes=4096)
+    ok = transport.open_shm_frames(60, n_slots=2, slot_bytes=1 << 20)
     got = None
     sizes = []
     for i in range(rounds):
-        n = 5000 if i == 2 else 3                    # round 2's frame exceeds the slot: it goes over gloo, in order
+        # round 1's frame (~400 KB) is over gloo's 256 KiB receive buffer but fits a slot; rounds 2 and 4 exceed the
+        # slot and go over gloo, in order (regression: a grown ring buffer was copied into gloo's buffer)
+        n = {1: 100_000, 2: 400_000, 4: 400_000}.get(i, 3)
         got = transport.ring_exchange({"payload": torch.full((n,), float(rank * 1000 + i)), "i": i})
         sizes.append(got["payload"].numel())
         assert got["i"] == i and float(got["payload"][0]) == ((rank - 1) % world) * 1000 + i
     q.put((rank, ok, sizes))
+
+
+def _dying_peer(rank, port, q):
+    import glob
+    from engine import transport
+    from engine.dist import init_distributed
+    init_distributed(rank, 2, 1, 2, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 10)
+    if rank == 1:
+        os._exit(3)                                  # the peer dies before the rings are set up
+    before = set(glob.glob("/dev/shm/ppspec-*"))
+    try:
+        transport.open_shm_frames(10)
+        q.put("opened")
+    except Exception:                                # noqa: BLE001 (the peer's death surfaces as a gloo error)
+        q.put(sorted(set(glob.glob("/dev/shm/ppspec-*")) - before))
+
+
+def test_ring_file_removed_when_the_peer_dies_during_set_up():
+    import torch.multiprocessing as mp
+    from engine.ranks import free_port
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dying_peer, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    assert q.get(timeout=120) == []
+    for p in procs:
+        p.join(timeout=30)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -88,7 +120,7 @@ def test_ring_exchange_over_shared_memory(world):
     res = sorted(q.get(timeout=120) for _ in range(world))
     for p in procs:
         p.join(timeout=30)
-    assert res == [(r, True, [3, 3, 5000, 3, 3]) for r in range(world)]
+    assert res == [(r, True, [3, 100_000, 400_000, 3, 400_000]) for r in range(world)]
 
 
 def test_engine_frames_over_shared_memory_equal_gloo(tiny_model_dir, tiny_draft_dir, tiny_prompts, monkeypatch):
