@@ -76,7 +76,8 @@ class _Shm:
     out_peer: int = -1
     in_peer: int = -1
     timeout_s: float = 600.0
-    buf: object = None          # reused receive buffer of ring frames (uint8, grows to the largest frame)
+    buf: object = None          # reused receive buffer of ring frames (uint8, grows to the largest; apart from
+                                # _RECV_FRAME, which gloo receives into at exactly _FRAME bytes)
 
 
 SHM = _Shm()
@@ -118,6 +119,15 @@ def close_shm_frames() -> None:
     SHM.out_peer = SHM.in_peer = -1
 
 
+def open_for_plan(plan, timeout_s: float) -> None:
+    """Open the channels the plan names (collective: every rank of the engine, once, before its first message):
+    shared-memory frames (``plan.frames == "shm"``) and CUDA IPC slots (``plan.relay == "cuda ipc"``)."""
+    if plan.frames == "shm":
+        open_shm_frames(timeout_s)
+    if plan.relay == "cuda ipc":
+        open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
+
+
 def open_same_gpu_ipc(slot_bytes: int) -> None:
     """Route the staged device payloads of this rank's PP messages through CUDA IPC slots (ranks sharing one GPU).
     Collective: every stage calls it once, at the same point, before its first message of a run."""
@@ -127,7 +137,7 @@ def open_same_gpu_ipc(slot_bytes: int) -> None:
 
 
 def send_msg(obj: dict, dst: int) -> None:
-    """Send ``obj`` to global rank ``dst``: one CPU-group send when the frame fits ``_FRAME`` bytes (two otherwise),
+    """Send ``obj`` to global rank ``dst``: its frame (:func:`_send_frame`: the shared-memory ring or the CPU group),
     then the device payload over the device group (stream-ordered)."""
     t0 = time.perf_counter()
     s = ps()
@@ -138,40 +148,52 @@ def send_msg(obj: dict, dst: int) -> None:
     else:
         frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None, IPC.sender)
     WIRE.bytes["frame"] = WIRE.bytes.get("frame", 0) + frame.numel()
-    if SHM.out is not None and dst == SHM.out_peer and SHM.out.put(frame.numpy(), frame.numel(), SHM.timeout_s):
-        pass
-    elif frame.numel() <= _FRAME:
-        dist.send(frame, dst, group=s.cpu_group)
-    else:
-        dist.send(frame[:_FRAME], dst, group=s.cpu_group)
-        dist.send(frame[_FRAME:], dst, group=s.cpu_group)
+    _send_frame(frame, dst, s)
     if dev_buf is not None:
         dist.send(dev_buf, dst, group=s.p2p_group)
     WIRE.messages += 1
     WIRE.send_s += time.perf_counter() - t0
 
 
+def _send_frame(frame: torch.Tensor, dst: int, s) -> None:
+    """The frame to ``dst``: into the shared-memory ring toward it when there is one and the frame fits a slot (else
+    the ring carries the marker and the frame follows here), over the CPU group in one send up to ``_FRAME`` bytes,
+    two above."""
+    if SHM.out is not None and dst == SHM.out_peer and SHM.out.put(frame.numpy(), frame.numel(), SHM.timeout_s):
+        return
+    if frame.numel() <= _FRAME:
+        dist.send(frame, dst, group=s.cpu_group)
+    else:
+        dist.send(frame[:_FRAME], dst, group=s.cpu_group)
+        dist.send(frame[_FRAME:], dst, group=s.cpu_group)
+
+
+def _recv_frame(src: int, s) -> tuple[torch.Tensor, tuple]:
+    """The next frame from ``src`` (uint8, at least its ``total`` bytes; a reused buffer, valid until the next call)
+    and its unpacked head, as :func:`_send_frame` sent it."""
+    if SHM.inp is not None and src == SHM.in_peer:
+        frame, _ = SHM.inp.get(SHM.buf, SHM.timeout_s)
+        if frame is not None:
+            SHM.buf = frame
+            return frame, _HEAD.unpack_from(memoryview(frame.numpy()), 0)
+    if not _RECV_FRAME:
+        _RECV_FRAME.append(torch.empty(_FRAME, dtype=torch.uint8))
+    frame = _RECV_FRAME[0]
+    dist.recv(frame, src, group=s.cpu_group)
+    head = _HEAD.unpack_from(memoryview(frame.numpy()), 0)
+    if head[0] > _FRAME:
+        big = torch.empty(head[0], dtype=torch.uint8)
+        big[:_FRAME] = frame
+        dist.recv(big[_FRAME:], src, group=s.cpu_group)
+        frame = big
+    return frame, head
+
+
 def recv_msg(src: int) -> dict:
     """Receive what :func:`send_msg` sent from global rank ``src`` (blocking; the groups' timeout applies)."""
     t0 = time.perf_counter()
     s = ps()
-    if not _RECV_FRAME:
-        _RECV_FRAME.append(torch.empty(_FRAME, dtype=torch.uint8))
-    frame = None
-    if SHM.inp is not None and src == SHM.in_peer:
-        frame, _ = SHM.inp.get(SHM.buf, SHM.timeout_s)   # its own buffer: _RECV_FRAME keeps gloo's _FRAME bytes
-        if frame is not None:
-            SHM.buf = frame
-    over_shm = frame is not None
-    if not over_shm:
-        frame = _RECV_FRAME[0]
-        dist.recv(frame, src, group=s.cpu_group)
-    total, _, _, n_dev, slot, codec = _HEAD.unpack_from(memoryview(frame.numpy()), 0)
-    if total > _FRAME and not over_shm:
-        big = torch.empty(total, dtype=torch.uint8)
-        big[:_FRAME] = frame
-        dist.recv(big[_FRAME:], src, group=s.cpu_group)
-        frame = big
+    frame, (total, _, _, n_dev, slot, codec) = _recv_frame(src, s)
     dev_buf = None
     if slot >= 0:
         dev_buf = IPC.receiver.take(slot, n_dev)

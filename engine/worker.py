@@ -35,7 +35,7 @@ from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
-from . import knobs, transport
+from . import transport
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -105,10 +105,7 @@ class Worker:
         executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)          # engine.executors
         self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
-        if self.runner.plan.frames == "shm":
-            transport.open_shm_frames(config.dist_timeout_s)
-        if self.runner.plan.relay == "cuda ipc":
-            transport.open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
+        transport.open_for_plan(self.runner.plan, config.dist_timeout_s)
         self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)
         self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()
