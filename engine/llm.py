@@ -241,7 +241,7 @@ class LLM:
             except Exception:
                 pass
         if getattr(self, "_worker", None) is not None and not getattr(self, "_thawed", False):
-            from .worker import thaw_startup_objects
+            from .heap import thaw_startup_objects
             self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
         if graceful:

@@ -80,7 +80,7 @@ def test_overlap_schedule_mixed_requests(tiny_model_dir, tiny_prompts, tiny_refe
 
 
 def test_startup_objects_frozen_then_thawed(tiny_model_dir, tiny_prompts):
-    """engine.worker.freeze_startup_objects: after startup the objects alive (modules, weights, scheduler) sit in the
+    """engine.heap.freeze_startup_objects: after startup the objects alive (modules, weights, scheduler) sit in the
     collector's permanent generation, so a collection while decoding scans only new objects; the last engine's
     shutdown thaws them, and the output is unchanged by it (greedy tokens of a second engine equal the first's).
     Regression (QA, session 9): a closed engine's ``__del__`` ran shutdown again and unfroze the heap under a newer
