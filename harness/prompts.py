@@ -75,6 +75,12 @@ def read_contexts(path: str | Path = TEST200) -> list[dict]:
     """Exported contexts (jsonl, gzip-compressed when the name ends in ``.gz``) as a list of dicts; the default is
     the shipped export of :func:`lmeval_contexts` for the first 200 GSM8K test questions, 8-shot
     ({"doc_id", "prompt", "until", "target"}), for machines without lm-eval."""
+    return read_jsonl(path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a jsonl file, gzip-compressed when the name ends in ``.gz`` (the reader of :func:`write_jsonl`'s
+    files and of the shipped ``.jsonl.gz`` data)."""
     raw = Path(path).read_bytes()
     text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
     return [json.loads(x) for x in text.splitlines() if x.strip()]

@@ -15,7 +15,6 @@ generated with the engine and appended) or ``{"text": ...}`` (trained on as give
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import math
 import random
@@ -31,16 +30,17 @@ from engine.dist import ParallelState, set_ps
 from engine.model.loader import iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from engine.model.llama import LlamaForCausalLM
 from engine.speculative.eagle import EagleDraft, draft_state_dict, save_draft
+from harness.prompts import read_jsonl as read_rows
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a jsonl file (gzip-compressed when the name ends in ``.gz``); ConfigError when the file is missing
+    """The rows of a training jsonl file (:func:`harness.prompts.read_jsonl`: gzip-compressed when the name ends in
+    ``.gz``), checked: ConfigError when the file is missing
     or a row has none of "prompt", "text" or GSM8K's "question" + "answer"."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"training data not found: {p}")
-    text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = read_rows(p)
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or not ({"prompt", "text"} & r.keys() or {"question", "answer"} <= r.keys()):
             raise ConfigError(f"{p}:{i + 1}: each line needs a 'prompt' or 'text' field (or GSM8K's 'question' "

@@ -9,12 +9,12 @@ Runs where lm-eval is absent (the GPU box): prompts come from ``harness.prompts.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import time
 from pathlib import Path
 
 from harness.config import spec_shape
+from harness.prompts import read_contexts
 
 
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
@@ -84,9 +84,7 @@ def main() -> None:
     ap.add_argument("--algorithm", default="eagle", choices=("eagle", "eagle3"), help="kind of the --draft head")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    raw = Path(a.prompts).read_bytes()
-    text = (gzip.decompress(raw) if a.prompts.endswith(".gz") else raw).decode()
-    prompts = [json.loads(x) for x in text.splitlines() if x.strip()][a.offset:]
+    prompts = read_contexts(a.prompts)[a.offset:]
     prompts = prompts[:a.limit]
     res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
                    a.max_concurrency, a.token_map, a.algorithm)
