@@ -61,8 +61,10 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
 
     ``time_budget_s``: wall seconds for this call (tokenizing and engine start included). The prompts then go to the
     engine in chunks (each tokenized just before it runs): ``first_chunk`` prompts, then chunks sized from the
-    seconds per prompt measured so far to fill what is left of the budget (at least ``max_running // 2`` prompts a
-    chunk); prompts left when the budget is spent are dropped (in input order: a prefix of the prompt rows is kept).
+    seconds per prompt of the previous chunk (the first one carries the engine start and any kernel JIT, so the
+    running mean would undercount what fits) to fill 90 % of what is left of the budget, at most 4 x the previous
+    chunk (at least ``max_running // 2`` prompts a chunk); prompts left when the budget is spent are dropped (in
+    input order: a prefix of the prompt rows is kept).
     None: every prompt, one call.
     ``log(str)``: one line per chunk.
     """
@@ -85,7 +87,7 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
         with LLM(EngineConfig(model=model, device=device, dtype=dtype, max_running_requests=max_running,
                               max_prefill_tokens=16384, attention_backend=backend,
                               max_num_tokens=max_running * (max_len + 16))) as llm:
-            done, outs = 0, []
+            done, outs, last = 0, [], (0, 0.0)          # last: (prompts, seconds) of the previous chunk
             while done < len(prompts):
                 if time_budget_s is None:
                     n = len(prompts)
@@ -93,11 +95,13 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
                     n = first_chunk
                 else:
                     left = time_budget_s - (time.perf_counter() - t0)
-                    n = int(left / ((time.perf_counter() - t0) / done))
+                    n = min(int(0.9 * left * last[0] / max(last[1], 1e-9)), 4 * last[0])
                     if n < max(1, max_running // 2):
                         break
                 chunk = prompts[done:done + n]
+                tc = time.perf_counter()
                 outs += llm.generate(encode(chunk), sp, progress=progress)
+                last = (len(chunk), time.perf_counter() - tc)
                 done += len(chunk)
                 if log is not None:
                     gen = sum(len(o.token_ids) for o in outs)
@@ -109,6 +113,20 @@ def build_sequences(model: str, rows: list[dict], device: str, dtype: str, max_n
         plens += [len(o.prompt_token_ids) for o in outs]
     keep = [i for i, s in enumerate(seqs) if len(s) >= 3]
     return [seqs[i] for i in keep], [plens[i] for i in keep]
+
+
+def trim_context(seqs: list[list[int]], prompt_lens: list[int], context_tokens: int
+                 ) -> tuple[list[list[int]], list[int]]:
+    """Each sequence cut to its last ``context_tokens`` prompt tokens followed by its whole continuation, and the
+    new prompt lengths (``min(prompt_len, context_tokens)``); sequences of prompt length 0 (plain text) are kept
+    whole. The rows that carry weight 1 (:func:`row_weights`: the continuation) are all kept; only the
+    ``prompt_weight`` rows far back in an 8-shot prompt go, which are most of the training compute."""
+    out_s, out_p = [], []
+    for s, p in zip(seqs, prompt_lens):
+        cut = max(0, p - context_tokens)
+        out_s.append(s[cut:])
+        out_p.append(p - cut)
+    return out_s, out_p
 
 
 def row_weights(lens: list[int], prompt_lens: list[int], prompt_weight: float) -> torch.Tensor:
@@ -240,7 +258,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 cache_features: bool = True, algorithm: str = "eagle", aux_layers: list | None = None,
                 draft_vocab_size: int = 32000, gen_dtype: str | None = None, gen_backend: str = "torch",
                 gen_max_running: int = 128, gen_time_budget_s: float | None = None,
-                time_budget_s: float | None = None, log=print) -> dict:
+                time_budget_s: float | None = None, context_tokens: int | None = None, log=print) -> dict:
     """Train and save an EAGLE-1/2 head (``algorithm`` "eagle") or an EAGLE-3 head ("eagle3",
     :mod:`harness.train_eagle3`: ``aux_layers`` target layer ids, default SGLang's; ``draft_vocab_size``; ``noise``
     and ``cls_weight`` unused) in the published layout; returns training stats.
@@ -253,8 +271,13 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     wall-seconds budget; None: every prompt). time_budget_s (EAGLE-3 only): wall seconds of the training loop, target
     features included; the learning-rate schedule runs on the larger of the step and the time fraction and training
     stops when either reaches 1 (None: ``epochs`` full epochs).
+    context_tokens: train on at most this many prompt tokens before each continuation (:func:`trim_context`;
+    None: the whole prompt); applied before ``sequences_cache`` is written.
     Raises ConfigError for a bad model path or data file.
     """
+    if context_tokens is not None and (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
+                                       or context_tokens < 1):
+        raise ConfigError(f"train-draft: context_tokens must be an integer >= 1 or null (got {context_tokens!r})")
     if algorithm not in ("eagle", "eagle3"):
         raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
     rows = read_jsonl(data)
@@ -279,6 +302,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         seqs, plens = build_sequences(model, rows, device, gen_dtype or dtype, max_new_tokens, max_len,
                                       backend=gen_backend, max_running=gen_max_running,
                                       time_budget_s=gen_time_budget_s, log=log)
+        if context_tokens is not None:
+            seqs, plens = trim_context(seqs, plens, context_tokens)
         if sequences_cache:
             Path(sequences_cache).write_text(json.dumps({"seqs": seqs, "prompt_lens": plens}))
     t_gen = time.perf_counter() - t0
@@ -295,7 +320,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                                 prompt_weight=prompt_weight, cache_features=cache_features, aux_layers=aux_layers,
                                 draft_vocab_size=draft_vocab_size, progress=progress, log=log, t_gen=t_gen, t0=t0,
                                 time_budget_s=time_budget_s, gen={"dtype": gen_dtype or dtype, "backend": gen_backend,
-                                                                  "prompts": len(rows)},
+                                                                  "prompts": len(rows), "context_tokens": context_tokens},
                                 helpers=(iter_weights, _dense_ctx, _token_batches, row_weights))
     with tf32_matmul(device):
         set_backend(TorchBackend())
@@ -344,6 +369,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         extra = {"ppspec_training": {"base_model": str(model), "data": str(data), "sequences": len(seqs),
                                      "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens, "epochs": epochs,
                                      "lr": lr, "noise": noise, "unroll": unroll, "prompt_weight": prompt_weight,
+                                     "context_tokens": context_tokens,
                                      "final": stats}}
         save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
         return {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "generated_tokens": gen_tokens,

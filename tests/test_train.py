@@ -149,3 +149,24 @@ def test_shipped_train_recipes_pass_the_train_section_check():
     assert {p.stem for p in recipes} >= {"train_smollm2_draft", "train_smollm2_eagle3"}
     for p in recipes:
         check_train_kwargs(train_draft, yaml.safe_load(p.read_text())["train"])
+
+
+def test_trim_context_keeps_the_continuation_and_the_last_prompt_tokens():
+    """context_tokens cuts only the prompt's far end: [last C prompt tokens] + the whole continuation; text rows
+    (prompt length 0) and prompts already within C stay whole."""
+    from harness.train_draft import trim_context
+    seqs = [list(range(10)), [7, 8, 9], list(range(5))]
+    plens = [6, 0, 2]
+    s, p = trim_context(seqs, plens, 3)
+    assert s == [[3, 4, 5, 6, 7, 8, 9], [7, 8, 9], [0, 1, 2, 3, 4]] and p == [3, 0, 2]
+    assert row_weights([len(x) for x in s], p, 0.25).tolist()[:6] == [0.25, 0.25, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_train_draft_refuses_a_bad_context_tokens(tmp_path):
+    import pytest
+
+    from engine.config import ConfigError
+    from harness.train_draft import train_draft
+    for bad in (0, -3, 2.5, True, "384"):
+        with pytest.raises(ConfigError, match="context_tokens must be an integer >= 1"):
+            train_draft("smollm2", tmp_path / "none.jsonl", tmp_path / "out", context_tokens=bad)
