@@ -64,6 +64,21 @@ def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: i
     return min(prompt_len + max_new_tokens, max_model_len) + reserve
 
 
+def length_clamp_notice(prompt_lens: list[int], max_new_tokens: list[int], context_len: int) -> str | None:
+    """One line naming the requests of a call (by prompt index) whose prompt + ``max_new_tokens`` passes the context
+    of ``context_len`` tokens, or None when none does. Such a request is served, not refused: it generates at most
+    ``context_len - prompt_len`` tokens and then finishes with finish_reason "length" (``kv_need`` and the
+    scheduler's length check both stop at the context)."""
+    over = [i for i, (p, m) in enumerate(zip(prompt_lens, max_new_tokens)) if p + m > context_len]
+    if not over:
+        return None
+    i = over[0]
+    more = ", ..." if len(over) > 1 else ""
+    return (f"max_new_tokens clamped to max_model_len - prompt_len for {len(over)} of {len(prompt_lens)} requests "
+            f"(context length {context_len} tokens; prompt {i}: {max_new_tokens[i]} -> "
+            f"{context_len - prompt_lens[i]} tokens{more})")
+
+
 def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int,
                   capacity: int) -> str | None:
     """Why a request cannot be served alone by an engine of this context and KV pool, or None. The
