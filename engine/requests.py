@@ -1,5 +1,5 @@
-"""Requests and their validation: ``Req`` (one request's state), ``ScheduledBatch``, and the prompt, context and
-KV-pool checks shared by the front end and every rank's scheduler.
+"""Requests and their validation: ``Req`` (one request's state), ``ScheduledBatch``, the prompt, context and
+KV-pool checks shared by the front end and every rank's scheduler, and the finish rule (``finish_reason``).
 """
 from __future__ import annotations
 
@@ -173,6 +173,21 @@ def stop_string_hit(r: Req, detok) -> bool:
     if n < len(out):
         text = detok(out[-min(len(out), n + 2):])
     return any(s in text for s in r.params.stop)
+
+
+def finish_reason(r: Req, eos_ids, detok, max_model_len: int) -> str | None:
+    """Why ``r`` finishes with its last output token, or None: "stop" for an EOS id in ``eos_ids`` (unless
+    ``ignore_eos``), a stop token id, or a stop string ending its text (``detok``: token ids -> text; None: stop
+    strings are not checked); "length" once it has ``max_new_tokens`` outputs or prompt + outputs fill the context
+    of ``max_model_len`` tokens. A stop wins over the length limit on the same token."""
+    p, t = r.params, r.output_ids[-1]
+    if (not p.ignore_eos and t in eos_ids) or t in p.stop_token_ids:
+        return "stop"
+    if p.stop and detok is not None and stop_string_hit(r, detok):
+        return "stop"
+    if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_model_len:
+        return "length"
+    return None
 
 
 class Arrivals:
