@@ -20,7 +20,7 @@ from .dist import ParallelState, set_ps
 from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .model.tp_pad import tp_head_padding
-from .requests import EngineError, Req, RequestOutput, make_requests
+from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
 from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
                     rank_main)
 
@@ -179,8 +179,10 @@ class LLM:
         Every request is checked here, before any rank sees the call, so a call runs all its requests or none:
         text must be valid Unicode (encodable as UTF-8); token ids must be integers in [0, vocab_size); the
         prompt must be non-empty, leave room in the context, and (prompt + max_new_tokens + the per-request
-        reserve) must fit the KV pool. A request that still fails inside the engine comes back alone with
-        ``finish_reason`` "error" and its ``error``; the others are served.
+        reserve) must fit the KV pool. A request whose prompt + max_new_tokens passes the context is served with
+        max_new_tokens clamped to the context less its prompt (finish_reason "length" there), and the call logs one
+        warning naming how many were clamped (``length_clamp_notice``). A request that still fails inside the
+        engine comes back alone with ``finish_reason`` "error" and its ``error``; the others are served.
 
         Raises:
             ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.
@@ -192,6 +194,9 @@ class LLM:
         self._next_rid += len(reqs)
         if not reqs:
             return []
+        clamped = length_clamp_notice([len(r.prompt_ids) for r in reqs], [r.params.max_new_tokens for r in reqs], ctx)
+        if clamped:
+            log.warning("%s", clamped)
         if self.config.world_size == 1:
             done = self._worker.run(reqs, max_concurrency, progress)
             self.last_peak_memory = peak_memory(torch.device(self.config.device))

@@ -1,5 +1,5 @@
-"""Requests and their validation: ``Req`` (one request's state), ``ScheduledBatch``, and the prompt, context and
-KV-pool checks shared by the front end and every rank's scheduler.
+"""Requests and their validation: ``Req`` (one request's state), ``ScheduledBatch``, the prompt, context and
+KV-pool checks shared by the front end and every rank's scheduler, and the finish rule (``finish_reason``).
 """
 from __future__ import annotations
 
@@ -62,6 +62,21 @@ def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: i
     """KV slots one request can hold at most: its whole context (prompt + outputs, capped by the context
     length) plus the ``reserve`` slots kept past seq_len."""
     return min(prompt_len + max_new_tokens, max_model_len) + reserve
+
+
+def length_clamp_notice(prompt_lens: list[int], max_new_tokens: list[int], context_len: int) -> str | None:
+    """One line naming the requests of a call (by prompt index) whose prompt + ``max_new_tokens`` passes the context
+    of ``context_len`` tokens, or None when none does. Such a request is served, not refused: it generates at most
+    ``context_len - prompt_len`` tokens and then finishes with finish_reason "length" (``kv_need`` and the
+    scheduler's length check both stop at the context)."""
+    over = [i for i, (p, m) in enumerate(zip(prompt_lens, max_new_tokens)) if p + m > context_len]
+    if not over:
+        return None
+    i = over[0]
+    more = ", ..." if len(over) > 1 else ""
+    return (f"max_new_tokens clamped to max_model_len - prompt_len for {len(over)} of {len(prompt_lens)} requests "
+            f"(context length {context_len} tokens; prompt {i}: {max_new_tokens[i]} -> "
+            f"{context_len - prompt_lens[i]} tokens{more})")
 
 
 def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: int,
@@ -158,6 +173,21 @@ def stop_string_hit(r: Req, detok) -> bool:
     if n < len(out):
         text = detok(out[-min(len(out), n + 2):])
     return any(s in text for s in r.params.stop)
+
+
+def finish_reason(r: Req, eos_ids, detok, max_model_len: int) -> str | None:
+    """Why ``r`` finishes with its last output token, or None: "stop" for an EOS id in ``eos_ids`` (unless
+    ``ignore_eos``), a stop token id, or a stop string ending its text (``detok``: token ids -> text; None: stop
+    strings are not checked); "length" once it has ``max_new_tokens`` outputs or prompt + outputs fill the context
+    of ``max_model_len`` tokens. A stop wins over the length limit on the same token."""
+    p, t = r.params, r.output_ids[-1]
+    if (not p.ignore_eos and t in eos_ids) or t in p.stop_token_ids:
+        return "stop"
+    if p.stop and detok is not None and stop_string_hit(r, detok):
+        return "stop"
+    if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_model_len:
+        return "length"
+    return None
 
 
 class Arrivals:

@@ -14,8 +14,8 @@ from .config import ConfigError
 from .kv_cache import commit_order
 from .kv_manager import KVManager
 from .messages import StepResult
-from .requests import (Arrivals, Req, ScheduledBatch, kv_need, request_error,  # noqa: F401 (ScheduledBatch re-exported)
-                       stop_string_hit)
+from .requests import (Arrivals, Req, ScheduledBatch, finish_reason, kv_need,  # noqa: F401 (ScheduledBatch re-exported)
+                       request_error)
 
 
 class Scheduler:
@@ -276,18 +276,12 @@ class Scheduler:
         prefill token) is recorded as the number of tokens actually output: drafts accepted after an EOS, a stop
         or the length limit are verified but never emitted, and do not count."""
         now = time.perf_counter() if self.record_times else 0.0
-        p = r.params
         reason, n = None, 0
         for t in toks:
             r.output_ids.append(t)
             r.token_times.append(now)
             n += 1
-            if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
-                reason = "stop"
-            elif p.stop and self.detok is not None and stop_string_hit(r, self.detok):
-                reason = "stop"
-            elif len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
-                reason = "length"
+            reason = finish_reason(r, self.eos_ids, self.detok, self.max_model_len)
             if reason is not None:
                 break
         if accept_length is not None:

@@ -4,6 +4,7 @@ GPU options that default on for CUDA only."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -38,6 +39,26 @@ def test_bad_requests(tiny_model_dir):
         with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
             llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=0))
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].token_ids) >= 1  # still usable
+
+
+def test_huge_max_new_tokens_clamped_with_one_warning(tiny_model_dir, caplog):
+    """max_new_tokens past the context is served up to the context (finish_reason "length"), and the call says so
+    in one warning line instead of silently running to the context."""
+    huge = SamplingParams(max_new_tokens=100_000_000, ignore_eos=True)
+    small = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(EngineConfig(model=tiny_model_dir, max_model_len=64)) as llm:
+        with caplog.at_level(logging.WARNING, logger="ppspec"):
+            caplog.clear()
+            outs = llm.generate([[5, 6, 7], [5, 6, 7, 8, 9]], [small, huge])
+        assert [len(o.token_ids) for o in outs] == [4, 64 - 5]
+        assert [o.finish_reason for o in outs] == ["length", "length"]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == ["max_new_tokens clamped to max_model_len - prompt_len for 1 of 2 requests "
+                            "(context length 64 tokens; prompt 1: 100000000 -> 59 tokens)"]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ppspec"):
+            llm.generate([[5, 6, 7]], small)
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -12,7 +12,7 @@ Here every input of round t+1 is an output of round t on the device:
   round (:func:`spec_round`):
     1. build the tree (``build_tree_any``), verify forward over ``rt[b, L:L+n]`` with the tree mask,
     2. greedy walk (``verify_tree_greedy_any``),
-    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (:func:`commit_order_device`, the
+    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``kv_cache.commit_order_device``, the
        device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
     4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree,
     5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
@@ -32,36 +32,12 @@ import torch
 from ..attention.backend import ForwardContext, h2d, pinned, set_context
 from ..attention.device import DeviceLayout, default_splits
 from ..graph_capture import capture, ladder, pick
+from ..kv_cache import commit_order_device
 from .tree import chain_fallback
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 # split-KV cap of the round's attention calls (default_splits allows 64; the merge grows with the count)
 MAX_SPLITS = 32
-
-
-def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int,
-                        ar: torch.Tensor | None = None) -> torch.Tensor:
-    """Device twin of :func:`engine.kv_cache.commit_order` (same result, no host sync, capturable).
-
-    accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
-    Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
-    Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
-    entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
-    the order (the same as a stable argsort, without a sort launch).
-    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device (a cached constant: no launch).
-    Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
-    """
-    B, W = accept_nodes.shape
-    if ar is None:
-        ar = torch.arange(max(n, W), device=accept_nodes.device)
-    big = W + n
-    keys = (W + ar[:n]).expand(B, n).clone()
-    p = ar[:W].expand(B, W)
-    src = torch.where(p < accept_length.view(B, 1), p, big)
-    keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
-    # the keys are distinct, so node j's place is the number of smaller keys (no sort kernel: n is small)
-    rank = (keys.unsqueeze(1) < keys.unsqueeze(2)).sum(2)
-    return torch.empty_like(keys).scatter_(1, rank, ar[:n].expand(B, n))
 
 
 class RoundState:
