@@ -9,6 +9,11 @@ attention of that size is re-planned on the host (:class:`engine.attention.flash
 page table, and for verify the bit-packed tree mask) before ``graph.replay()``. Outputs are views of the graph's
 stable output buffers, valid until the next replay of the same graph; callers that keep them (PP proxies) clone.
 
+EAGLE-3 (the runner's ``eagle3`` set): the stage forward is captured with an aux list, so the outputs of this
+stage's aux layers (``model.aux_layers``) are static outputs of the graph next to hidden / residual; a replay
+appends their views (real rows only) to the caller's list. The aux slots that earlier stages sent are never read by
+the forward (it only appends), so they are not graph inputs: the caller passes them on as they are.
+
 Only the FlashInfer backend is captured (its kernels read all per-batch metadata from device
 buffers, so a replanned graph stays valid); the torch reference backend always runs eagerly.
 Collectives inside the forward must be capturable: graphs are off when TP > 1 goes through gloo.
@@ -37,10 +42,19 @@ def dev_attention_decode_max_bs() -> int:
 def capture_forward(obj, ctx: ForwardContext, T: int):
     """Capture ``obj.r.model`` over the first ``T`` rows of ``obj``'s stable input buffers (``obj._args(T)``) under
     the attention layout ``ctx`` (:func:`engine.graph_capture.capture`: two warm-up forwards on a side stream, then
-    the capture into ``obj.pool``; the first capture creates it). Returns (graph, outputs)."""
+    the capture into ``obj.pool``; the first capture creates it). Returns (graph, outputs): outputs (hidden,
+    residual), plus a tuple of this stage's aux-layer outputs [T, H] (layer order) when ``obj.with_aux``."""
+    model = obj.r.model
+
+    def body():
+        if not obj.with_aux:
+            return model(*obj._args(T))
+        aux: list = []
+        h, res = model(*obj._args(T), aux)
+        return h, res, tuple(aux)
     set_context(ctx)
     try:
-        g, out, obj.pool = capture(lambda: obj.r.model(*obj._args(T)), obj.dev, obj.pool)
+        g, out, obj.pool = capture(body, obj.dev, obj.pool)
     finally:
         set_context(None)
     return g, out
@@ -49,7 +63,10 @@ def capture_forward(obj, ctx: ForwardContext, T: int):
 class _StageBuffers:
     """Stable device inputs of a captured stage forward (``ids``, ``pos``, ``loc`` [max T] int64; ``hidden`` /
     ``residual`` [max T, H] on later PP stages, else None), shared by the decode/verify and prefill graph runners,
-    with their capture bookkeeping (graphs and outputs by key, the graph pool, the replay count)."""
+    with their capture bookkeeping (graphs and outputs by key, the graph pool, the replay count). ``with_aux``:
+    the forwards also output this stage's EAGLE-3 aux-layer features (the runner has ``eagle3`` set)."""
+
+    with_aux = False
 
     def _init_buffers(self, model, max_tok: int) -> None:
         """Allocate the stable inputs for ``max_tok`` rows of ``model``'s stage; empty bookkeeping."""
@@ -71,6 +88,7 @@ class _StageBuffers:
         self.dev, self.dtype = runner.device, runner.dtype
         self.backend = graph_backend()
         self.key = plan_key(attn, self.dtype)
+        self.with_aux = getattr(runner, "eagle3", None) is not None
 
     def _args(self, T: int):
         h = None if self.hidden is None else self.hidden[:T]
@@ -90,8 +108,13 @@ class _StageBuffers:
             self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
 
-    def _outputs(self, key, t: int):
-        h, res = self.outputs[key]
+    def _outputs(self, key, t: int, aux: list | None = None):
+        """(hidden, residual) of graph ``key``'s first ``t`` rows (views); with aux outputs and a list ``aux``,
+        the views of this stage's aux features are appended to it."""
+        out = self.outputs[key]
+        h, res = out[0], out[1]
+        if aux is not None and self.with_aux:
+            aux.extend(a[:t] for a in out[2])
         return h[:t], (None if res is None else res[:t])
 
 
@@ -185,9 +208,11 @@ class CudaGraphRunner(_StageBuffers):
         B = len(qo) - 1
         return 0 < B <= self.max_bs and all(qo[i + 1] - qo[i] == q for i in range(B))
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None):
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
+            aux: list | None = None):
         """Replay the graph for ``ctx`` (see :meth:`can_run`); returns the stage outputs for the B real
-        rows (views of the graph's output buffers: valid until this graph's next replay)."""
+        rows (views of the graph's output buffers: valid until this graph's next replay). ``aux`` (EAGLE-3): a list
+        the views [t, H] of this stage's aux-layer outputs are appended to, as the eager forward does."""
         kind = ctx.mode
         q = self.q_len[kind]
         B = len(ctx.qo_indptr) - 1
@@ -200,7 +225,7 @@ class CudaGraphRunner(_StageBuffers):
             self.attn.plan_for_replay(ctx, bs)     # padding requests: q tokens attending to slot 0 only
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
-        return self._outputs((kind, bs), t)
+        return self._outputs((kind, bs), t, aux)
 
 
 PREFILL_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -269,13 +294,15 @@ class PrefillGraphRunner(_StageBuffers):
         T = qo[1] - qo[0]
         return 0 < T <= self.buckets[-1] and int(ctx.kv_indices[0].numel()) == T
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None):
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
+            aux: list | None = None):
         """Replay the bucket graph for ``ctx`` (see :meth:`can_run`): ids / pos / out_cache_loc [T] int64 on the
-        device (hidden / residual [T, H] on later PP stages); returns the stage outputs' first T rows."""
+        device (hidden / residual [T, H] on later PP stages); returns the stage outputs' first T rows (``aux``:
+        as :meth:`CudaGraphRunner.run`)."""
         T = ctx.qo_indptr[1] - ctx.qo_indptr[0]
         Tb = prefill_bucket(T, self.buckets)
         self._load(ids, pos, ctx.out_cache_loc, hidden, residual, T, Tb)
         self.attn.plan(Tb, self.loc[:Tb])
         self.graphs[Tb].replay()
         self.num_replays += 1
-        return self._outputs(Tb, T)
+        return self._outputs(Tb, T, aux)

@@ -41,8 +41,8 @@ class ExecutionPlan:
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
-    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept off the captured-graph and device-round
-    paths, which do not carry its auxiliary features).
+    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept off the device-round paths, which do not
+    carry its auxiliary features; its stage forwards and draft steps are captured like EAGLE-2's).
     """
 
     device: str
@@ -152,10 +152,6 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     if backend == "auto":
         backend = "flashinfer" if cuda and config.dtype in HALF else "torch" if cuda else "ragged"
     graphs = _graphs(config, cuda, backend, staged, spec, round_)
-    if eagle3 and graphs:
-        notes.append(f"eagle3: CUDA graphs off ({', '.join(graphs)}): captured forwards do not carry the auxiliary "
-                     "features")
-        graphs = ()
     dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
     fi = backend == "flashinfer"
     attention = {"backend": backend,

@@ -291,6 +291,20 @@ class ModelRunner:
             from .speculative.draft_graphs import DraftGraphRunner
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend="draft_extend" in kinds)
 
+    def graph_replays(self) -> dict:
+        """Cumulative CUDA-graph replays of this rank since start, by runner: ``stage`` (decode / verify),
+        ``prefill``, ``draft`` (tail-draft beam search), ``draft_round`` (draft extend + beam search); runners that
+        were not captured are left out."""
+        out = {}
+        if self.graphs is not None:
+            out["stage"] = self.graphs.num_replays
+        if self.prefill_graphs is not None:
+            out["prefill"] = self.prefill_graphs.num_replays
+        if self.draft_graphs is not None:
+            out["draft"] = self.draft_graphs.num_replays
+            out["draft_round"] = self.draft_graphs.num_round_replays
+        return out
+
     # ------------------------------------------------------------------------------------ EAGLE-3 aux features
     def aux_slots(self, proxy) -> list | None:
         """The EAGLE-3 aux features this stage starts from: the proxy's third element (earlier stages' slots, layer
@@ -315,23 +329,30 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None, aux: list | None = None):
         """Run this stage on one batch: a captured graph when one fits (decode/verify, one-request prefill from
-        position 0), else eagerly. ``aux`` (EAGLE-3): the list the stage's aux-layer outputs are appended to
-        (:meth:`aux_slots`; always eager: graphs do not capture aux features)."""
+        position 0), else eagerly. Returns (hidden, residual) [T, H] (residual None on the last stage).
+
+        ``aux`` (EAGLE-3, :meth:`aux_slots`): the incoming slots, moved to this stage's device and dtype in place;
+        the outputs [T, H] of this stage's aux layers are appended (graph replays carry them too). Under the
+        ``drop_aux`` fault this stage's slots are removed again. Off the last stage, tensors coming out of a graph
+        (hidden, residual, this stage's slots) are copies: proxies outlive the graph's next replay."""
+        n = 0
         if aux is not None:
+            aux[:] = [a.to(self.device, self.dtype) for a in aux]
             n = len(aux)
-            out = self._eager(ids, pos, ctx, hidden, residual, aux)
-            if self._drop_aux:                    # fault drop_aux: this stage's features never reach the proxy
-                del aux[n:]
-            return out
         g = self.graphs if self.graphs is not None and self.graphs.can_run(ctx) else None
         if g is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(ctx):
             g = self.prefill_graphs
         if g is not None:
-            h, res = g.run(ids, pos, ctx, hidden, residual)
+            h, res = g.run(ids, pos, ctx, hidden, residual, aux)
             if not ps().is_last_stage:            # proxies leave this tick: own them
-                return h.clone(), res.clone()
-            return h, res
-        return self._eager(ids, pos, ctx, hidden, residual)
+                h, res = h.clone(), res.clone()
+                if aux is not None:
+                    aux[n:] = [a.clone() for a in aux[n:]]
+        else:
+            h, res = self._eager(ids, pos, ctx, hidden, residual, aux)
+        if aux is not None and self._drop_aux:    # fault drop_aux: this stage's features never reach the proxy
+            del aux[n:]
+        return h, res
 
     def _eager(self, ids, pos, ctx, hidden, residual, aux=None):
         get_backend().prepare(ctx)
@@ -340,8 +361,6 @@ class ModelRunner:
             if hidden is not None:
                 hidden = hidden.to(self.device, self.dtype)
                 residual = residual.to(self.device, self.dtype) if residual is not None else None
-            if aux is not None:
-                aux[:] = [a.to(self.device, self.dtype) for a in aux]
             return self.model(ids, pos, hidden, residual, aux)
         finally:
             set_context(None)

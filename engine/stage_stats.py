@@ -1,5 +1,5 @@
 """Per-stage counters of one ``Worker.run`` (the PP metrics): host time per tick by phase, device busy time, bytes
-relayed by field, device->host copies, context switches.
+relayed by field, device->host copies, context switches, CUDA-graph replays by runner.
 
 Phases of a tick of :meth:`engine.worker.Worker.run`: ``process`` (apply the collected result), ``schedule``
 (admission and the scheduler), ``forward`` (host time to build the inputs and launch the stage's steps and, on the
@@ -26,8 +26,12 @@ class StageStats:
     """Counters of one rank over one run; :meth:`finish` returns them as a JSON-able dict (summarised per stage by
     ``harness.pp_metrics``)."""
 
-    def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str = "ring"):
+    def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str = "ring", replays=None):
+        """``replays``: a callable returning the rank's cumulative graph replay counts (name -> int,
+        :meth:`engine.runner.ModelRunner.graph_replays`); the run's share is reported as ``graph_replays``."""
         self.pp_rank, self.tp_rank, self.loop = pp_rank, tp_rank, loop     # loop: the executor's name
+        self._replays = replays
+        self._replays0 = replays() if replays is not None else {}
         self.cuda = device.type == "cuda"
         self.ticks = self.batches = 0
         self.device_rounds = 0                # verify batches run as device stage rounds (engine.speculative.stage_round)
@@ -78,6 +82,8 @@ class StageStats:
                 "batches": self.batches, "device_rounds": self.device_rounds, "wall_s": wall, "busy_s": self.busy_s,
                 "host_s": dict(self.host), "messages": w.messages, "bytes": dict(w.bytes),
                 "d2h": D2H_COPIES[0] - self._d2h0,
+                "graph_replays": ({k: v - self._replays0.get(k, 0) for k, v in self._replays().items()}
+                                  if self._replays is not None else {}),
                 "ctx_switches": {"voluntary": ru.ru_nvcsw - self._ru0.ru_nvcsw,
                                  "involuntary": ru.ru_nivcsw - self._ru0.ru_nivcsw}}
 

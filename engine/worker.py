@@ -180,7 +180,7 @@ class Worker:
         """The event loop (module docstring) until every request has finished and the ring is drained."""
         s, sched, ex = ps(), self.sched, self.executor
         P, p = s.pp_size, s.pp_rank
-        stats = self.stats = StageStats(p, s.tp_rank, self.runner.device, ex.name)
+        stats = self.stats = StageStats(p, s.tp_rank, self.runner.device, ex.name, self.runner.graph_replays)
         clock = time.perf_counter
 
         def chain(prev):

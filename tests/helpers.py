@@ -8,8 +8,9 @@
 - Spec-loop Triton kernels against their torch references: :func:`tree_kernel_counts` (tests/kernel_tests, compiled in
   tests/test_cuda_graph.py).
 - GPU end to end: a tiny random bf16 Llama and EAGLE head, dense reference logits and the bf16 near-tie criterion
-  for greedy divergences: :func:`make_model`, :func:`make_draft`, :func:`reference_logits`, :func:`divergences`
-  (tests/test_flashinfer.py, tests/test_cuda_graph.py).
+  for greedy divergences: :func:`make_model`, :func:`make_draft`, :func:`write_word_tokenizer`,
+  :func:`reference_logits`, :func:`divergences` (tests/test_flashinfer.py, tests/test_cuda_graph.py,
+  tests/test_eagle3_gpu.py).
 
 Importable without CUDA, FlashInfer or Triton; beyond ``engine`` itself, each helper imports what it needs when called.
 """
@@ -225,16 +226,30 @@ def report(**kw) -> None:
             f.write(json.dumps(kw) + "\n")
 
 
-def make_model(out, seed: int = 0):
-    """Write :data:`TINY_GPU` with random weights to ``out``: sharp next-token distributions (large embedding /
-    head, small layers), no tokenizer. Returns its ModelConfig."""
+def make_model(out, seed: int = 0, layers: int | None = None):
+    """Write :data:`TINY_GPU` (``layers``: another layer count) with random weights to ``out``: sharp next-token
+    distributions (large embedding / head, small layers), no tokenizer. Returns its ModelConfig."""
     from engine.config import ModelConfig
     from engine.model.loader import save_hf_checkpoint
     from tools.tiny import random_llama_weights
-    cfg = ModelConfig.from_hf(TINY_GPU)
+    cfg = ModelConfig.from_hf(dict(TINY_GPU, **({"num_hidden_layers": layers} if layers else {})))
     state = random_llama_weights(cfg, seed, std=0.03)
     save_hf_checkpoint(out, cfg, state)
     return cfg
+
+
+def write_word_tokenizer(model_dir, vocab_size: int = 512) -> None:
+    """A word-level tokenizer over ``t0`` .. ``t{vocab_size-1}`` saved into ``model_dir`` (once): PP ranks are
+    processes that load the model's tokenizer, which :func:`make_model` does not write."""
+    from pathlib import Path
+    if (Path(model_dir) / "tokenizer.json").exists():
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(str(model_dir))
 
 
 def make_draft(out, cfg, seed: int = 1):

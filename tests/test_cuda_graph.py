@@ -7,8 +7,6 @@ that graphs were actually replayed (a padded batch included: 5 prompts replay th
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -203,13 +201,8 @@ def _generate_pp(model_dir, draft, prompts, lens, **kw):
     """Tokens, accept lengths and per-rank stage counters of a PP2 x EAGLE run (two ranks on this GPU). The ranks
     are processes that load the model's tokenizer: a word-level one over the tiny vocabulary is written first."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    if not (Path(model_dir) / "tokenizer.json").exists():
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                eos_token="t2").save_pretrained(str(model_dir))
+    from helpers import write_word_tokenizer
+    write_word_tokenizer(model_dir)
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
                        spec=SpecConfig("eagle", str(draft), 3, 2, 6, pp_spec=True), max_num_tokens=8192,
                        max_prefill_tokens=512, cuda_graph_max_bs=8, pp=2, **kw)

@@ -282,3 +282,120 @@ def test_blas_knobs_refuse_bad_values(monkeypatch):
     monkeypatch.setenv("PPSPEC_BF16_RPR", "")
     assert apply_blas_knobs() == {"blas": "default", "bf16_reduced_precision_reduction": before}
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == before
+
+
+# ------------------------------------------------------------------------------------------ EAGLE-3 aux outputs
+class _ReplayOnCPU:
+    """A CUDA graph's stand-in on CPU: ``replay`` re-runs the captured body and writes its results into the tensors
+    the capture returned (the graph's static outputs)."""
+
+    def __init__(self, body, out):
+        self.body, self.out = body, out
+
+    def replay(self):
+        def flat(o):
+            return [t for x in o for t in (flat(x) if isinstance(x, tuple) else [x]) if t is not None]
+        with torch.inference_mode():                     # the captured outputs are inference tensors
+            for dst, src in zip(flat(self.out), flat(self.body())):
+                dst.copy_(src)
+
+    @classmethod
+    def capture(cls, body, dev, pool, reset=None):
+        """engine.graph_capture.capture's contract: (graph, the captured call's output, pool)."""
+        out = body()
+        return cls(body, out), out, 1
+
+
+class _MiddleStage:
+    """A PP stage without attention: outputs and the one aux layer's state are functions of the inputs' rows."""
+
+    is_first = False
+    aux_layers = (5,)
+
+    def __init__(self, H: int):
+        from types import SimpleNamespace
+        self.cfg = SimpleNamespace(hidden_size=H)
+
+    def __call__(self, ids, pos, hidden=None, residual=None, aux=None):
+        x = hidden + residual + (10 * ids + pos).float()[:, None]
+        if aux is not None:
+            aux.append(2 * x)
+        return x + 1, x - 1
+
+
+def _prefill_graphs_on_cpu(monkeypatch, with_aux: bool):
+    from types import SimpleNamespace
+
+    import engine.graphs as G
+    monkeypatch.setattr(G, "capture", _ReplayOnCPU.capture)
+    r = object.__new__(G.PrefillGraphRunner)
+    model = _MiddleStage(4)
+    r.r = SimpleNamespace(model=model, kv_pool=object(), eagle3=object() if with_aux else None)
+    r.dev, r.dtype, r.with_aux = torch.device("cpu"), torch.float32, with_aux
+    r.buckets = [4, 8]
+    r._init_buffers(model, 8)
+    r.attn = SimpleNamespace(capture_context=lambda Tb, loc, ctx: ctx, plan=lambda Tb, loc: None)
+    for Tb in reversed(r.buckets):
+        r._capture(Tb)
+    return r, model
+
+
+@pytest.mark.parametrize("with_aux", [True, False])
+def test_stage_graph_outputs_carry_aux(monkeypatch, with_aux):
+    """engine.graphs: a stage forward captured with an aux list outputs the stage's aux-layer states beside hidden /
+    residual; a replay of T real rows (padded to the bucket) appends their first T rows to the caller's list after
+    the slots it already holds, as the eager forward does; without EAGLE-3 the list is left alone."""
+    from engine.attention.backend import ForwardContext
+    g, model = _prefill_graphs_on_cpu(monkeypatch, with_aux)
+    assert len(g.outputs[8]) == (3 if with_aux else 2)
+    T = 6
+    ids, pos = torch.arange(3, 3 + T), torch.arange(T)
+    hidden, residual = torch.randn(T, 4), torch.randn(T, 4)
+    ctx = ForwardContext([0, T], [torch.arange(T)], None, torch.arange(T), g.r.kv_pool, "prefill")
+    assert g.can_run(ctx)
+    incoming = torch.randn(T, 4)
+    aux = [incoming]
+    h, res = g.run(ids, pos, ctx, hidden, residual, aux)
+    want_aux: list = []
+    wh, wres = model(ids, pos, hidden, residual, want_aux)
+    assert torch.equal(h, wh) and torch.equal(res, wres) and g.num_replays == 1
+    assert aux[0] is incoming
+    if with_aux:
+        assert len(aux) == 2 and torch.equal(aux[1], want_aux[0])
+        assert aux[1].data_ptr() == g.outputs[8][2][0].data_ptr()        # a view of the graph's output
+    else:
+        assert len(aux) == 1
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_runner_forward_owns_replayed_aux_off_the_last_stage(monkeypatch, drop):
+    """ModelRunner.forward on a middle PP stage with a replayed graph: hidden, residual and this stage's aux slots
+    are copies (the proxy outlives the next replay), incoming slots pass through; the drop_aux fault removes this
+    stage's slots again."""
+    from engine.attention.backend import ForwardContext
+    from engine.dist import ParallelState, set_ps
+    from engine.runner import ModelRunner
+    g, model = _prefill_graphs_on_cpu(monkeypatch, True)
+    runner = object.__new__(ModelRunner)
+    runner.graphs, runner.prefill_graphs, runner._drop_aux = None, g, drop
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    T = 8
+    ids, pos = torch.arange(T), torch.arange(T)
+    hidden, residual = torch.randn(T, 4), torch.randn(T, 4)
+    ctx = ForwardContext([0, T], [torch.arange(T)], None, torch.arange(T), g.r.kv_pool, "prefill")
+    incoming = torch.randn(T, 4)
+    aux = [incoming]
+    set_ps(ParallelState(rank=1, pp_size=3))
+    try:
+        h, res = runner.forward(ids, pos, ctx, hidden, residual, aux=aux)
+    finally:
+        set_ps(ParallelState())
+    out = g.outputs[8]
+    assert h.data_ptr() != out[0].data_ptr() and res.data_ptr() != out[1].data_ptr()
+    assert aux[0] is incoming
+    if drop:
+        assert len(aux) == 1
+    else:
+        want: list = []
+        model(ids, pos, hidden, residual, want)
+        assert len(aux) == 2 and torch.equal(aux[1], want[0]) and aux[1].data_ptr() != out[2][0].data_ptr()

@@ -238,12 +238,21 @@ def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch)
         d(torch.tensor([1]), torch.zeros(1, 128), torch.tensor([0]))
 
 
-def test_plan_keeps_eagle3_off_graphs():
+def test_plan_graphs_eagle3_and_keeps_it_off_device_rounds():
+    """EAGLE-3 on CUDA: the stage forwards and the draft are captured (they carry the aux features); the device
+    rounds, which do not, are off with one note; cuda_graph false keeps every forward eager."""
     from engine import knobs
     from engine.plan import resolve_plan
     spec = SpecConfig("eagle3", "d", **CHAIN)
     p = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec), device="cuda", kn=knobs.read({}))
-    assert p.graphs == () and p.loop == "plain" and len(p.notes) == 2 and "eagle3" in p.describe()
+    assert p.graphs == ("verify", "prefill", "draft", "draft_extend") and p.loop == "plain" and p.round == "host"
+    assert len(p.notes) == 1 and "eagle3: device spec rounds off" in p.describe()
+    pp_spec = SpecConfig("eagle3", "d", pp_spec=True, **CHAIN)
+    p_pp = resolve_plan(EngineConfig(dtype="bfloat16", spec=pp_spec, pp=2), device="cuda", kn=knobs.read({}))
+    assert p_pp.graphs == p.graphs and p_pp.round == "host"
+    eager = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, cuda_graph=False), device="cuda",
+                         kn=knobs.read({}))
+    assert eager.graphs == ()
     p2 = resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda",
                       kn=knobs.read({}))
     assert p2.graphs and p2.loop == "spec_rounds" and p2.notes == ()

@@ -2,6 +2,8 @@
 followed by the beam search, captured as one graph per batch size of the ladder (:func:`engine.graph_capture.ladder`),
 so a round's drafting is one replay with no host sync. Attention: graph-mode FlashInfer wrappers
 (:class:`engine.attention.flashinfer_graphs.DraftGraphAttention`), re-planned on the host before each replay.
+EAGLE-1/2 and EAGLE-3 drafts alike: the beam search feeds the draft its own hidden [*, H]; the draft extend reads
+the target feature of the draft's ``feature_size`` (H for EAGLE-1/2, the 3H aux features for EAGLE-3).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class DraftGraphRunner:
         if extend:                                      # the draft extend after a verify, W rows per request
             Te = self.max_bs * self.W
             self.e_in = torch.zeros(3, Te, dtype=i64, device=d)      # ids, positions, out_cache_loc
-            self.e_feat = torch.zeros(Te, H, dtype=self.dtype, device=d)
+            self.e_feat = torch.zeros(Te, runner.draft.feature_size, dtype=self.dtype, device=d)
             self.e_last = torch.zeros(self.max_bs, dtype=i64, device=d)
         self.graphs: dict = {}
         self.outputs: dict = {}
@@ -176,7 +178,8 @@ class DraftGraphRunner:
                   locs: torch.Tensor, kv: list[torch.Tensor], last: torch.Tensor, rows: list[torch.Tensor],
                   L_new: list[int]):
         """Replay draft extend + beam search after a verify (``extend=True``). Host inputs, W rows per request:
-        ``fidx`` [B*W] rows of ``feature`` (the verify hidden states, device), ``ids``/``pos``/``locs`` [B*W]
+        ``fidx`` [B*W] rows of ``feature`` (what the draft reads per verify node, device, [B*n, draft.feature_size]:
+        the verify hidden states, or EAGLE-3's aux features), ``ids``/``pos``/``locs`` [B*W]
         int64, ``kv`` per-request KV lists (``L + W`` slots), ``last`` [B] the row of each request's last
         accepted token; ``rows``/``L_new`` as for :meth:`run`. Returns views (draft_tokens [B, n-1],
         parent_list [B, P], top_scores_index [B, n-1])."""

@@ -38,6 +38,11 @@ class EagleDraft(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature a draft extend reads (H: the target's final-norm output)."""
+        return self.fc.in_features // 2
+
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if features.shape[-1] * 2 != self.fc.in_features:
             raise ValueError(f"draft fc expects features of width {self.fc.in_features // 2}, got {features.shape[-1]}")

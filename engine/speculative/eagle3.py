@@ -157,6 +157,11 @@ class Eagle3Draft(nn.Module):
             p.requires_grad_(False)
 
     @property
+    def feature_size(self) -> int:
+        """Width of the target feature a draft extend reads (3H: the aux features concatenated)."""
+        return self.fc.in_features
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.lm_head.out_features
 

@@ -267,8 +267,8 @@ class EagleWorker:
         locs = torch.cat(locs)
         last = torch.arange(B) * W + alen - 1
         graphs = self.draft_graphs
-        if graphs is not None and graphs.extend and graphs.can_run(B) and draft_feature is None:
-            nxt = with_root(bonus, *graphs.run_round(feature, fidx, ids, pos, locs, kv, last, rows, L_new))
+        if graphs is not None and graphs.extend and graphs.can_run(B):
+            nxt = with_root(bonus, *graphs.run_round(dfeat, fidx, ids, pos, locs, kv, last, rows, L_new))
         else:
             hid = self.draft_extend(ids, dfeat[h2d(fidx, dfeat.device)], pos, locs, kv,
                                     list(range(0, B * W + 1, W)))
