@@ -165,6 +165,7 @@ def eagle3_loss(draft: Eagle3Draft, target: LlamaForCausalLM, seqs: list[list[in
     input features, both packed in ``seqs`` order; weights [sum(L - 1)] per-row loss weight (None: 1)."""
     hot = draft.target_ids()
     tok, x, w, tgt = padded_rows(seqs, aux, weights, unroll - 1)
+    tgt = torch.where(w > 0, tgt, -1)                # rows of weight 0 need no target verdict (prompt_weight 0)
     B, N = x.shape[:2]
     arg, prob, ok = target_targets(target, feat, tgt.reshape(-1), hot)
     arg, prob, ok = arg.reshape(B, -1), prob.reshape(B, tgt.shape[1], -1), ok.reshape(B, -1)
