@@ -36,8 +36,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   : "${TOTAL_S:=100000}" "${WORK:=/tmp/e3_smoke}"
 fi
 : "${DEVICE:=cuda}" "${GEN_PROMPTS:=7473}" "${GEN_S:=200}" "${GEN_DTYPE:=bfloat16}" "${GEN_BACKEND:=flashinfer}"
-: "${GEN_MAX_RUNNING:=256}" "${GEN_FUSED:=0}" "${MAX_NEW:=256}" "${TRAIN_S:=240}" "${EPOCHS:=30}" "${UNROLL:=4}"
-: "${LR:=0.002}" "${BATCH_TOKENS:=16384}" "${VOCAB:=8192}" "${CTX:=2048}" "${PW:=0.0}" "${AUX:=1,14,26}" "${EVAL_N:=200}" "${EVAL_DTYPE:=float32}"
+: "${GEN_MAX_RUNNING:=256}" "${GEN_FUSED:=0}" "${MAX_NEW:=256}" "${TRAIN_S:=220}" "${EPOCHS:=30}" "${UNROLL:=4}"
+: "${LR:=0.002}" "${BATCH_TOKENS:=16384}" "${VOCAB:=8192}" "${CTX:=384}" "${PW:=0.1}" "${AUX:=1,14,29}" "${EVAL_N:=200}" "${EVAL_DTYPE:=float32}"
 : "${EVAL_BACKEND:=torch}" "${EVAL_MAX_NEW:=256}" "${EVAL_TIMEOUT:=170}" "${TOTAL_S:=580}" "${WORK:=/tmp/e3_work}"
 : "${SPLIT_MB:=15}" "${SEQS_IN:=}" "${EVAL_EAGLE2:=1}"
 if [ -z "${MODEL:-}" ]; then
@@ -81,6 +81,15 @@ if [ $rc -ne 0 ] || [ ! -f "$HEAD/model.safetensors" ]; then
   exit 1
 fi
 
+# ---- the head for the trip back, before the evaluations (a call cut short by its limit still returns it)
+mkdir -p "$out/smollm2-eagle3" && rm -f "$out/smollm2-eagle3"/*
+cp "$HEAD/config.json" "$out/smollm2-eagle3/"
+if [ "$SPLIT_MB" -gt 0 ]; then
+  split -b "${SPLIT_MB}M" -d -a 1 "$HEAD/model.safetensors" "$out/smollm2-eagle3/model.safetensors.part"
+else
+  cp "$HEAD/model.safetensors" "$out/smollm2-eagle3/"
+fi
+
 # ---- 3: accept lengths
 ev() {   # NAME ALGORITHM DRAFT SHAPE
   local t; t=$(now)
@@ -104,14 +113,7 @@ for s in chain:3,1,4 tree:4,4,12; do
   fi
 done
 
-# ---- the head for the trip back, and the summary
-mkdir -p "$out/smollm2-eagle3" && rm -f "$out/smollm2-eagle3"/*
-cp "$HEAD/config.json" "$out/smollm2-eagle3/"
-if [ "$SPLIT_MB" -gt 0 ]; then
-  split -b "${SPLIT_MB}M" -d -a 1 "$HEAD/model.safetensors" "$out/smollm2-eagle3/model.safetensors.part"
-else
-  cp "$HEAD/model.safetensors" "$out/smollm2-eagle3/"
-fi
+# ---- the summary
 gzip -c "$WORK/seqs.json" > "$WORK/seqs.json.gz"      # the training sequences, for SEQS_IN of a later try
 if [ "$(stat -c %s "$WORK/seqs.json.gz")" -lt $((SPLIT_MB * 1048576)) ]; then cp "$WORK/seqs.json.gz" "$out/"; fi
 python3 - "$WORK" "$HEAD" "$out" "$T0" <<'EOF' 2>&1 | tee -a "$LOG"
