@@ -350,9 +350,14 @@ class ModelRunner:
                     aux[n:] = [a.clone() for a in aux[n:]]
         else:
             h, res = self._eager(ids, pos, ctx, hidden, residual, aux)
-        if aux is not None and self._drop_aux:    # fault drop_aux: this stage's features never reach the proxy
-            del aux[n:]
+        self.drop_own_aux(aux, n)
         return h, res
+
+    def drop_own_aux(self, aux: list | None, n: int) -> None:
+        """Fault ``drop_aux`` on this stage: remove this stage's own slots ``aux[n:]`` (``n``: the slots received) in
+        place, so its features never reach the proxy or the draft. No-op without the fault or with ``aux`` None."""
+        if aux is not None and self._drop_aux:
+            del aux[n:]
 
     def _eager(self, ids, pos, ctx, hidden, residual, aux=None):
         get_backend().prepare(ctx)
