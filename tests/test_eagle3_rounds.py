@@ -90,14 +90,17 @@ def test_device_round_equals_host_round_pp1(tiny_model_dir, e3_dir, prompts, hos
     assert rounds >= 5, rounds
 
 
-@pytest.mark.parametrize("pp,name", [(2, "chain"), (2, "tree"), (3, "tree"), (3, "chain")])
-def test_stage_round_equals_host_round(tiny_model_dir, e3_dir, prompts, host, pp, name):
+@pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (2, 1, "tree"), (3, 1, "tree"), (3, 1, "chain"),
+                                         (1, 2, "tree")])
+def test_stage_round_equals_host_round(tiny_model_dir, e3_dir, prompts, host, pp, tp, name):
     """Aux layers 0, 2, 3 of the 4-layer target: PP2 stages [0,1] [2,3] (stage 0 sends one slot, the last adds two);
-    PP3 [0,1] [2] [3] (the middle stage passes one on and adds one). The rebuilt verify input is checked stage to
-    stage (debug hash)."""
-    outs, stats = gen(tiny_model_dir, e3_dir, prompts, SHAPES[name], pp=pp, spec_overlap=True,
+    PP3 [0,1] [2] [3] (the middle stage passes one on and adds one); TP2 at pp=1 (the stage round of one stage, every
+    TP rank collecting the same replicated features). The rebuilt verify input is checked stage to stage (debug
+    hash)."""
+    outs, stats = gen(tiny_model_dir, e3_dir, prompts, SHAPES[name], pp=pp, tp=tp, spec_overlap=True,
                       debug_hash_rebuild=True)
     same(outs, host[name])
+    assert len(stats) == pp * tp
     rounds = [s["device_rounds"] for s in stats]
     assert rounds[0] > 0 and len(set(rounds)) == 1, rounds
 
