@@ -172,7 +172,7 @@ def test_device_rounds_refuse_missing_slots_themselves(tiny_model_dir, e3_dir):
         r = _stage_runner(tiny_model_dir, e3_dir, 1, 0)
         rr = r.round_runner
         spec_round(r, rr.state(1), rr._splits(1))               # the all-padding state: a valid round
-        r._drop_aux = True
+        r.drop_aux = True
         with pytest.raises(RelayError, match=r"stage 0: EAGLE-3 needs 3 auxiliary features .* carried 0"):
             spec_round(r, rr.state(1), rr._splits(1))
         for fault, want in ((None, 1), ("drop_aux:0", 0)):      # stage 0 of PP2 owns aux layer 0
@@ -186,7 +186,7 @@ def test_device_rounds_refuse_missing_slots_themselves(tiny_model_dir, e3_dir):
         st = sr.state(1)
         assert len(st.a_in) == 1 and st.a_out is None
         stage_round(r, st, sr._splits(1), False, True)
-        r._drop_aux = True
+        r.drop_aux = True
         with pytest.raises(RelayError, match=r"stage 1: EAGLE-3 needs 3 auxiliary features .* carried 1"):
             stage_round(r, st, sr._splits(1), False, True)
         H, n = r.model_config.hidden_size, CHAIN["num_draft_tokens"]

@@ -106,7 +106,7 @@ class StageRoundRunner(SpecRoundRunner):
             st.a_in = st.a_out = None
             if r.eagle3 is not None:
                 n_in = sum(1 for i in r.eagle3.aux_layers if i < r.model.start)
-                n_own = 0 if r._drop_aux else len(r.model.aux_layers)
+                n_own = 0 if r.drop_aux else len(r.model.aux_layers)
                 st.a_in = [torch.zeros(T, H, **z) for _ in range(n_in)]
                 if not self.last:
                     st.a_out = [torch.zeros(T, H, **z) for _ in range(n_in + n_own)]
