@@ -41,8 +41,8 @@ class ExecutionPlan:
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
-    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept off the device-round paths, which do not
-    carry its auxiliary features; its stage forwards and draft steps are captured like EAGLE-2's).
+    notes: one line per decision that overrode an option (the current rules make none: EAGLE-3 takes every path
+    EAGLE-2 takes, its device rounds carrying the auxiliary features).
     """
 
     device: str
@@ -129,12 +129,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     pp1 = config.pp == 1
     notes = []
     spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
-    eagle3 = bool(spec) and spec.is_eagle3
-    if eagle3 and config._auto_for(config.spec_overlap, dev):
-        notes.append("eagle3: device spec rounds off (they do not carry the auxiliary features)")
-    if eagle3:
-        spec_overlap = False
-    stage_round = bool(spec) and not eagle3 and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+    stage_round = bool(spec) and not spec_overlap and config._auto_for(config.spec_overlap, dev)
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None

@@ -73,7 +73,8 @@ class ModelRunner:
             from .speculative.eagle3 import eagle3_config
             self.eagle3 = eagle3_config(self.checkpoint_config, self.spec.draft)
             self.model.aux_layers = tuple(i for i in self.eagle3.aux_layers if start <= i < end)
-        self._drop_aux = self.eagle3 is not None and rank_fault(config.fault, "drop_aux") == s.pp_rank
+        # fault drop_aux on this stage: its own aux slots are left out of every proxy and draft feature (drop_own_aux)
+        self.drop_aux = self.eagle3 is not None and rank_fault(config.fault, "drop_aux") == s.pp_rank
         if config.load_format == "dummy":
             weights = dummy_weights(self.checkpoint_config, seed=config.seed, dtype=self.dtype,
                                     layer_range=(start, end), device=self.device)
@@ -350,9 +351,14 @@ class ModelRunner:
                     aux[n:] = [a.clone() for a in aux[n:]]
         else:
             h, res = self._eager(ids, pos, ctx, hidden, residual, aux)
-        if aux is not None and self._drop_aux:    # fault drop_aux: this stage's features never reach the proxy
-            del aux[n:]
+        self.drop_own_aux(aux, n)
         return h, res
+
+    def drop_own_aux(self, aux: list | None, n: int) -> None:
+        """Fault ``drop_aux`` on this stage: remove this stage's own slots ``aux[n:]`` (``n``: the slots received) in
+        place, so its features never reach the proxy or the draft. No-op without the fault or with ``aux`` None."""
+        if aux is not None and self.drop_aux:
+            del aux[n:]
 
     def _eager(self, ids, pos, ctx, hidden, residual, aux=None):
         get_backend().prepare(ctx)

@@ -377,7 +377,7 @@ def test_runner_forward_owns_replayed_aux_off_the_last_stage(monkeypatch, drop):
     from engine.runner import ModelRunner
     g, model = _prefill_graphs_on_cpu(monkeypatch, True)
     runner = object.__new__(ModelRunner)
-    runner.graphs, runner.prefill_graphs, runner._drop_aux = None, g, drop
+    runner.graphs, runner.prefill_graphs, runner.drop_aux = None, g, drop
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     T = 8
     ids, pos = torch.arange(T), torch.arange(T)

@@ -238,24 +238,25 @@ def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch)
         d(torch.tensor([1]), torch.zeros(1, 128), torch.tensor([0]))
 
 
-def test_plan_graphs_eagle3_and_keeps_it_off_device_rounds():
-    """EAGLE-3 on CUDA: the stage forwards and the draft are captured (they carry the aux features); the device
-    rounds, which do not, are off with one note; cuda_graph false keeps every forward eager."""
+def test_plan_graphs_eagle3_like_eagle():
+    """EAGLE-3 on CUDA gets EAGLE-2's plan: the stage forwards, the draft and the device spec rounds are captured (all
+    carry the aux features; the overlapped round at pp=1, the stage round under PP), no note; spec_overlap false
+    keeps the host round with its captured forwards; cuda_graph false keeps every forward eager."""
     from engine import knobs
     from engine.plan import resolve_plan
+    kn = knobs.read({})
+    for pp in (1, 2):
+        plans = [resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig(a, "d", pp_spec=True, **CHAIN), pp=pp),
+                              device="cuda", kn=kn) for a in ("eagle", "eagle3")]
+        e2, e3 = plans
+        assert e3 == e2 and e3.notes == ()
+        assert (e3.round, e3.loop) == (("device", "spec_rounds") if pp == 1 else ("stage", "ring"))
+        assert ("spec_rounds" if pp == 1 else "stage_rounds") in e3.graphs
     spec = SpecConfig("eagle3", "d", **CHAIN)
-    p = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec), device="cuda", kn=knobs.read({}))
-    assert p.graphs == ("verify", "prefill", "draft", "draft_extend") and p.loop == "plain" and p.round == "host"
-    assert len(p.notes) == 1 and "eagle3: device spec rounds off" in p.describe()
-    pp_spec = SpecConfig("eagle3", "d", pp_spec=True, **CHAIN)
-    p_pp = resolve_plan(EngineConfig(dtype="bfloat16", spec=pp_spec, pp=2), device="cuda", kn=knobs.read({}))
-    assert p_pp.graphs == p.graphs and p_pp.round == "host"
-    eager = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, cuda_graph=False), device="cuda",
-                         kn=knobs.read({}))
-    assert eager.graphs == ()
-    p2 = resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle", "d", **CHAIN)), device="cuda",
-                      kn=knobs.read({}))
-    assert p2.graphs and p2.loop == "spec_rounds" and p2.notes == ()
+    host = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, spec_overlap=False), device="cuda", kn=kn)
+    assert host.graphs == ("verify", "prefill", "draft", "draft_extend") and host.round == "host"
+    eager = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, cuda_graph=False), device="cuda", kn=kn)
+    assert eager.graphs == () and eager.round == "device"
 
 
 # ------------------------------------------------------------------------------------------ trainer

@@ -1,9 +1,12 @@
-"""GPU only: EAGLE-3 with CUDA graphs (FlashInfer) against its eager twin (``cuda_graph: false``).
+"""GPU only: EAGLE-3 with CUDA graphs (FlashInfer) against its eager twin (``cuda_graph: false``), and the device spec
+rounds (the overlapped round at pp=1, the stage round at pp=2, replayed from graphs) against the host round.
 
 The captured stage forwards carry the aux features (verify and one-request prefill graphs output the aux-layer
 states of their stage), the draft's beam search and its draft extend after a verify are replayed from graphs. The
 replayed run must give the eager run's tokens and per-request accept lengths exactly, at pp=1 and at pp=2 (two
-ranks on this GPU), for a chain and a tree.
+ranks on this GPU), for a chain and a tree (both on the host round: ``spec_overlap: false``). The device rounds read
+attention from device layouts (engine.attention.device) where the host round plans FlashInfer, so there the tokens
+must agree up to bf16 near-ties (:func:`helpers.divergences`) with similar acceptance.
 
 Fixture: a 4-layer random bf16 Llama of the :data:`helpers.TINY_GPU` shape and an EAGLE-3 head built for it by
 :func:`tools.tiny.make_tiny_eagle3` (aux layers 0, 2, 3: under pp=2 stage 0 sends one slot, the last stage adds
@@ -42,17 +45,35 @@ def setup(tmp_path_factory):
     return d / "model", d / "eagle3", prompts
 
 
-def _generate(setup, shape: str, graph: bool, pp: int = 1, fault: str | None = None):
-    """(tokens per request, accept lengths per request, per-rank stage counters, plan) of one EAGLE-3 run."""
+_RUNS: dict = {}
+
+
+def _generate(setup, shape: str, graph: bool, pp: int = 1, fault: str | None = None, overlap: bool = False):
+    """(tokens per request, accept lengths per request, per-rank stage counters, plan, device rounds) of one EAGLE-3
+    run; ``overlap``: the plan's device spec round (else the host round). Device rounds: the overlapped rounds at
+    pp=1, the last stage's device rounds under PP. Fault-free runs are cached per module (the tests share them)."""
+    key = (shape, graph, pp, overlap)
+    if fault is None and key in _RUNS:
+        return _RUNS[key]
+    out = _run(setup, shape, graph, pp, fault, overlap)
+    if fault is None:
+        _RUNS[key] = out
+    return out
+
+
+def _run(setup, shape: str, graph: bool, pp: int, fault: str | None, overlap: bool):
     model, draft, prompts = setup
     spec = SpecConfig(algorithm="eagle3", draft=str(draft), pp_spec=True, **SHAPES[shape])
     cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16", attention_backend="flashinfer", spec=spec,
                        pp=pp, cuda_graph=graph, cuda_graph_max_bs=2, max_running_requests=2, max_num_tokens=8192,
-                       max_prefill_tokens=128, fault=fault, dist_timeout_s=120)
+                       max_prefill_tokens=128, fault=fault, dist_timeout_s=120, spec_overlap=overlap)
     try:
         with LLM(cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
-            return ([o.token_ids for o in outs], [o.accept_lengths for o in outs], llm.last_stage_stats, llm.plan)
+            stats = llm.last_stage_stats
+            rounds = (llm._worker.executor.num_overlap_rounds if pp == 1 else
+                      max(s["device_rounds"] for s in stats))
+            return ([o.token_ids for o in outs], [o.accept_lengths for o in outs], stats, llm.plan, rounds)
     finally:
         set_backend(TorchBackend())
 
@@ -106,3 +127,42 @@ def test_eagle3_graph_dropped_aux_is_refused(setup):
     from engine.messages import RelayError
     with pytest.raises((RelayError, EngineError), match=r"EAGLE-3 needs 3 auxiliary features"):
         _generate(setup, "chain", True, fault="drop_aux:0")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_eagle3_device_round_equals_host_round(setup, shape, pp):
+    """The device spec round replayed from its graphs (pp=1: the overlapped round, ``spec_rounds``; pp=2: the stage
+    round, ``stage_rounds``), its aux features collected inside the round, vs the host round: the greedy tokens up to
+    bf16 near-ties, similar acceptance; at pp=1 the same round run eagerly gives the graphs' tokens up to the same
+    ties (under PP the stage round's graph-vs-eager twin is tests/test_cuda_graph.py's, for EAGLE-2)."""
+    from helpers import divergences, reference_logits
+    host = _generate(setup, shape, True, pp)
+    graph = _generate(setup, shape, True, pp, overlap=True)
+    eager = _generate(setup, shape, False, pp, overlap=True) if pp == 1 else graph
+    kind = "spec_rounds" if pp == 1 else "stage_rounds"
+    assert host[3].round == "host" and host[4] == 0
+    assert graph[3].round == eager[3].round == ("device" if pp == 1 else "stage") and kind in graph[3].graphs
+    assert graph[4] > 0 and eager[4] > 0, (graph[4], eager[4])
+    assert pp > 1 or kind not in eager[3].graphs
+    acc = [_mean_accept(r[1]) for r in (host, graph, eager)]
+    print(f"eagle3 {shape} pp={pp}: device rounds {graph[4]} (eager {eager[4]}); accept host {acc[0]:.3f}, "
+          f"graph {acc[1]:.3f}, eager {acc[2]:.3f}")
+    assert acc[0] > 1.2 and abs(acc[1] - acc[0]) < 0.3 and abs(acc[2] - acc[1]) < 0.3, acc
+    model, _, prompts = setup
+    try:
+        logits = reference_logits(model)
+        divergences(f"eagle3 {shape} pp={pp}: device round vs host round", prompts, host[0], graph[0], logits,
+                    near_best=True)
+        divergences(f"eagle3 {shape} pp={pp}: device round graph vs eager", prompts, eager[0], graph[0], logits,
+                    near_best=True)
+    finally:
+        set_backend(TorchBackend())
+
+
+def test_eagle3_device_round_dropped_aux_is_refused(setup):
+    """Fault drop_aux:0 with the overlapped round's graphs: refused (the round's warm-up before capture or the first
+    prefill cannot assemble the feature)."""
+    from engine.messages import RelayError
+    with pytest.raises((RelayError, EngineError), match=r"EAGLE-3 needs 3 auxiliary features"):
+        _generate(setup, "chain", True, fault="drop_aux:0", overlap=True)

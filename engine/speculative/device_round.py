@@ -14,7 +14,10 @@ Here every input of round t+1 is an output of round t on the device:
     2. greedy walk (``verify_tree_greedy_any``),
     3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``kv_cache.commit_order_device``, the
        device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
-    4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree,
+    4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree; the extend
+       reads the target's final-norm output per accepted node (EAGLE-1/2) or, for EAGLE-3, the outputs of the
+       target's aux layers collected by the same verify forward, concatenated in layer order [bs*n, 3H]
+       (:func:`engine.speculative.eagle3.assemble_features`); later draft steps read the draft's own output (H),
     5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
   Attention reads its layout from device tensors (:mod:`engine.attention.device`), so nothing is planned on the
   host and the round is one CUDA graph per batch size (:class:`SpecRoundRunner`); on CPU it runs eagerly
@@ -70,14 +73,28 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
     draft-step split-KV count) of :mod:`engine.attention.device`. Reads and updates ``st`` in place; the round's
     result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by :class:`SpecRoundRunner`).
     """
-    tree, feature, _ = verify_forward(runner, st, splits[0])
-    round_tail(runner, st, splits, tree, feature)
+    aux = [] if runner.eagle3 is not None else None
+    tree, feature, _ = verify_forward(runner, st, splits[0], aux=aux)
+    round_tail(runner, st, splits, tree, feature, round_draft_feature(runner, aux, 0))
 
 
-def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=None):
+def round_draft_feature(runner, aux: list | None, n_in: int):
+    """The draft extend's input feature on the last stage: None without EAGLE-3 (the extend reads the verify
+    output), else the aux slots concatenated [T, 3H] (``runner.draft_features``) after the ``drop_aux`` fault
+    removed this stage's own slots (``aux[n_in:]``; ``n_in``: the slots received). RelayError when fewer than
+    the aux layers' count remain (raised while the round is traced: eagerly, or at a graph's warm-up)."""
+    if aux is None:
+        return None
+    runner.drop_own_aux(aux, n_in)
+    return runner.draft_features(aux)
+
+
+def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=None, aux: list | None = None):
     """Steps 1 of the round on this stage: build the verify trees of ``st`` and run this stage's layers over
     ``rt[b, L:L+n]`` with the tree mask (attention from device tensors; ``splits``: its split-KV count).
-    ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage).
+    ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage). ``aux``
+    (EAGLE-3): the slots [bs*n, H] received from earlier stages (layer order; ``[]`` on the first stage), to which
+    the outputs of this stage's aux layers are appended (:meth:`LlamaForCausalLM.forward`); None: no capture.
     Returns (TreeInfo, this stage's output [bs*n, H] (the EAGLE feature on the last stage), residual or None)."""
     k, n = runner.spec.topk, runner.spec.num_draft_tokens
     B, L = st.bs, st.seq_lens
@@ -88,16 +105,18 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
                          device_layout=lay)
     set_context(ctx)
     try:
-        out, res = runner.model(tree.candidates.reshape(-1), tree.positions.reshape(-1), hidden, residual)
+        out, res = runner.model(tree.candidates.reshape(-1), tree.positions.reshape(-1), hidden, residual, aux)
     finally:
         set_context(None)
     return tree, out, res
 
 
-def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor) -> None:
+def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
+               draft_feature: torch.Tensor | None = None) -> None:
     """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit
     (``st.rt`` permuted, ``st.seq_lens`` advanced), draft extend, tail draft into ``st.tokens`` / ``st.parents`` /
-    ``st.tsi``, the result row into ``st.out``. No host sync."""
+    ``st.tsi``, the result row into ``st.out``. ``draft_feature`` [bs*n, F]: what the draft extend reads per tree
+    node (default ``feature``; EAGLE-3: the aux features, F = 3H, :func:`round_draft_feature`). No host sync."""
     from .eagle_worker import draft_beam_search
     spec, model = runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
@@ -120,7 +139,8 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     lay_e = DeviceLayout(st.rt, st.rows, L, locs, st.causal, splits[0])
     ctx_e = ForwardContext(list(range(0, B * W + 1, W)), None, None, locs.reshape(-1), runner.draft_pool,
                            "extend", device_layout=lay_e)
-    hid = runner.draft_forward(ids, feature[fidx], pos, ctx_e, planned=True)
+    dfeat = feature if draft_feature is None else draft_feature
+    hid = runner.draft_forward(ids, dfeat[fidx], pos, ctx_e, planned=True)
     last_h = hid[ar[:B] * W + alen - 1]
     # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
     w = k * (S - 1)

@@ -10,6 +10,12 @@ Every stage, for a greedy verify batch of B requests (padded to a captured batch
   3. the last stage continues in the same launch: greedy walk, commit, draft extend, tail draft
      (:func:`engine.speculative.device_round.round_tail`), the result row [accept_nodes | accept_length | emitted |
      bonus] and the next trees written to device buffers.
+EAGLE-3: the proxy is (hidden, residual, aux) as on the host round (``ModelRunner.aux_slots``): a stage copies the
+slots it receives into its state's ``a_in`` buffers, its verify forward appends the outputs of the aux layers it owns,
+a stage that is not the last hands all of them on (``a_out``), and the last stage concatenates them in layer order
+[bs*n, 3H] for the draft extend (:func:`engine.speculative.device_round.round_draft_feature`). Nothing of this goes
+on the relay back to stage 0. A wrong slot count raises RelayError (``aux_slots`` on receipt; the assembly on the
+last stage), which the ``drop_aux`` fault exercises.
 On CUDA with graphs each (stage, bs) is one captured graph. Nothing is read back here: non-last stages hand on
 device proxies, the last stage a :class:`StepResult` of device tensors that the relay carries as they are (NCCL) or
 stages (gloo); each stage's scheduler reads it in one device->host copy when it processes it
@@ -25,7 +31,7 @@ import torch
 
 from ..dist import ps
 from ..messages import DraftTree, StepResult
-from .device_round import RoundState, SpecRoundRunner, round_tail, verify_forward
+from .device_round import RoundState, SpecRoundRunner, round_draft_feature, round_tail, verify_forward
 
 _TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")
 
@@ -45,16 +51,23 @@ def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, la
     Reads ``st.h_in`` / ``st.r_in`` [bs*n, H] (the previous stage's proxies) unless ``first``; writes
     ``st.h_out`` / ``st.r_out`` unless ``last``; on the last stage runs :func:`round_tail` (``st.out``, the next
     trees in ``st.tokens`` / ``st.parents`` / ``st.tsi``). With ``st.kept`` (debug_hash_rebuild) the rebuilt
-    verify input is copied there."""
-    tree, out, res = verify_forward(runner, st, splits[0], None if first else st.h_in, None if first else st.r_in)
+    verify input is copied there. EAGLE-3 (``st.a_in`` not None): the received slots ``st.a_in`` plus this stage's
+    aux-layer outputs go to ``st.a_out`` (not the last stage) or, concatenated, to the draft extend (the last)."""
+    aux = None if st.a_in is None else list(st.a_in)
+    tree, out, res = verify_forward(runner, st, splits[0], None if first else st.h_in, None if first else st.r_in,
+                                    aux=aux)
     if st.kept is not None:
         for f in _TREE_KEPT:
             st.kept[f].copy_(getattr(tree, f))
     if not last:
         st.h_out.copy_(out)
         st.r_out.copy_(res)
+        if aux is not None:
+            runner.drop_own_aux(aux, len(st.a_in))
+            for dst, src in zip(st.a_out, aux, strict=True):
+                dst.copy_(src)
         return
-    round_tail(runner, st, splits, tree, out)
+    round_tail(runner, st, splits, tree, out, round_draft_feature(runner, aux, 0 if aux is None else len(st.a_in)))
 
 
 class StageRoundRunner(SpecRoundRunner):
@@ -76,7 +89,9 @@ class StageRoundRunner(SpecRoundRunner):
 
     def state(self, bs: int) -> RoundState:
         """:meth:`SpecRoundRunner.state` plus the proxy buffers [bs*n, H] (in: not on the first stage; out: not on
-        the last) and the kept verify input (``keep_tree``)."""
+        the last), EAGLE-3's aux slot buffers (``a_in``: one [bs*n, H] per aux layer below this stage's first layer;
+        ``a_out``, not on the last stage: those plus one per aux layer of this stage, none of this stage's under the
+        ``drop_aux`` fault; both None without EAGLE-3) and the kept verify input (``keep_tree``)."""
         new = bs not in self.states
         st = super().state(bs)
         if new:
@@ -88,6 +103,13 @@ class StageRoundRunner(SpecRoundRunner):
                 st.h_in, st.r_in = torch.zeros(T, H, **z), torch.zeros(T, H, **z)
             if not self.last:
                 st.h_out, st.r_out = torch.zeros(T, H, **z), torch.zeros(T, H, **z)
+            st.a_in = st.a_out = None
+            if r.eagle3 is not None:
+                n_in = sum(1 for i in r.eagle3.aux_layers if i < r.model.start)
+                n_own = 0 if r.drop_aux else len(r.model.aux_layers)
+                st.a_in = [torch.zeros(T, H, **z) for _ in range(n_in)]
+                if not self.last:
+                    st.a_out = [torch.zeros(T, H, **z) for _ in range(n_in + n_own)]
             st.kept = None
             if self.keep_tree:
                 i64 = dict(dtype=torch.int64, device=r.device)
@@ -97,16 +119,21 @@ class StageRoundRunner(SpecRoundRunner):
 
     @torch.inference_mode()
     def run(self, batch, proxy=None):
-        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage.
+        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage,
+        plus (EAGLE-3) a tuple of aux slots [B*n, H] in layer order.
 
-        Returns (non-last stage) the proxies [B*n, H] as owned device tensors, or (last stage) the batch's
-        :class:`StepResult` with device tensors (owned copies) and the kept verify input (or None) as a second
-        value in both cases."""
+        Returns (non-last stage) the proxies [B*n, H] as owned device tensors (with the aux slots as a third element
+        under EAGLE-3), or (last stage) the batch's :class:`StepResult` with device tensors (owned copies), and the
+        kept verify input (or None) as a second value in both cases. Raises RelayError when the proxy carries the
+        wrong number of aux slots (``ModelRunner.aux_slots``)."""
         reqs, B, n = batch.reqs, len(batch.reqs), self.n
+        slots = None if self.first else self.r.aux_slots(proxy)     # EAGLE-3: checked before anything runs
         st = self.load(reqs, self.r.sched.req_to_token)
         if not self.first:
             st.h_in[:B * n].copy_(proxy[0])
             st.r_in[:B * n].copy_(proxy[1])
+            for dst, src in zip(st.a_in or (), slots or (), strict=True):
+                dst[:B * n].copy_(src)
         if self.use_graphs:
             g = self.graphs.get(st.bs) or self._capture(st)
             g.replay()
@@ -115,7 +142,10 @@ class StageRoundRunner(SpecRoundRunner):
         self.num_rounds += 1
         kept = KeptTree(st.kept, B) if st.kept is not None else None
         if not self.last:
-            return (st.h_out[:B * n].clone(), st.r_out[:B * n].clone()), kept
+            out = (st.h_out[:B * n].clone(), st.r_out[:B * n].clone())
+            if st.a_out is not None:
+                out += (tuple(a[:B * n].clone() for a in st.a_out),)
+            return out, kept
         c = self.S + 1
         out = st.out[:B].clone()
         bonus = out[:, 2 * c + 1]
