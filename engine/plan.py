@@ -128,8 +128,13 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
     notes = []
-    spec_overlap = bool(spec) and config._auto_for(config.spec_overlap, dev) and pp1 and config.tp == 1
-    stage_round = bool(spec) and not spec_overlap and config._auto_for(config.spec_overlap, dev)
+    rounds = config._auto_for(config.spec_overlap, dev)
+    if spec and spec.is_eagle3 and config.spec_overlap is None and cuda:
+        rounds = False
+        notes.append("eagle3: host spec round on CUDA by default (spec_overlap: true selects the device rounds, "
+                     "whose graphs carrying the aux features are checked on CPU only)")
+    spec_overlap = bool(spec) and rounds and pp1 and config.tp == 1
+    stage_round = bool(spec) and not spec_overlap and rounds
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None

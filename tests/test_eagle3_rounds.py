@@ -65,20 +65,27 @@ def host(tiny_model_dir, e3_dir, prompts):
 
 def test_plan_turns_the_device_rounds_on(e3_dir, tiny_model_dir):
     """eagle3 gets eagle's plan: the overlapped round at pp=1, the stage round under PP, the host round when
-    ``spec_overlap`` is false; no note."""
+    ``spec_overlap`` is false; on CUDA eagle3 needs ``spec_overlap: true`` for them (auto keeps the host round, with
+    a note)."""
     from engine import knobs
     for name, shape in SHAPES.items():
         for algo in ("eagle", "eagle3"):
             spec = SpecConfig(algo, "d", pp_spec=True, **shape)
             for pp in (1, 2):
                 cpu = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, pp=pp, spec_overlap=True))
-                cuda = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, pp=pp), device="cuda",
+                cuda = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, pp=pp, spec_overlap=True),
+                                    device="cuda", kn=knobs.read({}))
+                auto = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, pp=pp), device="cuda",
                                     kn=knobs.read({}))
                 off = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, pp=pp, spec_overlap=False),
                                    device="cuda", kn=knobs.read({}))
                 want = "device" if pp == 1 else "stage"
                 assert (cpu.round, cuda.round, off.round) == (want, want, "host"), (algo, name, pp)
                 assert cuda.notes == () and cpu.notes == ()
+                if algo == "eagle":
+                    assert auto.round == want and auto.notes == ()
+                else:
+                    assert auto.round == "host" and any("spec_overlap: true" in n for n in auto.notes), auto.notes
                 assert ("spec_rounds" if pp == 1 else "stage_rounds") in cuda.graphs
                 assert cuda.loop == ("spec_rounds" if pp == 1 else "ring")
 
