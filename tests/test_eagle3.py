@@ -425,3 +425,86 @@ def test_ttt_differs_from_causal_unroll(tiny_model_dir):
         exact = ttt_forward(d, tok[:, 1:N + 1], h0, pos + 1, kv, ttt_mask(N, 1))
         causal = ttt_forward(d, tok[:, 1:N + 1], h0, pos + 1, [], ttt_mask(N, 0))
     assert not torch.allclose(exact[0, 1:], causal[0, 1:], atol=1e-3)
+
+
+def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monkeypatch):
+    """The engine's EAGLE-3 chain (chunked prefill, verify, draft extend of the accepted rows, tail draft) computes
+    what the trainer's training-time test predicts. In a round whose root is x_{r+1} (row r: the last committed
+    row), draft depth j+1 (its hidden state and its token) is TTT step j at row r, for every depth up to and
+    including the first one the target rejects (later depths follow a rejected token at inference, the true one in
+    training); the round's accept length is the one those predictions give, the last round's cut at the end of the
+    output."""
+    from engine.attention.backend import TorchBackend, set_backend
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import iter_weights
+    from engine.speculative import eagle_worker as ew
+    from harness.train_draft import _dense_ctx
+    from harness.train_eagle3 import padded_rows, target_aux_features, ttt_forward, ttt_mask
+    S = CHAIN["num_steps"]
+    chains: dict[int, list] = {}           # rid -> per proposed chain: (tokens, root first; hidden of each depth)
+    real_prefill, real_verify, real_greedy = (ew.EagleWorker.after_prefill, ew.EagleWorker.verify,
+                                              ew.EagleWorker.draft_greedy)
+    hid: list = []                         # the hidden states the chain search scores, one [B, H] per depth
+
+    def greedy(self, hidden):
+        hid.append(hidden.clone())
+        return real_greedy(self, hidden)
+
+    def after_prefill(self, batch, feature, done, sampled, qo):
+        hid.clear()
+        t = real_prefill(self, batch, feature, done, sampled, qo)
+        for b, i in enumerate(done):
+            chains.setdefault(batch.rids[i], []).append((t.tokens[i].tolist(), [h[b] for h in hid]))
+        return t
+
+    def verify(self, batch, *a, **k):
+        hid.clear()
+        res = real_verify(self, batch, *a, **k)
+        for i, rid in enumerate(batch.rids):
+            chains.setdefault(rid, []).append((res.next_tree.tokens[i].tolist(), [h[i] for h in hid]))
+        return res
+    monkeypatch.setattr(ew.EagleWorker, "draft_greedy", greedy)
+    monkeypatch.setattr(ew.EagleWorker, "after_prefill", after_prefill)
+    monkeypatch.setattr(ew.EagleWorker, "verify", verify)
+    outs = gen(tiny_model_dir, prompts, e3_dir, CHAIN, **CHUNKED)
+
+    mc, d = _load(tiny_model_dir, e3_dir)
+    set_backend(TorchBackend())
+    target = LlamaForCausalLM(mc, torch.float32, 256)
+    target.load_weights(iter_weights(tiny_model_dir, dtype=torch.float32))
+    target.eval()
+    target.aux_layers = d.aux_layers
+    hot = d.target_ids()
+    depth = [0] * S                                           # depths compared, over all rounds
+    for o in outs:
+        s = list(o.prompt_token_ids) + list(o.token_ids)
+        _, aux = target_aux_features(target, [s], "cpu", _dense_ctx)
+        tok, x, _, _ = padded_rows([s], aux, None, S - 1)
+        N = x.shape[1]
+        pos = torch.arange(N)[None]
+        kv, ttt = [], []
+        with torch.no_grad():
+            for j in range(S):
+                x = ttt_forward(d, tok[:, j:j + N], x, pos + j, kv, ttt_mask(N, j))
+                ttt.append(x[0])
+        r, end = len(o.prompt_token_ids) - 1, len(s) - 1
+        k = 0
+        while r < end - 1:                                    # root x_{r+1} emitted, the output goes on
+            toks, h = chains[o.rid][k]
+            assert toks[0] == s[r + 1] and len(h) == S
+            L = 1
+            for j in range(S):
+                if r + j + 2 > end:                           # x_{r+j+2} never emitted: nothing to check against
+                    break
+                assert torch.allclose(h[j], ttt[j][r], atol=1e-4, rtol=1e-4), (o.rid, k, j)
+                lg, got = d.logits(ttt[j][r]), toks[1 + j]
+                # the TTT argmax, or a near-tie of its logits (the engine's attention sums in another order)
+                assert got == int(hot[lg.argmax()]) or float(lg.max() - lg[hot == got].max()) < 1e-4, (o.rid, k, j)
+                depth[j] += 1
+                if got != s[r + j + 2]:
+                    break
+                L += 1
+            assert o.accept_lengths[k] == min(L, end - r - 1), (o.rid, k)
+            r, k = r + L, k + 1
+        assert k == len(o.accept_lengths)
+    assert min(depth) > 0, depth                              # every depth was compared somewhere
