@@ -239,23 +239,29 @@ def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch)
 
 
 def test_plan_graphs_eagle3_like_eagle():
-    """EAGLE-3 on CUDA gets EAGLE-2's plan: the stage forwards, the draft and the device spec rounds are captured (all
-    carry the aux features; the overlapped round at pp=1, the stage round under PP), no note; spec_overlap false
-    keeps the host round with its captured forwards; cuda_graph false keeps every forward eager."""
+    """EAGLE-3 on CUDA with ``spec_overlap: true`` gets EAGLE-2's plan: the stage forwards, the draft and the device
+    spec rounds are captured (all carry the aux features; the overlapped round at pp=1, the stage round under PP), no
+    note; by default (auto) it keeps the host round with its captured forwards and says so in a note; spec_overlap
+    false keeps the host round; cuda_graph false keeps every forward eager."""
     from engine import knobs
     from engine.plan import resolve_plan
     kn = knobs.read({})
     for pp in (1, 2):
-        plans = [resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig(a, "d", pp_spec=True, **CHAIN), pp=pp),
-                              device="cuda", kn=kn) for a in ("eagle", "eagle3")]
+        plans = [resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig(a, "d", pp_spec=True, **CHAIN), pp=pp,
+                                           spec_overlap=True), device="cuda", kn=kn) for a in ("eagle", "eagle3")]
         e2, e3 = plans
         assert e3 == e2 and e3.notes == ()
         assert (e3.round, e3.loop) == (("device", "spec_rounds") if pp == 1 else ("stage", "ring"))
         assert ("spec_rounds" if pp == 1 else "stage_rounds") in e3.graphs
+        auto = resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle3", "d", pp_spec=True, **CHAIN),
+                                         pp=pp), device="cuda", kn=kn)
+        assert auto.round == "host" and len(auto.notes) == 1 and "spec_overlap: true" in auto.notes[0]
+        assert auto.graphs == ("verify", "prefill", "draft", "draft_extend")
     spec = SpecConfig("eagle3", "d", **CHAIN)
     host = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, spec_overlap=False), device="cuda", kn=kn)
     assert host.graphs == ("verify", "prefill", "draft", "draft_extend") and host.round == "host"
-    eager = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, cuda_graph=False), device="cuda", kn=kn)
+    eager = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, cuda_graph=False, spec_overlap=True),
+                         device="cuda", kn=kn)
     assert eager.graphs == () and eager.round == "device"
 
 
