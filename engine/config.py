@@ -132,7 +132,7 @@ class EngineConfig:
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
     cuda_graph_prefill_max_tokens: int = 2048   # capture one-request prefills from position 0 padded to token
-                                          # buckets up to this many tokens (engine.graphs.PrefillGraphRunner;
+                                          # buckets up to this many tokens (engine.prefill_graphs.PrefillGraphRunner;
                                           # capped at max_prefill_tokens); 0: prefill always eager
     # The options below: None (auto) = on for device cuda, off on CPU; true / false force them.
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph

@@ -286,7 +286,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
         if "prefill" in kinds and max_tok > 0:
-            from .graphs import PrefillGraphRunner
+            from .prefill_graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
             from .speculative.draft_graphs import DraftGraphRunner

@@ -466,7 +466,7 @@ def test_pdl_launches_match_plain_launches(setup, monkeypatch):
 
 @pytest.mark.parametrize("spec", [None, "chain", "chain-overlap"])
 def test_prefill_graph_matches_eager_prefill(setup, spec):
-    """engine.graphs.PrefillGraphRunner: every prompt (5-260 tokens, max_prefill_tokens 512) is prefilled by one
+    """engine.prefill_graphs.PrefillGraphRunner: every prompt (5-260 tokens, max_prefill_tokens 512) is prefilled by one
     bucket-graph replay, padded at the end; greedy tokens match eager prefill (same decode graphs) up to bf16
     near-ties (padded GEMMs may pick other cuBLAS kernels), for plain decoding and an EAGLE chain. One request at a
     time (max_running 1): with more, the scheduler packs several short prompts into one prefill step, which runs

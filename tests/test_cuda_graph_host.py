@@ -327,8 +327,9 @@ def _prefill_graphs_on_cpu(monkeypatch, with_aux: bool):
     from types import SimpleNamespace
 
     import engine.graphs as G
+    from engine.prefill_graphs import PrefillGraphRunner
     monkeypatch.setattr(G, "capture", _ReplayOnCPU.capture)
-    r = object.__new__(G.PrefillGraphRunner)
+    r = object.__new__(PrefillGraphRunner)
     model = _MiddleStage(4)
     r.r = SimpleNamespace(model=model, kv_pool=object(), eagle3=object() if with_aux else None)
     r.dev, r.dtype, r.with_aux = torch.device("cpu"), torch.float32, with_aux

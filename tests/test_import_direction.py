@@ -1,6 +1,6 @@
 """Imports point downward: nothing under engine/attention, engine/kernels or engine/model (nor the generic
-capture helper engine/graph_capture.py) imports engine.speculative or engine.graphs. Checked on the source with
-ast (every import statement, at module level or inside functions; relative imports resolved)."""
+capture helper engine/graph_capture.py) imports engine.speculative, engine.graphs or engine.prefill_graphs. Checked
+on the source with ast (every import statement, at module level or inside functions; relative imports resolved)."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 LOWER = ("attention", "kernels", "model")
-UPPER = ("engine.speculative", "engine.graphs")
+UPPER = ("engine.speculative", "engine.graphs", "engine.prefill_graphs")
 
 
 def _module_name(path: Path) -> str:

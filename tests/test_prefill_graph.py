@@ -1,4 +1,4 @@
-"""Prefill CUDA graphs (engine.graphs.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
+"""Prefill CUDA graphs (engine.prefill_graphs.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
 graph may take, the config knob, and the padding argument the graphs rest on (padding rows at the end change no
 real row of a causal prefill), checked with the torch backend on the tiny model.
 GPU replay: tests/test_cuda_graph.py."""
@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig
 from engine.attention.backend import ForwardContext
-from engine.graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
+from engine.prefill_graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
 
 
 def test_prefill_buckets_ladder():
