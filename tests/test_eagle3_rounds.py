@@ -173,7 +173,7 @@ def test_device_rounds_refuse_missing_slots_themselves(tiny_model_dir, e3_dir):
 
     from engine.dist import ParallelState, set_ps
     from engine.scheduler import ScheduledBatch
-    from engine.speculative.device_round import spec_round
+    from engine.speculative.round_steps import spec_round
     from engine.speculative.stage_round import stage_round
     try:
         r = _stage_runner(tiny_model_dir, e3_dir, 1, 0)

@@ -91,7 +91,7 @@ def test_round_on_padding_state_is_valid(tiny_model_dir, tiny_draft_dir):
     """What startup capture runs (SpecRoundRunner.capture_all, CUDA): a round on the all-padding state of every
     ladder size touches slot 0 only, keeps seq_len 0 and leaves a valid degenerate tree; the KV of real slots is
     untouched."""
-    from engine.speculative.device_round import spec_round
+    from engine.speculative.round_steps import spec_round
     spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **TREE)
     with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True, max_running_requests=5)) as llm:
         r = llm._worker.runner

@@ -3,25 +3,10 @@ launch round t+1 before it has read round t back (SGLang's spec-v2 overlap sched
 
 A round of the normal path is host-serial: the verify result comes back to the host, which then permutes the
 page table, plans FlashInfer for the draft extend and the draft steps from host slot lists, and launches them.
-Here every input of round t+1 is an output of round t on the device:
-
-  state (per request b of the segment, device tensors):
-    rt [bs, max_len] int64     the request's req_to_token row (a segment-local copy; slot ids)
-    seq_lens [bs] int64        committed tokens (the next root excluded)
-    tokens [bs, n], parents [bs, k(S-1)+1], tsi [bs, n-1]   the next tree (column 0 of tokens = root)
-  round (:func:`spec_round`):
-    1. build the tree (``build_tree_any``), verify forward over ``rt[b, L:L+n]`` with the tree mask,
-    2. greedy walk (``verify_tree_greedy_any``),
-    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``kv_cache.commit_order_device``, the
-       device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
-    4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree; the extend
-       reads the target's final-norm output per accepted node (EAGLE-1/2) or, for EAGLE-3, the outputs of the
-       target's aux layers collected by the same verify forward, concatenated in layer order [bs*n, 3H]
-       (:func:`engine.speculative.eagle3.assemble_features`); later draft steps read the draft's own output (H),
-    5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
-  Attention reads its layout from device tensors (:mod:`engine.attention.device`), so nothing is planned on the
-  host and the round is one CUDA graph per batch size (:class:`SpecRoundRunner`); on CPU it runs eagerly
-  (same code, torch reference attention).
+Here every input of round t+1 is an output of round t on the device (the state and the round's steps,
+:func:`spec_round`, are in :mod:`engine.speculative.round_steps`). Attention reads its layout from device tensors
+(:mod:`engine.attention.device`), so nothing is planned on the host and the round is one CUDA graph per batch size
+(:class:`SpecRoundRunner`); on CPU it runs eagerly (same code, torch reference attention).
 
 The host keeps its own req_to_token (the scheduler's) one round behind: it applies each round's commit
 permutation when it processes that round's result (``Scheduler.process_output``), exactly as on the normal
@@ -32,137 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.backend import ForwardContext, h2d, pinned, set_context
-from ..attention.device import DeviceLayout, default_splits
+from ..attention.backend import h2d, pinned
+from ..attention.device import default_splits
 from ..graph_capture import capture, ladder, pick
-from ..kv_cache import commit_order_device
+from .round_steps import RoundState, spec_round
 from .tree import chain_fallback
-from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 # split-KV cap of the round's attention calls (default_splits allows 64; the merge grows with the count)
 MAX_SPLITS = 32
-
-
-class RoundState:
-    """Device state of a segment of ``bs`` requests (padding rows: seq_len 0, slot 0 everywhere)."""
-
-    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1, chain: bool = False):
-        i64 = dict(dtype=torch.int64, device=device)
-        W = min(S + 1, n)
-        # constants of the round (built here, not inside the captured graph, where each would be a launch per
-        # round): an arange to slice, the draft extend's causal block, the draft steps' all-true tail masks
-        self.ar = torch.arange(max(n, W, bs * k, k * max(S - 1, 0), 1), **i64)
-        self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
-        self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
-        self.chain = chain                              # spec.is_chain: parent_list / tsi are constants
-        self.bs = bs
-        self.rt = torch.zeros(bs, max_len, **i64)
-        self.rows = torch.arange(bs, device=device)
-        self.seq_lens = torch.zeros(bs, **i64)
-        self.tokens = torch.zeros(bs, n, **i64)
-        self.parents = torch.zeros(bs, P, **i64)
-        self.tsi = torch.zeros(bs, n - 1, **i64)
-        self.out = torch.zeros(bs, 2 * (S + 1) + 2, **i64)
-        self.live = torch.zeros(bs, **i64)              # 1: a request, 0: padding (its seq_len stays 0)
-
-
-def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
-    """One greedy EAGLE round of the ``st.bs`` requests of ``st``, entirely on the device (see the module doc).
-
-    ``runner``: the ModelRunner (model, draft, pools, spec); ``splits``: (verify / extend split-KV count,
-    draft-step split-KV count) of :mod:`engine.attention.device`. Reads and updates ``st`` in place; the round's
-    result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by :class:`SpecRoundRunner`).
-    """
-    aux = [] if runner.eagle3 is not None else None
-    tree, feature, _ = verify_forward(runner, st, splits[0], aux=aux)
-    round_tail(runner, st, splits, tree, feature, round_draft_feature(runner, aux, 0))
-
-
-def round_draft_feature(runner, aux: list | None, n_in: int):
-    """The draft extend's input feature on the last stage: None without EAGLE-3 (the extend reads the verify
-    output), else the aux slots concatenated [T, 3H] (``runner.draft_features``) after the ``drop_aux`` fault
-    removed this stage's own slots (``aux[n_in:]``; ``n_in``: the slots received). RelayError when fewer than
-    the aux layers' count remain (raised while the round is traced: eagerly, or at a graph's warm-up)."""
-    if aux is None:
-        return None
-    runner.drop_own_aux(aux, n_in)
-    return runner.draft_features(aux)
-
-
-def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=None, aux: list | None = None):
-    """Steps 1 of the round on this stage: build the verify trees of ``st`` and run this stage's layers over
-    ``rt[b, L:L+n]`` with the tree mask (attention from device tensors; ``splits``: its split-KV count).
-    ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage). ``aux``
-    (EAGLE-3): the slots [bs*n, H] received from earlier stages (layer order; ``[]`` on the first stage), to which
-    the outputs of this stage's aux layers are appended (:meth:`LlamaForCausalLM.forward`); None: no capture.
-    Returns (TreeInfo, this stage's output [bs*n, H] (the EAGLE feature on the last stage), residual or None)."""
-    k, n = runner.spec.topk, runner.spec.num_draft_tokens
-    B, L = st.bs, st.seq_lens
-    tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
-    seg = st.rt.gather(1, L.view(B, 1) + st.ar[:n])                       # the verify segment's slots [B, n]
-    lay = DeviceLayout(st.rt, st.rows, L, seg, tree.tree_mask, splits)
-    ctx = ForwardContext(list(range(0, B * n + 1, n)), None, None, seg.reshape(-1), runner.kv_pool, "verify",
-                         device_layout=lay)
-    set_context(ctx)
-    try:
-        out, res = runner.model(tree.candidates.reshape(-1), tree.positions.reshape(-1), hidden, residual, aux)
-    finally:
-        set_context(None)
-    return tree, out, res
-
-
-def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
-               draft_feature: torch.Tensor | None = None) -> None:
-    """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit
-    (``st.rt`` permuted, ``st.seq_lens`` advanced), draft extend, tail draft into ``st.tokens`` / ``st.parents`` /
-    ``st.tsi``, the result row into ``st.out``. ``draft_feature`` [bs*n, F]: what the draft extend reads per tree
-    node (default ``feature``; EAGLE-3: the aux features, F = 3H, :func:`round_draft_feature`). No host sync."""
-    from .eagle_worker import draft_beam_search
-    spec, model = runner.spec, runner.model
-    S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
-    B, L, ar = st.bs, st.seq_lens, st.ar
-    vpos = L.view(B, 1) + ar[:n]
-    seg = st.rt.gather(1, vpos)
-    pred = model.greedy_tokens(feature).view(B, n)
-    res = verify_tree_greedy_any(tree, pred, S)
-    alen = res.accept_length
-    seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n, ar))
-    st.rt.scatter_(1, vpos, seg_new)                                      # commit: an index rewrite
-    L_new = L + alen * st.live
-    # draft extend over W rows per request (accepted tokens + bonus, then padding rows whose KV lands in
-    # scratch slots the draft steps overwrite before reading), causal within the W rows
-    W = min(S + 1, n)
-    ids = res.emitted[:, :W].clamp(min=0).reshape(-1)
-    fidx = (ar[:B].view(B, 1) * n + res.accept_nodes[:, :W].clamp(min=0)).reshape(-1)
-    pos = (L.view(B, 1) + ar[:W]).reshape(-1)
-    locs = seg_new[:, :W]
-    lay_e = DeviceLayout(st.rt, st.rows, L, locs, st.causal, splits[0])
-    ctx_e = ForwardContext(list(range(0, B * W + 1, W)), None, None, locs.reshape(-1), runner.draft_pool,
-                           "extend", device_layout=lay_e)
-    dfeat = feature if draft_feature is None else draft_feature
-    hid = runner.draft_forward(ids, dfeat[fidx], pos, ctx_e, planned=True)
-    last_h = hid[ar[:B] * W + alen - 1]
-    # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
-    w = k * (S - 1)
-    scratch = st.rt.gather(1, L_new.view(B, 1) + ar[:w]).view(B, S - 1, k).transpose(1, 2)
-    lane_rows = st.rows.view(B, 1).expand(B, k).reshape(-1)         # lane b*k + j (no repeat_interleave scan)
-    lane_L = L_new.view(B, 1).expand(B, k).reshape(-1)
-
-    def step_inputs(s, hist_s):
-        tail = hist_s.reshape(B * k, s)
-        lay_s = DeviceLayout(st.rt, lane_rows, lane_L, tail, st.step_mask[:, :, :s], splits[1])
-        c = ForwardContext(list(range(B * k + 1)), None, None, tail[:, -1], runner.draft_pool, "decode",
-                           device_layout=lay_s)
-        return lane_L + (s - 1), c, True
-
-    drafts, parent_list, tsi = draft_beam_search(runner, last_h, scratch.contiguous(), step_inputs)
-    st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
-    st.tokens[:, 0].copy_(res.bonus)
-    st.tokens[:, 1:].copy_(drafts)
-    if not st.chain:                  # a chain's parent_list / top_scores_index never change (chain_constants)
-        st.parents.copy_(parent_list)
-        st.tsi.copy_(tsi)
-    st.seq_lens.copy_(L_new)
 
 
 class SpecRoundRunner:

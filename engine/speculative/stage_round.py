@@ -8,12 +8,12 @@ Every stage, for a greedy verify batch of B requests (padded to a captured batch
      input), run this stage's layers over ``rt[b, L:L+n]`` with attention read from device tensors
      (:mod:`engine.attention.device`: nothing planned on the host), from the previous stage's proxies;
   3. the last stage continues in the same launch: greedy walk, commit, draft extend, tail draft
-     (:func:`engine.speculative.device_round.round_tail`), the result row [accept_nodes | accept_length | emitted |
+     (:func:`engine.speculative.round_steps.round_tail`), the result row [accept_nodes | accept_length | emitted |
      bonus] and the next trees written to device buffers.
 EAGLE-3: the proxy is (hidden, residual, aux) as on the host round (``ModelRunner.aux_slots``): a stage copies the
 slots it receives into its state's ``a_in`` buffers, its verify forward appends the outputs of the aux layers it owns,
 a stage that is not the last hands all of them on (``a_out``), and the last stage concatenates them in layer order
-[bs*n, 3H] for the draft extend (:func:`engine.speculative.device_round.round_draft_feature`). Nothing of this goes
+[bs*n, 3H] for the draft extend (:func:`engine.speculative.round_steps.round_draft_feature`). Nothing of this goes
 on the relay back to stage 0. A wrong slot count raises RelayError (``aux_slots`` on receipt; the assembly on the
 last stage), which the ``drop_aux`` fault exercises.
 On CUDA with graphs each (stage, bs) is one captured graph. Nothing is read back here: non-last stages hand on
@@ -31,7 +31,8 @@ import torch
 
 from ..dist import ps
 from ..messages import DraftTree, StepResult
-from .device_round import RoundState, SpecRoundRunner, round_draft_feature, round_tail, verify_forward
+from .device_round import SpecRoundRunner
+from .round_steps import RoundState, round_draft_feature, round_tail, verify_forward
 
 _TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")
 
