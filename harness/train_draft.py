@@ -250,6 +250,33 @@ def tf32_matmul(device):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, batch_tokens, draft_vocab_size,
+                       prompt_weight) -> None:
+    """Refuse training values that would fail only after the data is generated (minutes on a GPU): ConfigError
+    (one line, naming the ``train.`` key) for ``unroll``, ``epochs``, ``batch_tokens`` or ``draft_vocab_size``
+    below 1, a non-finite or non-positive ``lr``, a negative or non-finite ``prompt_weight``, and for EAGLE-3 aux
+    layers that are not three increasing layer ids of the target ``mc``."""
+    import math
+    for key, v in (("unroll", unroll), ("epochs", epochs), ("batch_tokens", batch_tokens),
+                   ("draft_vocab_size", draft_vocab_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"train-draft: train.{key} must be an integer >= 1 (got {v!r})")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"train-draft: train.lr must be a finite number > 0 (got {lr!r})")
+    if not (isinstance(prompt_weight, (int, float)) and math.isfinite(prompt_weight) and prompt_weight >= 0):
+        raise ConfigError(f"train-draft: train.prompt_weight must be a finite number >= 0 (got {prompt_weight!r})")
+    if algorithm == "eagle3" and aux_layers is not None:
+        from engine.speculative.eagle3 import check_aux_layers
+        if not isinstance(aux_layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                for x in aux_layers):
+            raise ConfigError(f"train-draft: train.aux_layers must be a list of three layer ids (got {aux_layers!r})")
+        try:
+            check_aux_layers(aux_layers, mc.num_hidden_layers)
+        except ConfigError:
+            raise ConfigError(f"train-draft: train.aux_layers {list(aux_layers)}: need three strictly increasing "
+                              f"layer ids in [0, {mc.num_hidden_layers})") from None
+
+
 def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = "cpu", dtype: str = "float32",
                 epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
@@ -289,6 +316,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         raise ConfigError(f"training data {data} is empty")
     path = resolve_model_path(model)
     mc = load_model_config(path)
+    check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
+                       batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight)
     torch.manual_seed(seed)
     random.seed(seed)
     t0 = time.perf_counter()

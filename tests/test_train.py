@@ -170,3 +170,21 @@ def test_train_draft_refuses_a_bad_context_tokens(tmp_path):
     for bad in (0, -3, 2.5, True, "384"):
         with pytest.raises(ConfigError, match="context_tokens must be an integer >= 1"):
             train_draft("smollm2", tmp_path / "none.jsonl", tmp_path / "out", context_tokens=bad)
+
+
+def test_train_draft_refuses_bad_values_before_generating(tmp_path):
+    """Values that used to fail only after the data was generated are refused first, one line each."""
+    import pytest
+
+    from engine.config import ConfigError
+    from harness.train_draft import train_draft
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "Question: 1+1?\\nAnswer:"}\n')
+    cases = [({"aux_layers": [1, 14, 99]}, r"train.aux_layers \[1, 14, 99\]: need three strictly increasing"),
+             ({"aux_layers": [1, 14]}, "train.aux_layers"), ({"aux_layers": "abc"}, "train.aux_layers must be"),
+             ({"unroll": 0}, "train.unroll must be an integer >= 1"), ({"epochs": 0}, "train.epochs"),
+             ({"lr": -1.0}, "train.lr must be a finite number > 0"), ({"lr": float("nan")}, "train.lr"),
+             ({"draft_vocab_size": 0}, "train.draft_vocab_size"), ({"prompt_weight": -0.5}, "train.prompt_weight")]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            train_draft("smollm2", data, tmp_path / "out", algorithm="eagle3", **kw)
