@@ -149,7 +149,7 @@ REGISTRY: tuple[Knob, ...] = (
          "buffer, one staging copy) or torch (torch.save, the reference twin)", "engine/transport.py", "relay_codec",
          choices=("packed", "torch")),
     Knob("PPSPEC_CPU_KV_TOKENS", "int", 0, _B, "KV pool tokens on CPU when max_num_tokens is unset (0: a share of "
-         "the free host memory, engine.runner.CPU_KV_SHARE)", "engine/runner.py", "cpu_kv_tokens", minimum=0),
+         "the free host memory, engine.kv_cache.CPU_KV_SHARE)", "engine/kv_cache.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
          "harness/config.py", "toml"),
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),

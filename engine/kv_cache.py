@@ -73,6 +73,28 @@ def host_available_bytes() -> int:
     return avail
 
 
+CPU_KV_SHARE = 0.5           # CPU pools: this share of mem_fraction x available memory (the rest: weights,
+                             # activations, the harness)
+CPU_KV_MIN_TOKENS = 4096
+
+
+def rank_kv_tokens(per_tok: int, device: torch.device, mem_fraction: float, max_num_tokens: int | None, ranks: int,
+                   staged: bool) -> int:
+    """KV slots this rank asks for (the runner takes the minimum over all ranks): ``max_num_tokens`` when set; on
+    CUDA ``mem_fraction`` of the device's free memory (shared by all ``ranks`` when ``staged``: every rank on one
+    GPU); on CPU the ``cpu_kv_tokens`` knob, else ``CPU_KV_SHARE`` of ``mem_fraction`` of the host's available
+    memory split among the ``ranks`` of the run (pages are written only as the pool fills), at least
+    ``CPU_KV_MIN_TOKENS``. ``per_tok``: bytes of one slot on this rank (every layer's K and V)."""
+    if max_num_tokens:
+        return max_num_tokens
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * mem_fraction / per_tok / (ranks if staged else 1))
+    if knobs.current().cpu_kv_tokens:
+        return knobs.current().cpu_kv_tokens
+    return max(CPU_KV_MIN_TOKENS, int(host_available_bytes() * mem_fraction * CPU_KV_SHARE / per_tok / ranks))
+
+
 def kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``[T, 2, Hk, D]`` with ``[:, 0] = k`` and ``[:, 1] = v``: a strided view without a copy when v's
     elements sit right after k's in every row (same strides, inner dims contiguous), else ``stack``."""

@@ -7,24 +7,20 @@ from pathlib import Path
 
 import torch
 
-from .kernels.argmax import argmax_rows
-from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
+from .attention.backend import TorchBackend, get_backend, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
-from . import knobs
 from .config import ConfigError, EngineConfig, ModelConfig, rank_fault
 from .dist import all_reduce_min_int, ps
-from .kv_cache import KVPool, host_available_bytes
+from .kv_cache import KVPool, rank_kv_tokens
 from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.tp_pad import tp_head_padding
-from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
 from .prefix_cache import PREFIX_BLOCK
 
-CPU_KV_SHARE = 0.5           # CPU pools: this share of mem_fraction x available memory (the rest: weights,
-                             # activations, the harness)
-CPU_KV_MIN_TOKENS = 4096
-from .scheduler import Req, ScheduledBatch, Scheduler
+from .batch_inputs import batch_inputs
+from .sampler import Sampler
+from .scheduler import ScheduledBatch, Scheduler
 
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
@@ -63,6 +59,7 @@ class ModelRunner:
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
+        self.sampler = Sampler(self.device, config.seed)
         max_pos = self.max_model_len + self.reserve + 8
         self.model = LlamaForCausalLM(mc, self.dtype, max_pos)
         self.draft = None
@@ -82,8 +79,11 @@ class ModelRunner:
             weights = iter_weights(self.path, dtype=self.dtype, layer_range=(start, end))
         if self.head_padding:
             weights = self.head_padding.weights(weights)
-        if self.spec and s.is_last_stage:
-            weights = self._build_draft(weights, max_pos)
+        if self.spec and s.is_last_stage:               # the draft, with its own copy of the target embedding
+            from .speculative.drafts import build_draft, copy_embedding
+            self.draft = build_draft(self.spec, self.checkpoint_config, self.eagle3, self.dtype, self.device, max_pos,
+                                     seed=config.seed, dummy=config.load_format == "dummy", tp_size=s.tp_size)
+            weights = copy_embedding(self.draft, weights)
         self.model.load_weights(weights)
         self.model.to(self.device)
         if self.draft is not None:
@@ -147,54 +147,12 @@ class ModelRunner:
         else:
             set_backend(TorchBackend())
 
-    def _build_draft(self, weights, max_pos):
-        from .speculative.eagle import (EagleDraft, draft_config, dummy_draft_weights, has_draft_weights, iter_draft_weights)
-        if not self.spec.draft:
-            raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
-        if self.eagle3 is not None:
-            yield from self._build_eagle3(weights, max_pos)
-            return
-        dcfg = draft_config(self.checkpoint_config, self.spec.draft)
-        dpad = tp_head_padding(dcfg, ps().tp_size)        # the draft layer is TP-sharded like the target's
-        self.draft = EagleDraft(dpad.config(dcfg) if dpad else dcfg, self.dtype, max_pos)
-        if self.config.load_format == "dummy" and not has_draft_weights(self.spec.draft):
-            # a config-only draft next to a random target: random draft weights too (labelled random)
-            dw = dummy_draft_weights(dcfg, self.config.seed, self.dtype, self.device)
-        else:
-            dw = iter_draft_weights(self.spec.draft, self.dtype)
-        if dpad:
-            dw = dpad.weights(dw)
-        self.draft.load_draft_weights(dw)
-        for name, t in weights:               # the draft keeps its own copy of the target embedding
-            if name == "model.embed_tokens.weight":
-                self.draft.embed_tokens.load(t)
-            yield name, t
-
-    def _build_eagle3(self, weights, max_pos):
-        """The EAGLE-3 draft (engine.speculative.eagle3) on the last stage; passes ``weights`` on, copying the
-        target embedding into the draft."""
-        from .speculative.eagle import has_draft_weights, iter_draft_weights
-        from .speculative.eagle3 import Eagle3Draft, dummy_eagle3_weights
-        e3 = self.eagle3
-        if tp_head_padding(e3.cfg, ps().tp_size):
-            raise ConfigError(f"spec.algorithm eagle3: tp={ps().tp_size} does not divide the draft's heads "
-                              f"({e3.cfg.num_attention_heads} q, {e3.cfg.num_key_value_heads} kv)")
-        self.draft = Eagle3Draft(e3, self.dtype, max_pos)
-        if self.config.load_format == "dummy" and not has_draft_weights(self.spec.draft):
-            dw = dummy_eagle3_weights(e3, self.config.seed, self.dtype, self.device)
-        else:
-            dw = iter_draft_weights(self.spec.draft, self.dtype)
-        self.draft.load_draft_weights(dw)
-        for name, t in weights:
-            if name == "model.embed_tokens.weight":
-                self.draft.embed_tokens.load(t)
-            yield name, t
-
     def _build_eagle(self):
         """The last stage's EagleWorker: draft, its KV pool, the target head, the page table and the tree ops."""
         from .speculative.eagle_worker import EagleWorker
         return EagleWorker(self.spec, self.draft, self.draft_pool, self.model, self.sched.req_to_token, self.tree_ops,
-                           self.device, hot_head=self.hot_head, probs=self.target_probs, coins=self.coins,
+                           self.device, hot_head=self.hot_head, probs=self.sampler.target_probs,
+                           coins=self.sampler.coins,
                            drop_tree=self.config.fault == "drop_tree")
 
     def _init_kv(self) -> None:
@@ -202,18 +160,8 @@ class ModelRunner:
         kv_heads = max(1, mc.num_key_value_heads // s.tp_size)
         n_layers = len(self.model.layers) + (1 if self.draft is not None else 0)
         per_tok = KVPool.bytes_per_token(max(n_layers, 1), kv_heads, mc.head_dim, self.dtype)
-        if self.config.max_num_tokens:
-            cap = self.config.max_num_tokens
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            ranks_on_device = s.tp_size * s.pp_size if s.staged else 1      # staged: every rank shares one GPU
-            cap = int(free * self.config.mem_fraction / per_tok / ranks_on_device)
-        elif knobs.current().cpu_kv_tokens:
-            cap = knobs.current().cpu_kv_tokens
-        else:                                # CPU: a share of the host's free memory, written only as it fills
-            local = s.tp_size * s.pp_size          # every rank of a CPU run shares this host
-            cap = max(CPU_KV_MIN_TOKENS, int(host_available_bytes() * self.config.mem_fraction * CPU_KV_SHARE
-                                             / per_tok / local))
+        cap = rank_kv_tokens(per_tok, self.device, self.config.mem_fraction, self.config.max_num_tokens,
+                             s.tp_size * s.pp_size, s.staged)
         self.capacity = all_reduce_min_int(cap)
         self.kv_pool = KVPool(len(self.model.layers), self.capacity + 1, kv_heads, mc.head_dim, self.dtype, self.device)
         self.draft_pool = None
@@ -224,53 +172,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ forward
     def batch_inputs(self, batch: ScheduledBatch, tree=None, lookahead: bool = False):
-        """Flat input_ids/positions/out_cache_loc [T] and per-request kv_indices/masks for ``batch``.
-        ``lookahead`` (decode, overlap schedule): one step past the step in flight, whose token is not on
-        the host yet (position seq_len + 1; the caller supplies the input ids from the device)."""
-        rt = self.sched.req_to_token
-        if batch.kind == "verify":
-            return self._verify_inputs(batch, tree)
-        ids, pos, locs, kv, qo = [], [], [], [], [0]
-        for i, r in enumerate(batch.reqs):
-            if batch.kind == "prefill":
-                st, en, _ = batch.chunks[i]
-                ids.append(torch.tensor(r.fill_ids[st:en]))
-                pos.append(torch.arange(st, en))
-                locs.append(rt[r.row, st:en])
-                kv.append(rt[r.row, :en])
-            else:                                  # decode
-                L = r.seq_len + (1 if lookahead else 0)
-                ids.append(torch.tensor([r.root_token]))
-                pos.append(torch.tensor([L]))
-                locs.append(rt[r.row, L:L + 1])
-                kv.append(rt[r.row, :L + 1])
-            qo.append(qo[-1] + ids[-1].numel())
-        d = self.device
-        # page tables stay on the host: the backend moves what it needs in one copy
-        # ids, positions and out_cache_loc travel together: one pinned host->device copy
-        ids_d, pos_d, loc_d = h2d(torch.stack([torch.cat(ids).long(), torch.cat(pos).long(), torch.cat(locs).long()]), d)
-        ctx = ForwardContext(qo, kv, None, loc_d, self.kv_pool, batch.kind)
-        return ids_d, pos_d, ctx
-
-    def _verify_inputs(self, batch: ScheduledBatch, tree):
-        """Verify inputs: ids/positions are the tree's (copied in one pinned copy with out_cache_loc when
-        the tree is host data; used in place when it lives on the device, ``spec_device_tree``), page tables
-        come from the host, and the masks stay as ``tree_mask`` [B, n, n] + prefix lengths: the backend
-        expands them (``request_masks``) or the graph runner bit-packs them (``pack_verify_mask``: numpy on
-        the host, Triton on the device) without building B host masks of n x (L + n)."""
-        rt = self.sched.req_to_token
-        n = tree.candidates.shape[1]
-        Ls = [r.seq_len for r in batch.reqs]
-        locs = torch.cat([rt[r.row, L:L + n] for r, L in zip(batch.reqs, Ls)])
-        kv = [rt[r.row, :L + n] for r, L in zip(batch.reqs, Ls)]
-        if tree.candidates.device.type == "cpu":
-            ids_d, pos_d, loc_d = h2d(torch.stack([tree.candidates.reshape(-1), tree.positions.reshape(-1), locs]),
-                                      self.device)
-        else:
-            ids_d, pos_d, loc_d = tree.candidates.reshape(-1), tree.positions.reshape(-1), h2d(locs, self.device)
-        ctx = ForwardContext(list(range(0, len(Ls) * n + 1, n)), kv, None, loc_d, self.kv_pool, "verify",
-                             tree_mask=tree.tree_mask, prefix_lens=Ls)
-        return ids_d, pos_d, ctx
+        """The device inputs of ``batch`` on this stage (:func:`engine.batch_inputs.batch_inputs`)."""
+        return batch_inputs(batch, self.sched.req_to_token, self.kv_pool, self.device, tree, lookahead)
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.graphs)."""
@@ -374,31 +277,3 @@ class ModelRunner:
     def draft_forward(self, ids, features, pos, ctx, planned: bool = False):
         """One draft forward (:meth:`EagleWorker.draft_forward`), for the graph runners that hold this runner."""
         return self.eagle.draft_forward(ids, features, pos, ctx, planned=planned)
-
-    # ------------------------------------------------------------------------------------ sampling
-    def sampling_tensors(self, reqs: list[Req], repeat: int = 1):
-        p = [r.params for r in reqs]
-        t = torch.tensor([x.temperature for x in p], dtype=torch.float32).repeat_interleave(repeat)
-        k = torch.tensor([x.top_k for x in p], dtype=torch.int64).repeat_interleave(repeat)
-        tp = torch.tensor([x.top_p for x in p], dtype=torch.float32).repeat_interleave(repeat)
-        return h2d(t, self.device), h2d(k, self.device), h2d(tp, self.device)
-
-    def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
-        """Per-row target distribution; greedy rows become one-hot on the argmax (exact greedy verify)."""
-        t, k, tp = self.sampling_tensors(reqs, repeat)
-        probs = processed_probs(logits, t, k, tp)
-        greedy = (t == 0).unsqueeze(1)
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        return torch.where(greedy, onehot, probs)
-
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
-        if all(r.params.greedy for r in reqs):
-            return argmax_rows(logits)
-        probs = self.target_probs(logits, reqs)
-        coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
-        return sample_from_probs(probs, coins.to(probs.device))
-
-    def coins(self, r: Req, count: int) -> torch.Tensor:
-        """``count`` sampling coins [count] float32 for ``r``'s next output position (``request_coins``)."""
-        return request_coins(coin_seed(r.params, r.rid, self.config.seed), len(r.output_ids), count)

@@ -122,7 +122,7 @@ class Worker:
         sampled = None
         if done:
             logits = r.model.compute_logits(hidden[h2d(torch.tensor(rows), hidden.device)])
-            sampled = r.sample(logits, [batch.reqs[i] for i in done])          # [len(done)] on the device
+            sampled = r.sampler.sample(logits, [batch.reqs[i] for i in done])          # [len(done)] on the device
             if batch.kind == "prefill":
                 sampled = _keep_roots(sampled, [batch.reqs[i] for i in done])
         if self.spec is not None:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from engine.attention.backend import set_context
 from engine.config import ConfigError, ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, check_aux_layers, default_aux_layers, save_eagle3
+from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, check_aux_layers, default_aux_layers
+from engine.speculative.eagle3_checkpoint import save_eagle3
 
 
 def draft_vocab(seqs: list[list[int]], size: int, vocab_size: int) -> torch.Tensor:

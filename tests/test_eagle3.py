@@ -170,7 +170,7 @@ def test_checkpoint_round_trip(tiny_model_dir, e3_dir, tmp_path):
     the saved config is the published layout (architectures, draft_vocab_size, eagle_config aux layer ids)."""
     from safetensors.torch import load_file
 
-    from engine.speculative.eagle3 import eagle3_state_dict, save_eagle3
+    from engine.speculative.eagle3_checkpoint import eagle3_state_dict, save_eagle3
     mc, d = _load(tiny_model_dir, e3_dir)
     save_eagle3(tmp_path / "st", mc, d, dtype=torch.float32)
     cfg = json.loads((tmp_path / "st" / "config.json").read_text())

@@ -89,7 +89,8 @@ def make_tiny_eagle3(model_dir: str | Path, out: Path, aux_layers=(0, 2, 3), mix
 
     from engine.dist import ParallelState, set_ps
     from engine.model.loader import load_model_config
-    from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, save_eagle3
+    from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec
+    from engine.speculative.eagle3_checkpoint import save_eagle3
 
     set_ps(ParallelState())
     mc = load_model_config(model_dir)
