@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import weakref
 
 import torch
@@ -93,11 +94,18 @@ class LLM:
         port = free_port()
         self._busy = True
         _ENGINES.add(self)
-        for rank in range(W):
-            p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
-                            daemon=True)
-            p.start()
-            self._procs.append(p)
+        # the ranks start with SIGINT blocked (rank_main then ignores it): a terminal's ^C reaches the whole process
+        # group, and a rank still importing would print a traceback; the front end decides. A ^C that arrives
+        # meanwhile is delivered to the front end when the mask is restored.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for rank in range(W):
+                p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
+                                daemon=True)
+                p.start()
+                self._procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         infos = {}
         while len(infos) < W:
             msg = self._get()

@@ -268,3 +268,16 @@ def test_multi_rank_shutdown_releases_queue_semaphores(tiny_model_dir):
             sem_unlink(n)
     with pytest.raises(EngineError, match="shut down"):
         llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+
+
+def test_ranks_start_with_sigint_blocked(tiny_model_dir):
+    """A terminal's ^C reaches every process of the group: the ranks start with SIGINT blocked (no traceback from
+    a rank still importing), while the front end keeps it deliverable."""
+    import signal
+    with LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30)) as llm:
+        for p in llm._procs:
+            status = open(f"/proc/{p.pid}/status").read()
+            blocked = int(next(x for x in status.splitlines() if x.startswith("SigBlk:")).split()[1], 16)
+            assert blocked & (1 << (signal.SIGINT - 1)), status
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids
