@@ -41,8 +41,8 @@ class ExecutionPlan:
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
-    notes: one line per decision that overrode an option (the current rules make none: EAGLE-3 takes every path
-    EAGLE-2 takes, its device rounds carrying the auxiliary features).
+    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept on the host spec round on CUDA unless
+    ``spec_overlap`` is set: its device rounds carry the auxiliary features but are checked on CPU only).
     """
 
     device: str

@@ -251,12 +251,16 @@ def tf32_matmul(device):
 
 
 def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, batch_tokens, draft_vocab_size,
-                       prompt_weight) -> None:
-    """Refuse training values that would fail only after the data is generated (minutes on a GPU): ConfigError
-    (one line, naming the ``train.`` key) for ``unroll``, ``epochs``, ``batch_tokens`` or ``draft_vocab_size``
-    below 1, a non-finite or non-positive ``lr``, a negative or non-finite ``prompt_weight``, and for EAGLE-3 aux
-    layers that are not three increasing layer ids of the target ``mc``."""
+                       prompt_weight, context_tokens) -> None:
+    """Refuse training values before any data is read or generated (a bad one would otherwise fail minutes into a
+    GPU run): ConfigError (one line, naming the key) for ``unroll``, ``epochs``, ``batch_tokens`` or
+    ``draft_vocab_size`` below 1, ``context_tokens`` neither None nor an integer >= 1, a non-finite or non-positive
+    ``lr``, a negative or non-finite ``prompt_weight``, and for EAGLE-3 aux layers that are not three increasing
+    layer ids of the target ``mc``."""
     import math
+    if context_tokens is not None and (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
+                                       or context_tokens < 1):
+        raise ConfigError(f"train-draft: context_tokens must be an integer >= 1 or null (got {context_tokens!r})")
     for key, v in (("unroll", unroll), ("epochs", epochs), ("batch_tokens", batch_tokens),
                    ("draft_vocab_size", draft_vocab_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -302,11 +306,13 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     None: the whole prompt); applied before ``sequences_cache`` is written.
     Raises ConfigError for a bad model path or data file.
     """
-    if context_tokens is not None and (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
-                                       or context_tokens < 1):
-        raise ConfigError(f"train-draft: context_tokens must be an integer >= 1 or null (got {context_tokens!r})")
     if algorithm not in ("eagle", "eagle3"):
         raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
+    path = resolve_model_path(model)
+    mc = load_model_config(path)
+    check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
+                       batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
+                       context_tokens=context_tokens)
     rows = read_jsonl(data)
     if rows and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
         from harness.prompts import fewshot_prompts
@@ -314,10 +320,6 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     rows = rows[:limit]
     if not rows:
         raise ConfigError(f"training data {data} is empty")
-    path = resolve_model_path(model)
-    mc = load_model_config(path)
-    check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
-                       batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight)
     torch.manual_seed(seed)
     random.seed(seed)
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import set_context
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, check_aux_layers, default_aux_layers
 from engine.speculative.eagle3_checkpoint import save_eagle3
@@ -234,8 +234,6 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
     kept (``cache_features``) while the device has more than 8 GiB free. ``gen``: the generation settings, recorded
     in the checkpoint's ``ppspec_training``."""
     iter_weights, dense_ctx, token_batches, row_weights = helpers
-    if unroll < 1:
-        raise ConfigError(f"train-draft: unroll {unroll} (need >= 1)")
     aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
                            mc.num_hidden_layers)
     tdt = getattr(torch, dtype)
