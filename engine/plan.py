@@ -41,8 +41,6 @@ class ExecutionPlan:
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
     tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
-    notes: one line per decision that overrode an option (e.g. EAGLE-3 kept on the host spec round on CUDA unless
-    ``spec_overlap`` is set: its device rounds carry the auxiliary features but are checked on CPU only).
     """
 
     device: str
@@ -61,7 +59,6 @@ class ExecutionPlan:
     kernels: dict
     knobs: dict
     libraries: dict
-    notes: tuple = ()
     frames: str | None = None
 
     @property
@@ -96,7 +93,6 @@ class ExecutionPlan:
                  f"linear {li['policy']}",
                  f"kernels on: {', '.join(on) or 'none'}",
                  "knobs " + (", ".join(f"{n}={v}" for n, v in self.knobs.items()) or "all default")]
-        lines += [f"note: {n}" for n in self.notes]
         if self.libraries.get("assumed"):
             lines.append("(resolved off a GPU host: flashinfer and triton assumed importable)")
         return "\n".join(lines)
@@ -127,12 +123,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         staged = cuda and _visible_gpus(config.world_size) < config.world_size
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
-    notes = []
     rounds = config._auto_for(config.spec_overlap, dev)
-    if spec and spec.is_eagle3 and config.spec_overlap is None and cuda:
-        rounds = False
-        notes.append("eagle3: host spec round on CUDA by default (spec_overlap: true selects the device rounds, "
-                     "whose graphs carrying the aux features are checked on CPU only)")
     spec_overlap = bool(spec) and rounds and pp1 and config.tp == 1
     stage_round = bool(spec) and not spec_overlap and rounds
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
@@ -162,7 +153,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, round_, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
-                         libs, tuple(notes), frames)
+                         libs, frames)
 
 
 def _libraries(cuda: bool) -> dict:

@@ -281,6 +281,23 @@ def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, ba
                               f"layer ids in [0, {mc.num_hidden_layers})") from None
 
 
+def check_init_from(algorithm: str, mc, init_from, aux_layers, draft_vocab_size: int):
+    """The :class:`~engine.speculative.eagle3.Eagle3Spec` of the head ``init_from`` (a directory with config.json),
+    checked against the target ``mc`` and the training values; ConfigError (one line) for another algorithm than
+    eagle3, a missing or foreign head, or ``aux_layers`` / ``draft_vocab_size`` that differ from the head's."""
+    from engine.speculative.eagle3 import eagle3_config
+    if algorithm != "eagle3":
+        raise ConfigError(f"train-draft: train.init_from is for algorithm eagle3 (got {algorithm})")
+    spec = eagle3_config(mc, init_from)
+    if aux_layers is not None and tuple(aux_layers) != tuple(spec.aux_layers):
+        raise ConfigError(f"train-draft: train.aux_layers {list(aux_layers)} differ from the init_from head's "
+                          f"{list(spec.aux_layers)}")
+    if draft_vocab_size != spec.draft_vocab_size:
+        raise ConfigError(f"train-draft: train.draft_vocab_size {draft_vocab_size} differs from the init_from head's "
+                          f"{spec.draft_vocab_size}")
+    return spec
+
+
 def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = "cpu", dtype: str = "float32",
                 epochs: int = 1, lr: float = 3e-4, batch_tokens: int = 4096, max_len: int = 2048,
                 max_new_tokens: int = 256, noise: float = 0.1, cls_weight: float = 0.1, unroll: int = 2,
@@ -289,7 +306,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 cache_features: bool = True, algorithm: str = "eagle", aux_layers: list | None = None,
                 draft_vocab_size: int = 32000, gen_dtype: str | None = None, gen_backend: str = "torch",
                 gen_max_running: int = 128, gen_time_budget_s: float | None = None,
-                time_budget_s: float | None = None, context_tokens: int | None = None, log=print) -> dict:
+                time_budget_s: float | None = None, context_tokens: int | None = None,
+                init_from: str | Path | None = None, log=print) -> dict:
     """Train and save an EAGLE-1/2 head (``algorithm`` "eagle") or an EAGLE-3 head ("eagle3",
     :mod:`harness.train_eagle3`: ``aux_layers`` target layer ids, default SGLang's; ``draft_vocab_size``; ``noise``
     and ``cls_weight`` unused) in the published layout; returns training stats.
@@ -303,7 +321,10 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     features included; the learning-rate schedule runs on the larger of the step and the time fraction and training
     stops when either reaches 1 (None: ``epochs`` full epochs).
     context_tokens: train on at most this many prompt tokens before each continuation (:func:`trim_context`;
-    None: the whole prompt); applied before ``sequences_cache`` is written.
+    None: the whole prompt); applied after ``sequences_cache`` is read or written (the cache keeps whole prompts,
+    so one generated set serves every context length).
+    init_from (EAGLE-3 only): a saved EAGLE-3 head whose weights, draft vocabulary and aux layers training continues
+    from (``aux_layers`` / ``draft_vocab_size`` must then agree with it; checked before any data is read).
     Raises ConfigError for a bad model path or data file.
     """
     if algorithm not in ("eagle", "eagle3"):
@@ -313,6 +334,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
                        batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
                        context_tokens=context_tokens)
+    if init_from is not None:
+        check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size)
     rows = read_jsonl(data)
     if rows and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
         from harness.prompts import fewshot_prompts
@@ -333,10 +356,11 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         seqs, plens = build_sequences(model, rows, device, gen_dtype or dtype, max_new_tokens, max_len,
                                       backend=gen_backend, max_running=gen_max_running,
                                       time_budget_s=gen_time_budget_s, log=log)
-        if context_tokens is not None:
-            seqs, plens = trim_context(seqs, plens, context_tokens)
         if sequences_cache:
+            Path(sequences_cache).parent.mkdir(parents=True, exist_ok=True)
             Path(sequences_cache).write_text(json.dumps({"seqs": seqs, "prompt_lens": plens}))
+    if context_tokens is not None:
+        seqs, plens = trim_context(seqs, plens, context_tokens)
     t_gen = time.perf_counter() - t0
     log(f"training data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
         f"({sum(len(q) - n for q, n in zip(seqs, plens))} generated) in {t_gen:.1f} s")
@@ -350,7 +374,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                                 max_len=max_len, unroll=unroll, seed=seed, save_dtype=save_dtype,
                                 prompt_weight=prompt_weight, cache_features=cache_features, aux_layers=aux_layers,
                                 draft_vocab_size=draft_vocab_size, progress=progress, log=log, t_gen=t_gen, t0=t0,
-                                time_budget_s=time_budget_s, gen={"dtype": gen_dtype or dtype, "backend": gen_backend,
+                                time_budget_s=time_budget_s, init_from=init_from, gen={"dtype": gen_dtype or dtype, "backend": gen_backend,
                                                                   "prompts": len(rows), "context_tokens": context_tokens},
                                 helpers=(iter_weights, _dense_ctx, _token_batches, row_weights))
     with tf32_matmul(device):

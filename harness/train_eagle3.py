@@ -214,6 +214,14 @@ def init_eagle3(draft: Eagle3Draft, target: LlamaForCausalLM, hot: torch.Tensor,
             draft.fc.bias.zero_()
 
 
+def _training_record(head) -> dict | None:
+    """The ``ppspec_training`` record of a saved head's config.json (None: no head or no record)."""
+    if head is None:
+        return None
+    import json
+    return json.loads((Path(head) / "config.json").read_text()).get("ppspec_training")
+
+
 def lr_factor(step: int, frac: float, warmup: int) -> float:
     """Learning-rate multiplier at optimiser step ``step`` (0-based) with training progress ``frac`` in [0, 1]:
     linear warm-up over the first ``warmup`` steps, then cosine decay to 0 at ``frac`` = 1."""
@@ -224,7 +232,7 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
                  dtype: str, epochs: int, lr: float, batch_tokens: int, max_len: int, unroll: int, seed: int,
                  save_dtype: str, prompt_weight: float, cache_features: bool, aux_layers, draft_vocab_size: int,
                  progress, log, t_gen: float, t0: float, helpers, time_budget_s: float | None = None,
-                 gen: dict | None = None) -> dict:
+                 gen: dict | None = None, init_from: str | Path | None = None) -> dict:
     """The EAGLE-3 branch of :func:`harness.train_draft.train_draft` (same arguments, sequences already built);
     ``helpers``: (iter_weights, dense_ctx, token_batches, row_weights) from that module.
 
@@ -232,19 +240,33 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
     warm-up of min(5 % of the planned steps, 50) and progress = max(step / (epochs x batches), elapsed /
     ``time_budget_s``); training stops when progress reaches 1. Target features are computed once per batch and
     kept (``cache_features``) while the device has more than 8 GiB free. ``gen``: the generation settings, recorded
-    in the checkpoint's ``ppspec_training``."""
+    in the checkpoint's ``ppspec_training``. ``init_from``: a saved EAGLE-3 head (checked by
+    ``harness.train_draft.check_init_from``) whose weights, draft vocabulary and aux layers replace the warm start."""
     iter_weights, dense_ctx, token_batches, row_weights = helpers
-    aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
-                           mc.num_hidden_layers)
+    if init_from is None:
+        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
+                               mc.num_hidden_layers)
+    else:
+        from harness.train_draft import check_init_from
+        spec = check_init_from("eagle3", mc, init_from, aux_layers, draft_vocab_size)
+        aux = spec.aux_layers
     tdt = getattr(torch, dtype)
     target = LlamaForCausalLM(mc, tdt, max_len + 8)
     target.load_weights(iter_weights(path, dtype=tdt))
     target.to(device).eval()
     target.aux_layers = aux
-    hot = draft_vocab(seqs, draft_vocab_size, mc.vocab_size)
-    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "attention_bias": False})
-    draft = Eagle3Draft(Eagle3Spec(dcfg, aux, hot.numel(), False), torch.float32, max_len + unroll + 8)
-    init_eagle3(draft, target, hot, seed)
+    if init_from is not None:
+        from safetensors.torch import load_file
+        draft = Eagle3Draft(spec, torch.float32, max_len + unroll + 8)
+        init_eagle3(draft, target, torch.arange(spec.draft_vocab_size), seed)       # embedding; the rest is loaded
+        draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
+                                 for k, v in load_file(str(Path(init_from) / "model.safetensors")).items())
+        hot = draft.target_ids()
+    else:
+        hot = draft_vocab(seqs, draft_vocab_size, mc.vocab_size)
+        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "attention_bias": False})
+        draft = Eagle3Draft(Eagle3Spec(dcfg, aux, hot.numel(), False), torch.float32, max_len + unroll + 8)
+        init_eagle3(draft, target, hot, seed)
     draft.to(device)
     params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
     for p in params:
@@ -293,7 +315,9 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
     train_s = time.perf_counter() - t_train
     gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
     extra = {"ppspec_training": {"algorithm": "eagle3", "base_model": str(model), "data": str(data),
-                                 "generation": gen, "sequences": len(seqs), "tokens": sum(map(len, seqs)),
+                                 "generation": gen, "init_from": None if init_from is None else str(init_from),
+                                 "init_from_training": _training_record(init_from),
+                                 "sequences": len(seqs), "tokens": sum(map(len, seqs)),
                                  "generated_tokens": gen_tokens, "epochs": epochs, "steps": step,
                                  "epochs_done": step / max(1, len(batches)), "time_budget_s": time_budget_s,
                                  "lr": lr, "unroll": unroll, "prompt_weight": prompt_weight,

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Prepare what the `device` tool carries to the H200 (scripts/h200_results.sh): wheels the machine lacks
 # (flashinfer-python 0.6.13 + apache-tvm-ffi in .whl1, gguf in .whl2: each call carries at most 64 MiB) and the
-# bundled SmolLM2 GGUF split in four 24 MiB chunks under .gpu/ (parta?), all git-ignored (.git/info/exclude).
-# A call carries at most 64 MiB: the tracked tree (~19 MB), the wheels (~18 MB) and one 24 MiB chunk fit together.
+# bundled SmolLM2 GGUF split in five 19 MiB chunks under .gpu/ (parta?), all git-ignored (.git/info/exclude).
+# A call carries at most 64 MiB with the tracked tree (~41 MB with the two shipped heads): the wheels (~17 MB) go in
+# a call of their own, then one chunk per call (19 MiB + the tree).
 # On the machine: mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl
 #   && export PYTHONPATH=/tmp/site:$PWD HOME=/tmp;  GGUF: cat parta? > /tmp/g/smollm2.gguf (calls within 30 s).
 set -euo pipefail
@@ -15,7 +16,8 @@ dl .whl1 flashinfer-python==0.6.13 apache-tvm-ffi
 dl .whl2 gguf
 mkdir -p .gpu
 gguf=$(python3 -c "from engine.model.loader import _default_gguf; print(_default_gguf())")
-split -b 24M "$gguf" .gpu/part
+rm -f .gpu/parta?
+split -b 19M "$gguf" .gpu/part
 # the carry limit: tracked tree + one chunk must stay under 64 MiB
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 for c in .gpu/part*; do [ $((tree + $(stat -c %s "$c"))) -lt $((64 * 1024 * 1024)) ] || echo "WARNING: $c + tree > 64 MiB" >&2; done

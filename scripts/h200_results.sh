@@ -1,13 +1,13 @@
 #!/bin/bash
 # The H200 measurements of results/gpu/ (issues 5 and 7), as run through the `device` tool on one H200
 # (torch 2.11 cu130, transformers 5.17, flashinfer-python 0.6.13 carried as wheels).
-# Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2, 17 MiB, GGUF chunks .gpu/parta?, 25 MiB each). Wheels and a
-#   chunk do not fit one call beside the ~27 MB tree (64 MiB): install the wheels in a call of their own (tests, ov3:
+# Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2, 17 MiB, GGUF chunks .gpu/parta?, 19 MiB each). Wheels and a
+#   chunk do not fit one call beside the ~41 MB tree (64 MiB): install the wheels in a call of their own (tests, ov3:
 #   no GGUF needed), then carry the chunks while /tmp/site survives (machine warm). The first call runs
 #   mkdir -p /tmp/site && pip install -q --no-deps --target /tmp/site .whl1/*.whl .whl2/*.whl;
 #   and every call exports PYTHONPATH=/tmp/site:$PWD HOME=/tmp  (+ tar xzf .gpu/ficache.tgz -C /tmp once a JIT cache exists).
-# smol needs the SmolLM2 GGUF in /tmp/g/smollm2.gguf: four calls within 30 s of each other carrying
-#   .gpu/partaa .. .gpu/partad (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
+# smol needs the SmolLM2 GGUF in /tmp/g/smollm2.gguf: five calls within 30 s of each other carrying
+#   .gpu/partaa .. .gpu/partae (each: mkdir -p /tmp/g && cp .gpu/parta? /tmp/g/), the last one
 #   `cat /tmp/g/parta? > /tmp/g/smollm2.gguf`; speceval (SPECEVAL=1) also needs /tmp/g/test.jsonl
 #   (harness.prompts.lmeval_contexts(data, 200)); SPECEVAL=0 skips it.
 # The first bench of a fresh machine JIT-compiles FlashInfer's kernels (~60 s, into $HOME/.cache: HOME=/tmp): give

@@ -239,10 +239,10 @@ def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch)
 
 
 def test_plan_graphs_eagle3_like_eagle():
-    """EAGLE-3 on CUDA with ``spec_overlap: true`` gets EAGLE-2's plan: the stage forwards, the draft and the device
-    spec rounds are captured (all carry the aux features; the overlapped round at pp=1, the stage round under PP), no
-    note; by default (auto) it keeps the host round with its captured forwards and says so in a note; spec_overlap
-    false keeps the host round; cuda_graph false keeps every forward eager."""
+    """EAGLE-3 on CUDA gets EAGLE-2's plan, by default (auto) as with ``spec_overlap: true``: the stage forwards, the
+    draft and the device spec rounds are captured (all carry the aux features; the overlapped round at pp=1, the
+    stage round under PP); spec_overlap false keeps the host round with its captured forwards; cuda_graph false keeps
+    every forward eager."""
     from engine import knobs
     from engine.plan import resolve_plan
     kn = knobs.read({})
@@ -250,13 +250,12 @@ def test_plan_graphs_eagle3_like_eagle():
         plans = [resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig(a, "d", pp_spec=True, **CHAIN), pp=pp,
                                            spec_overlap=True), device="cuda", kn=kn) for a in ("eagle", "eagle3")]
         e2, e3 = plans
-        assert e3 == e2 and e3.notes == ()
+        assert e3 == e2
         assert (e3.round, e3.loop) == (("device", "spec_rounds") if pp == 1 else ("stage", "ring"))
         assert ("spec_rounds" if pp == 1 else "stage_rounds") in e3.graphs
         auto = resolve_plan(EngineConfig(dtype="bfloat16", spec=SpecConfig("eagle3", "d", pp_spec=True, **CHAIN),
                                          pp=pp), device="cuda", kn=kn)
-        assert auto.round == "host" and len(auto.notes) == 1 and "spec_overlap: true" in auto.notes[0]
-        assert auto.graphs == ("verify", "prefill", "draft", "draft_extend")
+        assert auto == e3
     spec = SpecConfig("eagle3", "d", **CHAIN)
     host = resolve_plan(EngineConfig(dtype="bfloat16", spec=spec, spec_overlap=False), device="cuda", kn=kn)
     assert host.graphs == ("verify", "prefill", "draft", "draft_extend") and host.round == "host"
@@ -514,3 +513,34 @@ def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monke
             r, k = r + L, k + 1
         assert k == len(o.accept_lengths)
     assert min(depth) > 0, depth                              # every depth was compared somewhere
+
+
+def test_train_eagle3_init_from(tiny_model_dir, tmp_path):
+    """train.init_from continues from a saved head: with no step taken the saved head equals it (weights, draft
+    vocabulary, aux layers) and records where it came from; a head of other aux layers or draft vocabulary size,
+    a missing head, or algorithm eagle is refused (one line) before any data is read."""
+    from safetensors.torch import load_file
+    from harness.train_draft import train_draft
+    from tiny import gsm8k_prompts
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t * 2}) for t in gsm8k_prompts(6, 0)))
+    kw = dict(batch_tokens=512, max_len=128, algorithm="eagle3", draft_vocab_size=300, save_dtype="float32",
+              log=lambda *_: None)
+    train_draft(tiny_model_dir, data, tmp_path / "a", epochs=2, lr=1e-2, aux_layers=[0, 2, 3], **kw)
+    other = tmp_path / "o.jsonl"                      # another corpus: its own hot set would differ
+    other.write_text("\n".join(json.dumps({"text": " ".join(map(str, range(i, i + 90)))}) for i in range(6)))
+    r = train_draft(tiny_model_dir, other, tmp_path / "b", epochs=1, time_budget_s=1e-9, init_from=tmp_path / "a",
+                    **kw)
+    assert r["steps"] == 0
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert cfg["ppspec_training"]["init_from"] == str(tmp_path / "a")
+    assert cfg["ppspec_training"]["init_from_training"]["steps"] > 0
+    missing = tmp_path / "none.jsonl"                 # never read: every refusal comes first
+    for bad, msg in ((dict(aux_layers=[0, 1, 3]), "aux_layers"), (dict(draft_vocab_size=256), "draft_vocab_size"),
+                     (dict(init_from=tmp_path / "nothing"), "not found"), (dict(algorithm="eagle"), "eagle3")):
+        args = {**kw, "init_from": tmp_path / "a", **bad}
+        with pytest.raises(ConfigError, match=msg):
+            train_draft(tiny_model_dir, missing, tmp_path / "c", **args)

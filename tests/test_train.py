@@ -188,3 +188,25 @@ def test_train_draft_refuses_bad_values_before_generating(tmp_path):
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
             train_draft("smollm2", data, tmp_path / "out", algorithm="eagle3", **kw)
+
+
+def test_sequences_cache_keeps_whole_prompts(tiny_model_dir, tmp_path):
+    """The sequences cache holds the whole generated sequences; context_tokens trims what is trained on, both when
+    the cache is written and when it is read, so one generated set serves every context length."""
+    import json as _json
+    from harness.train_draft import train_draft
+    rows = [{"prompt": f"Question: {i} plus {i} plus {i} is what number\nAnswer:"} for i in range(3)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(_json.dumps(r) for r in rows))
+    cache = tmp_path / "seqs.json"
+    kw = dict(algorithm="eagle3", aux_layers=[0, 2, 3], draft_vocab_size=256, batch_tokens=512, max_len=128,
+              max_new_tokens=4, time_budget_s=1e-9, sequences_cache=cache, log=lambda *_: None)
+    a = train_draft(tiny_model_dir, data, tmp_path / "a", context_tokens=3, **kw)
+    c = _json.loads(cache.read_text())
+    assert min(c["prompt_lens"]) > 3
+    gen = [len(s) - p for s, p in zip(c["seqs"], c["prompt_lens"])]
+    assert a["tokens"] == sum(3 + g for g in gen)
+    b = train_draft(tiny_model_dir, data, tmp_path / "b", context_tokens=5, **kw)     # read from the cache
+    assert b["tokens"] == sum(5 + g for g in gen)
+    w = train_draft(tiny_model_dir, data, tmp_path / "w", **kw)                        # whole prompts
+    assert w["tokens"] == sum(map(len, c["seqs"]))

@@ -20,10 +20,11 @@ from harness.prompts import read_contexts
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
              device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
              plain: bool = True, max_concurrency: int | None = None, token_map: str | None = None,
-             algorithm: str = "eagle") -> dict:
+             algorithm: str = "eagle", spec_overlap: bool | None = None) -> dict:
     """Run plain decoding (unless ``plain`` is False) and each EAGLE ``shapes`` entry (S, k, n) on ``prompts``;
     ``token_map``: an FR-Spec draft vocabulary for the EAGLE runs; ``algorithm``: "eagle" (EAGLE-1/2 head) or
-    "eagle3" (EAGLE-3 head; its config names are "eagle3 S=.. k=.. n=.."). Returns {config name: accept length, histogram,
+    "eagle3" (EAGLE-3 head; its config names are "eagle3 S=.. k=.. n=.."); ``spec_overlap``: ``EngineConfig.spec_overlap``
+    (None: the plan's default; True: the device spec rounds, EAGLE-3's opt-in on CUDA). Returns {config name: accept length, histogram,
     GSM8K strict/flexible scores, output tokens, wall seconds (generate), tokens/s, prompts, config seconds (engine
     start, warm-up and generate), output token ids}."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
@@ -37,7 +38,8 @@ def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tu
     for name, spec in configs:
         t_cfg = time.perf_counter()
         with LLM(EngineConfig(model=model, device=device, dtype=dtype, spec=spec, attention_backend=backend,
-                              max_running_requests=256, max_prefill_tokens=16384)) as llm:
+                              max_running_requests=256, max_prefill_tokens=16384,
+                              spec_overlap=spec_overlap)) as llm:
             llm.generate(texts[:2], params[:2])                          # warmup
             t0 = time.perf_counter()
             outs = llm.generate(texts, params, max_concurrency=max_concurrency)
@@ -82,12 +84,15 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE runs")
     ap.add_argument("--algorithm", default="eagle", choices=("eagle", "eagle3"), help="kind of the --draft head")
+    ap.add_argument("--spec-overlap", choices=("auto", "on", "off"), default="auto",
+                    help="EAGLE rounds on the device (on), on the host (off), or the plan's default (auto)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     prompts = read_contexts(a.prompts)[a.offset:]
     prompts = prompts[:a.limit]
     res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
-                   a.max_concurrency, a.token_map, a.algorithm)
+                   a.max_concurrency, a.token_map, a.algorithm,
+                   {"auto": None, "on": True, "off": False}[a.spec_overlap])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
 
