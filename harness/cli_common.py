@@ -6,6 +6,7 @@ Nothing here imports torch (engine.config does not): ``ppspec --help`` stays fas
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,15 +54,27 @@ def user_errors() -> Iterator[None]:
         raise
 
 
+class SetValueLoader(yaml.SafeLoader):
+    """YAML's safe loader that also reads the numbers a shell user types as floats: ``nan``, ``inf``, ``-inf``,
+    ``infinity`` (any case) and exponent forms without a dot (``1e-3``), which YAML 1.1 reads as strings."""
+
+
+SetValueLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:inf(?:inity)?|nan)|[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+)$", re.I),
+    list("-+.0123456789iInN"))
+
+
 def parse_sets(sets: list[str] | None) -> dict:
-    """``["a.b=1", "tp=2"]`` -> ``{"a": {"b": 1}, "tp": 2}`` (values parsed as YAML)."""
+    """``["a.b=1", "tp=2"]`` -> ``{"a": {"b": 1}, "tp": 2}`` (values parsed as YAML, :class:`SetValueLoader`:
+    ``nan``, ``inf`` and ``1e-3`` are floats)."""
     out: dict = {}
     for s in sets or []:
         key, eq, val = s.partition("=")
         if not eq or not key.strip():
             raise HarnessConfigError(f"--set expects KEY=VALUE, got {s!r}")
         try:
-            value = yaml.safe_load(val) if val.strip() else None
+            value = yaml.load(val, Loader=SetValueLoader) if val.strip() else None
         except yaml.YAMLError as e:
             why = str(getattr(e, "problem", None) or type(e).__name__)
             raise HarnessConfigError(f"--set {key.strip()}: {val!r} is not a valid YAML value ({why})") from None

@@ -187,6 +187,32 @@ def test_parse_sets():
         "spec": {"num_steps": 4, "draft": "x"}, "tp": 2, "max_model_len": None}
 
 
+def test_parse_sets_reads_nan_inf_and_exponents_as_floats():
+    """Regression: YAML 1.1 reads ``nan``, ``inf`` and ``1e-3`` as strings, so ``--set train.lr=nan`` was refused
+    as a type ("should be float") instead of by the value check."""
+    import math
+    got = parse_sets(["a=nan", "b=inf", "c=-Infinity", "d=1e-3", "e=[inf, 2E2]", "f=info", "g=-1", "h=name"])
+    assert math.isnan(got.pop("a"))
+    assert got == {"b": math.inf, "c": -math.inf, "d": 0.001, "e": [math.inf, 200.0], "f": "info", "g": -1,
+                   "h": "name"}
+    assert all(type(v) is float for v in (got["b"], got["c"], got["d"]))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1"])
+def test_train_draft_bad_lr_is_the_value_checks_line(value, tmp_path, monkeypatch):
+    """Regression: ``train-draft --set train.lr=nan`` (or inf) said "train.lr = 'nan' should be float"; every bad lr
+    now gets the trainer's value check's line (exit 2), before any training data is read."""
+    import harness.train_draft as td
+
+    def no_data(path):
+        raise AssertionError("training data read")
+    monkeypatch.setattr(td, "read_jsonl", no_data)
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3", "--set", f"train.lr={value}",
+                            "--out", str(tmp_path / "head"), "--no-progress"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        f"Error: train-draft: train.lr must be a finite number > 0 (got {value})"], r.output
+
+
 def test_set_empty_value_for_an_int_field_names_it():
     """Regression (QA, session 11): ``--set cuda_graph_prefill_max_tokens=`` said "got NoneType None"."""
     r = runner.invoke(app, ["generate", "hi", "--set", "cuda_graph_prefill_max_tokens="])
