@@ -97,9 +97,10 @@ def overrides(model=None, draft=None, tp=None, pp=None, dtype=None, device=None,
     return merge(out, {"spec": sp}) if sp else out
 
 
-def load(config: str | None, ov: dict) -> RunConfig:
-    """Resolve and print any resolution warnings to stderr."""
-    cfg = resolve(config, ov)
+def load(config: str | None, ov: dict, kind: str = "run") -> RunConfig:
+    """Resolve (``kind``: ``run``, or ``train`` for a training recipe: :func:`harness.config.resolve`) and print any
+    resolution warnings to stderr."""
+    cfg = resolve(config, ov, kind=kind)
     for n in cfg.notes:
         err.print(n, markup=False, highlight=False)
     return cfg

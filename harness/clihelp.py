@@ -99,9 +99,10 @@ def show_value(key: str, value) -> str:
     return str(value)
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=3)
 def suites(kind: str = "run") -> list[str]:
-    """Suite names under ``suites/``: ``run`` configs (for ``--config``) or sweep ``matrix`` files."""
+    """Suite names under ``suites/``: ``run`` configs (for the run commands' ``--config``), ``train`` recipes (for
+    ``train-draft --config``: a ``train:`` section) or sweep ``matrix`` files."""
     import yaml
     root, data = _root_and_toml()
     d = root / ((data.get("paths") or {}).get("suites") or "suites")
@@ -112,7 +113,8 @@ def suites(kind: str = "run") -> list[str]:
         except (OSError, yaml.YAMLError):
             continue
         is_matrix = isinstance(doc, dict) and ("axes" in doc or "cells" in doc and "commands" in doc)
-        if is_matrix == (kind == "matrix"):
+        is_train = not is_matrix and isinstance(doc, dict) and "train" in doc
+        if ("matrix" if is_matrix else "train" if is_train else "run") == kind:
             out.append(p.stem)
     return out
 
@@ -133,7 +135,8 @@ def annotate(cmd, name: str) -> None:
             p.help = _DEFAULT_IN_HELP.sub("", p.help) + " " + escape(
                 f"[default: {show_value(keys[p.name], value)}" + (" from ppspec.toml]" if where == "ppspec.toml" else "]"))
         elif p.name == "config" and getattr(p, "help", None):
-            p.help += " Available: " + ", ".join(f"[cyan]{s}[/cyan]" for s in suites("run")) + "."
+            p.help += " Available: " + ", ".join(f"[cyan]{s}[/cyan]" for s in
+                                                 suites("train" if name == "train-draft" else "run")) + "."
         elif p.name == "matrix" and getattr(p, "help", None):
             p.help += " Available: " + ", ".join(f"[cyan]suites/{s}.yaml[/cyan]" for s in suites("matrix")) + "."
     if name in EXAMPLES and not cmd.epilog:

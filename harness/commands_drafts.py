@@ -11,8 +11,10 @@ from harness.cli_common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_
                                 overrides, parse_sets, progress_bars, user_errors)
 from harness.config import HarnessConfigError, merge
 
+RecipeOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Training recipe (a [cyan]train:[/cyan] section): [cyan]suites/NAME.yaml[/cyan] or a path.")]
 
-def train_draft(config: ConfigOpt = "train_smollm2_draft",
+
+def train_draft(config: RecipeOpt = "train_smollm2_draft",
                 model: Annotated[Optional[str], typer.Option(help="Target model to distil from.")] = None,
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
@@ -21,7 +23,7 @@ def train_draft(config: ConfigOpt = "train_smollm2_draft",
     """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
         flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm).items() if v is not None}
-        cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}))
+        cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}), kind="train")
         try:
             from harness.train_draft import train_draft as _train
         except ImportError as e:

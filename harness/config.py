@@ -339,18 +339,26 @@ def load_yaml(path: Path) -> Any:
         raise HarnessConfigError(f"{path}:{pos} invalid YAML: {getattr(e, 'problem', None) or e}") from None
 
 
-def _is_matrix(p: Path) -> bool:
-    """Whether the suite file ``p`` is a sweep matrix (a mapping with ``cells`` or ``axes``)."""
+def suite_kind(doc: Any) -> str:
+    """What a parsed suite file is: ``matrix`` (a sweep matrix: a mapping with ``cells`` or ``axes``), ``train`` (a
+    training recipe: a mapping with a ``train:`` section, for ``ppspec train-draft``) or ``run`` (a run config)."""
+    if isinstance(doc, dict) and {"cells", "axes"} & set(doc):
+        return "matrix"
+    return "train" if isinstance(doc, dict) and "train" in doc else "run"
+
+
+def _suite_kind(p: Path) -> str | None:
+    """:func:`suite_kind` of the suite file ``p``; None when it cannot be read."""
     try:
-        m = load_yaml(p)
-    except Exception:                         # noqa: BLE001 - a broken suite is listed as neither
-        return False
-    return isinstance(m, dict) and bool({"cells", "axes"} & set(m))
+        return suite_kind(load_yaml(p))
+    except Exception:                         # noqa: BLE001 - a broken suite is listed as none
+        return None
 
 
 def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
     """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml). When nothing is found
-    the error lists the suites of ``kind`` (``matrix``: sweep matrices, ``run``: run configs, None: all)."""
+    the error lists the suites of ``kind`` (``matrix``: sweep matrices, ``run``: run configs, ``train``: training
+    recipes, None: all)."""
     p = Path(name)
     if p.is_absolute():                       # an absolute NAME is looked for where it says only
         cands = [p] + ([] if p.suffix in (".yaml", ".yml") else [p.with_name(p.name + ".yaml")])
@@ -361,9 +369,8 @@ def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
             return c.resolve()
     if p.is_dir():
         raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml")
-                   if kind is None or _is_matrix(q) == (kind == "matrix"))
-    label = {"matrix": "sweep matrices", "run": "run configs"}.get(kind, "suites")
+    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml") if kind is None or _suite_kind(q) == kind)
+    label = {"matrix": "sweep matrices", "run": "run configs", "train": "training recipes"}.get(kind, "suites")
     raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
                             + (f"; {label}: {', '.join(avail)}" if avail else ""))
 
@@ -379,8 +386,11 @@ def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str |
 
 
 def resolve(config: str | Path | None = None, overrides: dict | None = None,
-            toml: str | Path | None = None) -> RunConfig:
+            toml: str | Path | None = None, kind: str = "run") -> RunConfig:
     """Resolve ppspec.toml < YAML ``config`` < ``overrides`` (nested dict, CLI flags) into a RunConfig.
+
+    ``kind``: ``run`` (the run commands) refuses a ``config`` that is a training recipe (it has a ``train:`` section);
+    ``train`` (``ppspec train-draft``) accepts one. A sweep matrix is refused either way.
 
     Raises:
         HarnessConfigError: unknown key, wrong type or bad value (one line naming the field).
@@ -398,11 +408,14 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         layers.append((str(toml_path), check_layer(raw, str(toml_path))))
     yaml_dir: tuple[Path, ...] = ()
     if config is not None:
-        path = find_config(config, root, kind="run")
+        path = find_config(config, root, kind=kind)
         raw = load_yaml(path)
-        if isinstance(raw, dict) and {"cells", "axes"} & set(raw):
+        if suite_kind(raw) == "matrix":
             raise HarnessConfigError(f"{path} is a sweep matrix, not a run config: run it with "
                                      f"ppspec sweep --matrix {path.stem}")
+        if suite_kind(raw) == "train" and kind == "run":
+            raise HarnessConfigError(f"--config {config} is a training recipe (it has a train: section): use it with "
+                                     f"ppspec train-draft --config {config}")
         layers.append((str(path), check_layer(raw, str(path))))
         yaml_dir = (path.parent,)
     if overrides:

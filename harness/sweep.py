@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, find_config, find_toml,
-                            layers_device, load_yaml, merge, resolve)
+                            layers_device, load_yaml, merge, resolve, suite_kind)
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
@@ -67,7 +67,10 @@ def load_matrix(path: str | Path, root: Path | None = None) -> dict:
     commands = m.get("commands", list(COMMANDS))
     if not isinstance(commands, list) or any(c not in COMMANDS for c in commands):
         raise HarnessConfigError(f"{p}: field 'commands': expected a list of {', '.join(COMMANDS)}, got {commands!r}")
-    base = (load_yaml(find_config(m["base"], root)) if m.get("base") else None) or {}
+    base = (load_yaml(find_config(m["base"], root, kind="run")) if m.get("base") else None) or {}
+    if suite_kind(base) == "train":
+        raise HarnessConfigError(f"{p}: base {m['base']} is a training recipe (it has a train: section), not a run "
+                                 "config")
     common = m.get("set") or {}
     specs: list[tuple[str, dict]] = []
     own: dict[str, list[str]] = {}

@@ -605,6 +605,36 @@ def test_gsm8k_interrupted_run_keeps_records_and_resumes(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "holds a finished run (summary.json): nothing to resume" in r.output
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["gsm8k"], ["bench"], ["gate"], ["plan"]])
+def test_training_recipe_as_run_config_is_refused(command, fake_engine):
+    """Regression: a run command given a training recipe ran with the recipe's engine section."""
+    r = runner.invoke(app, [*command, "--config", "train_smollm2_eagle3"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "Error: --config train_smollm2_eagle3 is a training recipe (it has a train: section): use it with "
+        "ppspec train-draft --config train_smollm2_eagle3"], r.output
+    assert not fake_engine.instances
+
+
+def test_training_recipes_listed_for_train_draft_only(tmp_path):
+    """--config's help and a not-found error offer the run commands run configs only, train-draft training recipes
+    only; train-draft resolves a recipe; a sweep matrix cannot take one as its base."""
+    from harness.clihelp import _root_and_toml, suites
+    _root_and_toml.cache_clear(), suites.cache_clear()      # an earlier test's PPSPEC_TOML may be cached
+    run, train = suites("run"), suites("train")
+    assert "tiny_cpu" in run and "train_smollm2_eagle3" in train
+    assert not any(s.startswith("train_") for s in run) and all(s.startswith("train_") for s in train)
+    r = runner.invoke(app, ["generate", "hi", "--config", "no_such_suite"])
+    assert r.exit_code == 2 and "; run configs: " in r.output and "train_smollm2" not in r.output
+    r = runner.invoke(app, ["train-draft", "--config", "no_such_suite"])
+    assert r.exit_code == 2 and r.output.rstrip().endswith(
+        "; training recipes: train_smollm2_draft, train_smollm2_eagle3, train_smollm2_eagle3_long")
+    assert resolve("train_smollm2_eagle3", {}, kind="train").train["algorithm"] == "eagle3"
+    m = _write(tmp_path / "m.yaml", "base: train_smollm2_eagle3\naxes: {pp: [1]}\n")
+    r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
+    assert r.exit_code == 2 and r.output.strip() == (f"Error: {m}: base train_smollm2_eagle3 is a training recipe "
+                                                     "(it has a train: section), not a run config")
+
+
 def test_matrix_as_config_and_config_as_matrix_are_named():
     """Regression: a sweep matrix passed to --config (or a run config to --matrix) failed on 'unknown key'."""
     r = runner.invoke(app, ["bench", "--config", "matrix_cpu", "--dry-run"])

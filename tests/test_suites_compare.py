@@ -106,12 +106,12 @@ def test_pp_vs_tp_cpu_cells_and_their_commands():
 # every shipped suite resolves on this host
 # ---------------------------------------------------------------------------------------------
 
-def _resolve_here(path: Path):
+def _resolve_here(path: Path, kind: str = "run"):
     try:
-        return resolve(path, {})
+        return resolve(path, {}, kind=kind)
     except ConfigError as e:                     # a suite pinned to CUDA, on a host without it
         assert "sees no CUDA device" in str(e)
-        return resolve(path, {"device": "cpu"})
+        return resolve(path, {"device": "cpu"}, kind=kind)
 
 
 @pytest.mark.parametrize("path", SUITES, ids=[p.stem for p in SUITES])
@@ -124,7 +124,7 @@ def test_every_suite_resolves_dry_run_on_cpu(path):
         for c in m["cells"]:
             assert check_cell(c) is None, (c["name"], check_cell(c))
         return
-    cfg = _resolve_here(path)
+    cfg = _resolve_here(path, "train" if "train" in raw else "run")
     if "train" not in raw:
         lines, bad = bench_cells(cfg)
         assert bad == 0, lines
