@@ -433,11 +433,14 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     if spec.get("algorithm"):
         draft = spec.get("draft")
         found = _resolve_path(draft, root, yaml_dir) if draft else None
+        why = "not found"
+        if found is not None and not (Path(found) / "config.json").is_file():     # what the engine reads first
+            why, found = f"is not a draft checkpoint (no {Path(found) / 'config.json'})", None
         src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
         if found is None and draft and src is not None and src != str(toml_path):
-            raise HarnessConfigError(f"{src}: spec.draft {draft!r} not found")
+            raise HarnessConfigError(f"{src}: spec.draft {draft!r} {why}")
         if found is None:                 # only the project default may be absent (fresh checkout)
-            notes.append(f"warning: draft {draft!r} not found; speculative decoding off")
+            notes.append(f"warning: draft {draft!r} {why}; speculative decoding off")
             spec["algorithm"] = None
         else:
             spec["draft"] = found

@@ -69,8 +69,11 @@ def fake_engine(monkeypatch):
 
 @pytest.fixture
 def draft_dir(tmp_path):
+    """A stand-in EAGLE-2 draft for the fake engine, which loads nothing: a directory with the config.json the
+    harness looks for in a named draft, no weights."""
     d = tmp_path / "draft"
     d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"], "hidden_size": 576}))
     return d
 
 
@@ -633,6 +636,22 @@ def test_training_recipes_listed_for_train_draft_only(tmp_path):
     r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
     assert r.exit_code == 2 and r.output.strip() == (f"Error: {m}: base train_smollm2_eagle3 is a training recipe "
                                                      "(it has a train: section), not a run config")
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_draft_without_config_json_is_refused_up_front(algorithm, tmp_path, fake_engine):
+    """Regression: a named draft directory without config.json (an EAGLE-3 head not trained yet) was refused only at
+    engine start. The default draft in that state turns speculative decoding off with a warning, as when missing."""
+    empty = tmp_path / "nohead"
+    empty.mkdir()
+    r = runner.invoke(app, ["generate", "hi", "--set", f"spec.algorithm={algorithm}", "--set", f"spec.draft={empty}"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        f"Error: command line: spec.draft '{empty}' is not a draft checkpoint (no {empty}/config.json)"], r.output
+    assert not fake_engine.instances
+    toml = _write(tmp_path / "ppspec.toml", f'[spec]\nalgorithm = "{algorithm}"\ndraft = "nohead"\n')
+    c = resolve(None, {}, toml=toml)
+    assert not c.engine.spec.enabled and c.notes == (
+        f"warning: draft 'nohead' is not a draft checkpoint (no {empty}/config.json); speculative decoding off",)
 
 
 def test_matrix_as_config_and_config_as_matrix_are_named():
