@@ -73,27 +73,42 @@ def _on_signal(signum: int, frame) -> None:
     shutdown is bounded)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
+    _signalled.append(signum)
     raise Interrupted(signum, _running_ranks())
+
+
+_signalled: list[int] = []     # the signal _on_signal turned into Interrupted, if any
 
 
 def main() -> None:
     """Console entry point (also ``python -m harness`` and ``python -m harness.cli``).
 
     SIGINT and SIGTERM end the run with one stderr line, ``ppspec: interrupted (SIGINT); stopped 2 ranks``, and
-    exit code 128 + the signal number (130, 143), every rank reaped first.
+    exit code 128 + the signal number (130, 143), every rank reaped first. Any other exception that ends the
+    command after such a signal arrived (an interrupt landing inside a library's import can surface as its
+    ImportError or RuntimeError) ends it the same way.
     """
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _on_signal)
     try:
         app(prog_name="ppspec")
+    except Exception:
+        if not _signalled:
+            raise
+        _interrupted_exit(Interrupted(_signalled[0], _running_ranks()))
     except Interrupted as e:
-        llm = sys.modules.get("engine.llm")
-        if llm is not None:
-            llm.shutdown_all()                           # engines the unwinding did not reach
-        n = e.ranks
-        stopped = f"; stopped {n} rank{'s' if n != 1 else ''}" if n else ""
-        err.print(f"ppspec: interrupted ({signal.Signals(e.signum).name}){stopped}", markup=False, highlight=False)
-        raise SystemExit(128 + e.signum) from None
+        _interrupted_exit(e)
+
+
+def _interrupted_exit(e: Interrupted) -> None:
+    """Stop the engines still running, print the one interrupt line and exit 128 + the signal number."""
+    llm = sys.modules.get("engine.llm")
+    if llm is not None:
+        llm.shutdown_all()                               # engines the unwinding did not reach
+    n = e.ranks
+    stopped = f"; stopped {n} rank{'s' if n != 1 else ''}" if n else ""
+    err.print(f"ppspec: interrupted ({signal.Signals(e.signum).name}){stopped}", markup=False, highlight=False)
+    raise SystemExit(128 + e.signum) from None
 
 
 if __name__ == "__main__":

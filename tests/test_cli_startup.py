@@ -47,3 +47,43 @@ def test_console_script_runs_main_with_the_signal_handlers():
     installed = [e for e in entry_points(group="console_scripts") if e.name == "ppspec"]
     if installed:                                      # the package as pip installed it (CI: pip install -e .)
         assert installed[0].load() is harness.cli.main
+
+
+def test_interrupt_surfacing_as_another_exception_ends_with_the_interrupt_line(monkeypatch, capsys):
+    """A SIGINT that lands inside a library's import can surface as that library's own error (ImportError,
+    RuntimeError) rather than the Interrupted the handler raised: main still ends with the one interrupt line and
+    exit 130, no traceback."""
+    import signal
+
+    import pytest
+
+    import harness.cli as cli
+
+    def command():                       # the handler's Interrupted swallowed, another error raised after it
+        try:
+            cli._on_signal(signal.SIGINT, None)
+        except cli.Interrupted:
+            pass
+        raise RuntimeError("duplicate registrations for aten.linspace.Tensor_Tensor")
+
+    monkeypatch.setattr(cli, "app", lambda prog_name: command())
+    monkeypatch.setattr(cli, "_signalled", [])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as ex:
+            cli.main()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert ex.value.code == 130
+    err = capsys.readouterr().err
+    assert "ppspec: interrupted (SIGINT)" in err and "Traceback" not in err and "duplicate" not in err
+
+    monkeypatch.setattr(cli, "app", lambda prog_name: (_ for _ in ()).throw(RuntimeError("plain failure")))
+    monkeypatch.setattr(cli, "_signalled", [])
+    try:
+        with pytest.raises(RuntimeError, match="plain failure"):       # no signal: the error is not hidden
+            cli.main()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
