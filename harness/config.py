@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import hashlib
 import json
 import tomllib
@@ -120,8 +121,10 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         _positive("gate", limit=self.limit, baseline_pp=self.baseline_pp, candidate_pp=self.candidate_pp)
-        if self.accuracy_margin < 0 or self.accept_length_margin < 0:
-            raise HarnessConfigError("gate margins must be >= 0")
+        for key in ("accuracy_margin", "accept_length_margin"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise HarnessConfigError(f"gate.{key} must be a finite number >= 0 (got {v!r})")
 
 
 @dataclass(frozen=True)

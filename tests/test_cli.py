@@ -673,3 +673,12 @@ def test_help_cuts_nothing_at_80_columns(command):
                        env={**os.environ, "COLUMNS": "80"}, timeout=120)
     assert r.returncode == 0 and "…" not in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-0.1"])
+def test_gate_refuses_a_non_finite_or_negative_margin(bad):
+    """A nan margin failed every check and an inf one passed every check: both are refused up front, one line."""
+    from harness.config import HarnessConfigError, resolve
+    for key in ("accuracy_margin", "accept_length_margin"):
+        with pytest.raises(HarnessConfigError, match=f"gate.{key} must be a finite number >= 0"):
+            resolve("gate", parse_sets([f"gate.{key}={bad}"]))
