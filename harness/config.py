@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import math
 import hashlib
 import json
+import math
 import tomllib
 import types
 import typing

@@ -334,8 +334,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
                        batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
                        context_tokens=context_tokens)
-    if init_from is not None:
-        check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size)
+    init_spec = None if init_from is None else check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size)
     rows = read_jsonl(data)
     if rows and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
         from harness.prompts import fewshot_prompts
@@ -374,7 +373,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                                 max_len=max_len, unroll=unroll, seed=seed, save_dtype=save_dtype,
                                 prompt_weight=prompt_weight, cache_features=cache_features, aux_layers=aux_layers,
                                 draft_vocab_size=draft_vocab_size, progress=progress, log=log, t_gen=t_gen, t0=t0,
-                                time_budget_s=time_budget_s, init_from=init_from, gen={"dtype": gen_dtype or dtype, "backend": gen_backend,
+                                time_budget_s=time_budget_s, init_from=init_from, init_spec=init_spec, gen={"dtype": gen_dtype or dtype, "backend": gen_backend,
                                                                   "prompts": len(rows), "context_tokens": context_tokens},
                                 helpers=(iter_weights, _dense_ctx, _token_batches, row_weights))
     with tf32_matmul(device):

@@ -232,7 +232,7 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
                  dtype: str, epochs: int, lr: float, batch_tokens: int, max_len: int, unroll: int, seed: int,
                  save_dtype: str, prompt_weight: float, cache_features: bool, aux_layers, draft_vocab_size: int,
                  progress, log, t_gen: float, t0: float, helpers, time_budget_s: float | None = None,
-                 gen: dict | None = None, init_from: str | Path | None = None) -> dict:
+                 gen: dict | None = None, init_from: str | Path | None = None, init_spec=None) -> dict:
     """The EAGLE-3 branch of :func:`harness.train_draft.train_draft` (same arguments, sequences already built);
     ``helpers``: (iter_weights, dense_ctx, token_batches, row_weights) from that module.
 
@@ -240,15 +240,15 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
     warm-up of min(5 % of the planned steps, 50) and progress = max(step / (epochs x batches), elapsed /
     ``time_budget_s``); training stops when progress reaches 1. Target features are computed once per batch and
     kept (``cache_features``) while the device has more than 8 GiB free. ``gen``: the generation settings, recorded
-    in the checkpoint's ``ppspec_training``. ``init_from``: a saved EAGLE-3 head (checked by
-    ``harness.train_draft.check_init_from``) whose weights, draft vocabulary and aux layers replace the warm start."""
+    in the checkpoint's ``ppspec_training``. ``init_from``: a saved EAGLE-3 head whose weights, draft vocabulary and
+    aux layers replace the warm start; ``init_spec``: its spec, as ``harness.train_draft.check_init_from`` returned it
+    (required with ``init_from``)."""
     iter_weights, dense_ctx, token_batches, row_weights = helpers
     if init_from is None:
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
                                mc.num_hidden_layers)
     else:
-        from harness.train_draft import check_init_from
-        spec = check_init_from("eagle3", mc, init_from, aux_layers, draft_vocab_size)
+        spec = init_spec
         aux = spec.aux_layers
     tdt = getattr(torch, dtype)
     target = LlamaForCausalLM(mc, tdt, max_len + 8)
@@ -258,7 +258,8 @@ def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConf
     if init_from is not None:
         from safetensors.torch import load_file
         draft = Eagle3Draft(spec, torch.float32, max_len + unroll + 8)
-        init_eagle3(draft, target, torch.arange(spec.draft_vocab_size), seed)       # embedding; the rest is loaded
+        with torch.no_grad():                           # the embedding is the target's (not stored in the head)
+            draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
         draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
                                  for k, v in load_file(str(Path(init_from) / "model.safetensors")).items())
         hot = draft.target_ids()
