@@ -24,6 +24,7 @@ class RingExecutor:
     itself); the relay it brings, checked against the schema, is the tick's result."""
 
     name, depth = "ring", 1
+    defers_results = False      # True: the worker applies a collected result after the next tick's ``ahead``
     num_lookahead = 0           # decode steps launched before the previous one was read back (cumulative)
     num_overlap_rounds = 0      # EAGLE rounds run on the device
     num_round_lookahead = 0     # ... of them launched before the previous round was read back
@@ -48,6 +49,11 @@ class RingExecutor:
             return {"relay": out or None}
         out["relay"], out["arrived"] = self.inbox.get("relay"), arrived
         return out
+
+    def ahead(self, slot: int, pending: StepResult, arrived: int | None = None):
+        """Launch ``slot``'s next batch before ``pending`` (its previous result) is applied, or return None (then
+        the worker applies it, schedules and ``launch``-es as usual). Only executors that defer results do."""
+        return None
 
     def chain(self, prev):
         return None
@@ -203,4 +209,72 @@ class SpecRoundExecutor(RingExecutor):
         return Step(g.reqs, buf, self.rr.launch(g.st, buf), seg=g)
 
 
-EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor}   # plan loop -> class (else ring)
+@dataclass
+class Ahead:
+    """A stage round launched before the previous round of its micro-batch is applied on the host: ``prev`` that
+    round's relayed result, ``dead`` the rows whose requests stopped running since (made padding), ``new`` the KV
+    slots ``Scheduler.reserve_ahead`` gave the running rows, as (row, first position, slots).
+    ``StageRoundRunner.advance`` applies all three to the slot's device state. ``retired``: every padding row from
+    this round on (``dead`` included)."""
+
+    prev: StepResult
+    dead: list[int]
+    new: list[tuple[int, int, list[int]]]
+    retired: frozenset = frozenset()
+
+
+class RingRoundExecutor(RingExecutor):
+    """The ring (any pp, with the plan's stage round) with the host one round ahead, per micro-batch slot: when a
+    slot's turn comes and its last batch ran as a stage round whose result has just arrived, its next round is
+    launched from the slot's device state (:meth:`StageRoundRunner.advance`) before that result is applied on the
+    host, so the host's processing of round r (and the scheduling of other slots) overlaps round r+1's launch and
+    device work; results are applied one round behind, as the pp=1 overlapped round does. Every stage decides
+    from its scheduler replica at the same point of the same result stream (before applying the slot's result),
+    so all stages launch the same rounds. A request that finished in round r keeps its row, wasted, in round r+1
+    and is padding from round r+2. The slot falls back to the normal path (apply, schedule, load) when a request
+    waits for admission or is prefilling, the pool cannot reserve ahead, a smaller captured size would do, or the
+    result is not the slot's verify result (an error, a prefill)."""
+
+    name = "ring_rounds"
+    defers_results = True
+
+    def start(self) -> None:
+        super().start()
+        self.segs: dict[int, tuple[list[Req], frozenset]] = {}   # slot -> its stage round's requests, retired rows
+
+    def launch(self, batch, arrived=None):
+        sr = self.runner.stage_rounds
+        ran = batch is not None and (batch.ahead is not None or sr.can_run(batch))
+        out = super().launch(batch, arrived)
+        if batch is None:
+            return out
+        failed = "failed" in out or (out.get("relay") is not None and out["relay"].kind == "error")
+        self.segs.pop(batch.slot, None)
+        if ran and not failed:
+            self.segs[batch.slot] = (batch.reqs, batch.ahead.retired if batch.ahead is not None else frozenset())
+        return out
+
+    def ahead(self, slot, pending, arrived=None):
+        seg = self.segs.pop(slot, None)
+        if seg is None or pending is None or pending.kind != "verify":
+            return None
+        reqs, retired = seg
+        if pending.rids != [r.rid for r in reqs]:
+            return None
+        sr = self.runner.stage_rounds
+        live = [i for i, r in enumerate(reqs) if r.status == "running"]
+        if (not live or any(r.status not in ("running", "finished") for r in reqs)
+                or sr.pick(len(live)) != sr.pick(len(reqs)) or (len(live) > 1 and any(reqs[i].isolated for i in live))):
+            return None
+        new = self.sched.reserve_ahead([reqs[i] for i in live], 2 * (sr.S + 1))
+        if new is None:
+            return None
+        dead = [i for i, r in enumerate(reqs) if r.status != "running" and i not in retired]
+        self.num_round_lookahead += 1
+        new = [(live[i], p0, sl) for i, p0, sl in new]
+        return self.launch(ScheduledBatch("verify", slot, reqs, ahead=Ahead(pending, dead, new, retired | set(dead))),
+                           arrived)
+
+
+EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor,
+             "ring_rounds": RingRoundExecutor}                              # plan loop -> class (else ring)

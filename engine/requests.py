@@ -133,6 +133,7 @@ class ScheduledBatch:
     slot: int
     reqs: list[Req]
     chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
+    ahead: object = None      # verify launched ahead of its predecessor's read-back (engine.executors.Ahead)
 
     @property
     def rids(self) -> list[int]:

@@ -1,7 +1,9 @@
 """The per-rank event loop (``Worker.run``), one for every plan and topology. A tick:
 
-  1. admit the open-loop arrivals (``Worker.admit``); with no run in flight, schedule the slot's next batch on this
-     rank's scheduler replica and launch it (``launch``, engine.executors: the plan's loop);
+  1. admit the open-loop arrivals (``Worker.admit``); an executor that defers results (``ring_rounds``) first
+     launches the slot's next round from the device (``ahead``) where it can, then applies the result collected at
+     the previous tick; with no run in flight, schedule the slot's next batch on this rank's scheduler replica and
+     launch it (``launch``, engine.executors: the plan's loop);
   2. while the executor allows (``chain``, at most ``depth`` steps in flight), launch the next step of the
      same requests before the previous one is read back;
   3. collect the oldest step in flight (``collect``; under PP the ring exchange) and apply its result
@@ -12,8 +14,9 @@ stage 0 scheduled p ticks earlier (its replica has processed the same results an
 admission count from its clock, later stages apply the count relayed with the proxy), runs its layers (proxy from
 stage p-1; the last stage samples, verifies and tail-drafts, producing the batch's ``StepResult``) and exchanges in
 parity order: stage p sends {relay it processed, admission count, proxy, batch identity} to p+1, the last stage
-sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again; every
-stage forwards it round the ring. All stages run the same number of ticks.
+sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again (with
+``ring_rounds``: just after launching the slot's next round ahead, when it does); every stage forwards it round the
+ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ class Worker:
             bad = [q.rid for q in batch.reqs if self._fail_token[0] in q.prompt_ids]
             if bad:
                 raise IndexError(f"injected failure (fault fail_token): request {bad[0]}")
-        if r.stage_rounds is not None and r.stage_rounds.can_run(batch):
+        if r.stage_rounds is not None and (batch.ahead is not None or r.stage_rounds.can_run(batch)):
             return self._stage_round(batch, inbox)
         eagle = r.eagle                                  # last stage only
         tree = r.tree_ops.build(batch.reqs, self.spec.topk) if batch.kind == "verify" else None
@@ -147,6 +150,7 @@ class Worker:
         out, kept = self.runner.stage_rounds.run(batch, proxy)
         if self.stats is not None:
             self.stats.device_rounds += 1
+            self.stats.ahead_rounds += batch.ahead is not None
         thash = tree_input_hash(kept) if kept is not None else None
         if thash is not None and inbox.get("tree_hash") not in (None, thash):
             raise RelayError(f"stage {s.pp_rank}: rebuilt verify input differs from stage {s.pp_rank - 1}")
@@ -189,15 +193,33 @@ class Worker:
             stats.forward_end(h is not None)
             return h
 
+        finished = 0
+
+        def apply(res):
+            nonlocal finished
+            t1 = clock()
+            sched.process_output(res)
+            if progress is not None and (now := sum(r.status == "finished" for r in reqs)) != finished:
+                progress(finished := now, len(reqs))
+            stats.add("process", clock() - t1)
+
         ex.start()
         inflight: deque = deque()              # steps launched and not yet collected, oldest first
-        last = res = None                      # the run's newest step (None: no run in flight); the last result
-        tick, end_tick, finished, idle = 0, None, 0, 0
+        last = res = pending = None            # the run's newest step (None: no run in flight); the last result;
+        tick, end_tick, idle = 0, None, 0      # a collected result not applied yet (ex.defers_results)
         while True:
-            if end_tick is None and last is None and sched.all_finished():
-                end_tick = tick - p + P - 1
             t0 = clock()
             arrived = self.admit(ex.inbox)
+            if pending is not None:                        # launch the slot's next round before applying its result
+                if last is None and end_tick is None and tick >= p:
+                    stats.forward_begin()
+                    if (last := ex.ahead((tick - p) % P, pending, arrived)) is not None:
+                        inflight.append(last)
+                    stats.forward_end(last is not None)
+                apply(pending)
+                pending = None
+            if end_tick is None and sched.all_finished() and (last is None or ex.defers_results):
+                end_tick = tick - p + P - 1
             batch = None
             if last is None and end_tick is None and tick >= p:
                 batch = sched.schedule((tick - p) % P)
@@ -216,12 +238,11 @@ class Worker:
             while last is not None and len(inflight) < ex.depth and (h := chain(last)) is not None:
                 inflight.append(last := h)
             res = ex.collect(inflight.popleft()) if inflight else None
-            t1 = clock()
             if res is not None:
-                sched.process_output(res)
-                if progress is not None and (now := sum(r.status == "finished" for r in reqs)) != finished:
-                    progress(finished := now, len(reqs))
-            stats.add("process", clock() - t1)
+                if ex.defers_results:
+                    pending = res
+                else:
+                    apply(res)
             if last is not None and not inflight:          # the run's steps are all read back: resume it or end it
                 last = chain(last)
                 if last is not None:
@@ -230,6 +251,8 @@ class Worker:
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
+        if pending is not None:                            # the ring's last result: a round of finished requests
+            apply(pending)
 
     def forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> StepResult | dict:
         """``forward_batch``, or on a stage whose forward raised (or that received a failed batch) the batch's

@@ -8,10 +8,13 @@ Per stage (tp_rank 0 of each pp_rank), over a cell's timed runs:
                     the whole CPU-group frame)
   d2h_per_batch     device->host copies per batch it ran (the relay's staging copy, the verify result's, ...)
   ctx_switches_per_tick  the rank process's context switches (voluntary + involuntary) per tick
+  device_rounds     verify batches run as device stage rounds; ahead_rounds: those of them launched before the
+                    previous round of their micro-batch was applied (plan loop ring_rounds)
 """
 from __future__ import annotations
 
 PHASES = ("process", "schedule", "forward", "send", "recv")
+ROUNDS = ("device_rounds", "ahead_rounds")
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
@@ -36,7 +39,8 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                        "bytes_per_batch": {k: v / max(batches, 1) for k, v in sorted(fields.items())},
                        "d2h_per_batch": sum(x["d2h"] for x in xs) / max(batches, 1),
                        "ctx_switches_per_tick": sum(sum(x.get("ctx_switches", {}).values()) for x in xs)
-                       / max(ticks, 1)})
+                       / max(ticks, 1),
+                       **{k: sum(x.get(k, 0) for x in xs) for k in ROUNDS}})
     return stages
 
 
@@ -66,7 +70,8 @@ def run_metrics(cells: list[dict]) -> dict:
                                         / max(batches, 1) for k in fields},
                     "d2h_per_batch": sum(x["d2h_per_batch"] * x["batches"] for x in xs) / max(batches, 1),
                     "ctx_switches_per_tick": sum(x["ctx_switches_per_tick"] * x["ticks"] for x in xs)
-                    / max(ticks, 1)})
+                    / max(ticks, 1),
+                    **{k: sum(x.get(k, 0) for x in xs) for k in ROUNDS}})
     return {"stages": out}
 
 
@@ -86,5 +91,7 @@ def notes(summary: dict) -> list[str]:
                        + ", ".join(f"{k} {h[k]:.3g}" for k in PHASES)
                        + f" ({st['ticks']} ticks, {st['batches']} batches); sent per batch: {sent or '-'}; "
                        f"device->host copies per batch {st['d2h_per_batch']:.2f}; context switches per tick "
-                       f"{st['ctx_switches_per_tick']:.1f}")
+                       f"{st['ctx_switches_per_tick']:.1f}"
+                       + (f"; stage rounds {st['device_rounds']} ({st['ahead_rounds']} launched ahead)"
+                          if st.get("device_rounds") else ""))
     return out

@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b|round3|round4|round5a|round5b OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   round3:  the stage round's GPU tests (trees included), the ring probe, pp=2 + spec on the staged and the IPC relay.
@@ -100,4 +100,26 @@ round4)
   PPSPEC_RELAY_SHM=0 bench pp2_plain_gloo 50 $D --no-spec --set pp=2
   bench pp1_tree 50 $D $T
   bench pp2_tree 60 $D $T --set pp=2 --set spec.pp_spec=true ;;
+round5a)
+  # the GPU tests of rounds launched ahead under PP (loop ring_rounds, overlap_schedule=true): ahead vs the ring, graph vs
+  # eager vs host round, relay paths and copies per round, EAGLE-3 at pp=2
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
+      tests/test_cuda_graph.py tests/test_eagle3_gpu.py -k "relay_paths or stage_round or host_round or ahead or chain-2 or tree-2" \
+      2>&1 | grep -v -i warning | grep -E "round:|ahead:|IPC relay|FI-RESULT|passed|failed|Error|assert" \
+      | cut -c1-400 | tail -16 ;;
+round5b)
+  # the table in one sitting (1 timed run after 1 warmup per cell): pp=1, 2, 3 with spec (PP: stage rounds launched
+  # ahead) and without; pp=2 + spec on the ring without rounds ahead (the default: before); a tree (S=4 k=4 n=12) at
+  # pp=1 and pp=2, both ways
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy --set bench.runs=1"
+  T="--set spec.num_steps=4 --set spec.topk=4 --set spec.num_draft_tokens=12"
+  bench pp1_spec 130 $D
+  A="--set spec.pp_spec=true --set overlap_schedule=true"
+  bench pp2_spec 60 $D --set pp=2 $A
+  bench pp2_spec_ring 60 $D --set pp=2 --set spec.pp_spec=true
+  bench pp3_spec 60 $D --set pp=3 $A
+  for pp in 1 2 3; do bench pp${pp}_plain 50 $D --no-spec --set pp=$pp; done
+  bench pp1_tree 50 $D $T
+  bench pp2_tree 60 $D $T --set pp=2 $A
+  bench pp2_tree_ring 60 $D $T --set pp=2 --set spec.pp_spec=true ;;
 esac

@@ -10,12 +10,13 @@ from tools.fuzz import draw_case, expected_output, run_isolated
 
 # seed: what the case covers (python -m tools.fuzz --describe --case SEED prints its draw)
 CI_CASES = {
-    1679: "pp1-tree-tiny-pool-tiny-chunk-stops",
-    605: "pp1-tree-seeded-long-stop-rejected-generate",
-    9: "pp2-chain-barely-pool-chunked-long-prompts",
-    639: "pp3-tree-barely-pool-chunk10-seeded",
-    848: "tp2xpp2-chain-tiny-pool-retractions-seeded-bad-token-id",
+    1679: "pp1-tree-device-rounds-tiny-pool-tiny-chunk-stops",
+    605: "pp1-tree-device-rounds-seeded-long-stop-rejected-generate",
+    9: "pp2-chain-stage-rounds-barely-pool-chunked-long-prompts",
+    639: "pp3-tree-ahead-rounds-barely-pool-chunk10-seeded",
+    848: "tp2xpp2-chain-ahead-rounds-tiny-pool-retractions-seeded-bad-token-id",
     750: "pp2-plain-stops-seeded",
+    92: "pp2-tree-host-round-barely-pool-chunk11-stops",
 }
 TIMEOUT_S = 120
 

@@ -91,3 +91,69 @@ def test_drop_tree_fault_under_the_stage_round(tiny_model_dir, tiny_draft_dir, t
     assert all(a == 1 for o in outs for a in o.accept_lengths)
     assert any(a > 1 for o in ref["tree"] for a in o.accept_lengths)
     assert all(s["device_rounds"] > 0 for s in stats)
+
+
+# ------------------------------------------------------------------ rounds launched ahead (plan loop ring_rounds)
+def test_plan_launches_stage_rounds_ahead(tiny_model_dir, tiny_draft_dir):
+    """overlap_schedule: true turns the ring with stage rounds into ring_rounds; auto (also on CUDA, until the round
+    graphs launched ahead are held to the ring's on a GPU) and false keep the ring (the reference twin); the host
+    round never launches ahead."""
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, **CHAIN)
+    cfg = dict(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True)
+    assert resolve_plan(EngineConfig(**cfg, overlap_schedule=True)).loop == "ring_rounds"
+    assert resolve_plan(EngineConfig(**cfg)).loop == "ring"                          # CPU default: off
+    assert resolve_plan(EngineConfig(**{**cfg, "pp": 1}, tp=2, overlap_schedule=True)).loop == "ring_rounds"
+    assert resolve_plan(EngineConfig(**{**cfg, "spec_overlap": False}, overlap_schedule=True)).loop == "ring"
+    cuda = dict(**{**cfg, "spec_overlap": None}, dtype="bfloat16")
+    assert (resolve_plan(EngineConfig(**cuda), device="cuda", staged=True).loop) == "ring"
+    plan = resolve_plan(EngineConfig(**cuda, overlap_schedule=True), device="cuda", staged=True)
+    assert (plan.round, plan.loop) == ("stage", "ring_rounds") and "stage_rounds" in plan.graphs
+
+
+@pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (2, 1, "tree"), (3, 1, "tree"), (1, 2, "chain"),
+                                        (2, 2, "tree")])
+def test_rounds_launched_ahead_equal_the_host_round_and_pp1(tiny_model_dir, tiny_draft_dir, tiny_prompts, ref, pp,
+                                                            tp, name):
+    """Each slot's round r+1 launched from the device state before round r is applied: tokens and per-request accept
+    lengths equal PP1's host round; every rank launched the same rounds ahead."""
+    shape = CHAIN if name == "chain" else TREE
+    outs, stats = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:6], shape, pp=pp, tp=tp, spec_overlap=True,
+                      overlap_schedule=True)
+    same(outs, ref[name])
+    assert {s["loop"] for s in stats} == {"ring_rounds"}
+    ahead = [s["ahead_rounds"] for s in stats]
+    assert ahead[0] > 0 and len(set(ahead)) == 1, ahead
+    assert all(0 < s["ahead_rounds"] < s["device_rounds"] for s in stats)
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_rounds_ahead_with_chunks_retractions_and_finishes(tiny_model_dir, tiny_draft_dir, tiny_prompts, name):
+    """Rounds launched ahead while prompts merge in 48-token chunks, requests finish at different lengths (rows kept
+    as padding) and a small pool retracts: == the PP2 host round, every stage's pool empty at the end (Scheduler
+    .end_run checks it), the same rounds launched ahead on every stage."""
+    shape = CHAIN if name == "chain" else TREE
+    params = [SamplingParams(max_new_tokens=16 + 8 * (i % 4), ignore_eos=True) for i in range(8)]
+    kw = dict(max_prefill_tokens=48, max_num_tokens=500 if name == "chain" else 600)
+    host, _ = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=False, **kw)
+    outs, stats = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=True,
+                      overlap_schedule=True, **kw)
+    same(outs, host)
+    assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]
+    assert sum(o.num_retractions for o in outs) > 0
+    ahead = [s["ahead_rounds"] for s in stats]
+    assert ahead[0] > 0 and len(set(ahead)) == 1, ahead
+
+
+def test_drop_tree_fault_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts, ref, monkeypatch):
+    """PPSPEC_FAULT=drop_tree with rounds launched ahead: the last stage's own state takes the relayed degenerate
+    trees too, so every round accepts only the bonus token and the outputs are unchanged."""
+    monkeypatch.setenv("PPSPEC_FAULT", "drop_tree")
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, **TREE)
+    cfg = EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True,
+                       overlap_schedule=True).with_fault_from_env()
+    with LLM(cfg) as llm:
+        outs = llm.generate(tiny_prompts[:6], P)
+        stats = llm.last_stage_stats
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref["tree"]]
+    assert all(a == 1 for o in outs for a in o.accept_lengths)
+    assert all(s["ahead_rounds"] > 0 for s in stats)

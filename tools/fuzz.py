@@ -69,11 +69,16 @@ class Case:
     max_running_requests: int
     reqs: list[ReqDraw]
     poison: str | None = None           # bad_id | too_big
+    rounds: str = "host"                # spec: host (the host round) | device (the device round: pp=1 tp=1's overlapped
+                                        # round, else the stage round) | ahead (device, and stage rounds launched
+                                        # before the previous one is applied: loop ring_rounds)
 
     def describe(self) -> str:
         sp = "plain" if self.spec is None else (
             f"chain(S{self.spec['num_steps']})" if self.spec["topk"] == 1 else
             "tree(S{num_steps} k{topk} n{num_draft_tokens})".format(**self.spec))
+        if self.spec is not None and self.rounds != "host":
+            sp += f" {self.rounds}-rounds"
         topo = f"tp{self.tp}xpp{self.pp}" if self.tp > 1 else f"pp{self.pp}"
         ns = sum(r.sampling is not None for r in self.reqs)
         nstop = sum(r.stop_kind is not None for r in self.reqs)
@@ -143,7 +148,10 @@ def draw_case(seed: int, mc, tok, with_spec: bool = True) -> Case:
     poison = rng.choice(["bad_id", "too_big"]) if rng.random() < 0.15 else None
     if poison == "too_big" and pool >= mc.max_position_embeddings:
         poison = "bad_id"
-    return Case(seed, tp, pp, spec, pool, pool_kind, chunk, rng.randint(1, 8), reqs, poison)
+    case = Case(seed, tp, pp, spec, pool, pool_kind, chunk, rng.randint(1, 8), reqs, poison)
+    if spec is not None:            # drawn apart, so adding it left every earlier seed's draw as it was
+        case.rounds = random.Random(seed * 7877 + 3).choice(["host", "device", "ahead"])
+    return case
 
 
 def choose_stops(case: Case, refs: dict[int, list[int]], eos: set[int], detok) -> None:
@@ -293,7 +301,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     spec = SpecConfig("eagle", draft=draft, pp_spec=True, **case.spec) if case.spec else SpecConfig()
     cfg = EngineConfig(model=model, tp=case.tp, pp=case.pp, max_num_tokens=case.max_num_tokens,
                        max_prefill_tokens=case.max_prefill_tokens,
-                       max_running_requests=case.max_running_requests, spec=spec)
+                       max_running_requests=case.max_running_requests, spec=spec,
+                       spec_overlap=case.rounds != "host", overlap_schedule=case.rounds == "ahead")
     diagnose = []
     phase("engine start")
     try:

@@ -57,18 +57,24 @@ class SpecRoundRunner:
                 default_splits(bs * self.k, hk, self.max_len, max_splits=MAX_SPLITS))
 
     def state(self, bs: int) -> RoundState:
-        """The state of batch size ``bs``, created as all padding: slot 0, seq_len 0, not live, and the degenerate
-        chain tree (``chain_fallback``) in every row, so a round on it is valid (and writes slot 0 only)."""
+        """The state of batch size ``bs`` (``new_state``, created once)."""
         if bs not in self.states:
-            st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k,
-                            chain=self.r.spec.is_chain)
-            tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
-                                                  self.S, self.k, self.n)
-            st.tokens.copy_(tokens)
-            st.parents.copy_(parents)
-            st.tsi.copy_(tsi)
-            self.states[bs] = st
+            self.states[bs] = self.new_state(bs)
         return self.states[bs]
+
+    def new_state(self, bs: int, key=None) -> RoundState:
+        """A state of batch size ``bs`` (``key``: its graph's key, default ``bs``), all padding: slot 0, seq_len 0,
+        not live, and the degenerate chain tree (``chain_fallback``) in every row, so a round on it is valid (and
+        writes slot 0 only)."""
+        st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k,
+                        chain=self.r.spec.is_chain)
+        st.key = bs if key is None else key
+        tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
+                                              self.S, self.k, self.n)
+        st.tokens.copy_(tokens)
+        st.parents.copy_(parents)
+        st.tsi.copy_(tsi)
+        return st
 
     def capture_all(self) -> None:
         """Capture every batch size of the ladder now (on the all-padding states), as the decode / verify graph
@@ -84,11 +90,12 @@ class SpecRoundRunner:
                 with torch.inference_mode():
                     self._capture(st)
 
-    def load(self, reqs, rt_host: torch.Tensor) -> RoundState:
-        """Upload the segment: each request's req_to_token row (allocated part), seq_len and next tree
-        (host or device rows); padding rows get seq_len 0 and slot 0. Returns the state."""
+    def load(self, reqs, rt_host: torch.Tensor, st: RoundState | None = None) -> RoundState:
+        """Upload the segment into ``st`` (default: the state of its batch size): each request's req_to_token row
+        (allocated part), seq_len and next tree (host or device rows); padding rows get seq_len 0 and slot 0.
+        Returns the state."""
         B = len(reqs)
-        st = self.state(self.pick(B))
+        st = st or self.state(self.pick(B))
         dev, hi = self.r.device, max(r.allocated_len for r in reqs)
         rows = torch.zeros(st.bs, hi, dtype=torch.int64)
         rows[:B] = rt_host[torch.tensor([r.row for r in reqs]), :hi]
@@ -133,7 +140,7 @@ class SpecRoundRunner:
         the copy's CUDA event (None on CPU, where the copy is synchronous)."""
         bs = st.bs
         if self.use_graphs:
-            g = self.graphs.get(bs)
+            g = self.graphs.get(st.key)
             if g is None:
                 g = self._capture(st)
             g.replay()
@@ -160,7 +167,7 @@ class SpecRoundRunner:
         g, _, self.pool = capture(lambda: self.round(st, splits), self.r.device, self.pool,
                                   reset=lambda: self._restore(st, saved))
         self._restore(st, saved)
-        self.graphs[st.bs] = g
+        self.graphs[st.key] = g
         return g
 
     @staticmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..dist import ps
+from ..kv_cache import commit_order_device
 from ..messages import DraftTree, StepResult
 from .device_round import SpecRoundRunner
 from .round_steps import RoundState, round_draft_feature, round_tail, verify_forward
@@ -72,12 +73,14 @@ def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, la
 
 
 class StageRoundRunner(SpecRoundRunner):
-    """Per captured batch size: a :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the
-    captured :func:`stage_round`. ``can_run`` decides (identically on every stage: from the batch alone) whether a
-    verify batch takes this path; ``run`` executes it."""
+    """Per captured batch size (and per micro-batch slot when rounds are launched ahead: ``slots`` > 1): a
+    :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the captured :func:`stage_round`.
+    ``can_run`` decides (identically on every stage: from the batch alone) whether a verify batch takes this path;
+    ``run`` executes it."""
 
-    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False):
+    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False, slots: int = 1):
         super().__init__(runner, max_bs, use_graphs)
+        self.slots = slots
         s = ps()
         self.first, self.last = s.is_first_stage, s.is_last_stage
         self.keep_tree = keep_tree
@@ -88,14 +91,17 @@ class StageRoundRunner(SpecRoundRunner):
         return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
                 and all(r.params.greedy and r.tree is not None for r in batch.reqs))
 
-    def state(self, bs: int) -> RoundState:
-        """:meth:`SpecRoundRunner.state` plus the proxy buffers [bs*n, H] (in: not on the first stage; out: not on
-        the last), EAGLE-3's aux slot buffers (``a_in``: one [bs*n, H] per aux layer below this stage's first layer;
-        ``a_out``, not on the last stage: those plus one per aux layer of this stage, none of this stage's under the
-        ``drop_aux`` fault; both None without EAGLE-3) and the kept verify input (``keep_tree``)."""
-        new = bs not in self.states
-        st = super().state(bs)
-        if new:
+    def state(self, bs: int, slot: int = 0) -> RoundState:
+        """The state of micro-batch ``slot`` at batch size ``bs`` (one per (slot, bs): a slot's state outlives its
+        round when the next round is launched ahead, :meth:`advance`): :meth:`SpecRoundRunner.new_state` plus the
+        proxy buffers [bs*n, H] (in: not on the first stage; out: not on the last), EAGLE-3's aux slot buffers
+        (``a_in``: one [bs*n, H] per aux layer below this stage's first layer; ``a_out``, not on the last stage:
+        those plus one per aux layer of this stage, none of this stage's under the ``drop_aux`` fault; both None
+        without EAGLE-3) and the kept verify input (``keep_tree``)."""
+        key = (slot if self.slots > 1 else 0, bs)
+        st = self.states.get(key)
+        if st is None:
+            st = self.states[key] = self.new_state(bs, key)
             r, T = self.r, bs * self.n
             H = r.model_config.hidden_size
             z = dict(dtype=r.dtype, device=r.device)
@@ -120,8 +126,10 @@ class StageRoundRunner(SpecRoundRunner):
 
     @torch.inference_mode()
     def run(self, batch, proxy=None):
-        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage,
-        plus (EAGLE-3) a tuple of aux slots [B*n, H] in layer order.
+        """Run ``batch`` (``can_run``, or launched ahead: ``batch.ahead``, an :class:`engine.executors.Ahead`) on this
+        stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots
+        [B*n, H] in layer order. A batch launched ahead runs on its slot's state of the previous round, advanced by
+        :meth:`advance`; any other is loaded from the scheduler (``load``).
 
         Returns (non-last stage) the proxies [B*n, H] as owned device tensors (with the aux slots as a third element
         under EAGLE-3), or (last stage) the batch's :class:`StepResult` with device tensors (owned copies), and the
@@ -129,14 +137,18 @@ class StageRoundRunner(SpecRoundRunner):
         wrong number of aux slots (``ModelRunner.aux_slots``)."""
         reqs, B, n = batch.reqs, len(batch.reqs), self.n
         slots = None if self.first else self.r.aux_slots(proxy)     # EAGLE-3: checked before anything runs
-        st = self.load(reqs, self.r.sched.req_to_token)
+        if batch.ahead is None:
+            st = self.load(reqs, self.r.sched.req_to_token, self.state(self.pick(B), batch.slot))
+        else:
+            st = self.state(self.pick(B), batch.slot)
+            self.advance(st, batch.ahead)
         if not self.first:
             st.h_in[:B * n].copy_(proxy[0])
             st.r_in[:B * n].copy_(proxy[1])
             for dst, src in zip(st.a_in or (), slots or (), strict=True):
                 dst[:B * n].copy_(src)
         if self.use_graphs:
-            g = self.graphs.get(st.bs) or self._capture(st)
+            g = self.graphs.get(st.key) or self._capture(st)
             g.replay()
         else:
             self.round(st, self._splits(st.bs))
@@ -154,6 +166,45 @@ class StageRoundRunner(SpecRoundRunner):
                 DraftTree(st.tokens[:B], st.parents[:B], st.tsi[:B]).to_host(to_host=False))
         return StepResult("verify", batch.slot, batch.rids, out[:, c + 1:2 * c + 1], accept_nodes=out[:, :c],
                           accept_lens=out[:, c], next_tree=tree), kept
+
+    def capture_all(self) -> None:
+        """:meth:`SpecRoundRunner.capture_all` for every slot's states."""
+        for slot in range(self.slots):
+            for bs in reversed(self.bs_list):
+                st = self.state(bs, slot)
+                if self.use_graphs and st.key not in self.graphs:
+                    with torch.inference_mode():
+                        self._capture(st)
+
+    def advance(self, st: RoundState, ahead) -> None:
+        """Bring a slot's state from round r to round r+1 before round r's relayed result is applied on the host.
+
+        ``ahead.prev``: round r's :class:`StepResult` (B rows = the state's first B rows; host or device tensors).
+        A stage that is not the last applies it as the last stage's :func:`round_tail` did in round r's launch:
+        the commit permutation of ``rt[b, L:L+n]``, ``seq_lens += accept_length`` (live rows) and the next trees;
+        the last stage's state holds all of that already (under the ``drop_tree`` fault it takes the relayed
+        degenerate trees). Then the rows ``ahead.dead`` become padding (``retire``) and the KV slots reserved
+        ahead, ``ahead.new`` = (row, first position, slots), are appended (``append_slots``). Stream-ordered, no
+        host sync."""
+        prev, dev = ahead.prev, self.r.device
+        B, c, n = len(prev.rids), self.S + 1, self.n
+        if not self.last:
+            packed = torch.cat([prev.accept_nodes.long().view(B, c), prev.accept_lens.long().view(B, 1)], 1)
+            packed = packed.to(dev, non_blocking=True)
+            alen, ar, L = packed[:, c], st.ar, st.seq_lens[:B]
+            vpos = L.view(B, 1) + ar[:n]
+            seg = st.rt[:B].gather(1, vpos)
+            st.rt[:B] = st.rt[:B].scatter(1, vpos, seg.gather(1, commit_order_device(packed[:, :c], alen, n, ar)))
+            st.seq_lens[:B] += alen * st.live[:B]
+        if not self.last or self.drop_tree:
+            t = prev.next_tree
+            st.tokens[:B].copy_(t.tokens, non_blocking=True)
+            if not st.chain:
+                st.parents[:B].copy_(t.parent_list, non_blocking=True)
+                st.tsi[:B].copy_(t.top_scores_index, non_blocking=True)
+        if ahead.dead:
+            self.retire(st, ahead.dead)
+        self.append_slots(st, ahead.new)
 
     def round(self, st: RoundState, splits: tuple[int, int]) -> None:
         """The round this runner captures and runs: :func:`stage_round` of this stage."""
