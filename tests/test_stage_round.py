@@ -140,6 +140,8 @@ def test_rounds_ahead_with_chunks_retractions_and_finishes(tiny_model_dir, tiny_
     same(outs, host)
     assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]
     assert sum(o.num_retractions for o in outs) > 0
+    spans = [(o.token_times[0], o.token_times[-1]) for o in outs]
+    assert any(a0 < b0 < a1 for a0, a1 in spans for b0, _ in spans)        # a prompt prefilled while others decoded
     ahead = [s["ahead_rounds"] for s in stats]
     assert ahead[0] > 0 and len(set(ahead)) == 1, ahead
 
