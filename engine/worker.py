@@ -211,6 +211,7 @@ class Worker:
             t0 = clock()
             arrived = self.admit(ex.inbox)
             if pending is not None:                        # launch the slot's next round before applying its result
+                t_ahead = clock()                          # (counted as forward and process, not schedule)
                 if last is None and end_tick is None and tick >= p:
                     stats.forward_begin()
                     if (last := ex.ahead((tick - p) % P, pending, arrived)) is not None:
@@ -218,6 +219,7 @@ class Worker:
                     stats.forward_end(last is not None)
                 apply(pending)
                 pending = None
+                t0 += clock() - t_ahead
             if end_tick is None and sched.all_finished() and (last is None or ex.defers_results):
                 end_tick = tick - p + P - 1
             batch = None
