@@ -232,8 +232,9 @@ class RingRoundExecutor(RingExecutor):
     from its scheduler replica at the same point of the same result stream (before applying the slot's result),
     so all stages launch the same rounds. A request that finished in round r keeps its row, wasted, in round r+1
     and is padding from round r+2. The slot falls back to the normal path (apply, schedule, load) when a request
-    waits for admission or is prefilling, the pool cannot reserve ahead, a smaller captured size would do, or the
-    result is not the slot's verify result (an error, a prefill)."""
+    waits for admission or is prefilling in this slot, the pool cannot reserve ahead, a smaller captured size would
+    do, or the result is not the slot's verify result (an error, a prefill); other slots' chunked prefills do not
+    stop it."""
 
     name = "ring_rounds"
     defers_results = True
@@ -266,7 +267,7 @@ class RingRoundExecutor(RingExecutor):
         if (not live or any(r.status not in ("running", "finished") for r in reqs)
                 or sr.pick(len(live)) != sr.pick(len(reqs)) or (len(live) > 1 and any(reqs[i].isolated for i in live))):
             return None
-        new = self.sched.reserve_ahead([reqs[i] for i in live], 2 * (sr.S + 1))
+        new = self.sched.reserve_ahead([reqs[i] for i in live], 2 * (sr.S + 1), slot)
         if new is None:
             return None
         dead = [i for i, r in enumerate(reqs) if r.status != "running" and i not in retired]
