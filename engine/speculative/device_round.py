@@ -84,11 +84,14 @@ class SpecRoundRunner:
         The states are created outside inference mode: ``load`` updates them in place from normal (non-inference)
         code, which torch refuses on inference tensors. Without graphs (CPU; the runner then calls it not at all)
         only the states are created."""
-        for bs in reversed(self.bs_list):
-            st = self.state(bs)
-            if self.use_graphs and bs not in self.graphs:
+        for st in self.all_states():
+            if self.use_graphs and st.key not in self.graphs:
                 with torch.inference_mode():
                     self._capture(st)
+
+    def all_states(self) -> list[RoundState]:
+        """Every state a round may run on, largest batch size first (created now if need be)."""
+        return [self.state(bs) for bs in reversed(self.bs_list)]
 
     def load(self, reqs, rt_host: torch.Tensor, st: RoundState | None = None) -> RoundState:
         """Upload the segment into ``st`` (default: the state of its batch size): each request's req_to_token row

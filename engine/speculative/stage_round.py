@@ -167,14 +167,9 @@ class StageRoundRunner(SpecRoundRunner):
         return StepResult("verify", batch.slot, batch.rids, out[:, c + 1:2 * c + 1], accept_nodes=out[:, :c],
                           accept_lens=out[:, c], next_tree=tree), kept
 
-    def capture_all(self) -> None:
-        """:meth:`SpecRoundRunner.capture_all` for every slot's states."""
-        for slot in range(self.slots):
-            for bs in reversed(self.bs_list):
-                st = self.state(bs, slot)
-                if self.use_graphs and st.key not in self.graphs:
-                    with torch.inference_mode():
-                        self._capture(st)
+    def all_states(self) -> list[RoundState]:
+        """Every slot's states, largest batch size first (what ``capture_all`` captures)."""
+        return [self.state(bs, slot) for slot in range(self.slots) for bs in reversed(self.bs_list)]
 
     def advance(self, st: RoundState, ahead) -> None:
         """Bring a slot's state from round r to round r+1 before round r's relayed result is applied on the host.
