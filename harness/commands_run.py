@@ -52,8 +52,10 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
 
     Records are written as the questions finish (in batches of the engine's concurrency), so an interrupted run
-    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it."""
-    from harness.gsm8k import render, run_gsm8k
+    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it.
+    A request the engine fails (finish_reason "error"; the engine keeps serving the others) is scored as a wrong
+    answer: the summary counts the failed requests per run with the first reason, and one warning line says so."""
+    from harness.gsm8k import failure_line, render, run_gsm8k
     with user_errors():
         if resume and out is None:
             raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
@@ -72,6 +74,8 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         show(rend)
         save(cfg, "gsm8k", summary, records, md, d)
         write_run_plots("gsm8k", summary, d)
+        if failure_line(summary):
+            err.print(f"Warning: {failure_line(summary)}", markup=False, highlight=False)
 
 
 def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
@@ -138,7 +142,8 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
          accuracy_margin: Annotated[Optional[float], typer.Option(help="Allowed accuracy drop (0-1).")] = None,
          accept_length_margin: Annotated[Optional[float], typer.Option(help="Allowed accept-length drop.")] = None,
          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops."""
+    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops,
+    or when the engine failed any request on either side (finish_reason "error")."""
     from harness.gate import render, run_gate
     with user_errors():
         check_out(out)

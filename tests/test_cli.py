@@ -308,6 +308,59 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
     assert r.exit_code == 2 and "speculative decoding is off" in r.output
 
 
+class FailingLLM(FakeLLM):
+    """FakeLLM that, when its config carries a fault, fails the request about Janet's ducks (GSM8K test doc 0,
+    whose answer 18 the fake otherwise gets right) the way the engine does: finish_reason "error", error set."""
+
+    def generate(self, prompts, params, max_concurrency=None, progress=None):
+        outs = super().generate(prompts, params, max_concurrency, progress)
+        for p, o in zip(prompts, outs):
+            if self.config.fault and "Janet" in p:
+                o.finish_reason, o.error, o.text, o.token_ids, o.accept_lengths = "error", "injected failure", "", [], []
+        return outs
+
+
+def test_gsm8k_reports_failed_requests(tmp_path, fake_engine, draft_dir, monkeypatch):
+    monkeypatch.setattr(engine, "LLM", FailingLLM)
+    out = tmp_path / "g"
+    r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--runs", "2", "--num-fewshot", "0",
+                            "--set", "fault=fail_token:1", "--no-progress", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    line = ("Warning: 2 of 6 requests failed inside the engine (first: injected failure); each is scored as a wrong "
+            "answer")
+    assert line in r.output
+    s = json.loads((out / "summary.json").read_text())
+    assert [x["failed_requests"] for x in s["runs"]] == [1, 1] and s["runs"][0]["first_error"] == "injected failure"
+    o = s["overall"]
+    assert (o["failed_requests"], o["failed_requests_per_run"], o["first_error"]) == (2, [1, 1], "injected failure")
+    # accuracy stays over all 3 questions: doc 0 (the only one the fake answers right) failed, so every run scores 0
+    assert s["runs"][0]["n"] == 3 and s["runs"][0]["accuracy"]["strict-match"] == 0.0
+    rec = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert {(x["doc_id"], x["finish_reason"], x["error"]) for x in rec if x["run"] == 0} == {
+        (0, "error", "injected failure"), (1, "stop", None), (2, "stop", None)}
+    md = (out / "summary.md").read_text()
+    assert "2 failed request(s) scored as wrong" in md and "| failed |" in md and line[len("Warning: "):] in md
+    # without failures: no failed column, no warning
+    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--num-fewshot", "0", "--no-progress",
+                            "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and "Warning" not in r.output and "failed request" not in r.output, r.output
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["overall"]["failed_requests"] == 0
+
+
+def test_gate_fails_when_a_request_failed(tmp_path, fake_engine, draft_dir, monkeypatch):
+    monkeypatch.setattr(engine, "LLM", FailingLLM)
+    r = runner.invoke(app, ["gate", "--draft", str(draft_dir), "--limit", "2", "--set", "fault=fail_token:1",
+                            "--no-progress", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 1, r.output
+    assert ("**FAIL: requests failed inside the engine: baseline 0, candidate 1 (first: injected failure);"
+            in (tmp_path / "g" / "summary.md").read_text()) and "FAIL: requests failed" in r.output
+    v = json.loads((tmp_path / "g" / "summary.json").read_text())["verdict"]
+    assert "failed requests" in v["failed"]
+    c = [c for c in v["checks"] if c["metric"] == "failed requests"][0]
+    assert (c["baseline"], c["candidate"], c["ok"], c["first_error"]) == (0, 1, False, "injected failure")
+
+
 def test_sweep_matrix_dry_run_and_resume(tmp_path):
     m = _write(tmp_path / "m.yaml", "name: mini\nbase: tiny_cpu\ncommands: [bench]\nset: {spec: {pp_spec: true}}\n"
                                     "axes:\n  pp: [1, 2]\n"
