@@ -435,11 +435,13 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     spec = dict(merged.pop("spec", {}))
     if spec.get("algorithm"):
         draft = spec.get("draft")
+        src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
+        if src is not None and (draft is None or not str(draft).strip()):
+            raise HarnessConfigError(_empty_draft(src))
         found = _resolve_path(draft, root, yaml_dir) if draft else None
         why = "not found"
         if found is not None and not (Path(found) / "config.json").is_file():     # what the engine reads first
             why, found = f"is not a draft checkpoint (no {Path(found) / 'config.json'})", None
-        src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
         if found is None and draft and src is not None and src != str(toml_path):
             raise HarnessConfigError(f"{src}: spec.draft {draft!r} {why}")
         if found is None:                 # only the project default may be absent (fresh checkout)
@@ -467,6 +469,16 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         gate=GateConfig(**sections["gate"]), paths=PathsConfig(**{**_default_paths(root), **paths}),
         description=meta.get("description", ""), label=meta.get("label", ""), train=meta.get("train", {}),
         sources=tuple(s for s, _ in layers), notes=tuple(notes))
+
+
+def _empty_draft(src: str) -> str:
+    """The one-line refusal of an empty ``spec.draft`` (``--draft ''``) while speculative decoding is on: an empty
+    path is a mistake, not a way to turn speculation off; the message names the way that is."""
+    if src == "command line":
+        return ("--draft / spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
+                "speculative decoding off with --no-spec (--set spec.algorithm=null)")
+    return (f"{src}: spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
+            "speculative decoding off with spec.algorithm: null (--no-spec)")
 
 
 def _default_paths(root: Path) -> dict:

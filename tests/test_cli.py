@@ -735,3 +735,23 @@ def test_gate_refuses_a_non_finite_or_negative_margin(bad):
     for key in ("accuracy_margin", "accept_length_margin"):
         with pytest.raises(HarnessConfigError, match=f"gate.{key} must be a finite number >= 0"):
             resolve("gate", parse_sets([f"gate.{key}={bad}"]))
+
+
+@pytest.mark.parametrize("args", [["--draft", ""], ["--draft", "  "], ["--set", "spec.draft="],
+                                  ["--set", "spec.draft=''"]])
+def test_empty_draft_is_refused_not_spec_off(fake_engine, tmp_path, args):
+    """An empty --draft used to turn speculative decoding off with a 'not found' warning; it is refused in one
+    line (exit 2) that names the option and the way to turn spec off. --no-spec with it stays allowed."""
+    r = runner.invoke(app, ["gsm8k", *args, "--limit", "1", "--no-progress", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2, r.output
+    assert r.output == ("Error: --draft / spec.draft is empty: give a draft checkpoint directory (e.g. "
+                        "drafts/smollm2-eagle), or turn speculative decoding off with --no-spec (--set "
+                        "spec.algorithm=null)\n")
+    assert not fake_engine.instances and not (tmp_path / "g").exists()
+    assert not resolve(None, {"spec": {"algorithm": None, "draft": ""}}).engine.spec.enabled
+
+
+def test_empty_draft_in_a_run_config_is_refused(tmp_path):
+    y = _write(tmp_path / "run.yaml", "spec:\n  draft: ''\n")
+    with pytest.raises(HarnessConfigError, match=r"run.yaml: spec.draft is empty: .* spec.algorithm: null \(--no-spec\)"):
+        resolve(str(y), {})
