@@ -340,6 +340,9 @@ def test_gsm8k_reports_failed_requests(tmp_path, fake_engine, draft_dir, monkeyp
         (0, "error", "injected failure"), (1, "stop", None), (2, "stop", None)}
     md = (out / "summary.md").read_text()
     assert "2 failed request(s) scored as wrong" in md and "| failed |" in md and line[len("Warning: "):] in md
+    from harness.compare import comparison_table
+    _, md = comparison_table([{"name": "g", "dir": "g", "gsm8k": s}])
+    assert "| failed requests | 2 |  |" in md.splitlines()
     # without failures: no failed column, no warning
     monkeypatch.setattr(engine, "LLM", FakeLLM)
     r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--num-fewshot", "0", "--no-progress",
@@ -755,3 +758,75 @@ def test_empty_draft_in_a_run_config_is_refused(tmp_path):
     y = _write(tmp_path / "run.yaml", "spec:\n  draft: ''\n")
     with pytest.raises(HarnessConfigError, match=r"run.yaml: spec.draft is empty: .* spec.algorithm: null \(--no-spec\)"):
         resolve(str(y), {})
+
+
+def test_eagle3_at_a_tp_its_head_cannot_take_is_refused_up_front(fake_engine, tmp_path):
+    """Regression: EAGLE-3 at tp=2 was refused only after the model loaded. The shipped head (9 q / 3 kv heads) is
+    read from its config.json during config resolution: one line naming the TP sizes that fit, no engine built."""
+    from harness.config import PACKAGE_ROOT
+    head = PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
+    e3 = ["--set", "spec.algorithm=eagle3", "--set", f"spec.draft={head}"]
+    for tp in (["--tp", "2"], ["--set", "tp=2"]):
+        r = runner.invoke(app, ["generate", "hi", *e3, *tp])
+        assert r.exit_code == 2 and r.output.splitlines() == [
+            f"Error: spec.algorithm eagle3: tp=2 cannot shard the EAGLE-3 head {head} (9 query / 3 KV heads, "
+            "intermediate size 1536; EAGLE-3 heads are not padded): use tp 1 or 3, or spec.algorithm=eagle with an "
+            "EAGLE-1/2 head (padded at any tp)"], r.output
+    assert not fake_engine.instances
+    assert resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={head}", "tp=3"])).engine.tp == 3
+    # a head field the draft's config leaves out is the target's (SmolLM2: 3 KV heads)
+    d = tmp_path / "e3"
+    d.mkdir()
+    cfg = {k: v for k, v in json.loads((head / "config.json").read_text()).items() if k != "num_key_value_heads"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HarnessConfigError, match=r"tp=4 cannot shard .*\(9 query / 3 KV heads.*use tp 1 or 3"):
+        resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={d}", "tp=4"]))
+
+
+def test_draft_head_kind_and_path_messages(tmp_path):
+    """Regressions: a draft path naming a file said '.../config.json/config.json'; eagle3 with the default (EAGLE-2)
+    draft hinted 'use eagle' at engine start instead of naming the EAGLE-3 head to give."""
+    from harness.config import PACKAGE_ROOT
+    e2, e3 = PACKAGE_ROOT / "drafts" / "smollm2-eagle", PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
+    with pytest.raises(HarnessConfigError) as e:
+        resolve(None, parse_sets([f"spec.draft={e3}/config.json", "spec.algorithm=eagle3"]))
+    assert str(e.value) == (f"command line: spec.draft '{e3}/config.json' is a file: a draft checkpoint directory "
+                            "(holding config.json) is expected")
+    with pytest.raises(HarnessConfigError) as e:
+        resolve(None, parse_sets(["spec.algorithm=eagle3"]))
+    assert str(e.value) == ("spec.algorithm eagle3 needs an EAGLE-3 head in spec.draft (the shipped one: --set "
+                            f"spec.draft=drafts/smollm2-eagle3); the default draft {e2} is an EAGLE-1/2 head")
+    with pytest.raises(HarnessConfigError, match=r"is an EAGLE-1/2 head: spec.algorithm eagle3 needs an EAGLE-3 "
+                                                 r"head \(the shipped one: drafts/smollm2-eagle3\)"):
+        resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={e2}"]))
+    with pytest.raises(HarnessConfigError, match="is an EAGLE-3 head: use spec.algorithm=eagle3 with it"):
+        resolve(None, parse_sets([f"spec.draft={e3}"]))
+
+
+def test_run_config_given_to_train_draft_is_named():
+    """Regression: train-draft --config tp1pp1 said train.model was missing; a run config is named as one, with the
+    training recipes listed (the mirror of a recipe given to a run command)."""
+    r = runner.invoke(app, ["train-draft", "--config", "tp1pp1"])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: --config tp1pp1 is a run config, not a training recipe (it has no train: section): use it with "
+        "ppspec gsm8k / bench / gate / generate --config tp1pp1; training recipes: train_smollm2_draft, "
+        "train_smollm2_eagle3, train_smollm2_eagle3_long"], r.output
+
+
+def test_stage_two_recipe_without_stage_one_head_names_the_command(tmp_path, monkeypatch):
+    """Regression: the stage-2 EAGLE-3 recipe without the stage-1 head failed with 'draft checkpoint not found:
+    .../config.json'; it names train.init_from and the recipe that writes it, before any work."""
+    from harness.config import PACKAGE_ROOT
+    monkeypatch.chdir(tmp_path)                  # init_from and the recipes' train.out are relative to the cwd
+    monkeypatch.setenv("PPSPEC_TOML", str(PACKAGE_ROOT / "ppspec.toml"))
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_long", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: train-draft: train.init_from drafts/smollm2-eagle3-stage1 holds no trained head (no config.json): "
+        "run ppspec train-draft --config train_smollm2_eagle3 first (its train.out)"], r.output
+    assert not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_long", "--out", str(tmp_path / "o"),
+                            "--set", "train.init_from=elsewhere"])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: train-draft: train.init_from elsewhere holds no trained head (no config.json): train that head first "
+        "(a train-draft run whose train.out is that directory)"], r.output
+
