@@ -47,7 +47,7 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
           max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
           max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
-          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again.")] = False,
+          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again; an --out without records starts a fresh run (one line says so).")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
 
@@ -55,7 +55,7 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it.
     A request the engine fails (finish_reason "error"; the engine keeps serving the others) is scored as a wrong
     answer: the summary counts the failed requests per run with the first reason, and one warning line says so."""
-    from harness.gsm8k import failure_line, render, run_gsm8k
+    from harness.gsm8k import RECORDS, failure_line, has_records, render, run_gsm8k
     with user_errors():
         if resume and out is None:
             raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
@@ -66,6 +66,9 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
         d = run_dir(cfg, "gsm8k", out)
+        if resume and not has_records(d):
+            err.print(f"--resume: {d} holds no earlier records ({RECORDS}): nothing to resume, starting a fresh run",
+                      markup=False, highlight=False)
         from harness.progress import gsm8k_total, job_progress
         with job_progress(progress, gsm8k_total(cfg), err) as cb:
             summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,

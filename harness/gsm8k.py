@@ -184,6 +184,12 @@ def _read_records(path: Path) -> list[dict]:
     return out
 
 
+def has_records(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds records of an earlier (interrupted) run: a non-empty records.jsonl."""
+    p = Path(run_dir) / RECORDS
+    return p.is_file() and p.stat().st_size > 0
+
+
 class _Journal:
     """A run directory's records.jsonl (one record per finished question, appended and flushed batch by batch)
     and journal.jsonl (``{"config_hash"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch). Both are
@@ -195,7 +201,7 @@ class _Journal:
         self.records_path, self.journal_path = run_dir / RECORDS, run_dir / JOURNAL
         self.prior: list[dict] = []
         self.batches: list[dict] = []
-        has = self.records_path.is_file() and self.records_path.stat().st_size > 0
+        has = has_records(run_dir)
         if has and not resume:
             raise HarnessConfigError(f"{run_dir} holds an unfinished run ({RECORDS}, no summary.json): add --resume "
                                      "to finish it, or choose another directory")
@@ -292,7 +298,8 @@ def _depth(cfg: RunConfig) -> int | None:
 
 
 def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) -> dict:
-    """The summary over all runs. ``failed_requests`` sums the runs' failed requests (``failed_requests_per_run``) and
+    """The summary over all runs. ``agreement``: the share of questions every run answered identically, None with
+    a single run (nothing to agree with); ``failed_requests`` sums the runs' failed requests (``failed_requests_per_run``) and
     ``first_error`` is the first run's first reason."""
     depth = _depth(cfg)
     docs = sorted({d["doc_id"] for d in records})
@@ -304,7 +311,7 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
         overall[f] = {"accuracy_mean": float(np.mean(accs)) if accs else None, "per_run": accs,
                       "ci95": stats.wilson_ci(float(np.sum(per_q)), len(per_q)), "invalid_rate_mean":
                       float(np.mean([r["invalid_rate"][f] for r in runs])) if runs else None}
-    same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs]
+    same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs] if len(runs) > 1 else []
     al = [r["accept_length"]["mean"] for r in runs if r["accept_length"]["mean"] is not None]
     tps = [r["output_throughput"] for r in runs if r["output_throughput"] is not None]
     overall.update({
@@ -362,8 +369,9 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     if o["accept_length"].get("per_position"):
         md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: "
                 + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
-    notes = (f"{failure_line(summary)}; " if any_failed else "") + (
-        f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
+    agree = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
+             if o["runs"] > 1 and o.get("agreement") is not None else "")
+    notes = (f"{failure_line(summary)}; " if any_failed else "") + agree + (
         f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
         "interval over questions]' ('all': over the questions' mean score across runs)")
     cached = [(r.get("cached_prompt_tokens"), r.get("prompt_tokens")) for r in summary["runs"]]

@@ -830,3 +830,16 @@ def test_stage_two_recipe_without_stage_one_head_names_the_command(tmp_path, mon
         "Error: train-draft: train.init_from elsewhere holds no trained head (no config.json): train that head first "
         "(a train-draft run whose train.out is that directory)"], r.output
 
+
+def test_resume_with_nothing_to_resume_says_it_starts_fresh(tmp_path, fake_engine, draft_dir):
+    """Regression: --resume into an --out without earlier records started a fresh run silently; it still does
+    (no failure) but says so in one line. A directory with records resumes without that line."""
+    d = tmp_path / "new"
+    args = ["gsm8k", "--draft", str(draft_dir), "--limit", "2", "--no-progress", "--out", str(d), "--resume"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    line = f"--resume: {d} holds no earlier records (records.jsonl): nothing to resume, starting a fresh run"
+    assert r.output.splitlines()[0] == line and (d / "summary.json").is_file()
+    (d / "summary.json").unlink()                 # records kept, summary gone: an interrupted run to finish
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to resume" not in r.output, r.output
