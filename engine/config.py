@@ -76,8 +76,9 @@ class SpecConfig:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle, eagle3)")
         S, k, n = self.num_steps, self.topk, self.num_draft_tokens
-        if S < 1 or k < 1 or n < 2:
-            raise ConfigError("spec: num_steps >= 1, topk >= 1 and num_draft_tokens >= 2 are required")
+        for name, value, least in (("num_steps", S, 1), ("topk", k, 1), ("num_draft_tokens", n, 2)):
+            if value < least:
+                raise ConfigError(f"spec.{name} must be >= {least} (got {value})")
         if n - 1 > k + (S - 1) * k * k:
             raise ConfigError(
                 f"spec: num_draft_tokens-1={n - 1} exceeds the candidate count topk+(num_steps-1)*topk^2="

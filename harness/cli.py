@@ -9,9 +9,11 @@ Exit codes: 0 ok, 1 the run failed its check (gate, failed sweep cells) or the e
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import signal
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -69,27 +71,91 @@ def _running_ranks() -> int:
 
 
 def _on_signal(signum: int, frame) -> None:
-    """Raise Interrupted once; a second SIGINT / SIGTERM while the ranks are being stopped is ignored (that
-    shutdown is bounded)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
+    """SIGINT / SIGTERM handler of the CLI process: raise Interrupted where the main thread is, except
+
+    * inside an import (any depth, main thread): the signal is held until the outermost import returns and raised
+      there (:func:`_import_deferring_signals`), so no module is left half-imported (an interrupted torch or triton
+      import could swallow the exception, leave the signal ignored and the command running, or crash the
+      interpreter at exit);
+    * once main's exit path runs (the ranks are being stopped, a bounded shutdown): ignored.
+
+    A repeated signal raises again: an Interrupted that some library caught and dropped does not keep the command
+    running. The first one also starts :func:`_watchdog`."""
+    if _exiting.is_set():
+        return
+    if _import_depth and threading.get_ident() == _main_ident:
+        if not _deferred:
+            _deferred.append(signum)
+        return
+    first = not _signalled
     _signalled.append(signum)
-    raise Interrupted(signum, _running_ranks())
+    if first:
+        threading.Thread(target=_watchdog, args=(signum,), name="ppspec-interrupt-watchdog", daemon=True).start()
+    raise Interrupted(_signalled[0], _running_ranks())
 
 
-_signalled: list[int] = []     # the signal _on_signal turned into Interrupted, if any
+_signalled: list[int] = []     # the signals _on_signal turned into Interrupted, if any
+_deferred: list[int] = []      # a signal held while the main thread was importing
+_import_depth = 0              # nesting of the main thread's imports (while _import_deferring_signals is installed)
+_main_ident = threading.main_thread().ident
+_exiting = threading.Event()   # set when main's exit path (stopping the ranks, the interrupt line) starts
+WATCHDOG_S = 5.0               # how long the unwinding may take before the signal is delivered again
+
+
+def _watchdog(signum: int) -> None:
+    """Make sure an interrupt ends the command although a library swallows the Interrupted: when main's exit path
+    has not started ``WATCHDOG_S`` after the first signal, deliver the signal again (the handler raises Interrupted
+    where the main thread is now); when it still has not ``WATCHDOG_S`` later (every Interrupted swallowed, or the
+    main thread stuck outside Python), print the interrupt line and end the process at once with 128 + signum (no
+    cleanup: the ranks leave on their own when the front end dies). The unwinding itself (``with LLM`` stopping
+    the ranks) takes about 4 s at worst; an Interrupted raised during it is caught by main, whose exit path stops
+    the ranks again."""
+    import os
+    if _exiting.wait(WATCHDOG_S):
+        return
+    os.kill(os.getpid(), signum)
+    if _exiting.wait(WATCHDOG_S):
+        return
+    try:
+        err.print(f"ppspec: interrupted ({signal.Signals(signum).name})", markup=False, highlight=False)
+    finally:
+        os._exit(128 + signum)
+
+
+_real_import = builtins.__import__
+
+
+def _import_deferring_signals(name, globals=None, locals=None, fromlist=(), level=0):
+    """``builtins.__import__`` of the CLI process (installed by :func:`main`): counts the main thread's import depth
+    so :func:`_on_signal` holds a signal during an import, and raises the held Interrupted when the outermost import
+    returns (or fails)."""
+    global _import_depth
+    if threading.get_ident() != _main_ident:
+        return _real_import(name, globals, locals, fromlist, level)
+    _import_depth += 1
+    try:
+        return _real_import(name, globals, locals, fromlist, level)
+    finally:
+        _import_depth -= 1
+        if not _import_depth and _deferred and not _exiting.is_set():
+            _on_signal(_deferred.pop(), None)
 
 
 def main() -> None:
     """Console entry point (also ``python -m harness`` and ``python -m harness.cli``).
 
     SIGINT and SIGTERM end the run with one stderr line, ``ppspec: interrupted (SIGINT); stopped 2 ranks``, and
-    exit code 128 + the signal number (130, 143), every rank reaped first. Any other exception that ends the
-    command after such a signal arrived (an interrupt landing inside a library's import can surface as its
-    ImportError or RuntimeError) ends it the same way.
+    exit code 128 + the signal number (130, 143), every rank reaped first. A signal that arrives during an import
+    (torch, triton, lm-eval load lazily, in the first seconds of a command) takes effect when that import returns
+    (:func:`_on_signal`). Any other exception that ends the command after such a signal arrived ends it the same
+    way. Before this function runs (the interpreter's start and this module's import, a few tenths of a second)
+    Python's default applies: a KeyboardInterrupt traceback and exit 130.
     """
+    _exiting.clear()
+    del _deferred[:]
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _on_signal)
+    builtins.__import__ = _import_deferring_signals
     try:
         app(prog_name="ppspec")
     except Exception:
@@ -98,10 +164,14 @@ def main() -> None:
         _interrupted_exit(Interrupted(_signalled[0], _running_ranks()))
     except Interrupted as e:
         _interrupted_exit(e)
+    finally:
+        builtins.__import__ = _real_import
 
 
 def _interrupted_exit(e: Interrupted) -> None:
-    """Stop the engines still running, print the one interrupt line and exit 128 + the signal number."""
+    """Stop the engines still running, print the one interrupt line and exit 128 + the signal number; further
+    signals are ignored from here on (this shutdown is bounded)."""
+    _exiting.set()
     llm = sys.modules.get("engine.llm")
     if llm is not None:
         llm.shutdown_all()                               # engines the unwinding did not reach

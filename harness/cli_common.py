@@ -27,7 +27,7 @@ err = Console(stderr=True, soft_wrap=True)   # one-line messages stay one line
 E = "Engine"
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Run config: [cyan]suites/NAME.yaml[/cyan] or a path.")]
 ModelOpt = Annotated[Optional[str], typer.Option(help="Model name or checkpoint path.", rich_help_panel=E)]
-DraftOpt = Annotated[Optional[str], typer.Option(help="EAGLE draft checkpoint directory.", rich_help_panel=E)]
+DraftOpt = Annotated[Optional[str], typer.Option(help="EAGLE draft checkpoint directory ([cyan]--no-spec[/cyan] turns speculation off).", rich_help_panel=E)]
 TpOpt = Annotated[Optional[int], typer.Option(help="Tensor-parallel size.", rich_help_panel=E)]
 PpOpt = Annotated[Optional[int], typer.Option(help="Pipeline-parallel size.", rich_help_panel=E)]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16.", rich_help_panel=E)]

@@ -9,7 +9,7 @@ import typer
 
 from harness.cli_common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_out, check_writable, console, load,
                                 overrides, parse_sets, progress_bars, user_errors)
-from harness.config import HarnessConfigError, merge
+from harness.config import HarnessConfigError, load_yaml, merge, suites_of
 
 RecipeOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Training recipe (a [cyan]train:[/cyan] section): [cyan]suites/NAME.yaml[/cyan] or a path.")]
 
@@ -33,6 +33,7 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
         check_train_kwargs(_train, kwargs)
+        check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))
         check_out(Path(kwargs["out"]), finished_ok=True)
         with progress_bars(progress) as cb:
             if cb:
@@ -59,6 +60,24 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
         short = " (all the distinct tokens of the corpus)" if summary["size"] < size else ""
         typer.echo(f"{out}: {summary['size']} of {summary['vocab_size']} tokens{short}; coverage GSM8K train "
                    f"{summary['coverage_train']:.4f}, test answers {summary['coverage_test_answers']:.4f}")
+
+
+def check_init_from_exists(init_from: str | None, suites: Path) -> None:
+    """Refuse, before any work, a ``train.init_from`` that holds no head yet (no config.json: the stage a two-stage
+    recipe continues from has not been trained), naming the recipe in ``suites`` whose ``train.out`` writes it, as the
+    command to run first. Whether the head there fits is checked later (harness.train_draft.check_init_from)."""
+    if init_from is None or (Path(init_from) / "config.json").is_file():
+        return
+    want = Path(init_from).resolve()
+    writers = []
+    for name in suites_of(suites, "train"):
+        out = (load_yaml(suites / f"{name}.yaml").get("train") or {}).get("out")
+        if out and Path(out).resolve() == want:
+            writers.append(name)
+    first = (f"run ppspec train-draft --config {writers[0]} first (its train.out)" if writers
+             else "train that head first (a train-draft run whose train.out is that directory)")
+    raise HarnessConfigError(f"train-draft: train.init_from {init_from} holds no trained head (no config.json): "
+                             f"{first}")
 
 
 def check_train_kwargs(fn, kwargs: dict) -> None:

@@ -47,13 +47,15 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
           max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
           max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
-          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again.")] = False,
+          resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again; an --out without records starts a fresh run (one line says so).")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
 
     Records are written as the questions finish (in batches of the engine's concurrency), so an interrupted run
-    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it."""
-    from harness.gsm8k import render, run_gsm8k
+    keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it.
+    A request the engine fails (finish_reason "error"; the engine keeps serving the others) is scored as a wrong
+    answer: the summary counts the failed requests per run with the first reason, and one warning line says so."""
+    from harness.gsm8k import RECORDS, failure_line, has_records, render, run_gsm8k
     with user_errors():
         if resume and out is None:
             raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
@@ -64,6 +66,9 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
         d = run_dir(cfg, "gsm8k", out)
+        if resume and not has_records(d):
+            err.print(f"--resume: {d} holds no earlier records ({RECORDS}): nothing to resume, starting a fresh run",
+                      markup=False, highlight=False)
         from harness.progress import gsm8k_total, job_progress
         with job_progress(progress, gsm8k_total(cfg), err) as cb:
             summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
@@ -72,6 +77,8 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         show(rend)
         save(cfg, "gsm8k", summary, records, md, d)
         write_run_plots("gsm8k", summary, d)
+        if failure_line(summary):
+            err.print(f"Warning: {failure_line(summary)}", markup=False, highlight=False)
 
 
 def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None, pp: PpOpt = None,
@@ -138,7 +145,8 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
          accuracy_margin: Annotated[Optional[float], typer.Option(help="Allowed accuracy drop (0-1).")] = None,
          accept_length_margin: Annotated[Optional[float], typer.Option(help="Allowed accept-length drop.")] = None,
          set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops."""
+    """Parity gate: PP1+spec vs PP2+spec on one GSM8K slice; [bold]exit 1[/bold] when accuracy or accept length drops,
+    or when the engine failed any request on either side (finish_reason "error")."""
     from harness.gate import render, run_gate
     with user_errors():
         check_out(out)

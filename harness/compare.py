@@ -247,7 +247,10 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
         if any(v is not None for v in acc_mean):
             row("accept len range (runs)", g(lambda s: _range(s["overall"]["accept_length_range"])),
                 _paired_row_winner(entries, acc_mean, _accept_pairs, False, "bootstrap"))
-        row("run agreement", [fmt(v, "pct") for v in ov(("agreement",))])
+        row("run agreement", g(lambda s: "n/a (1 run)" if s["overall"].get("runs", 0) < 2
+                               else fmt(s["overall"].get("agreement"), "pct")))
+        if any(s and s["overall"].get("failed_requests") for s in gs):    # scored as wrong answers above
+            row("failed requests", g(lambda s: str(s["overall"].get("failed_requests", 0))))
     cells = sorted({(c["input_len"], c["batch_size"]) for e in entries if "bench" in e for c in e["bench"]["cells"]},
                    key=lambda c: (c[1], c[0]))
     spec_any = any(((_cell(e, L, B) or {}).get("pooled", {}).get("accept_length") or {}).get("mean") is not None

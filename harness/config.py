@@ -358,6 +358,11 @@ def _suite_kind(p: Path) -> str | None:
         return None
 
 
+def suites_of(suites: Path, kind: str | None = None) -> list[str]:
+    """Names of the suites in the directory ``suites`` of ``kind`` (:func:`suite_kind`; None: all), sorted."""
+    return sorted(q.stem for q in Path(suites).glob("*.yaml") if kind is None or _suite_kind(q) == kind)
+
+
 def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
     """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml). When nothing is found
     the error lists the suites of ``kind`` (``matrix``: sweep matrices, ``run``: run configs, ``train``: training
@@ -372,7 +377,7 @@ def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
             return c.resolve()
     if p.is_dir():
         raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    avail = sorted(q.stem for q in (root / "suites").glob("*.yaml") if kind is None or _suite_kind(q) == kind)
+    avail = suites_of(root / "suites", kind)
     label = {"matrix": "sweep matrices", "run": "run configs", "train": "training recipes"}.get(kind, "suites")
     raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
                             + (f"; {label}: {', '.join(avail)}" if avail else ""))
@@ -393,7 +398,7 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     """Resolve ppspec.toml < YAML ``config`` < ``overrides`` (nested dict, CLI flags) into a RunConfig.
 
     ``kind``: ``run`` (the run commands) refuses a ``config`` that is a training recipe (it has a ``train:`` section);
-    ``train`` (``ppspec train-draft``) accepts one. A sweep matrix is refused either way.
+    ``train`` (``ppspec train-draft``) accepts only one. A sweep matrix is refused either way.
 
     Raises:
         HarnessConfigError: unknown key, wrong type or bad value (one line naming the field).
@@ -419,6 +424,11 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         if suite_kind(raw) == "train" and kind == "run":
             raise HarnessConfigError(f"--config {config} is a training recipe (it has a train: section): use it with "
                                      f"ppspec train-draft --config {config}")
+        if suite_kind(raw) == "run" and kind == "train":
+            recipes = suites_of(root / "suites", "train")
+            raise HarnessConfigError(f"--config {config} is a run config, not a training recipe (it has no train: "
+                                     f"section): use it with ppspec gsm8k / bench / gate / generate --config {config}"
+                                     + (f"; training recipes: {', '.join(recipes)}" if recipes else ""))
         layers.append((str(path), check_layer(raw, str(path))))
         yaml_dir = (path.parent,)
     if overrides:
@@ -435,11 +445,15 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     spec = dict(merged.pop("spec", {}))
     if spec.get("algorithm"):
         draft = spec.get("draft")
+        src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
+        if src is not None and (draft is None or not str(draft).strip()):
+            raise HarnessConfigError(_empty_draft(src))
         found = _resolve_path(draft, root, yaml_dir) if draft else None
         why = "not found"
-        if found is not None and not (Path(found) / "config.json").is_file():     # what the engine reads first
+        if found is not None and Path(found).is_file():
+            why, found = "is a file: a draft checkpoint directory (holding config.json) is expected", None
+        elif found is not None and not (Path(found) / "config.json").is_file():     # what the engine reads first
             why, found = f"is not a draft checkpoint (no {Path(found) / 'config.json'})", None
-        src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
         if found is None and draft and src is not None and src != str(toml_path):
             raise HarnessConfigError(f"{src}: spec.draft {draft!r} {why}")
         if found is None:                 # only the project default may be absent (fresh checkout)
@@ -447,6 +461,8 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
             spec["algorithm"] = None
         else:
             spec["draft"] = found
+            check_draft_head(spec["algorithm"], found, merged.get("tp", 1), merged.get("model"),
+                             src or "config", user_draft=src is not None and src != str(toml_path))
             tmap = spec.get("token_map")
             if tmap:                      # cwd / yaml dir / project root, then the draft's directory
                 hit = _resolve_path(tmap, root, yaml_dir + (Path(found),))
@@ -467,6 +483,72 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         gate=GateConfig(**sections["gate"]), paths=PathsConfig(**{**_default_paths(root), **paths}),
         description=meta.get("description", ""), label=meta.get("label", ""), train=meta.get("train", {}),
         sources=tuple(s for s, _ in layers), notes=tuple(notes))
+
+
+SHIPPED_EAGLE3 = "drafts/smollm2-eagle3"
+
+
+def check_draft_head(algorithm: str, draft_dir: str, tp: int, model: str | None, src: str, user_draft: bool) -> None:
+    """Check, from the draft's config.json alone (before any model is loaded), that the head in ``draft_dir`` suits
+    ``algorithm`` and ``tp``: an EAGLE-3 head for ``eagle3``, an EAGLE-1/2 head for ``eagle``, and for EAGLE-3 a
+    ``tp`` that shards its heads and MLP as they are (EAGLE-1/2 heads are padded; EAGLE-3 heads are not, so the
+    engine refuses such a ``tp`` after loading the model: this is the early twin of that check). A head field the
+    draft's config leaves out is the target's (``model``); when that cannot be read, the tp check is left to the
+    engine. ``src`` names where spec.draft was set; ``user_draft``: it was set by the user, not the project default.
+
+    Raises:
+        HarnessConfigError: one line naming spec.algorithm / spec.draft / tp and what fits.
+    """
+    from engine.speculative.eagle3 import is_eagle3_config
+    path = Path(draft_dir) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise HarnessConfigError(f"{src}: spec.draft {path} cannot be read as JSON "
+                                 f"({getattr(e, 'msg', None) or e.__class__.__name__})") from None
+    if not isinstance(d, dict):
+        raise HarnessConfigError(f"{src}: spec.draft {path} is not a JSON object")
+    eagle3 = is_eagle3_config(d)
+    if algorithm == "eagle3" and not eagle3:
+        if not user_draft:
+            raise HarnessConfigError(f"spec.algorithm eagle3 needs an EAGLE-3 head in spec.draft (the shipped one: "
+                                     f"--set spec.draft={SHIPPED_EAGLE3}); the default draft {draft_dir} is an "
+                                     "EAGLE-1/2 head")
+        raise HarnessConfigError(f"{src}: spec.draft {draft_dir} is an EAGLE-1/2 head: spec.algorithm eagle3 needs an "
+                                 f"EAGLE-3 head (the shipped one: {SHIPPED_EAGLE3}), or use spec.algorithm=eagle "
+                                 "with this one")
+    if algorithm == "eagle" and eagle3:
+        raise HarnessConfigError(f"{src}: spec.draft {draft_dir} is an EAGLE-3 head: use spec.algorithm=eagle3 with it")
+    if algorithm != "eagle3" or not isinstance(tp, int) or tp <= 1:
+        return
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    shape = {k: d.get(k) for k in keys}
+    if any(not isinstance(v, int) for v in shape.values()):
+        try:                               # the engine fills these from the target's config
+            from engine.model.loader import load_model_config, resolve_model_path
+            target = load_model_config(resolve_model_path(model or "smollm2"))
+        except Exception:                  # noqa: BLE001 - the engine's own check reports it at start
+            return
+        shape = {k: v if isinstance(v, int) else getattr(target, k) for k, v in shape.items()}
+    from engine.model.tp_pad import tp_head_padding
+    head = types.SimpleNamespace(head_dim=1, **shape)
+    fits = [t for t in range(1, shape["num_attention_heads"] + 1) if tp_head_padding(head, t) is None]
+    if tp not in fits:
+        raise HarnessConfigError(
+            f"spec.algorithm eagle3: tp={tp} cannot shard the EAGLE-3 head {draft_dir} ({shape['num_attention_heads']}"
+            f" query / {shape['num_key_value_heads']} KV heads, intermediate size {shape['intermediate_size']}; "
+            f"EAGLE-3 heads are not padded): use tp {' or '.join(map(str, fits))}, or spec.algorithm=eagle with an "
+            "EAGLE-1/2 head (padded at any tp)")
+
+
+def _empty_draft(src: str) -> str:
+    """The one-line refusal of an empty ``spec.draft`` (``--draft ''``) while speculative decoding is on: an empty
+    path is a mistake, not a way to turn speculation off; the message names the way that is."""
+    if src == "command line":
+        return ("--draft / spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
+                "speculative decoding off with --no-spec (--set spec.algorithm=null)")
+    return (f"{src}: spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
+            "speculative decoding off with spec.algorithm: null (--no-spec)")
 
 
 def _default_paths(root: Path) -> dict:

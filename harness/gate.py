@@ -4,6 +4,8 @@ Runs the same GSM8K slice under the baseline PP size and the candidate PP size, 
 speculative decoding, and fails when the candidate's accuracy (either filter) drops by more than
 ``accuracy_margin`` or its mean accept length by more than ``accept_length_margin``. Accuracy
 alone cannot catch a lost tree (the bonus token keeps the text right); acceptance collapses.
+It also fails when the engine failed any request on either side (finish_reason "error"): a failed request is an
+engine fault whatever the margins, and scoring it as a wrong answer could hide it inside the accuracy margin.
 """
 from __future__ import annotations
 
@@ -59,7 +61,11 @@ def _env_without(name: str | None) -> Iterator[None]:
 
 def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records: list[dict],
                   accuracy_margin: float, accept_length_margin: float) -> dict:
-    """Compare two gsm8k summaries; returns checks, verdict and the count of differing questions."""
+    """Compare two gsm8k summaries; returns checks, verdict and the count of differing questions.
+
+    Checks: accuracy per filter and accept length within their margins, and no failed request (``failed_requests``
+    of run 0) on either side: that check's ``baseline`` / ``candidate`` are the counts, its margin 0, and its
+    ``first_error`` the first reason (candidate's first)."""
     checks = []
     for f in FILTERS:
         a, b = base["runs"][0]["accuracy"][f], cand["runs"][0]["accuracy"][f]
@@ -70,6 +76,10 @@ def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records
     checks.append({"metric": "accept length", "baseline": a, "candidate": b,
                    "delta": (b - a) if a is not None and b is not None else None,
                    "margin": accept_length_margin, "ok": ok})
+    fb, fc = (s["runs"][0].get("failed_requests", 0) for s in (base, cand))
+    first = next((s["runs"][0].get("first_error") for s in (cand, base) if s["runs"][0].get("first_error")), None)
+    checks.append({"metric": "failed requests", "baseline": fb, "candidate": fc, "delta": fc - fb, "margin": 0,
+                   "ok": fb == 0 and fc == 0, "first_error": first})
     rb = {r["doc_id"]: r for r in base_records}
     rc = {r["doc_id"]: r for r in cand_records}
     common = sorted(set(rb) & set(rc))
@@ -104,7 +114,7 @@ def render(summary: dict, title: str = "gate") -> tuple[list, str]:
                "allowed drop", "result"]
     rows = []
     for c in v["checks"]:
-        kind = "pct" if c["metric"].startswith("accuracy") else "num"
+        kind = "pct" if c["metric"].startswith("accuracy") else "int" if c["metric"] == "failed requests" else "num"
         rows.append([c["metric"], fmt(c["baseline"], kind), fmt(c["candidate"], kind),
                      fmt(c["delta"], kind), fmt(c["margin"], kind), "ok" if c["ok"] else "FAIL"])
     t, md = both(f"{title}: {v['n_questions']} GSM8K questions, spec on both sides"
@@ -112,7 +122,15 @@ def render(summary: dict, title: str = "gate") -> tuple[list, str]:
     mc = v["mcnemar_flexible"]
     line = (f"questions with different output: {v['differing_outputs']} of {v['n_questions']}; "
             f"McNemar (flexible-extract) discordant {mc['discordant']}, p={mc['p_value']:.3g}")
-    verdict = "PASS" if v["passed"] else "FAIL: " + "; ".join(
-        f"{c['metric']} dropped {abs(c['delta']) if c['delta'] is not None else float('nan'):.3g} "
-        f"(allowed {c['margin']:.3g})" for c in v["checks"] if not c["ok"])
+    failing = sorted((c for c in v["checks"] if not c["ok"]), key=lambda c: c["metric"] != "failed requests")
+    verdict = "PASS" if v["passed"] else "FAIL: " + "; ".join(_why(c) for c in failing)   # failed requests first
     return [t, line, verdict], f"{md}\n{line}\n\n**{verdict}**\n"
+
+
+def _why(c: dict) -> str:
+    """Why one gate check failed, for the verdict line."""
+    if c["metric"] == "failed requests":
+        return (f"requests failed inside the engine: baseline {c['baseline']}, candidate {c['candidate']} "
+                f"(first: {c.get('first_error')})")
+    return (f"{c['metric']} dropped {abs(c['delta']) if c['delta'] is not None else float('nan'):.3g} "
+            f"(allowed {c['margin']:.3g})")

@@ -156,7 +156,8 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
 def question_record(run: int, inst, response: str, metrics: dict) -> dict:
     """One question's record, as records.jsonl holds it: run, doc_id, question, target (the reference answer after
     ``#### ``), response, each filter's ``{"extracted", "exact_match"}`` (:func:`score_response`), then the
-    request's metrics (arrival_rank, prompt/output tokens, finish_reason, accept_lengths, ttft, tpot, e2e)."""
+    request's metrics (arrival_rank, prompt/output tokens, finish_reason, error, accept_lengths, ttft, tpot, e2e);
+    ``error`` is the engine's reason when it failed the request (``finish_reason == "error"``), else None."""
     target = inst.doc["answer"].split("#### ")[-1].strip()
     return {"run": run, "doc_id": inst.doc_id, "question": inst.doc["question"], "target": target,
             "response": response, **score_response(response, "#### " + target), **metrics}
@@ -183,6 +184,12 @@ def _read_records(path: Path) -> list[dict]:
     return out
 
 
+def has_records(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds records of an earlier (interrupted) run: a non-empty records.jsonl."""
+    p = Path(run_dir) / RECORDS
+    return p.is_file() and p.stat().st_size > 0
+
+
 class _Journal:
     """A run directory's records.jsonl (one record per finished question, appended and flushed batch by batch)
     and journal.jsonl (``{"config_hash"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch). Both are
@@ -194,7 +201,7 @@ class _Journal:
         self.records_path, self.journal_path = run_dir / RECORDS, run_dir / JOURNAL
         self.prior: list[dict] = []
         self.batches: list[dict] = []
-        has = self.records_path.is_file() and self.records_path.stat().st_size > 0
+        has = has_records(run_dir)
         if has and not resume:
             raise HarnessConfigError(f"{run_dir} holds an unfinished run ({RECORDS}, no summary.json): add --resume "
                                      "to finish it, or choose another directory")
@@ -247,7 +254,11 @@ class _Journal:
 def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = None) -> tuple[dict, list[dict]]:
     """The run's summary and records (doc_id order) from lm-eval's samples and the adapter's per-request metrics;
     serving figures over the records, throughput over ``walls`` (the run's engine batches, seconds); ``depth``:
-    the draft depth for per-position acceptance (None without speculation)."""
+    the draft depth for per-position acceptance (None without speculation).
+
+    A request the engine failed (``finish_reason == "error"``) stays in the accuracy (its empty or partial response
+    scores as a wrong answer); ``failed_requests`` counts them and ``first_error`` is the reason of the first one
+    (lowest doc_id), None when none failed."""
     by_doc: dict[int, dict] = {}
     for s in res["samples"][TASK]:
         d = by_doc.setdefault(s["doc_id"], {
@@ -262,6 +273,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
         d.update(lm.records.get((TASK, doc_id), {}))
         recs.append(d)
     n = len(recs)
+    failed = [d for d in recs if d.get("finish_reason") == "error"]
     out_tokens = sum(d.get("output_tokens") or 0 for d in recs) if recs and "output_tokens" in recs[0] else None
     wall = float(sum(walls)) if walls else None
     summary = {
@@ -276,6 +288,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
         "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
         "ttft": stats.summarize([d.get("ttft") for d in recs]) if walls else None,
         "tpot": stats.summarize([d.get("tpot") for d in recs]) if walls else None, "scorer_mismatches": mismatches,
+        "failed_requests": len(failed), "first_error": (failed[0].get("error") or "no reason given") if failed else None,
     }
     return summary, recs
 
@@ -285,6 +298,9 @@ def _depth(cfg: RunConfig) -> int | None:
 
 
 def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) -> dict:
+    """The summary over all runs. ``agreement``: the share of questions every run answered identically, None with
+    a single run (nothing to agree with); ``failed_requests`` sums the runs' failed requests (``failed_requests_per_run``) and
+    ``first_error`` is the first run's first reason."""
     depth = _depth(cfg)
     docs = sorted({d["doc_id"] for d in records})
     by = {(d["run"], d["doc_id"]): d for d in records}
@@ -295,7 +311,7 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
         overall[f] = {"accuracy_mean": float(np.mean(accs)) if accs else None, "per_run": accs,
                       "ci95": stats.wilson_ci(float(np.sum(per_q)), len(per_q)), "invalid_rate_mean":
                       float(np.mean([r["invalid_rate"][f] for r in runs])) if runs else None}
-    same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs]
+    same = [len({by[(r["run"], q)]["response"] for r in runs}) == 1 for q in docs] if len(runs) > 1 else []
     al = [r["accept_length"]["mean"] for r in runs if r["accept_length"]["mean"] is not None]
     tps = [r["output_throughput"] for r in runs if r["output_throughput"] is not None]
     overall.update({
@@ -304,27 +320,48 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
         "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in records], depth),
         "output_throughput_mean": float(np.mean(tps)) if tps else None,
         "scorer_mismatches": sum(r["scorer_mismatches"] for r in runs),
+        "failed_requests": sum(r.get("failed_requests", 0) for r in runs),
+        "failed_requests_per_run": [r.get("failed_requests", 0) for r in runs],
+        "first_error": next((r["first_error"] for r in runs if r.get("first_error")), None),
     })
     return {"kind": "gsm8k", "task": TASK, "num_fewshot": cfg.gsm8k.num_fewshot, "limit": cfg.gsm8k.limit,
             "engine_info": info, "runs": runs, "overall": overall}
 
 
+def failure_line(summary: dict) -> str | None:
+    """One line saying how many requests of a gsm8k summary the engine failed and why (the first reason), and that
+    they are scored as wrong answers; None when none failed."""
+    o = summary["overall"]
+    n = o.get("failed_requests") or 0
+    if not n:
+        return None
+    total = o["n_questions"] * o["runs"]
+    return (f"{n} of {total} requests failed inside the engine (first: {o.get('first_error')}); each is scored as "
+            "a wrong answer")
+
+
 def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
-    """Rich tables + markdown for a gsm8k summary."""
+    """Rich tables + markdown for a gsm8k summary. When the engine failed requests, the accuracy table gets a
+    ``failed`` column (per run, and the total) and its title and the notes say so (:func:`failure_line`)."""
+    o = summary["overall"]
+    any_failed = bool(o.get("failed_requests"))
     headers = ["run", "strict-match %", "flexible-extract %", "invalid % s/f", "accept len", "tok/s"]
+    headers += ["failed"] if any_failed else []
     rows = []
     for r in summary["runs"]:
         rows.append([str(r["run"]), _acc(r["accuracy"]["strict-match"], r["ci95"]["strict-match"]),
                      _acc(r["accuracy"]["flexible-extract"], r["ci95"]["flexible-extract"]),
                      _pair(r["invalid_rate"]["strict-match"], r["invalid_rate"]["flexible-extract"]),
-                     fmt(r["accept_length"]["mean"]), fmt(r["output_throughput"], "num")])
-    o = summary["overall"]
+                     fmt(r["accept_length"]["mean"]), fmt(r["output_throughput"], "num")]
+                    + ([str(r.get("failed_requests", 0))] if any_failed else []))
     rows.append(["all", _acc(o["strict-match"]["accuracy_mean"], o["strict-match"]["ci95"]),
                  _acc(o["flexible-extract"]["accuracy_mean"], o["flexible-extract"]["ci95"]),
                  _pair(o["strict-match"]["invalid_rate_mean"], o["flexible-extract"]["invalid_rate_mean"]),
-                 _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])])
-    t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)",
-                   headers, rows)
+                 _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])]
+                + ([str(o["failed_requests"])] if any_failed else []))
+    failed_title = f", {o['failed_requests']} failed request(s) scored as wrong" if any_failed else ""
+    t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)"
+                   + failed_title, headers, rows)
     hist = o["accept_length"]["hist"]
     total = sum(hist.values()) or 1
     t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
@@ -332,9 +369,11 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     if o["accept_length"].get("per_position"):
         md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: "
                 + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
-    notes = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
-             f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
-             "interval over questions]' ('all': over the questions' mean score across runs)")
+    agree = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
+             if o["runs"] > 1 and o.get("agreement") is not None else "")
+    notes = (f"{failure_line(summary)}; " if any_failed else "") + agree + (
+        f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
+        "interval over questions]' ('all': over the questions' mean score across runs)")
     cached = [(r.get("cached_prompt_tokens"), r.get("prompt_tokens")) for r in summary["runs"]]
     if cached and all(p for _, p in cached):
         notes += "; prompt tokens served by the prefix cache per run: " + ", ".join(

@@ -77,8 +77,8 @@ class PPSpecLM(LM):
         self.max_concurrency = max_concurrency
         self.reset(order_seed=order_seed, seed=seed)
 
-    METRICS = ("arrival_rank", "prompt_tokens", "cached_tokens", "output_tokens", "finish_reason", "accept_lengths",
-               "ttft", "tpot", "e2e")
+    METRICS = ("arrival_rank", "prompt_tokens", "cached_tokens", "output_tokens", "finish_reason", "error",
+               "accept_lengths", "ttft", "tpot", "e2e")   # error: why the engine failed it (finish_reason "error")
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PPSpecLM":
@@ -175,7 +175,8 @@ class PPSpecLM(LM):
                 results[i] = _cut(o.text, built[i][1])
                 m = stats.request_metrics(o.arrival_time, o.token_times)
                 rec = {"arrival_rank": rank[i], "prompt_tokens": len(o.prompt_token_ids),
-                       "cached_tokens": o.num_cached_tokens, "output_tokens": len(o.token_ids), "finish_reason": o.finish_reason,
+                       "cached_tokens": o.num_cached_tokens, "output_tokens": len(o.token_ids),
+                       "finish_reason": o.finish_reason, "error": getattr(o, "error", None),
                        "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"]}
                 self.records[(inst.task_name, inst.doc_id)] = rec
                 items.append((inst, results[i], rec))

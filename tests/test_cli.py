@@ -308,6 +308,62 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
     assert r.exit_code == 2 and "speculative decoding is off" in r.output
 
 
+class FailingLLM(FakeLLM):
+    """FakeLLM that, when its config carries a fault, fails the request about Janet's ducks (GSM8K test doc 0,
+    whose answer 18 the fake otherwise gets right) the way the engine does: finish_reason "error", error set."""
+
+    def generate(self, prompts, params, max_concurrency=None, progress=None):
+        outs = super().generate(prompts, params, max_concurrency, progress)
+        for p, o in zip(prompts, outs):
+            if self.config.fault and "Janet" in p:
+                o.finish_reason, o.error, o.text, o.token_ids, o.accept_lengths = "error", "injected failure", "", [], []
+        return outs
+
+
+def test_gsm8k_reports_failed_requests(tmp_path, fake_engine, draft_dir, monkeypatch):
+    monkeypatch.setattr(engine, "LLM", FailingLLM)
+    out = tmp_path / "g"
+    r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--runs", "2", "--num-fewshot", "0",
+                            "--set", "fault=fail_token:1", "--no-progress", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    line = ("Warning: 2 of 6 requests failed inside the engine (first: injected failure); each is scored as a wrong "
+            "answer")
+    assert line in r.output
+    s = json.loads((out / "summary.json").read_text())
+    assert [x["failed_requests"] for x in s["runs"]] == [1, 1] and s["runs"][0]["first_error"] == "injected failure"
+    o = s["overall"]
+    assert (o["failed_requests"], o["failed_requests_per_run"], o["first_error"]) == (2, [1, 1], "injected failure")
+    # accuracy stays over all 3 questions: doc 0 (the only one the fake answers right) failed, so every run scores 0
+    assert s["runs"][0]["n"] == 3 and s["runs"][0]["accuracy"]["strict-match"] == 0.0
+    rec = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert {(x["doc_id"], x["finish_reason"], x["error"]) for x in rec if x["run"] == 0} == {
+        (0, "error", "injected failure"), (1, "stop", None), (2, "stop", None)}
+    md = (out / "summary.md").read_text()
+    assert "2 failed request(s) scored as wrong" in md and "| failed |" in md and line[len("Warning: "):] in md
+    from harness.compare import comparison_table
+    _, md = comparison_table([{"name": "g", "dir": "g", "gsm8k": s}])
+    assert "| failed requests | 2 |  |" in md.splitlines()
+    # without failures: no failed column, no warning
+    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--num-fewshot", "0", "--no-progress",
+                            "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0 and "Warning" not in r.output and "failed request" not in r.output, r.output
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["overall"]["failed_requests"] == 0
+
+
+def test_gate_fails_when_a_request_failed(tmp_path, fake_engine, draft_dir, monkeypatch):
+    monkeypatch.setattr(engine, "LLM", FailingLLM)
+    r = runner.invoke(app, ["gate", "--draft", str(draft_dir), "--limit", "2", "--set", "fault=fail_token:1",
+                            "--no-progress", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 1, r.output
+    assert ("**FAIL: requests failed inside the engine: baseline 0, candidate 1 (first: injected failure);"
+            in (tmp_path / "g" / "summary.md").read_text()) and "FAIL: requests failed" in r.output
+    v = json.loads((tmp_path / "g" / "summary.json").read_text())["verdict"]
+    assert "failed requests" in v["failed"]
+    c = [c for c in v["checks"] if c["metric"] == "failed requests"][0]
+    assert (c["baseline"], c["candidate"], c["ok"], c["first_error"]) == (0, 1, False, "injected failure")
+
+
 def test_sweep_matrix_dry_run_and_resume(tmp_path):
     m = _write(tmp_path / "m.yaml", "name: mini\nbase: tiny_cpu\ncommands: [bench]\nset: {spec: {pp_spec: true}}\n"
                                     "axes:\n  pp: [1, 2]\n"
@@ -682,3 +738,108 @@ def test_gate_refuses_a_non_finite_or_negative_margin(bad):
     for key in ("accuracy_margin", "accept_length_margin"):
         with pytest.raises(HarnessConfigError, match=f"gate.{key} must be a finite number >= 0"):
             resolve("gate", parse_sets([f"gate.{key}={bad}"]))
+
+
+@pytest.mark.parametrize("args", [["--draft", ""], ["--draft", "  "], ["--set", "spec.draft="],
+                                  ["--set", "spec.draft=''"]])
+def test_empty_draft_is_refused_not_spec_off(fake_engine, tmp_path, args):
+    """An empty --draft used to turn speculative decoding off with a 'not found' warning; it is refused in one
+    line (exit 2) that names the option and the way to turn spec off. --no-spec with it stays allowed."""
+    r = runner.invoke(app, ["gsm8k", *args, "--limit", "1", "--no-progress", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2, r.output
+    assert r.output == ("Error: --draft / spec.draft is empty: give a draft checkpoint directory (e.g. "
+                        "drafts/smollm2-eagle), or turn speculative decoding off with --no-spec (--set "
+                        "spec.algorithm=null)\n")
+    assert not fake_engine.instances and not (tmp_path / "g").exists()
+    assert not resolve(None, {"spec": {"algorithm": None, "draft": ""}}).engine.spec.enabled
+
+
+def test_empty_draft_in_a_run_config_is_refused(tmp_path):
+    y = _write(tmp_path / "run.yaml", "spec:\n  draft: ''\n")
+    with pytest.raises(HarnessConfigError, match=r"run.yaml: spec.draft is empty: .* spec.algorithm: null \(--no-spec\)"):
+        resolve(str(y), {})
+
+
+def test_eagle3_at_a_tp_its_head_cannot_take_is_refused_up_front(fake_engine, tmp_path):
+    """Regression: EAGLE-3 at tp=2 was refused only after the model loaded. The shipped head (9 q / 3 kv heads) is
+    read from its config.json during config resolution: one line naming the TP sizes that fit, no engine built."""
+    from harness.config import PACKAGE_ROOT
+    head = PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
+    e3 = ["--set", "spec.algorithm=eagle3", "--set", f"spec.draft={head}"]
+    for tp in (["--tp", "2"], ["--set", "tp=2"]):
+        r = runner.invoke(app, ["generate", "hi", *e3, *tp])
+        assert r.exit_code == 2 and r.output.splitlines() == [
+            f"Error: spec.algorithm eagle3: tp=2 cannot shard the EAGLE-3 head {head} (9 query / 3 KV heads, "
+            "intermediate size 1536; EAGLE-3 heads are not padded): use tp 1 or 3, or spec.algorithm=eagle with an "
+            "EAGLE-1/2 head (padded at any tp)"], r.output
+    assert not fake_engine.instances
+    assert resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={head}", "tp=3"])).engine.tp == 3
+    # a head field the draft's config leaves out is the target's (SmolLM2: 3 KV heads)
+    d = tmp_path / "e3"
+    d.mkdir()
+    cfg = {k: v for k, v in json.loads((head / "config.json").read_text()).items() if k != "num_key_value_heads"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HarnessConfigError, match=r"tp=4 cannot shard .*\(9 query / 3 KV heads.*use tp 1 or 3"):
+        resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={d}", "tp=4"]))
+
+
+def test_draft_head_kind_and_path_messages(tmp_path):
+    """Regressions: a draft path naming a file said '.../config.json/config.json'; eagle3 with the default (EAGLE-2)
+    draft hinted 'use eagle' at engine start instead of naming the EAGLE-3 head to give."""
+    from harness.config import PACKAGE_ROOT
+    e2, e3 = PACKAGE_ROOT / "drafts" / "smollm2-eagle", PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
+    with pytest.raises(HarnessConfigError) as e:
+        resolve(None, parse_sets([f"spec.draft={e3}/config.json", "spec.algorithm=eagle3"]))
+    assert str(e.value) == (f"command line: spec.draft '{e3}/config.json' is a file: a draft checkpoint directory "
+                            "(holding config.json) is expected")
+    with pytest.raises(HarnessConfigError) as e:
+        resolve(None, parse_sets(["spec.algorithm=eagle3"]))
+    assert str(e.value) == ("spec.algorithm eagle3 needs an EAGLE-3 head in spec.draft (the shipped one: --set "
+                            f"spec.draft=drafts/smollm2-eagle3); the default draft {e2} is an EAGLE-1/2 head")
+    with pytest.raises(HarnessConfigError, match=r"is an EAGLE-1/2 head: spec.algorithm eagle3 needs an EAGLE-3 "
+                                                 r"head \(the shipped one: drafts/smollm2-eagle3\)"):
+        resolve(None, parse_sets(["spec.algorithm=eagle3", f"spec.draft={e2}"]))
+    with pytest.raises(HarnessConfigError, match="is an EAGLE-3 head: use spec.algorithm=eagle3 with it"):
+        resolve(None, parse_sets([f"spec.draft={e3}"]))
+
+
+def test_run_config_given_to_train_draft_is_named():
+    """Regression: train-draft --config tp1pp1 said train.model was missing; a run config is named as one, with the
+    training recipes listed (the mirror of a recipe given to a run command)."""
+    r = runner.invoke(app, ["train-draft", "--config", "tp1pp1"])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: --config tp1pp1 is a run config, not a training recipe (it has no train: section): use it with "
+        "ppspec gsm8k / bench / gate / generate --config tp1pp1; training recipes: train_smollm2_draft, "
+        "train_smollm2_eagle3, train_smollm2_eagle3_long"], r.output
+
+
+def test_stage_two_recipe_without_stage_one_head_names_the_command(tmp_path, monkeypatch):
+    """Regression: the stage-2 EAGLE-3 recipe without the stage-1 head failed with 'draft checkpoint not found:
+    .../config.json'; it names train.init_from and the recipe that writes it, before any work."""
+    from harness.config import PACKAGE_ROOT
+    monkeypatch.chdir(tmp_path)                  # init_from and the recipes' train.out are relative to the cwd
+    monkeypatch.setenv("PPSPEC_TOML", str(PACKAGE_ROOT / "ppspec.toml"))
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_long", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: train-draft: train.init_from drafts/smollm2-eagle3-stage1 holds no trained head (no config.json): "
+        "run ppspec train-draft --config train_smollm2_eagle3 first (its train.out)"], r.output
+    assert not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_long", "--out", str(tmp_path / "o"),
+                            "--set", "train.init_from=elsewhere"])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        "Error: train-draft: train.init_from elsewhere holds no trained head (no config.json): train that head first "
+        "(a train-draft run whose train.out is that directory)"], r.output
+
+
+def test_resume_with_nothing_to_resume_says_it_starts_fresh(tmp_path, fake_engine, draft_dir):
+    """Regression: --resume into an --out without earlier records started a fresh run silently; it still does
+    (no failure) but says so in one line. A directory with records resumes without that line."""
+    d = tmp_path / "new"
+    args = ["gsm8k", "--draft", str(draft_dir), "--limit", "2", "--no-progress", "--out", str(d), "--resume"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    line = f"--resume: {d} holds no earlier records (records.jsonl): nothing to resume, starting a fresh run"
+    assert r.output.splitlines()[0] == line and (d / "summary.json").is_file()
+    (d / "summary.json").unlink()                 # records kept, summary gone: an interrupted run to finish
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to resume" not in r.output, r.output

@@ -87,3 +87,58 @@ def test_interrupt_surfacing_as_another_exception_ends_with_the_interrupt_line(m
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def _run_main(tmp_path, command_src: str, watchdog_s: float | None = None):
+    """Run ``harness.cli.main`` in a child process with the Typer app replaced by ``command()`` (defined by
+    ``command_src``, with os, signal and time imported and ``tmp_path`` on sys.path); returns the CompletedProcess.
+    The timeout only bounds a hang."""
+    script = tmp_path / "run_main.py"
+    script.write_text("import os, signal, sys, time\n"
+                      f"sys.path.insert(0, {str(tmp_path)!r})\n"
+                      "import harness.cli as cli\n"
+                      + (f"cli.WATCHDOG_S = {watchdog_s}\n" if watchdog_s is not None else "")
+                      + command_src
+                      + "cli.app = lambda prog_name: command()\nsys.argv = ['ppspec']\ncli.main()\n")
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_sigint_during_an_import_takes_effect_when_the_import_returns(tmp_path):
+    """Regression: a SIGINT landing inside a library's import (torch, triton) raised there; a library that caught it
+    left the handler's SIG_IGN behind and the command ran on (only SIGKILL stopped it), or the interpreter crashed at
+    exit on the half-imported module. The signal is now held until the outermost import returns: the module is
+    imported whole (its own ``except BaseException`` sees nothing), then the command ends with the one line, 130."""
+    (tmp_path / "swallowing_mod.py").write_text(
+        "import os, signal\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    for _ in range(100000):\n        pass\n"
+        "except BaseException:\n    print('swallowed', flush=True)\n"
+        "DONE = True\n")
+    p = _run_main(tmp_path, "def command():\n"
+                            "    import swallowing_mod\n"
+                            "    print('after the import', flush=True)\n"
+                            "    time.sleep(60)\n")
+    assert p.returncode == 130, (p.stdout, p.stderr[-2000:])
+    assert p.stderr == "ppspec: interrupted (SIGINT)\n" and p.stdout == "", (p.stdout, p.stderr)
+
+
+def test_a_swallowed_interrupt_is_delivered_again(tmp_path):
+    """An Interrupted that some code catches and drops outside an import: the watchdog delivers the signal again
+    (raised where the command is then), so the command still ends with the one line and 130; code that swallows
+    every one is ended at once, with the same line and code."""
+    p = _run_main(tmp_path, "def command():\n"
+                            "    try:\n        os.kill(os.getpid(), signal.SIGINT)\n        time.sleep(60)\n"
+                            "    except BaseException:\n        print('swallowed', flush=True)\n"
+                            "    time.sleep(60)\n", watchdog_s=0.5)
+    assert p.returncode == 130 and p.stdout == "swallowed\n", (p.stdout, p.stderr[-2000:])
+    assert p.stderr == "ppspec: interrupted (SIGINT)\n"
+    p = _run_main(tmp_path, "def command():\n"
+                            "    kill = True\n"
+                            "    while True:\n"
+                            "        try:\n"
+                            "            if kill:\n                kill = False\n"
+                            "                os.kill(os.getpid(), signal.SIGINT)\n"
+                            "            time.sleep(60)\n"
+                            "        except BaseException:\n            print('swallowed', flush=True)\n",
+                  watchdog_s=0.5)
+    assert p.returncode == 130 and p.stdout == "swallowed\nswallowed\n", (p.stdout, p.stderr[-2000:])
+    assert p.stderr == "ppspec: interrupted (SIGINT)\n"

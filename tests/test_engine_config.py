@@ -99,6 +99,16 @@ def test_sampling_params_stop_forms():
             SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("field, value, least", [("num_steps", 0, 1), ("topk", -1, 1), ("num_draft_tokens", 1, 2)])
+def test_spec_shape_errors_name_the_field_and_value(field, value, least):
+    """Regression: one message for all three ('num_steps >= 1, topk >= 1 and num_draft_tokens >= 2 are required')
+    named neither the field at fault nor its value."""
+    from engine import SpecConfig
+    with pytest.raises(ConfigError) as e:
+        SpecConfig("eagle", "d", **{field: value})
+    assert str(e.value) == f"spec.{field} must be >= {least} (got {value})"
+
+
 def test_engine_config_spec_as_dict():
     """Regression: EngineConfig(spec={...}) raised AttributeError; a dict is taken as SpecConfig fields
     (as .replace(spec={...}) does), and a bad one is a one-line ConfigError."""

@@ -173,3 +173,15 @@ def test_run_gsm8k_plumbing_with_fake_engine():
     assert sorted(llm.calls[0][0]) == sorted(llm.calls[1][0])
     tables, md = gsm8k.render(summary)
     assert "strict-match" in md and "accept length" in md
+
+
+def test_single_run_reports_no_run_to_run_agreement():
+    """Regression: one run printed 'run-to-run agreement (identical output): 100.0%' (a run agreeing with itself);
+    with one run there is nothing to agree with: agreement is None, the notes leave it out and compare shows n/a."""
+    from harness.compare import comparison_table
+    summary, _ = gsm8k.run_gsm8k(resolve(None, {"gsm8k": {"limit": 2, "runs": 1}}), llm=AnswerLLM())
+    assert summary["overall"]["runs"] == 1 and summary["overall"]["agreement"] is None
+    _, md = gsm8k.render(summary)
+    assert "agreement" not in md and "scorer cross-check mismatches: 0" in md
+    _, md = comparison_table([{"name": "a", "dir": "a", "gsm8k": summary}])
+    assert [line for line in md.splitlines() if line.startswith("| run agreement")] == ["| run agreement | n/a (1 run) |  |"]
