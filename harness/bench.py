@@ -103,9 +103,12 @@ def check_prompt_set(cfg: RunConfig) -> None:
                                      f"(the shortest has {shortest}): raise input_len")
 
 
-def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict], list[dict], list[dict], object]:
+def _run_cells(cfg: RunConfig, llm, progress, tag: str = "",
+               failed_cells: list | None = None) -> tuple[list[dict], list[dict], list[dict], object]:
     """Every cell of ``cfg.bench`` on ``llm``: (cells, per-request records, peer inputs, tokenizer or None).
-    ``tag`` prefixes the progress label (the no-spec baseline's cells)."""
+    ``tag`` prefixes the progress label (the no-spec baseline's cells). A run in which the engine failed a request
+    (finish_reason "error") leaves its cell unmeasured: with ``failed_cells`` the cell is appended there
+    ({input_len, batch_size, error}) and the next cells run; without, EngineError is raised."""
     from engine import SamplingParams
     b = cfg.bench
     cells, records, peer_cells = [], [], []
@@ -126,7 +129,7 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
             prompts, meta = build_prompts(tok, n, L, b.seed + L, texts), None
         for _ in range(b.warmup):
             llm.generate(prompts[:B], warm, max_concurrency=B)
-        label, runs, outs_all, stage_runs = f"{tag}in={L} bs={B}", [], [], []
+        label, runs, outs_all, stage_runs, error = f"{tag}in={L} bs={B}", [], [], [], None
         for r in range(b.runs):
             cb = (lambda f, t, lab=f"{label} run {r + 1}/{b.runs}": progress(lab, f, t)) if progress else None
             if cb:
@@ -137,9 +140,12 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
             stage_runs.append(list(getattr(llm, "last_stage_stats", None) or []))
             failed = [o for o in outs if o.finish_reason == "error"]
             if failed:
-                from engine import EngineError
-                raise EngineError(f"{len(failed)} of {len(outs)} requests failed inside the engine "
-                                  f"(first: {failed[0].error}); their cell is not measured")
+                error = (f"{len(failed)} of {len(outs)} requests failed inside the engine (first: "
+                         f"{failed[0].error}); cell {L}x{B} is not measured")
+                if failed_cells is None:
+                    from engine import EngineError
+                    raise EngineError(error)
+                break
             runs.append(stats.serving_summary(outs, wall, depth))
             outs_all.extend(outs)
             for i, o in enumerate(outs):
@@ -149,6 +155,10 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "") -> tuple[list[dict]
                                 "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
                                 "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths),
                                 **({"prompt_id": meta[i]["id"], "category": meta[i]["category"]} if meta else {})})
+        if error is not None:
+            failed_cells.append({"input_len": L, "batch_size": B, "error": error})
+            records[:] = [x for x in records if (x["input_len"], x["batch_size"]) != (L, B)]
+            continue
         pooled = stats.serving_summary(outs_all, sum(r["wall_time_s"] for r in runs), depth)
         tps = [r["output_throughput"] for r in runs]
         pooled["output_throughput_runs"] = tps
@@ -195,8 +205,9 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if own:
         from engine import LLM
         llm = LLM(cold(cfg.engine))
+    failed_cells: list[dict] = []
     try:
-        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress)
+        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress, failed_cells=failed_cells)
         model_config = getattr(llm, "model_config", None)
         info = dict(llm.info)
     finally:
@@ -210,6 +221,8 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     summary = {"kind": "bench", "engine_info": info, "prompt_source": source,
                "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
+    if failed_cells:
+        summary["failed_cells"] = failed_cells
     if baseline is not None:
         summary["baseline"] = baseline
     if any(c.get("pp") for c in cells):
@@ -287,7 +300,9 @@ def _run_baseline(cfg: RunConfig, progress, spec_cells: list[dict]) -> dict:
         llm.shutdown()
     rng = np.random.default_rng(cfg.bench.seed)
     out = []
-    for s, n in zip(spec_cells, cells):
+    by_cell = {(c["input_len"], c["batch_size"]): c for c in cells}
+    for s in spec_cells:
+        n = by_cell[s["input_len"], s["batch_size"]]
         ts = np.asarray(s["pooled"]["output_throughput_runs"], float)
         tn = np.asarray(n["pooled"]["output_throughput_runs"], float)
         p_s, p_n = np.asarray(s["tpots"], float), np.asarray(n["tpots"], float)
@@ -385,6 +400,7 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
              f"KV pool {fmt(info.get('kv_pool_tokens'), 'int')} tokens; "
              f"peak memory {fmt(info.get('peak_memory_bytes'), 'gib')} GiB; weights {fmt(info.get('weight_bytes'), 'gib')} GiB; "
              f"prompts: {summary.get('prompt_source')}"]
+    notes += [f"NOT MEASURED: {f['error']}" for f in summary.get("failed_cells", [])]
     for c in summary["cells"]:
         acc = c["pooled"].get("accept_length") or {}
         if acc.get("per_position"):

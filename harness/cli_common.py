@@ -202,8 +202,12 @@ def save(cfg: RunConfig, kind: str, summary: dict, records: list, md: str, out: 
     line = engine_line(summary.get("engine_info") or {})
     write_run(d, {"kind": kind, "meta": run_metadata(cfg, kind), "config": config, **summary},
               f"{title}\n\n" + (f"{line}\n\n" if line else "") + md, records)
-    err.print(f"results: {d}", markup=False, highlight=False)
     return d
+
+
+def done_line(d: Path) -> None:
+    """The last line of a finished run, on stderr: where its results are."""
+    err.print(f"results: {d}", markup=False, highlight=False)
 
 
 def engine_line(info: dict) -> str:

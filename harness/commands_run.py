@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelOpt, OutOpt, PpOpt, PpSpecOpt,
-                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, console, err, load, overrides, run_dir,
-                                save, show, user_errors, write_run_plots)
+                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, console, done_line, err, load, overrides,
+                                run_dir, save, show, user_errors, write_run_plots)
 from harness.config import HarnessConfigError
 
 
@@ -69,14 +69,18 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         if resume and not has_records(d):
             err.print(f"--resume: {d} holds no earlier records ({RECORDS}): nothing to resume, starting a fresh run",
                       markup=False, highlight=False)
+        if out is None:              # records are written batch by batch: say where, so a stopped run can resume
+            err.print(f"run directory: {d} (a stopped run finishes with --out {d} --resume)", markup=False,
+                      highlight=False)
         from harness.progress import gsm8k_total, job_progress
         with job_progress(progress, gsm8k_total(cfg), err) as cb:
             summary, records = run_gsm8k(cfg, progress=(lambda r, f, t: cb(f"gsm8k run {r + 1}/{cfg.gsm8k.runs}", f, t)) if cb else None,
                                          run_dir=d, resume=resume)
         rend, md = render(summary, f"GSM8K {cfg.name}")
-        show(rend)
-        save(cfg, "gsm8k", summary, records, md, d)
+        save(cfg, "gsm8k", summary, records, md, d)        # written before the tables: a closed stdout loses nothing
         write_run_plots("gsm8k", summary, d)
+        show(rend)
+        done_line(d)
         if failure_line(summary):
             err.print(f"Warning: {failure_line(summary)}", markup=False, highlight=False)
 
@@ -134,9 +138,14 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         with job_progress(progress, bench_total(cfg), err) as cb:
             summary, records = run_bench(cfg, progress=cb)
         rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
-        show(rend)
-        save(cfg, "bench", summary, records, md, d)
+        save(cfg, "bench", summary, records, md, d)        # written before the tables: a closed stdout loses nothing
         write_run_plots("bench", summary, d)
+        show(rend)
+        done_line(d)
+        for f in summary.get("failed_cells", []):         # the measured cells are kept; the command fails
+            err.print(f"Error: {f['error']}", markup=False, highlight=False)
+        if summary.get("failed_cells"):
+            raise typer.Exit(1)
 
 
 def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
@@ -157,8 +166,9 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
         with job_progress(progress, gsm8k_total(cfg, 2, cfg.gate.limit, 1), err) as cb:
             summary, records = run_gate(cfg, progress=cb)
         rend, md = render(summary, "parity gate" + ("" if cfg.name == "gate" else f" ({cfg.name})"))
+        save(cfg, "gate", summary, records, md, d)        # written before the tables: a closed stdout loses nothing
         show(rend)
-        save(cfg, "gate", summary, records, md, d)
+        done_line(d)
     if not summary["verdict"]["passed"]:
         raise typer.Exit(1)
 

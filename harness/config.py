@@ -499,7 +499,7 @@ def check_draft_head(algorithm: str, draft_dir: str, tp: int, model: str | None,
     Raises:
         HarnessConfigError: one line naming spec.algorithm / spec.draft / tp and what fits.
     """
-    from engine.speculative.eagle3 import is_eagle3_config
+    from engine.model.config import is_eagle3_config
     path = Path(draft_dir) / "config.json"
     try:
         d = json.loads(path.read_text())

@@ -843,3 +843,53 @@ def test_resume_with_nothing_to_resume_says_it_starts_fresh(tmp_path, fake_engin
     (d / "summary.json").unlink()                 # records kept, summary gone: an interrupted run to finish
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and "nothing to resume" not in r.output, r.output
+
+
+def test_gsm8k_results_are_written_before_the_tables(tmp_path, fake_engine, draft_dir, monkeypatch):
+    """Regression: ``ppspec gsm8k ... | head`` closed stdout while the table printed (BrokenPipeError) before
+    summary.json was written, so the finished run kept only its records. Now the summary, the markdown and the
+    plots are written first. Without --out the run directory is named up front (a stopped run resumes there)."""
+    import harness.commands_run as cr
+    real_show = cr.show
+
+    def closed(_):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(cr, "show", closed)
+    r = runner.invoke(app, ["gsm8k", "--limit", "2", "--draft", str(draft_dir), "--num-fewshot", "0",
+                            "--out", str(tmp_path / "g"), "--no-progress"])
+    assert r.exit_code != 0
+    assert json.loads((tmp_path / "g" / "summary.json").read_text())["kind"] == "gsm8k"
+    assert (tmp_path / "g" / "summary.md").is_file()
+    monkeypatch.setattr(cr, "show", real_show)
+    r = runner.invoke(app, ["gsm8k", "--limit", "2", "--draft", str(draft_dir), "--num-fewshot", "0", "--no-progress",
+                            "--set", f"paths.results={tmp_path / 'res'}"])
+    assert r.exit_code == 0, r.output
+    d = next((tmp_path / "res").rglob("summary.json")).parent
+    assert f"run directory: {d} (a stopped run finishes with --out {d} --resume)" in r.output
+    assert r.output.rstrip().splitlines()[-1] == f"results: {d}"
+
+
+def test_bench_keeps_the_cells_measured_when_a_cell_has_a_failed_request(tmp_path, fake_engine, draft_dir,
+                                                                          monkeypatch):
+    """Regression: a request the engine failed in one cell ended bench with EngineError and nothing written (every
+    cell measured before it lost). Now that cell is reported as not measured, the others run and are written, and
+    the command exits 1 naming the failure."""
+    class FailSecondCell(engine.LLM):
+        def generate(self, prompts, params, max_concurrency=None, progress=None):
+            outs = super().generate(prompts, params, max_concurrency, progress)
+            if max_concurrency == 2:
+                o = outs[0]
+                o.finish_reason, o.error, o.token_ids, o.accept_lengths = "error", "injected failure", [], []
+            return outs
+    monkeypatch.setattr(engine, "LLM", FailSecondCell)
+    out = tmp_path / "b"
+    r = runner.invoke(app, ["bench", "--batch-sizes", "1,2,3", "--input-lens", "16", "--output-len", "4", "--runs",
+                            "2", "--draft", str(draft_dir), "--out", str(out), "--no-progress"])
+    assert r.exit_code == 1, r.output
+    error = "1 of 2 requests failed inside the engine (first: injected failure); cell 16x2 is not measured"
+    assert f"Error: {error}" in r.output
+    s = json.loads((out / "summary.json").read_text())
+    assert [(c["input_len"], c["batch_size"]) for c in s["cells"]] == [(16, 1), (16, 3)]
+    assert s["failed_cells"] == [{"input_len": 16, "batch_size": 2, "error": error}]
+    assert f"NOT MEASURED: {error}" in (out / "summary.md").read_text()
+    assert {json.loads(x)["batch_size"] for x in (out / "records.jsonl").read_text().splitlines()} == {1, 3}

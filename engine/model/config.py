@@ -106,3 +106,10 @@ class ModelConfig:
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
         return d
+
+
+def is_eagle3_config(d: dict) -> bool:
+    """A draft config.json (as a dict) describes an EAGLE-3 head (here, free of torch, so a config can be checked
+    before anything heavy is imported)."""
+    return (any("Eagle3" in a for a in d.get("architectures") or ()) or "draft_vocab_size" in d
+            or d.get("eagle_version") == 3)

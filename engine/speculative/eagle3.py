@@ -35,16 +35,11 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..kernels.argmax import argmax_rows
 from ..messages import RelayError
+from ..model.config import is_eagle3_config  # noqa: F401  (re-exported)
 from ..model.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from ..model.llama import MLP, Attention, load_layer_weight
 
 ARCH = "LlamaForCausalLMEagle3"
-
-
-def is_eagle3_config(d: dict) -> bool:
-    """A draft config.json (as a dict) describes an EAGLE-3 head."""
-    return (any("Eagle3" in a for a in d.get("architectures") or ()) or "draft_vocab_size" in d
-            or d.get("eagle_version") == 3)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
