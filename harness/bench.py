@@ -408,7 +408,7 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                          f"{stats.accept_detail(acc)} ("
                          + ("95% bootstrap CI over requests; " if acc.get("ci95") else "")
                          + "per position: share of "
-                         f"rounds accepting at least that many drafted tokens); tokens per round "
+                         "rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
     cat_rend, cat_md = ([], "")
     if summary.get("accept_by_category"):
