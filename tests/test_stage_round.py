@@ -110,8 +110,7 @@ def test_plan_launches_stage_rounds_ahead(tiny_model_dir, tiny_draft_dir):
     assert (plan.round, plan.loop) == ("stage", "ring_rounds") and "stage_rounds" in plan.graphs
 
 
-@pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (2, 1, "tree"), (3, 1, "tree"), (1, 2, "chain"),
-                                        (2, 2, "tree")])
+@pytest.mark.parametrize("pp,tp,name", [(2, 1, "chain"), (3, 1, "tree"), (1, 2, "chain"), (2, 2, "tree")])
 def test_rounds_launched_ahead_equal_the_host_round_and_pp1(tiny_model_dir, tiny_draft_dir, tiny_prompts, ref, pp,
                                                             tp, name):
     """Each slot's round r+1 launched from the device state before round r is applied: tokens and per-request accept
