@@ -158,3 +158,20 @@ def test_drop_tree_fault_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref["tree"]]
     assert all(a == 1 for o in outs for a in o.accept_lengths)
     assert all(s["ahead_rounds"] > 0 for s in stats)
+
+
+def test_failed_request_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts, ref):
+    """A request that fails inside the engine (fault fail_token: stage 0 raises on any batch holding it) fails alone
+    under rounds launched ahead: the requests that shared its batch are retracted, run alone and then ahead again,
+    with PP1's tokens and accept lengths; the pools are empty at the end (every rank checks)."""
+    prompts = [list(p) for p in tiny_prompts[:3]]
+    prompts[1] = prompts[1] + [77]
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, **CHAIN)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True, overlap_schedule=True,
+                          fault="fail_token:77", dist_timeout_s=60)) as llm:
+        outs = llm.generate(prompts, P)
+        stats = llm.last_stage_stats
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert outs[1].error == "IndexError: injected failure (fault fail_token): request 1"
+    same([outs[0], outs[2]], [ref["chain"][0], ref["chain"][2]])
+    assert all(s["ahead_rounds"] > 0 for s in stats)
