@@ -129,7 +129,8 @@ class ModelRunner:
                 else config.max_running_requests
             self.stage_rounds = StageRoundRunner(self, max_bs, use_graphs="stage_rounds" in self.plan.graphs,
                                                  keep_tree=config.debug_hash_rebuild,
-                                                 slots=config.pp if self.plan.loop == "ring_rounds" else 1)
+                                                 slots=config.pp if self.plan.loop == "ring_rounds" else 1,
+                                                 sampled=self.plan.loop == "ring_rounds")
             if self.stage_rounds.use_graphs:
                 self.stage_rounds.capture_all()
 

@@ -7,7 +7,7 @@ import torch
 
 from .attention.backend import h2d
 from .kernels.argmax import argmax_rows
-from .model.sampling import coin_seed, processed_probs, request_coins, sample_from_probs
+from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
 from .requests import Req
 
 
@@ -29,11 +29,7 @@ class Sampler:
     def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
         """logits [R, V] -> the per-row target distribution [R, V] float32; greedy rows become one-hot on the argmax
         (exact greedy verify)."""
-        t, k, tp = self.sampling_tensors(reqs, repeat)
-        probs = processed_probs(logits, t, k, tp)
-        greedy = (t == 0).unsqueeze(1)
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        return torch.where(greedy, onehot, probs)
+        return target_probs(logits, *self.sampling_tensors(reqs, repeat))
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
@@ -43,6 +39,7 @@ class Sampler:
         coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
         return sample_from_probs(probs, coins.to(probs.device))
 
-    def coins(self, r: Req, count: int) -> torch.Tensor:
-        """``count`` sampling coins [count] float32 for ``r``'s next output position (``request_coins``)."""
-        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids), count)
+    def coins(self, r: Req, count: int, ahead: int = 0) -> torch.Tensor:
+        """``count`` sampling coins [count] float32 for ``r``'s output position ``ahead`` tokens past its next one
+        (``request_coins``; ``ahead`` > 0: a round launched before the previous round's tokens were applied)."""
+        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids) + ahead, count)

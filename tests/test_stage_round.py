@@ -175,3 +175,23 @@ def test_failed_request_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_p
     assert outs[1].error == "IndexError: injected failure (fault fail_token): request 1"
     same([outs[0], outs[2]], [ref["chain"][0], ref["chain"][2]])
     assert all(s["ahead_rounds"] > 0 for s in stats)
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_sampled_requests_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts, name):
+    """Sampled requests (seeded; temperature, top-k, top-p) mixed with greedy ones run on the stage round with rounds
+    launched ahead (exact tree rejection sampling on the last stage, each round's coins picked on the device by the
+    previous round's accept length): the same tokens and accept lengths as the PP2 and PP1 host rounds."""
+    shape = CHAIN if name == "chain" else TREE
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, top_k=[0, 20][i % 2],
+                             top_p=[1.0, 0.9][i % 2], seed=100 + i) for i in range(6)]
+    prompts = tiny_prompts[:6]
+    pp1, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, shape, params, spec_overlap=False)
+    host, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, shape, params, pp=2, spec_overlap=False)
+    outs, stats = gen(tiny_model_dir, tiny_draft_dir, prompts, shape, params, pp=2, spec_overlap=True,
+                      overlap_schedule=True)
+    same(host, pp1)
+    same(outs, host)
+    assert all(s["ahead_rounds"] > 0 for s in stats)
+    assert any(a > 1 for o in outs for a in o.accept_lengths)

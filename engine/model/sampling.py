@@ -94,6 +94,16 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return out / out.sum(-1, keepdim=True)
 
 
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> the per-row target distribution [R, V] float32 (``processed_probs``); rows with
+    temperature 0 (greedy) become one-hot on the argmax, so exact sampled verification reproduces greedy there.
+    No host sync (capturable)."""
+    probs = processed_probs(logits, temperature, top_k, top_p)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where((temperature == 0).unsqueeze(1), onehot, probs)
+
+
 def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: probs [R, V], coins [R] in [0, 1) -> token ids [R] int64."""
     cdf = probs.cumsum(-1)

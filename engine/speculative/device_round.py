@@ -164,8 +164,9 @@ class SpecRoundRunner:
 
     def _capture(self, st: RoundState):
         """Capture :meth:`round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
-        saved first and restored afterwards: warm-up and capture runs advance it like real rounds."""
-        saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi)]   # rt: row copies
+        saved first and restored afterwards (``out`` too: a sampled round reads the previous round's accept length
+        there): warm-up and capture runs advance it like real rounds."""
+        saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi, st.out)]   # rt: row copies
         splits = self._splits(st.bs)
         g, _, self.pool = capture(lambda: self.round(st, splits), self.r.device, self.pool,
                                   reset=lambda: self._restore(st, saved))
@@ -175,7 +176,7 @@ class SpecRoundRunner:
 
     @staticmethod
     def _restore(st: RoundState, saved) -> None:
-        for dst, src in zip((st.rt, st.seq_lens, st.tokens, st.parents, st.tsi), saved):
+        for dst, src in zip((st.rt, st.seq_lens, st.tokens, st.parents, st.tsi, st.out), saved):
             dst.copy_(src)
 
     def trees(self, st: RoundState, B: int) -> list[dict]:
