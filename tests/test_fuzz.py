@@ -16,7 +16,6 @@ CI_CASES = {
     639: "pp3-tree-ahead-rounds-barely-pool-chunk10-seeded",
     848: "tp2xpp2-chain-ahead-rounds-tiny-pool-retractions-seeded-bad-token-id",
     750: "pp2-plain-stops-seeded",
-    92: "pp2-tree-host-round-barely-pool-chunk11-stops",
 }
 TIMEOUT_S = 120
 
