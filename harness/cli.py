@@ -148,8 +148,8 @@ def main() -> None:
     exit code 128 + the signal number (130, 143), every rank reaped first. A signal that arrives during an import
     (torch, triton, lm-eval load lazily, in the first seconds of a command) takes effect when that import returns
     (:func:`_on_signal`). Any other exception that ends the command after such a signal arrived ends it the same
-    way. Before this function runs (the interpreter's start and this module's import, a few tenths of a second)
-    Python's default applies: a KeyboardInterrupt traceback and exit 130.
+    way. Before this function runs (the interpreter's start and this module's import, up to about a second on a
+    loaded machine) Python's default applies: a KeyboardInterrupt traceback and exit 130.
     """
     _exiting.clear()
     del _deferred[:]

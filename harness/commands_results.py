@@ -68,6 +68,10 @@ def plan(config: ConfigOpt = None, set_: SetOpt = None,
     """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200[/cyan] (on a CPU host:
     the CUDA plan it would run)."""
     with user_errors():
+        from .dryrun import check_topology
         from .results import suite_plan
-        _, p = suite_plan(config, parse_sets(set_))
+        cfg, p = suite_plan(config, parse_sets(set_))
+        check_topology(cfg)                          # the engine's start-up refusal, before a plan it would not run
+        for n in cfg.notes:
+            err.print(n, markup=False, highlight=False)
         typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())

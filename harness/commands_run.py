@@ -181,6 +181,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
              set_: SetOpt = None) -> None:
     """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --pp 2 --pp-spec[/cyan]."""
     with user_errors():
+        if not prompt:                               # refused before the model loads (the engine says the same)
+            raise HarnessConfigError("prompt 0: empty prompt")
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)

@@ -8,7 +8,8 @@ from harness.config import RunConfig
 
 def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     """(lines, cells that would fail): one line per cell ``in=L bs=B: N prompts x R runs ...`` with
-    ``[would fail: why]`` when the bench's own pre-load checks (context fit, prompt set) refuse it, then one line
+    ``[would fail: why]`` when the engine's topology check or the bench's own pre-load checks (context fit, prompt
+    set) refuse it, then one line
     with the engine (topology, rank count and, on CPU, each rank's torch threads), the prompt source and the job's total of timed requests. Loads the model's config and
     tokenizer only."""
     from harness.bench import check_cells_fit, check_prompt_set
@@ -18,9 +19,10 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     lines, bad = [], 0
     if b.request_rates:
         return _open_loop_lines(cfg)
+    topology = _failure(cfg, check_topology)         # the engine's start-up refusal applies to every cell
     for L, B in b.cell_list():
         one = dataclasses.replace(cfg, bench=dataclasses.replace(b, cells=((L, B),)))
-        why = _failure(one, check_cells_fit, check_prompt_set)
+        why = topology or _failure(one, check_cells_fit, check_prompt_set)
         bad += why is not None
         n = b.num_prompts or B
         lines.append(f"in={L} bs={B}: {n} prompt(s) x {b.runs} run(s) after {b.warmup} warmup, {b.output_len} output "
@@ -33,6 +35,13 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} ({ranks}) {spec} {e.dtype} on {e.device}; prompts "
                  f"{b.prompts}{base}; {bench_total(cfg)} timed requests in all")
     return lines, bad
+
+
+def check_topology(cfg: RunConfig) -> None:
+    """ConfigError when the model cannot be split as ``cfg.engine`` asks (``engine.runner.check_topology``: e.g. pp
+    above the layer count), from the model's config alone."""
+    from engine.runner import check_topology as check, model_source
+    check(model_source(cfg.engine)[1], cfg.engine.tp, cfg.engine.pp)
 
 
 def _failure(cfg: RunConfig, *checks) -> str | None:

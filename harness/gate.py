@@ -92,13 +92,16 @@ def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records
 
 
 def run_gate(cfg: RunConfig, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
-    """Run baseline then candidate; returns (summary with ``verdict``, records tagged by ``side``)."""
+    """Run baseline then candidate; returns (summary with ``verdict``, records tagged by ``side``; each side's
+    summary carries the execution plan it ran, ``plan``)."""
+    from engine.plan import resolve_plan
     base_cfg, cand_cfg = gate_configs(cfg)
     out, records = {}, []
     for side, c in (("baseline", base_cfg), ("candidate", cand_cfg)):
         cb = (lambda r, f, t, s=f"{side} pp={c.engine.pp}": progress(s, f, t)) if progress else None
         with _env_without("PPSPEC_FAULT" if side == "baseline" else None):   # the engine re-reads it
             summary, recs = run_gsm8k(c, progress=cb)
+        summary["plan"] = resolve_plan(c.engine).as_dict()     # each side's own plan (meta.plan is the suite's)
         out[side] = {"summary": summary, "records": recs, "pp": c.engine.pp}
         records.extend({"side": side, "pp": c.engine.pp, **r} for r in recs)
     verdict = evaluate_gate(out["baseline"]["summary"], out["candidate"]["summary"], out["baseline"]["records"],

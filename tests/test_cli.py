@@ -294,6 +294,8 @@ def test_gate_exit_codes_with_fake_engine(tmp_path, fake_engine, draft_dir, monk
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "ok")])
     assert r.exit_code == 0, r.output
     assert "PASS" in r.output and [i.config.pp for i in fake_engine.instances] == [1, 2]
+    ok = json.loads((tmp_path / "ok" / "summary.json").read_text())       # each side records the plan it ran
+    assert (ok["baseline"]["plan"]["pp"], ok["candidate"]["plan"]["pp"]) == (1, 2)
     monkeypatch.setenv("PPSPEC_FAULT", "drop_tree")
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "bad")])
     assert r.exit_code == 1, r.output
@@ -893,3 +895,31 @@ def test_bench_keeps_the_cells_measured_when_a_cell_has_a_failed_request(tmp_pat
     assert s["failed_cells"] == [{"input_len": 16, "batch_size": 2, "error": error}]
     assert f"NOT MEASURED: {error}" in (out / "summary.md").read_text()
     assert {json.loads(x)["batch_size"] for x in (out / "records.jsonl").read_text().splitlines()} == {1, 3}
+
+
+def test_plan_and_dry_run_refuse_a_topology_the_engine_refuses():
+    """Regression (QA): ``plan --set pp=40`` printed a plan and ``bench --dry-run --set pp=31`` listed its cells as
+    fine, while the run itself refuses pp above the layer count (SmolLM2: 30)."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp2", "--set", "pp=40"])
+    assert r.exit_code == 2 and r.output.strip() == "Error: pp=40 is larger than the number of layers (30)"
+    r = runner.invoke(app, ["bench", "--config", "tp1pp2", "--set", "pp=31", "--dry-run"])
+    assert r.exit_code == 1 and r.output.count("[would fail: pp=31 is larger than the number of layers (30)]") == 2
+
+
+def test_overlap_schedule_without_the_stage_round_is_noted():
+    """Regression (QA): ``overlap_schedule: true`` under PP with spec but without the device stage round (CPU
+    without spec_overlap) silently did nothing; resolution now says what it needs. With it the plan runs ring_rounds."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp2", "--set", "overlap_schedule=true"])
+    assert r.exit_code == 0 and "note: overlap_schedule launches PP / TP rounds ahead only on the device stage round: " \
+        "add spec_overlap: true (on by default on CUDA)" in r.output and "loop ring;" in r.output
+    r = runner.invoke(app, ["plan", "--config", "tp1pp2", "--set", "overlap_schedule=true", "--set", "spec_overlap=true"])
+    assert r.exit_code == 0 and "loop ring_rounds;" in r.output and "note:" not in r.output
+
+
+def test_empty_prompt_is_refused_before_the_model_loads(monkeypatch):
+    """Regression (QA): ``ppspec generate ''`` loaded the tokenizer and config (~30 s on a loaded machine) before
+    refusing the empty prompt."""
+    import engine
+    monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the engine was started"))
+    r = runner.invoke(app, ["generate", ""])
+    assert r.exit_code == 2 and r.output.strip() == "Error: prompt 0: empty prompt"
