@@ -49,7 +49,9 @@ def _engine_desc(entry: dict) -> str:
     spec = e.get("spec", {})
     sp = f"{spec.get('algorithm')} S{spec.get('num_steps')}k{spec.get('topk')}n{spec.get('num_draft_tokens')}" if spec.get("algorithm") else "no spec"
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(e.get("dtype"), e.get("dtype"))
-    return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {dtype} {e.get('device')}"
+    plan = s.get("meta", {}).get("plan") or {}
+    loop = f" {plan['loop']}" if plan.get("loop") else ""           # e.g. ring vs ring_rounds (rounds launched ahead)
+    return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {dtype} {e.get('device')}{loop}"
 
 
 ALPHA = 0.05

@@ -314,3 +314,14 @@ def test_engine_line_of_a_committed_result():
                                  "padded for TP 4: 9 q / 3 kv -> 12 / 4 (25% of attention is padding)")
     assert engine_line({"tp": 1, "pp": 1, "spec": None}) == "engine: tp=1 pp=1; speculative decoding off"
     assert engine_line({}) == ""
+
+
+def test_compare_engine_names_the_plan_loop():
+    """Regression (QA): two results that differ only in the loop (rounds launched ahead or not) had the same engine
+    label in ``ppspec compare``; the label now ends with the recorded plan's loop (none when not recorded)."""
+    from harness.compare import _engine_desc
+    eng = {"tp": 1, "pp": 2, "dtype": "float32", "device": "cpu",
+           "spec": {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4}}
+    entry = {"bench": {"config": {"engine": eng}, "meta": {"plan": {"loop": "ring_rounds"}}}}
+    assert _engine_desc(entry) == "TP1xPP2 eagle S3k1n4 fp32 cpu ring_rounds"
+    assert _engine_desc({"bench": {"config": {"engine": eng}, "meta": {}}}) == "TP1xPP2 eagle S3k1n4 fp32 cpu"
