@@ -214,13 +214,11 @@ class Ahead:
     """A stage round launched before the previous round of its micro-batch is applied on the host: ``prev`` that
     round's relayed result, ``dead`` the rows whose requests stopped running since (made padding), ``new`` the KV
     slots ``Scheduler.reserve_ahead`` gave the running rows, as (row, first position, slots).
-    ``StageRoundRunner.advance`` applies all three to the slot's device state. ``retired``: every padding row from
-    this round on (``dead`` included)."""
+    ``StageRoundRunner.advance`` applies all three to the slot's device state."""
 
     prev: StepResult
     dead: list[int]
     new: list[tuple[int, int, list[int]]]
-    retired: frozenset = frozenset()
 
 
 class RingRoundExecutor(RingExecutor):
@@ -244,15 +242,14 @@ class RingRoundExecutor(RingExecutor):
         self.segs: dict[int, tuple[list[Req], frozenset]] = {}   # slot -> its stage round's requests, retired rows
 
     def launch(self, batch, arrived=None):
-        sr = self.runner.stage_rounds
-        ran = batch is not None and (batch.ahead is not None or sr.can_run(batch))
+        ran = batch is not None and self.runner.stage_rounds.can_run(batch)
         out = super().launch(batch, arrived)
         if batch is None:
             return out
         failed = "failed" in out or (out.get("relay") is not None and out["relay"].kind == "error")
         self.segs.pop(batch.slot, None)
         if ran and not failed:
-            self.segs[batch.slot] = (batch.reqs, batch.ahead.retired if batch.ahead is not None else frozenset())
+            self.segs[batch.slot] = (batch.reqs, frozenset())
         return out
 
     def ahead(self, slot, pending, arrived=None):
@@ -271,10 +268,11 @@ class RingRoundExecutor(RingExecutor):
         if new is None:
             return None
         dead = [i for i, r in enumerate(reqs) if r.status != "running" and i not in retired]
-        self.num_round_lookahead += 1
         new = [(live[i], p0, sl) for i, p0, sl in new]
-        return self.launch(ScheduledBatch("verify", slot, reqs, ahead=Ahead(pending, dead, new, retired | set(dead))),
-                           arrived)
+        out = self.launch(ScheduledBatch("verify", slot, reqs, ahead=Ahead(pending, dead, new)), arrived)
+        if slot in self.segs:                            # launched: its padding rows from here on
+            self.segs[slot] = (reqs, retired | set(dead))
+        return out
 
 
 EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor,

@@ -1,9 +1,11 @@
 """Rank processes of a multi-rank engine: the spawned rank's main loop, its reports to the front end
 (``("ready", rank, info)``, ``("progress", done, total)``, ``("result", reqs, peak_bytes)``,
-``("error", rank, one_line, traceback)``), and how a rank that reported nothing ended.
+``("error", rank, one_line, traceback)``), how a rank that reported nothing ended, and a rank's torch thread count
+(its share of the cores; ``few_threads`` lowers it around a batch).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import resource
@@ -12,6 +14,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 
@@ -51,6 +54,22 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:                                        # the front end died before prctl took effect
         os._exit(1)
+
+
+@contextlib.contextmanager
+def few_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
+    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
+    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
+    prev = torch.get_num_threads()
+    if n is None or n >= prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:

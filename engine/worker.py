@@ -20,10 +20,8 @@ ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
 
 import torch
 
@@ -34,6 +32,7 @@ from .kv_cache import KVCacheError
 from .executors import EXECUTORS, RingExecutor
 from .heap import freeze_startup_objects
 from .messages import RelayError, StepResult
+from .ranks import few_threads
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
@@ -57,22 +56,6 @@ def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
 _FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request
 
 
-@contextlib.contextmanager
-def few_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
-    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
-    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
-    prev = torch.get_num_threads()
-    if n is None or n >= prev:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 class Worker:
     def __init__(self, config, record_times: bool = False):
         self.runner = ModelRunner(config, record_times)
@@ -94,7 +77,7 @@ class Worker:
             bad = [q.rid for q in batch.reqs if self._fail_token[0] in q.prompt_ids]
             if bad:
                 raise IndexError(f"injected failure (fault fail_token): request {bad[0]}")
-        if r.stage_rounds is not None and (batch.ahead is not None or r.stage_rounds.can_run(batch)):
+        if r.stage_rounds is not None and r.stage_rounds.can_run(batch):
             return self._stage_round(batch, inbox)
         eagle = r.eagle                                  # last stage only
         tree = r.tree_ops.build(batch.reqs, self.spec.topk) if batch.kind == "verify" else None

@@ -90,9 +90,11 @@ class StageRoundRunner(SpecRoundRunner):
         self.drop_tree = runner.config.fault == "drop_tree"
 
     def can_run(self, batch) -> bool:
-        """A verify batch of at most ``max_bs`` requests whose trees were relayed, all greedy unless ``sampled``."""
-        return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
-                and all((self.sampled or r.params.greedy) and r.tree is not None for r in batch.reqs))
+        """A batch launched ahead (``batch.ahead``: its slot's previous round ran here), or a verify batch of at most
+        ``max_bs`` requests whose trees were relayed, all greedy unless ``sampled``."""
+        return batch.ahead is not None or (
+            batch.kind == "verify" and len(batch.reqs) <= self.max_bs
+            and all((self.sampled or r.params.greedy) and r.tree is not None for r in batch.reqs))
 
     def state(self, bs: int, slot: int = 0, sampled: bool = False) -> RoundState:
         """The state of micro-batch ``slot`` at batch size ``bs`` (one per (slot, bs): a slot's state outlives its
