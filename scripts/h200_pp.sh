@@ -2,9 +2,10 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b|round3|round4|round5a|round5b OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b|round3|round4|round5a|round5b|round5c OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
+#   round5a/b/c: rounds launched ahead: GPU tests; the table; the CUDA IPC relay with stage rounds.
 #   round3:  the stage round's GPU tests (trees included), the ring probe, pp=2 + spec on the staged and the IPC relay.
 #   round4:  the table in one sitting with the PP frames through shared memory (the default when ranks share the
 #            GPU), gloo frames as the control, and a tree (S=4 k=4 n=12) at pp=1 and pp=2.
@@ -122,4 +123,14 @@ round5b)
   bench pp1_tree 50 $D $T
   bench pp2_tree 60 $D $T --set pp=2 $A
   bench pp2_tree_ring 60 $D $T --set pp=2 --set spec.pp_spec=true ;;
+round5c)
+  # the relay through CUDA IPC slots (PPSPEC_RELAY_IPC=1: no staging through host memory) with stage rounds, with
+  # and without rounds ahead, beside the staged relay of the same call; the ring probe for the floor of one exchange
+  D="--model suites/shapes/smollm2-135m --set load_format=dummy --set bench.runs=1"
+  A="--set spec.pp_spec=true --set overlap_schedule=true"
+  timeout 60 python3 -m tools.ring_probe --pp 2 --device cuda --iters 3000
+  bench pp2_spec_staged 60 $D --set pp=2 $A
+  PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc 60 $D --set pp=2 $A
+  PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc_ring 60 $D --set pp=2 --set spec.pp_spec=true
+  PPSPEC_RELAY_IPC=1 bench pp2_plain_ipc 50 $D --no-spec --set pp=2 ;;
 esac
