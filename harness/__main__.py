@@ -1,4 +1,4 @@
 """``python -m harness`` runs the ppspec CLI."""
-from harness.cli import main
+from harness.entry import main
 
 main()

@@ -141,15 +141,16 @@ def _import_deferring_signals(name, globals=None, locals=None, fromlist=(), leve
             _on_signal(_deferred.pop(), None)
 
 
-def main() -> None:
-    """Console entry point (also ``python -m harness`` and ``python -m harness.cli``).
+def main(held: list[int] | None = None) -> None:
+    """The CLI (the console script enters through :func:`harness.entry.main`; also ``python -m harness.cli``).
 
     SIGINT and SIGTERM end the run with one stderr line, ``ppspec: interrupted (SIGINT); stopped 2 ranks``, and
     exit code 128 + the signal number (130, 143), every rank reaped first. A signal that arrives during an import
     (torch, triton, lm-eval load lazily, in the first seconds of a command) takes effect when that import returns
     (:func:`_on_signal`). Any other exception that ends the command after such a signal arrived ends it the same
-    way. Before this function runs (the interpreter's start and this module's import, up to about a second on a
-    loaded machine) Python's default applies: a KeyboardInterrupt traceback and exit 130.
+    way. ``held``: signals that arrived before this function ran (:func:`harness.entry.main` holds them while this
+    module imports); the first ends the command at once, the same way. Before the entry point's first line (the
+    interpreter's start) Python's default applies: a KeyboardInterrupt traceback and exit 130.
     """
     _exiting.clear()
     del _deferred[:]
@@ -157,6 +158,8 @@ def main() -> None:
         signal.signal(s, _on_signal)
     builtins.__import__ = _import_deferring_signals
     try:
+        if held:
+            raise Interrupted(held[0], _running_ranks())
         app(prog_name="ppspec")
     except Exception:
         if not _signalled:

@@ -36,17 +36,47 @@ def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch
 
 
 def test_console_script_runs_main_with_the_signal_handlers():
-    """The installed ``ppspec`` must enter ``harness.cli.main`` (which installs the SIGINT / SIGTERM handlers and
-    prints the one-line interruption), not the bare Typer app: an entry point on ``app`` exited 130 silently and
-    died by SIGTERM with leaked-semaphore warnings."""
+    """The installed ``ppspec`` must enter ``harness.entry.main`` (which holds SIGINT / SIGTERM while the CLI imports,
+    then runs ``harness.cli.main``: its handlers, the one-line interruption), not the bare Typer app: an entry point
+    on ``app`` exited 130 silently and died by SIGTERM with leaked-semaphore warnings."""
     import tomllib
     from importlib.metadata import entry_points
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["ppspec"] == "harness.cli:main"
-    import harness.cli
+    assert scripts["ppspec"] == "harness.entry:main"
+    import harness.entry
     installed = [e for e in entry_points(group="console_scripts") if e.name == "ppspec"]
     if installed:                                      # the package as pip installed it (CI: pip install -e .)
-        assert installed[0].load() is harness.cli.main
+        assert installed[0].load() is harness.entry.main
+
+
+def test_entry_point_imports_only_signal_before_the_cli():
+    """The window under Python's default SIGINT handler is the interpreter's start only: importing the entry point
+    (and the harness package) pulls in no third-party module and not harness.cli."""
+    code = ("import sys\nbefore = set(sys.modules)\nimport harness.entry\n"
+            "new = set(sys.modules) - before\nassert new <= {'harness', 'harness.entry', 'signal'}, new\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_sigint_while_the_cli_imports_ends_with_the_interrupt_line(tmp_path):
+    """Regression: a Ctrl-C in the first second of a command (while Typer, Rich and the command modules import,
+    before harness.cli installed its handler) ended with Python's KeyboardInterrupt traceback. The entry point holds
+    it; the CLI then ends at once with the one line and 130, running no command (``--help`` prints nothing)."""
+    script = tmp_path / "run_entry.py"
+    script.write_text(
+        "import builtins, os, signal, sys\n"
+        "import harness.entry\n"
+        "real = builtins.__import__\n"
+        "def imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
+        "    if name == 'harness' and fromlist and 'cli' in fromlist and 'harness.cli' not in sys.modules:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, globals, locals, fromlist, level)\n"
+        "builtins.__import__ = imp\n"
+        "sys.argv = ['ppspec', '--help']\n"
+        "harness.entry.main()\n")
+    p = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 130, (p.stdout, p.stderr[-2000:])
+    assert p.stderr == "ppspec: interrupted (SIGINT)\n" and p.stdout == "", (p.stdout, p.stderr)
 
 
 def test_interrupt_surfacing_as_another_exception_ends_with_the_interrupt_line(monkeypatch, capsys):
