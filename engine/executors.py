@@ -246,7 +246,10 @@ class RingRoundExecutor(RingExecutor):
         out = super().launch(batch, arrived)
         if batch is None:
             return out
-        failed = "failed" in out or (out.get("relay") is not None and out["relay"].kind == "error")
+        # this launch's own failure: on the last stage its result; on the others "failed" (their out["relay"] is the
+        # relayed result of an earlier tick, which every stage but the last would otherwise misread)
+        own = out.get("relay") if ps().is_last_stage else None
+        failed = "failed" in out or (own is not None and own.kind == "error")
         self.segs.pop(batch.slot, None)
         if ran and not failed:
             self.segs[batch.slot] = (batch.reqs, frozenset())

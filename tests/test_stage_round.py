@@ -178,6 +178,25 @@ def test_failed_request_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_p
     assert all(s["ahead_rounds"] > 0 for s in stats)
 
 
+def test_request_failing_at_admission_beside_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Regression: a request admitted into slot 0 that fails alone (its prefill raises on stage 0) while slot 0 holds
+    a stage round: the stages before the last read the error relayed on that tick as their own launch's failure,
+    the last stage did not, so at the slot's next turn stage 0 applied and scheduled while the last stage launched
+    ahead (the ranks diverged: RelayError with every request lost, or silently different rounds). Only the bad
+    request fails; the others give the host round's tokens; every rank launches the same rounds ahead."""
+    base = [list(p)[:30] for p in tiny_prompts[2:6]]
+    prompts = base + [list(tiny_prompts[1])[:10] + [77]]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (8, 60, 10, 52, 8)]
+    kw = dict(pp=2, max_prefill_tokens=60, max_running_requests=4, fault="fail_token:77", dist_timeout_s=60)
+    host, _ = gen(tiny_model_dir, tiny_draft_dir, base, CHAIN, params[:4], pp=2, spec_overlap=False)
+    outs, stats = gen(tiny_model_dir, tiny_draft_dir, prompts, CHAIN, params, spec_overlap=True,
+                      overlap_schedule=True, **kw)
+    assert [o.finish_reason for o in outs] == ["length"] * 4 + ["error"]
+    same(outs[:4], host)
+    ahead = [s["ahead_rounds"] for s in stats]
+    assert ahead[0] > 0 and len(set(ahead)) == 1, ahead
+
+
 @pytest.mark.parametrize("name", ["chain", "tree"])
 def test_sampled_requests_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts, name):
     """Sampled requests (seeded; temperature, top-k, top-p) mixed with greedy ones run on the stage round with rounds
