@@ -12,9 +12,12 @@ import torch
 
 from .attention.backend import h2d
 from .dist import ps
+from .kv_cache import KVCacheError
 from .messages import DraftTree, RelayError, StepResult
 from .scheduler import Req, ScheduledBatch
 from .transport import ring_exchange
+
+FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request's batch
 
 
 class RingExecutor:
@@ -162,9 +165,14 @@ class SpecRoundExecutor(RingExecutor):
                 or not all(r.params.greedy and r.tree is not None for r in batch.reqs)
                 or self.sched.reserve_ahead(batch.reqs, rr.S + 1) is None):
             return super().launch(batch, arrived)
-        st = rr.load(batch.reqs, self.sched.req_to_token)     # after the first round's slots were allocated
-        bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=st.out.is_cuda) for _ in range(3)]
-        return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs)))))
+        try:
+            st = rr.load(batch.reqs, self.sched.req_to_token)     # after the first round's slots were allocated
+            bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=st.out.is_cuda) for _ in range(3)]
+            return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs)))))
+        except FATAL:
+            raise
+        except Exception as e:                   # noqa: BLE001 - the batch fails (as Worker.forward_or_fail's do)
+            return {"relay": StepResult.failed(batch.slot, batch.rids, e)}
 
     def chain(self, prev):
         """The segment's next round (rows of requests finished since retired), or None (no KV, or a smaller captured

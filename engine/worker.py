@@ -29,7 +29,7 @@ from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
-from .executors import EXECUTORS, RingExecutor
+from .executors import EXECUTORS, FATAL, RingExecutor
 from .heap import freeze_startup_objects
 from .messages import RelayError, StepResult
 from .ranks import few_threads
@@ -53,7 +53,6 @@ def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return sampled
 
 
-_FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request
 
 
 class Worker:
@@ -249,7 +248,7 @@ class Worker:
                 with few_threads(self.config.cpu_decode_threads if batch.kind != "prefill" and
                                  self.runner.device.type == "cpu" else None):
                     return self.forward_batch(batch, inbox)
-            except _FATAL:
+            except FATAL:
                 raise
             except Exception as e:                       # noqa: BLE001 - the batch fails, the engine serves on
                 failed = StepResult.failed(batch.slot, batch.rids, e)

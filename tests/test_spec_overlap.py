@@ -139,3 +139,32 @@ def test_chain_search_equals_beam_search(tiny_model_dir, tiny_draft_dir, tiny_pr
     same(fast, ref)
     parents, tsi = W.chain_constants(2, 3, "cpu")
     assert parents.tolist() == [[-1, 0, 1]] * 2 and tsi.tolist() == [[0, 1, 2]] * 2
+
+
+def test_a_failing_device_round_fails_its_requests_alone(tiny_model_dir, tiny_draft_dir, tiny_prompts, monkeypatch):
+    """Regression: an exception inside pp=1's overlapped round (there: a shape the round's constants did not cover)
+    escaped the event loop, so generate raised and every request of the call was lost. The batch now fails like a
+    ring batch (Worker.forward_or_fail): its requests are isolated and retried alone, the one whose round raises
+    ends with finish_reason "error" and the message, the others keep the normal path's outputs, and the engine
+    serves the next call."""
+    from engine.speculative.device_round import SpecRoundRunner
+
+    real = SpecRoundRunner.load
+
+    def load(self, reqs, req_to_token):
+        if any(77 in r.prompt_ids for r in reqs):
+            raise RuntimeError("round constants too short")
+        return real(self, reqs, req_to_token)
+
+    monkeypatch.setattr(SpecRoundRunner, "load", load)
+    prompts = [list(p) for p in tiny_prompts[:3]]
+    prompts[1] = prompts[1] + [77]
+    good = [prompts[0], prompts[2]]
+    ref, _ = gen(tiny_model_dir, good, tiny_draft_dir, CHAIN, spec_overlap=False)
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, **CHAIN)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True)) as llm:
+        outs = llm.generate(prompts, P)
+        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+        assert outs[1].error == "RuntimeError: round constants too short"
+        same([outs[0], outs[2]], ref)
+        same(llm.generate(good, P), ref)

@@ -178,6 +178,21 @@ def test_failed_request_with_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_p
     assert all(s["ahead_rounds"] > 0 for s in stats)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_device_rounds_with_fewer_draft_tokens_than_steps(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp):
+    """Regression: with num_draft_tokens < num_steps + 1 (a tree S=2 k=2 n=2) a batch of one request failed in the
+    device rounds (pp=1's overlapped round: the whole generate raised; the PP stage round: the request failed), the
+    round's cached arange being shorter than the S+1 accepted-path width the commit reads. Now the host round's
+    tokens and accept lengths."""
+    shape = dict(num_steps=2, topk=2, num_draft_tokens=2)
+    prompts = [tiny_prompts[2]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    host, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, shape, params, spec_overlap=False)
+    outs, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, shape, params, pp=pp, spec_overlap=True)
+    assert outs[0].finish_reason == "length"
+    same(outs, host)
+
+
 def test_request_failing_at_admission_beside_rounds_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts):
     """Regression: a request admitted into slot 0 that fails alone (its prefill raises on stage 0) while slot 0 holds
     a stage round: the stages before the last read the error relayed on that tick as their own launch's failure,

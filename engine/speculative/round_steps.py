@@ -39,7 +39,7 @@ class RoundState:
         W = min(S + 1, n)
         # constants of the round (built here, not inside the captured graph, where each would be a launch per
         # round): an arange to slice, the draft extend's causal block, the draft steps' all-true tail masks
-        self.ar = torch.arange(max(n, W, bs * k, k * max(S - 1, 0), 1), **i64)
+        self.ar = torch.arange(max(n, S + 1, bs * k, k * max(S - 1, 0), 1), **i64)   # S+1: commit_order_device
         self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
         self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
         self.chain = chain                              # spec.is_chain: parent_list / tsi are constants
