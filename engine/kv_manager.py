@@ -41,6 +41,20 @@ class KVManager:
             self.cache.evict(need)
         return need <= self.allocator.num_free
 
+    def could_admit(self, r: Req, reserve: int) -> bool:
+        """Whether :meth:`admit` of ``r`` would succeed now (a free row; the free slots plus the unpinned prefix-cache
+        blocks it would not reuse cover its fill past the cached prefix plus ``reserve``). Takes and touches
+        nothing."""
+        if not self.rows.free_rows:
+            return False
+        matched = self.cache.match(r.fill_ids) if self.cache is not None else []
+        need = len(r.fill_ids) - (len(matched) * self.cache.block_size if matched else 0) + reserve
+        free = self.allocator.num_free
+        if need > free and self.cache is not None:
+            mine = {blk.key for blk in matched}
+            free += sum(len(blk.slots) for key, blk in self.cache.evictable.items() if key not in mine)
+        return need <= free
+
     def admit(self, r: Req, reserve: int) -> bool:
         """Give ``r`` a row and every slot its prefill needs (``fill_ids`` plus ``reserve``). The positions the
         prefix cache holds map to its slots (pinned until :meth:`release`) and ``r.prefilled`` / ``r.seq_len``

@@ -96,8 +96,10 @@ class Scheduler:
         return sum(r.status in ("prefilling", "running") for r in self.reqs.values())
 
     def can_admit(self) -> bool:
-        """Whether a waiting request is under the concurrency limit (the next schedule would try to admit it)."""
-        return bool(self.waiting) and self.num_active() < min(self.max_concurrency, self.max_reqs)
+        """Whether the next schedule would admit a waiting request: the first is under the concurrency limit and
+        the pool can place it now (``KVManager.could_admit``). What the steps launched ahead yield to."""
+        return (bool(self.waiting) and self.num_active() < min(self.max_concurrency, self.max_reqs)
+                and self.kv.could_admit(self.waiting[0], self.reserve))
 
     # ----------------------------------------------------------------------------------- schedule
     def schedule(self, slot: int) -> ScheduledBatch | None:

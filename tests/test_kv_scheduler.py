@@ -243,3 +243,58 @@ def test_reserve_ahead_per_slot_ignores_other_slots_prefills():
     assert new is not None and r0.allocated_len == r0.seq_len + 8 + 4 > before
     assert [(i, p0, len(sl)) for i, p0, sl in new] == [(0, before, r0.allocated_len - before)]
     assert s.reserve_ahead([s.reqs[1]], 8, slot=1) is None                     # ... but its own slot's does
+
+
+def test_steps_ahead_yield_only_to_a_request_the_pool_can_place():
+    """reserve_ahead / reserve_lookahead yield to a waiting request only when the next schedule could admit it: under
+    the concurrency limit and placeable now (a free row; free slots, plus unpinned prefix-cache blocks it would not
+    reuse, covering its fill past the cached prefix plus the reserve). Regression: a request the pool could not
+    place kept every slot off its rounds launched ahead (PP) and off the overlapped rounds (pp=1) until some request
+    finished."""
+    import torch
+    s = Scheduler(capacity=64, max_reqs=4, max_model_len=512, reserve=4, spec=False, max_prefill_tokens=64,
+                  num_slots=1, eos_ids=(2,), prefix_block=4)
+    s.max_concurrency = 4
+    s.add(Req(0, list(range(3, 23)), SamplingParams(max_new_tokens=20)))        # 20 tokens
+    b = s.schedule(0)
+    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[7]]), chunks=b.chunks))
+    r0 = s.reqs[0]
+    assert r0.status == "running" and s.allocator.num_free == 64 - 24
+    s.add(Req(1, list(range(100, 150)), SamplingParams(max_new_tokens=8)))      # needs 54 > 40 free: waits
+    assert not s.can_admit() and not s.kv.could_admit(s.waiting[0], s.reserve)
+    assert s.reserve_ahead([r0], 8) is not None                                # the round goes ahead
+    assert s.reserve_lookahead([r0]) == [0]
+    assert s.schedule(0).kind == "decode" and s.reqs[1].status == "waiting"      # the schedule agrees: not admitted
+    s.add(Req(2, list(range(200, 220)), SamplingParams(max_new_tokens=8)))
+    s.waiting.reverse()                                                         # request 2 (24 slots) first
+    assert s.can_admit() and s.reserve_ahead([r0], 8) is None                  # placeable: the slot yields
+    assert s.reserve_lookahead([r0]) is None
+
+
+def test_could_admit_agrees_with_admit():
+    """KVManager.could_admit (takes nothing) predicts KVManager.admit over random admissions and releases with the
+    prefix cache on (shared prefixes: cached blocks reused, unpinned ones evicted, requests refused)."""
+    import random
+    from engine.kv_manager import KVManager
+    rng = random.Random(0)
+    kv = KVManager(capacity=96, max_reqs=4, row_len=200, prefix_block=4)
+    held, seen = [], {"matched": 0, "evicted": 0, "refused": 0}
+    prefixes = [list(range(3, 3 + 24)), list(range(50, 50 + 16))]
+    for rid in range(400):
+        if held and (rng.random() < 0.35 or not kv.rows.free_rows):
+            r = held.pop(rng.randrange(len(held)))
+            r.prefilled = r.seq_len = len(r.fill_ids)                       # its prompt's K/V final: cached
+            kv.release(r)
+            continue
+        fill = rng.choice(prefixes)[:rng.randrange(4, 25)] + [rng.randrange(100, 140) for _ in range(rng.randrange(1, 40))]
+        r = Req(rid, fill, SamplingParams(max_new_tokens=4), fill_ids=list(fill))
+        free_before, cached_before = kv.allocator.num_free, kv.cache.num_slots
+        predicted = kv.could_admit(r, 4)
+        assert (kv.allocator.num_free, kv.cache.num_slots) == (free_before, cached_before)     # took nothing
+        assert kv.admit(r, 4) == predicted, (rid, len(fill), free_before)
+        seen["matched"] += r.num_cached_tokens > 0
+        seen["evicted"] += kv.cache.num_slots < cached_before
+        seen["refused"] += not predicted
+        if predicted:
+            held.append(r)
+    assert min(seen.values()) >= 5, seen
