@@ -150,8 +150,8 @@ class SpecRoundExecutor(RingExecutor):
     of trees (no fault injection) within the captured sizes, with ``Scheduler.reserve_ahead`` slots, becomes a
     segment whose rounds run on the device, round t+1 launched before round t is read back. A finished request
     stays as a padding row (``SpecRoundRunner.retire``) until a smaller captured size would do; then, or when a
-    request waits for admission, the segment closes and its running requests get their next trees (device rows).
-    Other batches run eagerly."""
+    waiting request could be admitted (``Scheduler.can_admit``: under the limit and placeable now), the segment
+    closes and its running requests get their next trees (device rows). Other batches run eagerly."""
 
     name, depth = "spec_rounds", 2
 
@@ -237,8 +237,8 @@ class RingRoundExecutor(RingExecutor):
     device work; results are applied one round behind, as the pp=1 overlapped round does. Every stage decides
     from its scheduler replica at the same point of the same result stream (before applying the slot's result),
     so all stages launch the same rounds. A request that finished in round r keeps its row, wasted, in round r+1
-    and is padding from round r+2. The slot falls back to the normal path (apply, schedule, load) when a request
-    waits for admission or is prefilling in this slot, the pool cannot reserve ahead, a smaller captured size would
+    and is padding from round r+2. The slot falls back to the normal path (apply, schedule, load) when a waiting
+    request could be admitted (``Scheduler.can_admit``) or a request is prefilling in this slot, the pool cannot reserve ahead, a smaller captured size would
     do, or the result is not the slot's verify result (an error, a prefill); other slots' chunked prefills do not
     stop it."""
 
