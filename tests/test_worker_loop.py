@@ -14,7 +14,7 @@ from engine.worker import Worker
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)
-PRESSURE = dict(max_num_tokens=450, max_prefill_tokens=40, max_running_requests=5)   # retracts on tiny_prompts
+PRESSURE = dict(max_num_tokens=440, max_prefill_tokens=40, max_running_requests=5)   # retracts on tiny_prompts
 
 
 def run(model, prompts, params, **kw):
