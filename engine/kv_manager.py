@@ -35,42 +35,56 @@ class KVManager:
             self.rt_np[r.row, r.allocated_len:r.allocated_len + len(slots)] = slots
             r.allocated_len += len(slots)
 
+    def available(self, keep=()) -> int:
+        """Slots free now plus those of the unpinned prefix-cache blocks (but the blocks ``keep``): what
+        :meth:`make_room` can reach."""
+        free = self.allocator.num_free
+        if self.cache is not None:
+            keys = {blk.key for blk in keep}
+            free += sum(len(blk.slots) for key, blk in self.cache.evictable.items() if key not in keys)
+        return free
+
     def make_room(self, need: int) -> bool:
-        """Whether ``need`` slots are free, evicting unpinned prefix-cache blocks first when they are not."""
-        if need > self.allocator.num_free and self.cache is not None:
-            self.cache.evict(need)
+        """Whether ``need`` slots are free, evicting unpinned prefix-cache blocks (least recently used first) when
+        they are not; a need the evictable blocks cannot cover evicts nothing."""
+        if need <= self.allocator.num_free:
+            return True
+        if self.cache is None or need > self.available():
+            return False
+        self.cache.evict(need)
         return need <= self.allocator.num_free
 
-    def could_admit(self, r: Req, reserve: int) -> bool:
-        """Whether :meth:`admit` of ``r`` would succeed now (a free row; the free slots plus the unpinned prefix-cache
-        blocks it would not reuse cover its fill past the cached prefix plus ``reserve``). Takes and touches
-        nothing."""
+    def _placement(self, r: Req, reserve: int):
+        """(matched prefix-cache blocks, cached positions, slots to allocate) of admitting ``r`` now, or None when it
+        cannot be placed: no free row, or the free slots plus the unpinned cache blocks it would not reuse fall
+        short of its fill past the cached prefix plus ``reserve``. Takes and touches nothing."""
         if not self.rows.free_rows:
-            return False
+            return None
         matched = self.cache.match(r.fill_ids) if self.cache is not None else []
-        need = len(r.fill_ids) - (len(matched) * self.cache.block_size if matched else 0) + reserve
-        free = self.allocator.num_free
-        if need > free and self.cache is not None:
-            mine = {blk.key for blk in matched}
-            free += sum(len(blk.slots) for key, blk in self.cache.evictable.items() if key not in mine)
-        return need <= free
+        cached = len(matched) * self.cache.block_size if matched else 0
+        need = len(r.fill_ids) - cached + reserve
+        fits = need <= self.allocator.num_free or need <= self.available(keep=matched)
+        return (matched, cached, need) if fits else None
+
+    def could_admit(self, r: Req, reserve: int) -> bool:
+        """Whether :meth:`admit` of ``r`` would succeed now. Takes and touches nothing."""
+        return self._placement(r, reserve) is not None
 
     def admit(self, r: Req, reserve: int) -> bool:
         """Give ``r`` a row and every slot its prefill needs (``fill_ids`` plus ``reserve``). The positions the
         prefix cache holds map to its slots (pinned until :meth:`release`) and ``r.prefilled`` / ``r.seq_len``
-        start after them. False (nothing taken, nothing pinned) when no row is free or the pool is short even
-        after evicting the cache."""
-        if not self.rows.free_rows:
+        start after them; unpinned cache blocks are evicted (least recently used first) only for a request that
+        fits. False (nothing taken, evicted, pinned or counted) when no row is free or the pool is short even
+        counting the evictable cache."""
+        placement = self._placement(r, reserve)
+        if placement is None:
             return False
-        matched = self.cache.match(r.fill_ids) if self.cache is not None else []
-        cached = len(matched) * self.cache.block_size if matched else 0
-        need = len(r.fill_ids) - cached + reserve
+        matched, cached, need = placement
         if matched:
             self.cache.acquire(matched, len(r.fill_ids))
         if not self.make_room(need):
-            if matched:
-                self.cache.release(matched)
-            return False
+            raise RuntimeError(f"prefix cache: {need} slots predicted free after eviction, "
+                               f"{self.allocator.num_free} are")
         r.row = self.rows.alloc()
         r.cached_blocks, r.num_cached_tokens = matched, cached
         r.prefilled = r.seq_len = cached

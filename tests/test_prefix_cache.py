@@ -167,6 +167,33 @@ def test_scheduler_reuses_and_evicts_before_admission_fails():
     s.end_run()
 
 
+def test_an_admission_that_cannot_fit_evicts_and_counts_nothing():
+    """Regression: an admission refused for want of room (retried every schedule while the request waits) first
+    evicted unpinned prefix-cache blocks and counted a cache query, so a waiting request that could not fit flushed
+    the cache for nothing and inflated the hit-rate counters; a refused ``grow`` evicted the same way. Now only a
+    request that fits evicts, and a refusal leaves the cache, its LRU order and its counters as they were."""
+    from engine.scheduler import Req
+    s = _sched(capacity=40)
+    a = list(range(3, 20))                                       # 17 tokens: 4 blocks cached (16 slots)
+    s.add(Req(0, a, SamplingParams(max_new_tokens=2)))
+    _finish_prefill_and_decode(s, s.schedule(0))
+    s.end_run()
+    s.add(Req(1, list(range(100, 110)), SamplingParams(max_new_tokens=2)))  # 11 slots, holds them
+    b = s.schedule(0)
+    assert b.rids == [1]
+    kv, cache = s.kv, s.cache
+    before = (cache.num_slots, list(cache.evictable), cache.hit_tokens, cache.queried_tokens, s.allocator.num_free)
+    big = Req(2, a[:12] + list(range(200, 230)), SamplingParams(max_new_tokens=2))     # 42 + 1 > 40 - 11
+    big.fill_ids = list(big.prompt_ids)
+    assert not kv.could_admit(big, s.reserve) and not kv.admit(big, s.reserve)
+    assert kv.grow([s.reqs[1]], [60]) is None
+    after = (cache.num_slots, list(cache.evictable), cache.hit_tokens, cache.queried_tokens, s.allocator.num_free)
+    assert after == before and cache.num_slots == 16
+    fits = Req(3, list(range(300, 325)), SamplingParams(max_new_tokens=2))             # 25 + 1 > 13 free: evicts
+    fits.fill_ids = list(fits.prompt_ids)
+    assert kv.could_admit(fits, s.reserve) and kv.admit(fits, s.reserve) and cache.num_slots < 16
+
+
 def test_failed_call_empties_the_cache():
     from engine.scheduler import Req
     s = _sched(capacity=40)
