@@ -133,7 +133,7 @@ def test_rounds_ahead_with_chunks_retractions_and_finishes(tiny_model_dir, tiny_
     .end_run checks it), the same rounds launched ahead on every stage."""
     shape = CHAIN if name == "chain" else TREE
     params = [SamplingParams(max_new_tokens=16 + 8 * (i % 4), ignore_eos=True) for i in range(8)]
-    kw = dict(max_prefill_tokens=48, max_num_tokens=500 if name == "chain" else 600)
+    kw = dict(max_prefill_tokens=48, max_num_tokens=400 if name == "chain" else 480)
     host, _ = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=False, **kw)
     outs, stats = gen(tiny_model_dir, tiny_draft_dir, tiny_prompts[:8], shape, params, pp=2, spec_overlap=True,
                       overlap_schedule=True, **kw)
