@@ -14,6 +14,7 @@ from .attention.backend import h2d
 from .dist import ps
 from .kv_cache import KVCacheError
 from .messages import DraftTree, RelayError, StepResult
+from .ranks import few_threads
 from .scheduler import Req, ScheduledBatch
 from .transport import ring_exchange
 
@@ -52,6 +53,18 @@ class RingExecutor:
             return {"relay": out or None}
         out["relay"], out["arrived"] = self.inbox.get("relay"), arrived
         return out
+
+    @staticmethod
+    def failing(slot: int, rids: list[int], launch):
+        """``launch()``, or when it raises (an engine invariant, :data:`FATAL`, excepted) the failure of the batch
+        ``rids`` as a handle :meth:`collect` relays: the scheduler fails or isolates its requests
+        (``Scheduler.fail``), as a failed ring batch's (``Worker.forward_or_fail``)."""
+        try:
+            return launch()
+        except FATAL:
+            raise
+        except Exception as e:                   # noqa: BLE001 - the batch fails, the engine serves on
+            return {"relay": StepResult.failed(slot, rids, e)}
 
     def ahead(self, slot: int, pending: StepResult, arrived: int | None = None):
         """Launch ``slot``'s next batch before ``pending`` (its previous result) is applied, or return None (then
@@ -94,13 +107,15 @@ class LookaheadExecutor(RingExecutor):
     """One-stage greedy decoding with the host one step ahead (SGLang's overlap scheduler, simplified): while step
     t runs, step t+1 of its requests that keep running (``Scheduler.reserve_lookahead``: position seq_len + 1, a
     second reserved slot) is launched with step t's tokens still on the device; a request found finished at step t
-    wastes its step-t+1 row. Prefill and sampled batches run eagerly."""
+    wastes its step-t+1 row. Prefill and sampled batches, and every batch under fault injection, run eagerly; a step
+    that raises fails its batch (``failing``)."""
 
     name, depth = "lookahead", 2
 
     def launch(self, batch, arrived=None):
-        if batch is not None and batch.kind == "decode" and all(r.params.greedy for r in batch.reqs):
-            return self._decode(batch.reqs, None)
+        if (batch is not None and batch.kind == "decode" and self.fault is None
+                and all(r.params.greedy for r in batch.reqs)):
+            return self.failing(batch.slot, batch.rids, lambda: self._decode(batch.reqs, None))
         return super().launch(batch, arrived)
 
     def chain(self, prev):
@@ -109,9 +124,13 @@ class LookaheadExecutor(RingExecutor):
         keep = self.sched.reserve_lookahead(prev.reqs)
         if keep is None:
             return None
-        ids = prev.tokens if len(keep) == len(prev.reqs) else prev.tokens[h2d(torch.tensor(keep), prev.tokens.device)]
+        reqs = [prev.reqs[i] for i in keep]
         self.num_lookahead += 1
-        return self._decode([prev.reqs[i] for i in keep], ids)
+
+        def step():
+            ids = prev.tokens if len(keep) == len(prev.reqs) else prev.tokens[h2d(torch.tensor(keep), prev.tokens.device)]
+            return self._decode(reqs, ids)
+        return self.failing(0, [r.rid for r in reqs], step)
 
     def collect(self, h):
         if not isinstance(h, Step):
@@ -122,7 +141,8 @@ class LookaheadExecutor(RingExecutor):
         """Launch one greedy decode step; ``ids_dev``: its input tokens on the device (lookahead)."""
         r = self.runner
         ids, pos, ctx = r.batch_inputs(ScheduledBatch("decode", 0, reqs), lookahead=ids_dev is not None)
-        tokens = r.model.greedy_tokens(r.forward(ids if ids_dev is None else ids_dev, pos, ctx)[0])   # [B]
+        with few_threads(r.config.cpu_decode_threads if r.device.type == "cpu" else None):
+            tokens = r.model.greedy_tokens(r.forward(ids if ids_dev is None else ids_dev, pos, ctx)[0])   # [B]
         cuda = tokens.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)
@@ -165,14 +185,12 @@ class SpecRoundExecutor(RingExecutor):
                 or not all(r.params.greedy and r.tree is not None for r in batch.reqs)
                 or self.sched.reserve_ahead(batch.reqs, rr.S + 1) is None):
             return super().launch(batch, arrived)
-        try:
+
+        def first_round():
             st = rr.load(batch.reqs, self.sched.req_to_token)     # after the first round's slots were allocated
             bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=st.out.is_cuda) for _ in range(3)]
             return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs)))))
-        except FATAL:
-            raise
-        except Exception as e:                   # noqa: BLE001 - the batch fails (as Worker.forward_or_fail's do)
-            return {"relay": StepResult.failed(batch.slot, batch.rids, e)}
+        return self.failing(batch.slot, batch.rids, first_round)
 
     def chain(self, prev):
         """The segment's next round (rows of requests finished since retired), or None (no KV, or a smaller captured
@@ -191,9 +209,15 @@ class SpecRoundExecutor(RingExecutor):
         if g.live and rr.pick(len(g.live)) == g.st.bs:
             new = self.sched.reserve_ahead([g.reqs[b] for b in g.live], (rr.S + 1) * (g.inflight + 1))
         if new is not None:
-            rr.append_slots(g.st, [(g.live[i], p0, slots) for i, p0, slots in new])
+
+            def next_round():
+                rr.append_slots(g.st, [(g.live[i], p0, slots) for i, p0, slots in new])
+                return self._round(g)
             self.num_round_lookahead += int(g.inflight > 0)
-            return self._round(g)
+            h = self.failing(0, [r.rid for r in g.reqs], next_round)
+            if not isinstance(h, Step):
+                g.st = None                              # failed: the segment closes (its requests are retracted)
+            return h
         if not g.inflight:
             for r, tree in zip(g.reqs, rr.trees(g.st, len(g.reqs))):
                 if r.status == "running":

@@ -168,3 +168,29 @@ def test_a_failing_device_round_fails_its_requests_alone(tiny_model_dir, tiny_dr
         assert outs[1].error == "RuntimeError: round constants too short"
         same([outs[0], outs[2]], ref)
         same(llm.generate(good, P), ref)
+
+
+def test_a_round_failing_after_the_first_fails_only_its_batch(tiny_model_dir, tiny_draft_dir, tiny_prompts,
+                                                              monkeypatch):
+    """Regression: a round chained onto a running segment (launched before the previous one was read back) that
+    raised escaped the event loop: generate raised and every request of the call was lost. Now the segment closes
+    and its batch fails like any failed batch: its requests are retracted and run alone, so a failure that does not
+    recur costs nothing: every request ends with the normal path's tokens and accept lengths."""
+    from engine.speculative.device_round import SpecRoundRunner
+
+    real, calls = SpecRoundRunner.launch, []
+
+    def launch(self, st, out):
+        calls.append(1)
+        if len(calls) == 3:                          # the first segment's third round: chained, two in flight
+            raise RuntimeError("simulated round failure")
+        return real(self, st, out)
+
+    monkeypatch.setattr(SpecRoundRunner, "launch", launch)
+    prompts = tiny_prompts[:3]
+    ref, _ = gen(tiny_model_dir, prompts, tiny_draft_dir, CHAIN, spec_overlap=False)
+    outs, (rounds, ahead, _) = gen(tiny_model_dir, prompts, tiny_draft_dir, CHAIN, spec_overlap=True)
+    assert len(calls) > 3 and rounds > 0 and ahead > 0
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert sum(o.num_retractions for o in outs) == 0              # a failure is not memory pressure
+    same(outs, ref)

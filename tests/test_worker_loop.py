@@ -113,3 +113,29 @@ def test_nothing_schedulable_stalls_with_kv_error(tiny_model_dir, kw, monkeypatc
             with pytest.raises(KVCacheError, match="^scheduler stalled with 1 unfinished requests"):
                 llm.generate([[5, 6, 7]], p)
         assert len(llm.generate([[5, 6, 7]], p)[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["launched", "chained"])
+def test_a_failing_lookahead_step_fails_only_its_batch(tiny_model_dir, tiny_prompts, chained, monkeypatch):
+    """Regression: a lookahead decode step that raised (launched from a schedule, or chained before the previous
+    step was read back) escaped the event loop: generate raised and every request was lost. Its batch now fails
+    like a failed ring batch: the requests are retracted and run alone, so a one-off failure costs nothing (the
+    plain loop's tokens)."""
+    from engine.executors import LookaheadExecutor
+
+    real, calls = LookaheadExecutor._decode, []
+
+    def decode(self, reqs, ids_dev):
+        calls.append(ids_dev is not None)
+        if calls[-1] == chained and calls.count(chained) == 1 + chained:     # the first launched / second chained
+            raise RuntimeError("simulated step failure")
+        return real(self, reqs, ids_dev)
+
+    prompts = tiny_prompts[:4]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref, _, _, _ = run(tiny_model_dir, prompts, params)
+    monkeypatch.setattr(LookaheadExecutor, "_decode", decode)
+    outs, plan_loop, _, (lookahead, _, _) = run(tiny_model_dir, prompts, params, overlap_schedule=True)
+    assert plan_loop == "lookahead" and lookahead > 0 and calls.count(chained) > 1 + chained
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
