@@ -16,6 +16,8 @@ CI_CASES = {
     639: "pp3-tree-ahead-rounds-barely-pool-chunk10-seeded",
     848: "tp2xpp2-chain-ahead-rounds-tiny-pool-retractions-seeded-bad-token-id",
     750: "pp2-plain-stops-seeded",
+    221: "pp1-plain-lookahead-context-cut-seeded",
+    235: "pp2-tree-n2-below-steps-ahead-rounds-context-cut-chunk24-stops",
 }
 TIMEOUT_S = 120
 
@@ -33,6 +35,9 @@ def test_draw_is_reproducible_and_valid(tiny_model_dir):
         assert max(len(r.prompt) + r.max_new for r in c.reqs) + reserve <= c.max_num_tokens
         assert all(0 <= t < mc.vocab_size for r in c.reqs for t in r.prompt)
         assert 3 <= len(c.reqs) <= 16 and c.max_prefill_tokens >= 4 and 1 <= c.max_running_requests <= 8
+        assert c.max_model_len is None or c.max_model_len > max(len(r.prompt) for r in c.reqs)
+        assert c.rounds in (("host", "device", "ahead") if c.spec else ("host", "lookahead") if c.pp == c.tp == 1
+                            else ("host",))
 
 
 def test_expected_output_rules():

@@ -1,16 +1,18 @@
 """Seeded differential fuzzer of the engine: ``python -m tools.fuzz --cases N --seed S`` (or ``--case SEED``).
 
 Each case is drawn from one integer seed (:func:`draw_case`): a topology (PP 1-5 within the model's layers, or
-TP2 x PP2), a speculative shape (none, a chain, a tree), a KV pool from barely fitting the largest request to
-large, a prefill chunk budget, a running-request cap and 3-16 requests (random-id or GSM8K-text prompts,
-greedy or seeded sampled, stop strings / stop ids that fire mid-output, ``ignore_eos``). A case runs in a child
+TP2 x PP2), a speculative shape (none, a chain, a tree) and its loop (host / device / ahead rounds; plain pp=1:
+the eager loop or lookahead decode), sometimes a context (``max_model_len``) that cuts requests short, a KV pool
+from barely fitting the largest request to large, a prefill chunk budget, a running-request cap and 3-16 requests
+(random-id or GSM8K-text prompts, greedy or seeded sampled, stop strings / stop ids that fire mid-output,
+``ignore_eos``). A case runs in a child
 process of its own (``--child``), killed with its process group after ``--timeout`` seconds ("hang"), and checks
 (:func:`run_case`):
 
 - every ``generate`` returns; every request has a finish_reason in {stop, length};
 - greedy outputs equal a PP1 no-spec engine's greedy tokens (a large pool), cut where the request's EOS, stop id,
-  stop string or ``max_new_tokens`` ends them ("mismatch"; a mismatch is diagnosed as a numeric near-tie or not
-  from the target's top-2 logits at the first differing position);
+  stop string, ``max_new_tokens`` or the context ends them ("mismatch"; a mismatch is diagnosed as a numeric
+  near-tie or not from the target's top-2 logits at the first differing position);
 - a stop that fires gives finish_reason "stop", token ids ending where the stop completes, and text without the
   stop string ("stop");
 - seeded sampled outputs equal the same request run alone on the same engine ("seeded");
@@ -71,7 +73,9 @@ class Case:
     poison: str | None = None           # bad_id | too_big
     rounds: str = "host"                # spec: host (the host round) | device (the device round: pp=1 tp=1's overlapped
                                         # round, else the stage round) | ahead (device, and stage rounds launched
-                                        # before the previous one is applied: loop ring_rounds)
+                                        # before the previous one is applied: loop ring_rounds); plain at pp=1 tp=1:
+                                        # host | lookahead (decode step t+1 launched before step t is read back)
+    max_model_len: int | None = None    # a context shorter than some prompt + max_new (None: the model's)
 
     def describe(self) -> str:
         sp = "plain" if self.spec is None else (
@@ -79,6 +83,10 @@ class Case:
             "tree(S{num_steps} k{topk} n{num_draft_tokens})".format(**self.spec))
         if self.spec is not None and self.rounds != "host":
             sp += f" {self.rounds}-rounds"
+        elif self.rounds == "lookahead":
+            sp += " lookahead"
+        if self.max_model_len is not None:
+            sp += f" ctx {self.max_model_len}"
         topo = f"tp{self.tp}xpp{self.pp}" if self.tp > 1 else f"pp{self.pp}"
         ns = sum(r.sampling is not None for r in self.reqs)
         nstop = sum(r.stop_kind is not None for r in self.reqs)
@@ -151,6 +159,13 @@ def draw_case(seed: int, mc, tok, with_spec: bool = True) -> Case:
     case = Case(seed, tp, pp, spec, pool, pool_kind, chunk, rng.randint(1, 8), reqs, poison)
     if spec is not None:            # drawn apart, so adding it left every earlier seed's draw as it was
         case.rounds = random.Random(seed * 7877 + 3).choice(["host", "device", "ahead"])
+    elif tp == pp == 1:
+        case.rounds = random.Random(seed * 7877 + 3).choice(["host", "lookahead"])
+    ctx = random.Random(seed * 7901 + 7)     # (salt 7: the CI cases of tests/test_fuzz.py draw no context)
+    if ctx.random() < 0.25:         # some requests end at the context, mid-round under spec
+        case.max_model_len = max(len(r.prompt) for r in reqs) + ctx.randint(1, 40)
+        if case.poison == "too_big":
+            case.poison = "bad_id"
     return case
 
 
@@ -302,7 +317,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     cfg = EngineConfig(model=model, tp=case.tp, pp=case.pp, max_num_tokens=case.max_num_tokens,
                        max_prefill_tokens=case.max_prefill_tokens,
                        max_running_requests=case.max_running_requests, spec=spec,
-                       spec_overlap=case.rounds != "host", overlap_schedule=case.rounds == "ahead")
+                       spec_overlap=case.spec is not None and case.rounds != "host",
+                       overlap_schedule=case.rounds in ("ahead", "lookahead"), max_model_len=case.max_model_len)
     diagnose = []
     phase("engine start")
     try:
@@ -364,7 +380,8 @@ def _check_output(i, r: ReqDraw, p, o, ref, case: Case, eos, detok, fail, diagno
         fail("stop", f"req {i}: text contains its stop string")
     if ref is None:
         return
-    want, reason = expected_output(ref, p.max_new_tokens, p.ignore_eos, p.stop_token_ids, p.stop, eos, detok)
+    limit = p.max_new_tokens if case.max_model_len is None else min(p.max_new_tokens, case.max_model_len - len(r.prompt))
+    want, reason = expected_output(ref, limit, p.ignore_eos, p.stop_token_ids, p.stop, eos, detok)
     got = o.token_ids
     if got == want:
         if o.finish_reason != reason:
