@@ -128,7 +128,9 @@ class LookaheadExecutor(RingExecutor):
         self.num_lookahead += 1
 
         def step():
-            ids = prev.tokens if len(keep) == len(prev.reqs) else prev.tokens[h2d(torch.tensor(keep), prev.tokens.device)]
+            ids = prev.tokens
+            if len(keep) < len(prev.reqs):
+                ids = ids[h2d(torch.tensor(keep), ids.device)]
             return self._decode(reqs, ids)
         return self.failing(0, [r.rid for r in reqs], step)
 
@@ -262,9 +264,9 @@ class RingRoundExecutor(RingExecutor):
     from its scheduler replica at the same point of the same result stream (before applying the slot's result),
     so all stages launch the same rounds. A request that finished in round r keeps its row, wasted, in round r+1
     and is padding from round r+2. The slot falls back to the normal path (apply, schedule, load) when a waiting
-    request could be admitted (``Scheduler.can_admit``) or a request is prefilling in this slot, the pool cannot reserve ahead, a smaller captured size would
-    do, or the result is not the slot's verify result (an error, a prefill); other slots' chunked prefills do not
-    stop it."""
+    request could be admitted (``Scheduler.can_admit``) or a request is prefilling in this slot, the pool cannot
+    reserve ahead, a smaller captured size would do, or the result is not the slot's verify result (an error, a
+    prefill); other slots' chunked prefills do not stop it."""
 
     name = "ring_rounds"
     defers_results = True

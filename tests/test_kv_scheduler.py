@@ -286,7 +286,8 @@ def test_could_admit_agrees_with_admit():
             r.prefilled = r.seq_len = len(r.fill_ids)                       # its prompt's K/V final: cached
             kv.release(r)
             continue
-        fill = rng.choice(prefixes)[:rng.randrange(4, 25)] + [rng.randrange(100, 140) for _ in range(rng.randrange(1, 40))]
+        tail = [rng.randrange(100, 140) for _ in range(rng.randrange(1, 40))]
+        fill = rng.choice(prefixes)[:rng.randrange(4, 25)] + tail
         r = Req(rid, fill, SamplingParams(max_new_tokens=4), fill_ids=list(fill))
         free_before, cached_before = kv.allocator.num_free, kv.cache.num_slots
         predicted = kv.could_admit(r, 4)

@@ -380,7 +380,9 @@ def _check_output(i, r: ReqDraw, p, o, ref, case: Case, eos, detok, fail, diagno
         fail("stop", f"req {i}: text contains its stop string")
     if ref is None:
         return
-    limit = p.max_new_tokens if case.max_model_len is None else min(p.max_new_tokens, case.max_model_len - len(r.prompt))
+    limit = p.max_new_tokens
+    if case.max_model_len is not None:
+        limit = min(limit, case.max_model_len - len(r.prompt))
     want, reason = expected_output(ref, limit, p.ignore_eos, p.stop_token_ids, p.stop, eos, detok)
     got = o.token_ids
     if got == want:
