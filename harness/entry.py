@@ -3,8 +3,8 @@
 It holds SIGINT and SIGTERM from its first line, before the CLI's own imports (Typer, Rich and the command
 modules: most of a second on a loaded machine), then runs :func:`harness.cli.main`, which installs the CLI's
 handlers and ends a held signal with the one interrupt line and exit 128 + the signal number. Only the
-interpreter's start (up to about a tenth of a second on a loaded machine) runs under Python's default handler. Imports nothing but the standard
-library's ``signal`` before :mod:`harness.cli`.
+interpreter's start (up to about a tenth of a second on a loaded machine) runs under Python's default handler.
+Imports nothing but the standard library's ``signal`` before :mod:`harness.cli`.
 """
 from __future__ import annotations
 
