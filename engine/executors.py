@@ -79,6 +79,8 @@ class RingExecutor:
         self.ticks += 1
         relay = self.inbox.get("relay")
         if relay is not None:
+            if not isinstance(relay, StepResult):
+                raise RelayError(f"relay message is a {type(relay).__name__}, expected a StepResult")
             relay.validate(self.runner.spec)
         return relay
 

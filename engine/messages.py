@@ -147,12 +147,22 @@ class StepResult:
     def validate(self, spec) -> None:
         """One schema for prefill, decode and verify results (``spec``: the EAGLE config or None).
 
+        Checks what is known without reading a device tensor's values (no host sync): the kind, the request ids
+        (distinct ints), the prefill chunks (one per row), integer tensors and their shapes.
+
         Raises:
-            RelayError: one line naming the first mismatch (missing fields, row counts, tensor shapes).
+            RelayError: one line naming the first mismatch (kind, rids, missing fields, row counts, tensor dtypes
+            and shapes).
         """
+        kinds = ("prefill", "decode", "verify", "error") if spec is not None else ("prefill", "decode", "error")
+        if self.kind not in kinds:
+            raise RelayError(f"relay message of kind {self.kind!r}, expected one of {', '.join(kinds)}")
+        if (not isinstance(self.rids, list) or not all(isinstance(r, int) for r in self.rids)
+                or len(set(self.rids)) != len(self.rids)):
+            raise RelayError(f"relay rids must be distinct request ids, got {self.rids!r}"[:200])
         if self.kind == "error":
-            if not isinstance(self.error, str) or self.rids is None:
-                raise RelayError("relay error message lacks its rids or error text")
+            if not isinstance(self.error, str):
+                raise RelayError("relay error message lacks its error text")
             return
         need = {"kind", "slot", "rids", "tokens"}
         if spec is not None:
@@ -161,8 +171,13 @@ class StepResult:
         if missing:
             raise RelayError(f"relay message lacks {sorted(missing)}")
         B = len(self.rids)
+        if self.tokens.dim() != 2 or self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool:
+            raise RelayError(f"relay tokens must be a 2-D integer tensor, got {self.tokens.dim()}-D {self.tokens.dtype}")
         if self.tokens.shape[0] != B:
             raise RelayError(f"relay tokens have {self.tokens.shape[0]} rows for {B} requests")
+        if self.kind == "prefill" and (not isinstance(self.chunks, list) or len(self.chunks) != B):
+            raise RelayError(f"relay prefill carries {len(self.chunks) if isinstance(self.chunks, list) else 'no'} "
+                             f"chunks for {B} requests")
         if spec is not None:
             S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
             t = self.next_tree
@@ -173,3 +188,5 @@ class StepResult:
             for key, (x, shp) in shapes.items():
                 if tuple(x.shape) != shp:
                     raise RelayError(f"relay {key} has shape {tuple(x.shape)}, expected {shp}")
+                if x.dtype.is_floating_point or x.dtype == torch.bool:
+                    raise RelayError(f"relay {key} must be an integer tensor, got {x.dtype}")

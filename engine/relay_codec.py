@@ -8,6 +8,7 @@ device payload for a device group. :func:`encode_reference` is the reference twi
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import pickle
@@ -186,6 +187,9 @@ def encode_reference(obj) -> tuple[torch.Tensor, None]:
             return {k: to_cpu(v) for k, v in o.items()}
         if isinstance(o, (list, tuple)):
             return type(o)(to_cpu(v) for v in o)
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):        # StepResult, DraftTree
+            return dataclasses.replace(o, **{f.name: to_cpu(getattr(o, f.name)) for f in dataclasses.fields(o)
+                                              if f.init})
         return o
     buf = io.BytesIO()
     torch.save(to_cpu(obj), buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)

@@ -98,10 +98,13 @@ def test_middle_chunk_never_seeds_a_tree():
     assert r.trees_seeded == 1 and r.output_ids == [99] and r.tree.tokens[0] == 99
 
 
+def _z(*shape):
+    return torch.zeros(*shape, dtype=torch.int64)
+
+
 def _good_verify(B=2):
-    return StepResult("verify", 0, list(range(1, B + 1)), torch.zeros(B, 4), accept_nodes=torch.zeros(B, 4),
-                      accept_lens=torch.zeros(B), next_tree=DraftTree(torch.zeros(B, 6), torch.zeros(B, 5),
-                                                                      torch.zeros(B, 5)))
+    return StepResult("verify", 0, list(range(1, B + 1)), _z(B, 4), accept_nodes=_z(B, 4),
+                      accept_lens=_z(B), next_tree=DraftTree(_z(B, 6), _z(B, 5), _z(B, 5)))
 
 
 def test_relay_schema_mismatch_is_an_error():
@@ -109,7 +112,7 @@ def test_relay_schema_mismatch_is_an_error():
     good = _good_verify()
     good.validate(spec)
     with pytest.raises(RelayError, match=r"next_tree.parent_list has shape \(2, 3\), expected \(2, 5\)"):
-        replace(good, next_tree=replace(good.next_tree, parent_list=torch.zeros(2, 3))).validate(spec)
+        replace(good, next_tree=replace(good.next_tree, parent_list=_z(2, 3))).validate(spec)
     with pytest.raises(RelayError, match="lacks"):
         replace(good, next_tree=None).validate(spec)
 
@@ -122,14 +125,22 @@ def test_step_result_validate_refusals():
     bad = {
         r"lacks \['accept_lens', 'accept_nodes'\]": replace(good, accept_nodes=None, accept_lens=None),
         r"lacks \['tokens'\]": replace(good, tokens=None),
-        r"relay tokens have 3 rows for 2 requests": replace(good, tokens=torch.zeros(3, 4)),
+        r"relay tokens have 3 rows for 2 requests": replace(good, tokens=_z(3, 4)),
         r"next_tree.tokens has shape \(2, 5\), expected \(2, 6\)":
-            replace(good, next_tree=replace(t, tokens=torch.zeros(2, 5))),
+            replace(good, next_tree=replace(t, tokens=_z(2, 5))),
         r"next_tree.top_scores_index has shape \(2, 4\), expected \(2, 5\)":
-            replace(good, next_tree=replace(t, top_scores_index=torch.zeros(2, 4))),
-        r"accept_nodes has shape \(2, 3\), expected \(2, 4\)": replace(good, accept_nodes=torch.zeros(2, 3)),
-        r"accept_lens has shape \(1,\), expected \(2,\)": replace(good, accept_lens=torch.zeros(1)),
-        "relay error message lacks its rids or error text": StepResult("error", 0, [1], torch.zeros(0, 1)),
+            replace(good, next_tree=replace(t, top_scores_index=_z(2, 4))),
+        r"accept_nodes has shape \(2, 3\), expected \(2, 4\)": replace(good, accept_nodes=_z(2, 3)),
+        r"accept_lens has shape \(1,\), expected \(2,\)": replace(good, accept_lens=_z(1)),
+        "relay error message lacks its error text": StepResult("error", 0, [1], _z(0, 1)),
+        "relay message of kind 'bogus', expected one of prefill, decode, verify, error": replace(good, kind="bogus"),
+        r"relay rids must be distinct request ids, got \[1, 1\]": replace(good, rids=[1, 1]),
+        "relay rids must be distinct request ids, got 'x'": StepResult("error", 0, "x", _z(0, 1), error="E: x"),
+        "relay tokens must be a 2-D integer tensor, got 1-D torch.float32": replace(good, tokens=torch.zeros(2)),
+        "relay accept_nodes must be an integer tensor, got torch.float32":
+            replace(good, accept_nodes=torch.zeros(2, 4)),
+        "relay prefill carries no chunks for 2 requests": replace(good, kind="prefill"),
+        "relay prefill carries 1 chunks for 2 requests": replace(good, kind="prefill", chunks=[(0, 4, True)]),
     }
     for pattern, msg in bad.items():
         with pytest.raises(RelayError, match=pattern) as e:
@@ -137,7 +148,7 @@ def test_step_result_validate_refusals():
         assert "\n" not in str(e.value)
     StepResult.failed(0, [1], ValueError("boom\nsecond line")).validate(spec)
     assert StepResult.failed(0, [1], ValueError("boom\nsecond")).error == "ValueError: boom"
-    plain = StepResult("decode", 0, [1, 2], torch.zeros(2, 1))
+    plain = StepResult("decode", 0, [1, 2], _z(2, 1))
     plain.validate(None)
     with pytest.raises(RelayError, match="lacks"):
         plain.validate(spec)

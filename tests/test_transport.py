@@ -54,6 +54,22 @@ def test_packed_codec_equals_reference_twin(p2p):
     _same(ref, msg)
 
 
+def test_reference_codec_copies_every_tensor_to_the_host(monkeypatch):
+    """Regression: the torch.save twin descended only into dicts, lists and tuples, so the tensors of a StepResult
+    and its DraftTree were pickled on their device (on GPU ranks they would load on the sender's device). Every
+    tensor of the message, dataclass fields included, now goes through the host copy."""
+    import engine.relay_codec as rc
+    copied = []
+    real = rc.d2h
+    monkeypatch.setattr(rc, "d2h", lambda t: copied.append(t.data_ptr()) or real(t))
+    msg = _message()
+    decode(*encode_reference(msg))
+    res, tree = msg["relay"], msg["relay"].next_tree
+    want = [res.tokens, res.accept_nodes, res.accept_lens, tree.tokens, tree.parent_list, tree.top_scores_index,
+            *msg["proxy"], msg["empty"], msg["mask"], msg["one"], msg["t"]]
+    assert sorted(copied) == sorted(t.data_ptr() for t in want)
+
+
 def test_large_frames_and_reused_receive_buffer():
     """A frame past the first receive buffer's size decodes whole; staged tensors are copies, not views of a
     receive buffer that the next message overwrites."""
