@@ -267,6 +267,9 @@ class LLM:
             if p.is_alive():
                 p.kill()
         join_all(procs, 2.0)
+        if procs:
+            from .shm_ring import remove_files_of
+            remove_files_of([p.pid for p in procs if p.pid is not None and not p.is_alive()])
         self._procs = []
         self._busy = False
         _ENGINES.discard(self)

@@ -48,6 +48,22 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def remove_files_of(pids) -> int:
+    """Unlink the ring files created by the processes ``pids`` (named ``ppspec-<pid>-*``): what a rank killed
+    during the ring set-up (SIGTERM / SIGKILL: no ``finally`` runs) leaves behind. Returns how many were removed.
+    Call only once those processes have exited."""
+    import glob
+    n = 0
+    for pid in pids:
+        for path in glob.glob(os.path.join(_shm_dir(), f"ppspec-{pid}-*")):
+            try:
+                os.unlink(path)
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
 class ShmRing:
     """One direction of one ring edge. ``create=True`` makes a new file (the writer's side); otherwise ``path`` is
     opened (the reader's side). ``unlink()`` removes the name once both sides have mapped it."""
@@ -59,7 +75,12 @@ class ShmRing:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
+                if hasattr(os, "posix_fallocate"):      # the pages now, or ENOSPC here (not SIGBUS at a write)
+                    os.posix_fallocate(fd, 0, size)
                 self._mm = mmap.mmap(fd, size)
+            except OSError:
+                os.unlink(path)
+                raise
             finally:
                 os.close(fd)
             np.frombuffer(self._mm, dtype=np.int64, count=_CTL // 8)[:] = 0

@@ -86,7 +86,8 @@ SHM = _Shm()
 def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 20) -> bool:
     """Route this rank's PP frames to and from its ring neighbours through shared-memory rings. Collective over
     the CPU group: every rank calls it once, at the same point, before its first message. An edge whose reader
-    cannot map the writer's file (another host) keeps gloo; returns whether both of this rank's edges use the ring."""
+    cannot map the writer's file (another host), or whose writer cannot create one (shared memory full), keeps gloo;
+    returns whether both of this rank's edges use the ring."""
     import socket
     from .shm_ring import ShmRing
     s = ps()
@@ -94,11 +95,14 @@ def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 2
     if s.pp_size == 1:
         return False
     succ, pred = s.global_rank(s.pp_rank + 1), s.global_rank(s.pp_rank - 1)
-    out = ShmRing(create=True, n_slots=n_slots, slot_bytes=slot_bytes)
+    try:
+        out = ShmRing(create=True, n_slots=n_slots, slot_bytes=slot_bytes)
+    except OSError:                 # e.g. /dev/shm full: this rank's outgoing edge keeps gloo
+        out = None
     try:                            # the name is unlinked however the set-up ends (a peer may die during it)
-        got = ring_exchange({"shm": out.describe(), "host": socket.gethostname()})
+        got = ring_exchange({"shm": out.describe() if out is not None else None, "host": socket.gethostname()})
         inp = None
-        if got["host"] == socket.gethostname():
+        if got["shm"] is not None and got["host"] == socket.gethostname():
             try:
                 inp = ShmRing(**got["shm"])
             except OSError:
@@ -106,8 +110,9 @@ def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 2
         oks = [None] * dist.get_world_size(s.cpu_group)
         dist.all_gather_object(oks, inp is not None, group=s.cpu_group)
     finally:
-        out.unlink()
-    SHM.out, SHM.out_peer = (out, succ) if oks[succ] else (None, -1)
+        if out is not None:
+            out.unlink()
+    SHM.out, SHM.out_peer = (out, succ) if out is not None and oks[succ] else (None, -1)
     SHM.inp, SHM.in_peer = (inp, pred) if inp is not None else (None, -1)
     SHM.timeout_s = timeout_s
     return SHM.out is not None and SHM.inp is not None

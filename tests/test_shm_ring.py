@@ -139,3 +139,80 @@ def test_engine_frames_over_shared_memory_equal_gloo(tiny_model_dir, tiny_draft_
         monkeypatch.setenv("PPSPEC_RELAY_SHM", "1")
         got, frames = run(**kw)
         assert frames == "shm" and got == ref
+
+
+def test_a_ring_that_cannot_be_backed_fails_at_creation(monkeypatch, tmp_path):
+    """Regression: the ring file was only truncated to size, so with /dev/shm full the first write into a fresh
+    page killed the rank with SIGBUS. Its pages are now allocated at creation: ENOSPC is an OSError there and the
+    file is removed."""
+    import errno
+    import engine.shm_ring as sr
+    monkeypatch.setattr(sr, "_shm_dir", lambda: str(tmp_path))
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        ShmRing(create=True, n_slots=2, slot_bytes=64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _full_shm_worker(rank, world, port, q):
+    import errno
+    os.environ["PPSPEC_RELAY_SHM"] = "1"
+    from engine import transport
+    from engine.dist import init_distributed
+    torch.set_num_threads(1)
+    if rank == 1:                                    # this rank cannot back a ring: its outgoing edge keeps gloo
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = full
+    init_distributed(rank, world, 1, world, torch.device("cpu"), f"tcp://127.0.0.1:{port}", 60)
+    ok = transport.open_shm_frames(60, n_slots=2, slot_bytes=1 << 16)
+    edges = (transport.SHM.out is not None, transport.SHM.inp is not None)
+    got = [transport.ring_exchange({"i": i, "r": rank})["r"] for i in range(3)]
+    q.put((rank, ok, edges, got))
+
+
+def test_a_rank_without_shared_memory_keeps_gloo_on_its_edge():
+    """A rank whose ring cannot be created (shared memory full) does not stop the set-up: the edge it writes keeps
+    gloo, the others take their rings, and the ring exchanges go on."""
+    import torch.multiprocessing as mp
+    from engine.ranks import free_port
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port, world = free_port(), 3
+    procs = [ctx.Process(target=_full_shm_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=30)
+    # rank 1 writes to rank 2: that edge is gloo (rank 1 has no outgoing ring, rank 2 no incoming one)
+    assert [(r, ok, edges) for r, ok, edges, _ in res] == [(0, True, (True, True)), (1, False, (False, True)),
+                                                           (2, False, (True, False))]
+    assert [got for *_, got in res] == [[2, 2, 2], [0, 0, 0], [1, 1, 1]]
+
+
+def _hold_a_ring(q):
+    ring = ShmRing(create=True, n_slots=2, slot_bytes=64)
+    q.put(ring.path)
+    import time
+    time.sleep(120)
+
+
+def test_ring_files_of_killed_ranks_are_removed():
+    """Regression: a rank terminated (SIGTERM) during the ring set-up, as the front end does when another rank
+    fails at start-up, left its ring file in /dev/shm (no ``finally`` runs). ``LLM.shutdown`` removes the files
+    of its reaped ranks (``remove_files_of``, by the creator's pid in the name)."""
+    import torch.multiprocessing as mp
+    from engine.shm_ring import remove_files_of
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_hold_a_ring, args=(q,))
+    p.start()
+    path = q.get(timeout=120)
+    p.terminate()
+    p.join(timeout=30)
+    assert os.path.exists(path)
+    assert remove_files_of([p.pid]) == 1 and not os.path.exists(path)
