@@ -141,7 +141,7 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_RELAY_IPC", "bool", False, _B, "PP relay device tensors through CUDA IPC slots when ranks share one "
          "GPU (default 0: staged through host memory)", "engine/ipc.py", "relay_ipc"),
     Knob("PPSPEC_RELAY_SHM", "bool", None, _B, "PP message frames through a shared-memory ring per ring edge (auto: "
-         "when the ranks share one GPU on an x86-64 host; 1: also CPU ranks of one host; 0: gloo)",
+         "when the ranks share one GPU on an x86-64 host; 1: also CPU ranks of one host, x86-64 only; 0: gloo)",
          "engine/shm_ring.py", "relay_shm"),
     Knob("PPSPEC_RELAY_IPC_SLOT_MB", "int", 16, _B, "size of one CUDA IPC relay slot (larger payloads are staged)",
          "engine/ipc.py", "relay_ipc_slot_mb", minimum=1),

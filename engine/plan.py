@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import platform
 from dataclasses import dataclass
 
 from . import knobs as _knobs
@@ -115,7 +116,8 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     resolving a CUDA plan assumes one GPU per rank). ``kn``: the knobs (default :func:`engine.knobs.current`).
 
     Raises:
-        ConfigError: a knob is malformed (from :func:`engine.knobs.current`).
+        ConfigError: a knob is malformed (from :func:`engine.knobs.current`), or PPSPEC_RELAY_SHM=1 on a host
+            that is not x86-64.
     """
     kn = kn or _knobs.current()
     dev = (device or config.device).split(":")[0]
@@ -137,6 +139,10 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     relay = frames = None
     if not pp1:
         from .shm_ring import supported as shm_supported
+        if kn.relay_shm and not shm_supported():
+            from .config import ConfigError
+            raise ConfigError(f"PPSPEC_RELAY_SHM=1 needs an x86-64 host (the shared-memory ring relies on its store "
+                              f"order); this host is {platform.machine() or 'unknown'}")
         shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())
         frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged

@@ -164,6 +164,9 @@ def test_plan_frames(monkeypatch):
     assert resolve_plan(EngineConfig(pp=2), kn=knobs.read({"PPSPEC_RELAY_SHM": "1"})).frames == "shm"
     monkeypatch.setattr(shm_ring, "supported", lambda: False)
     assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=True).frames == "gloo"
+    from engine.config import ConfigError          # forced on a host whose stores may be seen out of order: refused
+    with pytest.raises(ConfigError, match="PPSPEC_RELAY_SHM=1 needs an x86-64 host"):
+        resolve_plan(EngineConfig(pp=2), kn=knobs.read({"PPSPEC_RELAY_SHM": "1"}))
 
 
 def test_engine_runs_the_plan(tiny_model_dir):
