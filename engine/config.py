@@ -202,6 +202,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2 (or unset), got {self.max_model_len}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if not self.dist_timeout_s > 0:
+            raise ConfigError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         check_fault(self.fault, self.tp * self.pp, self.pp)
         if self.spec.enabled and self.pp > 1:
             from . import knobs

@@ -90,6 +90,11 @@ def request_error(prompt_len: int, max_new_tokens: int, max_model_len: int, rese
         return too_long
     need = kv_need(prompt_len, max_new_tokens, max_model_len, reserve)
     if need > capacity:
+        if reserve > need - reserve:            # the speculative shape's slots past seq_len dominate
+            return (f"prompt + max_new_tokens + reserve = {need} tokens exceeds the KV pool ({capacity} tokens); "
+                    f"the reserve of {reserve} slots per request comes from the speculative shape (num_draft_tokens "
+                    f"+ topk x num_steps): lower spec.topk / num_steps / num_draft_tokens or raise max_num_tokens "
+                    f"to at least {need}")
         return (f"prompt + max_new_tokens + reserve = {need} tokens exceeds the KV pool ({capacity} tokens): "
                 f"lower max_new_tokens or raise max_num_tokens to at least {need}")
     return None

@@ -65,6 +65,8 @@ def test_huge_max_new_tokens_clamped_with_one_warning(tiny_model_dir, caplog):
     (dict(device="tpu"), "device: 'tpu'"),
     (dict(max_model_len=0), "max_model_len must be >= 2"),
     (dict(mem_fraction=5.0), "mem_fraction must be in"),
+    (dict(dist_timeout_s=-1), r"dist_timeout_s must be > 0 seconds, got -1"),      # regression: was accepted
+    (dict(dist_timeout_s=0), r"dist_timeout_s must be > 0 seconds, got 0"),
 ])
 def test_bad_engine_fields(kw, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -134,3 +136,18 @@ def test_gpu_options_default_on_for_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert [getattr(EngineConfig(device="cuda"), n) for n in names] == [True] * 3
     assert [getattr(EngineConfig(device="cuda:0", overlap_schedule=False), n) for n in names] == [False, True, True]
+
+
+def test_a_pool_refusal_names_the_reserve_when_the_spec_shape_dominates():
+    """Regression: a request refused because of a huge speculative shape (spec.topk=100000) was told to lower
+    max_new_tokens; the refusal now names the reserve and the spec fields it comes from. The common case keeps its
+    advice."""
+    from engine.requests import request_error
+    msg = request_error(16, 128, 8192, 300_000, 179_412)
+    assert msg == ("prompt + max_new_tokens + reserve = 300144 tokens exceeds the KV pool (179412 tokens); the "
+                   "reserve of 300000 slots per request comes from the speculative shape (num_draft_tokens + topk x "
+                   "num_steps): lower spec.topk / num_steps / num_draft_tokens or raise max_num_tokens to at least "
+                   "300144")
+    assert request_error(100, 200, 8192, 7, 250) == ("prompt + max_new_tokens + reserve = 307 tokens exceeds the KV "
+                                                     "pool (250 tokens): lower max_new_tokens or raise max_num_tokens "
+                                                     "to at least 307")
