@@ -22,8 +22,8 @@ from .runner import check_topology, model_source
 from .model.sampling import SamplingParams
 from .model.tp_pad import tp_head_padding
 from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
-from .ranks import (collect_failures, collect_run, death, free_port, join_all, peak_memory, rank_info,
-                    rank_main)
+from .ranks import (collect_failures, collect_run, death, free_port, peak_memory, rank_info,
+                    rank_main, reap)
 
 
 log = logging.getLogger("ppspec")
@@ -257,19 +257,7 @@ class LLM:
             from .heap import thaw_startup_objects
             self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
-        if graceful:
-            join_all(procs, 2.0)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        join_all(procs, 2.0)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        join_all(procs, 2.0)
-        if procs:
-            from .shm_ring import remove_files_of
-            remove_files_of([p.pid for p in procs if p.pid is not None and not p.is_alive()])
+        reap(procs, graceful)
         self._procs = []
         self._busy = False
         _ENGINES.discard(self)

@@ -166,6 +166,24 @@ def join_all(procs, timeout: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
+def reap(procs, graceful: bool) -> None:
+    """End rank processes: ``graceful`` (sent a stop message) ones get 2 s to leave; then the live ones get SIGTERM
+    and 2 s, then SIGKILL and 2 s. The shared-memory ring files of those that exited are removed after
+    (``shm_ring.remove_files_of``: a rank killed during the ring set-up leaves its file)."""
+    from .shm_ring import remove_files_of
+    if graceful:
+        join_all(procs, 2.0)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    join_all(procs, 2.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    join_all(procs, 2.0)
+    remove_files_of([p.pid for p in procs if p.pid is not None and not p.is_alive()])
+
+
 def death(rank: int, exitcode: int | None) -> str:
     """How a rank that reported nothing ended: ``rank 0 died (killed by SIGKILL)`` for a signal (a negative exit
     code), ``rank 1 exited without reporting (exit code 3)`` otherwise."""

@@ -29,7 +29,8 @@ from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
-from .executors import EXECUTORS, FATAL, RingExecutor
+from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor
+from .ring_rounds import RingRoundExecutor
 from .heap import freeze_startup_objects
 from .messages import RelayError, StepResult
 from .ranks import few_threads
@@ -38,6 +39,10 @@ from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
 from . import transport
+
+
+EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor,
+             "ring_rounds": RingRoundExecutor}                  # plan loop -> executor class (else the ring)
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -61,7 +66,7 @@ class Worker:
         self.sched = self.runner.sched
         self.spec = self.runner.spec
         self.config = config
-        executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)          # engine.executors
+        executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)
         self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
         transport.open_for_plan(self.runner.plan, config.dist_timeout_s)

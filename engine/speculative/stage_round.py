@@ -138,7 +138,7 @@ class StageRoundRunner(SpecRoundRunner):
 
     @torch.inference_mode()
     def run(self, batch, proxy=None):
-        """Run ``batch`` (``can_run``, or launched ahead: ``batch.ahead``, an :class:`engine.executors.Ahead`) on this
+        """Run ``batch`` (``can_run``, or launched ahead: ``batch.ahead``, an :class:`engine.ring_rounds.Ahead`) on this
         stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots
         [B*n, H] in layer order. A batch launched ahead runs on its slot's state of the previous round, advanced by
         :meth:`advance`; any other is loaded from the scheduler (``load``).
