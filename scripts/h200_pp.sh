@@ -2,7 +2,7 @@
 # PP on one H200 (two or three ranks share the GPU and talk through gloo): the per-stage profile and the
 # pp=1 / pp=2 / pp=3 table, as run through the `device` tool.
 # Before (here): scripts/gpu_prep.sh (wheels .whl1/.whl2 and the GGUF chunks .gpu/parta?).
-# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b|round3|round4|round5a|round5b|round5c OUTDIR
+# Usage: scripts/h200_pp.sh profile|probe|tests|codec|table|round|round2a|round2b|round3|round4|round5a|round5b|round5c|table1 OUTDIR
 #   profile: random weights of the SmolLM2 shape + the shipped head (no GGUF needed): pp=1 and pp=2, spec and
 #            plain, the packed relay codec and its torch.save reference twin (PPSPEC_RELAY_CODEC=torch).
 #   round5a/b/c: rounds launched ahead: GPU tests; the table; the CUDA IPC relay with stage rounds.
@@ -43,9 +43,9 @@ probe)
 tests)
   # the GPU tests: PP relay paths and copies, graphs and kernels (tests/kernel_tests compiled, not interpreted)
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
-      tests/test_cuda_graph.py tests/test_flashinfer.py 2>&1 | grep -v -i warning \
+      tests/test_cuda_graph.py tests/test_flashinfer.py 2>&1 | grep -v -E "Warning: |warnings\.warn" \
       | grep -E "IPC relay|spec rounds|passed|failed|Error|assert" | tail -15
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests 2>&1 | grep -v -i warning \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests 2>&1 | grep -v -E "Warning: |warnings\.warn" \
       | grep -E "passed|failed|Error|assert" | tail -8 ;;
 codec)
   # the reworked codec and the CUDA IPC relay, one sitting: PP1 + spec (first: it takes the FlashInfer JIT), PP2 + spec
@@ -67,7 +67,7 @@ round)
   # tests, then pp=1 + spec (first: FlashInfer's JIT), pp=2 + spec with the stage round (the default) and with the
   # host round (spec_overlap=false, the earlier path)
   D="--model suites/shapes/smollm2-135m --set load_format=dummy"
-  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py 2>&1 | grep -v -i warning \
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py 2>&1 | grep -v -E "Warning: |warnings\.warn" \
       | grep -E "round:|IPC relay|passed|failed|Error|assert" | tail -12
   bench pp1_spec 150 $D
   bench pp2_spec 110 $D --set pp=2 --set spec.pp_spec=true
@@ -75,7 +75,7 @@ round)
 round2a)
   # the GPU tests of the stage round (relay paths, copies per round, graph vs eager vs host round)
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
-      tests/test_cuda_graph.py -k "relay_paths or stage_round or host_round" 2>&1 | grep -v -i warning \
+      tests/test_cuda_graph.py -k "relay_paths or stage_round or host_round" 2>&1 | grep -v -E "Warning: |warnings\.warn" \
       | grep -E "round:|IPC relay|FI-RESULT|passed|failed|Error|assert" | cut -c1-400 | tail -14 ;;
 round2b)
   # the table in one sitting (1 timed run after 1 warmup per cell): pp=1, 2, 3 with spec (the stage round under
@@ -106,7 +106,7 @@ round5a)
   # eager vs host round, relay paths and copies per round, EAGLE-3 at pp=2
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py \
       tests/test_cuda_graph.py tests/test_eagle3_gpu.py -k "relay_paths or stage_round or host_round or ahead or chain-2 or tree-2" \
-      2>&1 | grep -v -i warning | grep -E "round:|ahead:|IPC relay|FI-RESULT|passed|failed|Error|assert" \
+      2>&1 | grep -v -E "Warning: |warnings\.warn" | grep -E "round:|ahead:|IPC relay|FI-RESULT|passed|failed|Error|assert" \
       | cut -c1-400 | tail -16 ;;
 round5b)
   # the table in one sitting (1 timed run after 1 warmup per cell): pp=1, 2, 3 with spec (PP: stage rounds launched
@@ -133,4 +133,15 @@ round5c)
   PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc 60 $D --set pp=2 $A
   PPSPEC_RELAY_IPC=1 bench pp2_spec_ipc_ring 60 $D --set pp=2 --set spec.pp_spec=true
   PPSPEC_RELAY_IPC=1 bench pp2_plain_ipc 50 $D --no-spec --set pp=2 ;;
+table1)
+  # the table on real weights in one sitting (1 timed run after 1 warmup per cell, 128 new tokens): pp=1, 2, 3
+  # with spec (PP: the stage round on the ring, the default) and without; pp=2 + spec with rounds launched ahead
+  G="--model /tmp/g/smollm2.gguf --set bench.runs=1"
+  bench pp1_spec 150 $G
+  bench pp2_spec 70 $G --set pp=2 --set spec.pp_spec=true
+  bench pp1_plain 50 $G --no-spec
+  bench pp2_plain 50 $G --no-spec --set pp=2
+  bench pp3_spec 70 $G --set pp=3 --set spec.pp_spec=true
+  bench pp3_plain 50 $G --no-spec --set pp=3
+  bench pp2_spec_ahead 70 $G --set pp=2 --set spec.pp_spec=true --set overlap_schedule=true ;;
 esac

@@ -265,8 +265,10 @@ def test_graph_stage_round_under_pp_matches_eager(setup):
 
 def test_stage_rounds_launched_ahead_match_the_ring(setup):
     """Rounds launched ahead of the previous round's read-back (loop ring_rounds, graphs) vs the ring without it: the
-    same graphs at the same batch sizes, so the same tokens and accept lengths; every rank launched the same rounds
-    ahead; device->host copies per verify round counted (at most one per stage beyond the staged relay's)."""
+    ring's greedy tokens up to bf16 near-ties (a round launched ahead still carries a request whose finish is not
+    applied yet, so the batch, hence the replayed graph's batch size, can differ from the ring's), similar
+    acceptance; every rank launched the same rounds ahead; device->host copies per verify round counted (at most one
+    per stage beyond the staged relay's)."""
     _, _, prompts, logits = setup
     ahead, acc_a, st_a, plan_a = _pp_run(setup, "ahead")
     ring, acc_r, st_r, plan_r = _pp_run(setup, "graph")
