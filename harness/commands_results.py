@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from harness.config import HarnessConfigError
-from harness.cli_common import ConfigOpt, SetOpt, check_out, console, err, parse_sets, show, user_errors
+from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelOpt, PpOpt, PpSpecOpt, SetOpt, SpecOpt,
+                                TpOpt, check_out, console, err, overrides, show, user_errors)
 
 
 def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix file, e.g. [cyan]suites/matrix_cpu.yaml[/cyan].")],
@@ -63,14 +64,16 @@ def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (
         err.print(f"results: {d}", markup=False, highlight=False)
 
 
-def plan(config: ConfigOpt = None, set_: SetOpt = None,
+def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
+         pp: PpOpt = None, dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None,
+         pp_spec: PpSpecOpt = None, set_: SetOpt = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
-    """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200[/cyan] (on a CPU host:
-    the CUDA plan it would run)."""
+    """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200 --pp 2 --pp-spec[/cyan] (on
+    a CPU host: the CUDA plan it would run). Takes generate's and bench's topology flags."""
     with user_errors():
         from .dryrun import check_topology
         from .results import suite_plan
-        cfg, p = suite_plan(config, parse_sets(set_))
+        cfg, p = suite_plan(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         check_topology(cfg)                          # the engine's start-up refusal, before a plan it would not run
         for n in cfg.notes:
             err.print(n, markup=False, highlight=False)

@@ -923,3 +923,16 @@ def test_empty_prompt_is_refused_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the engine was started"))
     r = runner.invoke(app, ["generate", ""])
     assert r.exit_code == 2 and r.output.strip() == "Error: prompt 0: empty prompt"
+
+
+def test_plan_takes_the_topology_flags():
+    """Regression (QA): ``ppspec plan`` took --config / --set but not generate's and bench's --pp / --tp / --pp-spec
+    flags; they now resolve the same way (flags beat --set)."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--pp", "3", "--pp-spec", "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output[r.output.index("{"):])
+    assert (p["tp"], p["pp"], p["round"]) == (1, 3, "host")
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "pp=2", "--pp", "40"])
+    assert r.exit_code == 2 and r.output.strip() == "Error: pp=40 is larger than the number of layers (30)"
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec"])
+    assert r.exit_code == 0 and "draft tree -; spec round -;" in r.output
