@@ -135,13 +135,12 @@ round5c)
   PPSPEC_RELAY_IPC=1 bench pp2_plain_ipc 50 $D --no-spec --set pp=2 ;;
 table1)
   # the table on real weights in one sitting (1 timed run after 1 warmup per cell, 128 new tokens): pp=1, 2, 3
-  # with spec (PP: the stage round on the ring, the default) and without; pp=2 + spec with rounds launched ahead
+  # with spec (PP: the stage round on the ring, the default) and without
   G="--model /tmp/g/smollm2.gguf --set bench.runs=1"
   bench pp1_spec 150 $G
   bench pp2_spec 70 $G --set pp=2 --set spec.pp_spec=true
   bench pp1_plain 50 $G --no-spec
   bench pp2_plain 50 $G --no-spec --set pp=2
   bench pp3_spec 70 $G --set pp=3 --set spec.pp_spec=true
-  bench pp3_plain 50 $G --no-spec --set pp=3
-  bench pp2_spec_ahead 70 $G --set pp=2 --set spec.pp_spec=true --set overlap_schedule=true ;;
+  bench pp3_plain 50 $G --no-spec --set pp=3 ;;
 esac
