@@ -218,8 +218,9 @@ class SpecRoundExecutor(RingExecutor):
             def next_round():
                 rr.append_slots(g.st, [(g.live[i], p0, slots) for i, p0, slots in new])
                 return self._round(g)
-            self.num_round_lookahead += int(g.inflight > 0)
+            ahead = int(g.inflight > 0)
             h = self.failing(0, [r.rid for r in g.reqs], next_round)
+            self.num_round_lookahead += ahead * isinstance(h, Step)
             if not isinstance(h, Step):
                 g.st = None                              # failed: the segment closes (its requests are retracted)
             return h

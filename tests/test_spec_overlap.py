@@ -176,6 +176,7 @@ def test_a_round_failing_after_the_first_fails_only_its_batch(tiny_model_dir, ti
     raised escaped the event loop: generate raised and every request of the call was lost. Now the segment closes
     and its batch fails like any failed batch: its requests are retracted and run alone, so a failure that does not
     recur costs nothing: every request ends with the normal path's tokens and accept lengths."""
+    from engine.executors import SpecRoundExecutor, Step
     from engine.speculative.device_round import SpecRoundRunner
 
     real, calls = SpecRoundRunner.launch, []
@@ -187,10 +188,20 @@ def test_a_round_failing_after_the_first_fails_only_its_batch(tiny_model_dir, ti
         return real(self, st, out)
 
     monkeypatch.setattr(SpecRoundRunner, "launch", launch)
+    real_chain, chained = SpecRoundExecutor.chain, []
+
+    def chain(self, prev):
+        inflight = prev.seg.inflight if isinstance(prev, Step) and prev.seg.st is not None else 0
+        h = real_chain(self, prev)
+        chained.append(inflight > 0 and isinstance(h, Step))
+        return h
+
+    monkeypatch.setattr(SpecRoundExecutor, "chain", chain)
     prompts = tiny_prompts[:3]
     ref, _ = gen(tiny_model_dir, prompts, tiny_draft_dir, CHAIN, spec_overlap=False)
     outs, (rounds, ahead, _) = gen(tiny_model_dir, prompts, tiny_draft_dir, CHAIN, spec_overlap=True)
     assert len(calls) > 3 and rounds > 0 and ahead > 0
+    assert ahead == sum(chained)                  # the failed chained round is not counted as launched ahead
     assert [o.finish_reason for o in outs] == ["length"] * 3
     assert sum(o.num_retractions for o in outs) == 0              # a failure is not memory pressure
     same(outs, ref)
