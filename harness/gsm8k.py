@@ -258,7 +258,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
 
     A request the engine failed (``finish_reason == "error"``) stays in the accuracy (its empty or partial response
     scores as a wrong answer); ``failed_requests`` counts them and ``first_error`` is the reason of the first one
-    (lowest doc_id), None when none failed."""
+    (lowest doc_id) as ``doc_id N: reason``, None when none failed."""
     by_doc: dict[int, dict] = {}
     for s in res["samples"][TASK]:
         d = by_doc.setdefault(s["doc_id"], {
@@ -288,7 +288,8 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
         "output_throughput": out_tokens / wall if out_tokens is not None and wall else None,
         "ttft": stats.summarize([d.get("ttft") for d in recs]) if walls else None,
         "tpot": stats.summarize([d.get("tpot") for d in recs]) if walls else None, "scorer_mismatches": mismatches,
-        "failed_requests": len(failed), "first_error": (failed[0].get("error") or "no reason given") if failed else None,
+        "failed_requests": len(failed),
+        "first_error": f"doc_id {failed[0]['doc_id']}: {failed[0].get('error') or 'no reason given'}" if failed else None,
     }
     return summary, recs
 

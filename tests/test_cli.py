@@ -328,13 +328,13 @@ def test_gsm8k_reports_failed_requests(tmp_path, fake_engine, draft_dir, monkeyp
     r = runner.invoke(app, ["gsm8k", "--draft", str(draft_dir), "--limit", "3", "--runs", "2", "--num-fewshot", "0",
                             "--set", "fault=fail_token:1", "--no-progress", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    line = ("Warning: 2 of 6 requests failed inside the engine (first: injected failure); each is scored as a wrong "
-            "answer")
+    line = ("Warning: 2 of 6 requests failed inside the engine (first: doc_id 0: injected failure); each is scored as "
+            "a wrong answer")
     assert line in r.output
     s = json.loads((out / "summary.json").read_text())
-    assert [x["failed_requests"] for x in s["runs"]] == [1, 1] and s["runs"][0]["first_error"] == "injected failure"
+    assert [x["failed_requests"] for x in s["runs"]] == [1, 1] and s["runs"][0]["first_error"] == "doc_id 0: injected failure"
     o = s["overall"]
-    assert (o["failed_requests"], o["failed_requests_per_run"], o["first_error"]) == (2, [1, 1], "injected failure")
+    assert (o["failed_requests"], o["failed_requests_per_run"], o["first_error"]) == (2, [1, 1], "doc_id 0: injected failure")
     # accuracy stays over all 3 questions: doc 0 (the only one the fake answers right) failed, so every run scores 0
     assert s["runs"][0]["n"] == 3 and s["runs"][0]["accuracy"]["strict-match"] == 0.0
     rec = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
@@ -358,12 +358,12 @@ def test_gate_fails_when_a_request_failed(tmp_path, fake_engine, draft_dir, monk
     r = runner.invoke(app, ["gate", "--draft", str(draft_dir), "--limit", "2", "--set", "fault=fail_token:1",
                             "--no-progress", "--out", str(tmp_path / "g")])
     assert r.exit_code == 1, r.output
-    assert ("**FAIL: requests failed inside the engine: baseline 0, candidate 1 (first: injected failure);"
+    assert ("**FAIL: requests failed inside the engine: baseline 0, candidate 1 (first: doc_id 0: injected failure);"
             in (tmp_path / "g" / "summary.md").read_text()) and "FAIL: requests failed" in r.output
     v = json.loads((tmp_path / "g" / "summary.json").read_text())["verdict"]
     assert "failed requests" in v["failed"]
     c = [c for c in v["checks"] if c["metric"] == "failed requests"][0]
-    assert (c["baseline"], c["candidate"], c["ok"], c["first_error"]) == (0, 1, False, "injected failure")
+    assert (c["baseline"], c["candidate"], c["ok"], c["first_error"]) == (0, 1, False, "doc_id 0: injected failure")
 
 
 def test_sweep_matrix_dry_run_and_resume(tmp_path):
