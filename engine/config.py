@@ -204,6 +204,9 @@ class EngineConfig:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if not self.dist_timeout_s > 0:
             raise ConfigError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**64) (torch.manual_seed's range), got "
+                              f"{self.seed!r}")
         check_fault(self.fault, self.tp * self.pp, self.pp)
         if self.spec.enabled and self.pp > 1:
             from . import knobs

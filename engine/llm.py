@@ -18,7 +18,7 @@ from . import knobs
 from .config import ConfigError, EngineConfig
 from .plan import resolve_plan
 from .dist import ParallelState, set_ps
-from .runner import check_topology, model_source
+from .runner import check_spec_fits, check_topology, model_source
 from .model.sampling import SamplingParams
 from .model.tp_pad import tp_head_padding
 from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
@@ -61,6 +61,11 @@ class LLM:
         log.info("execution plan:\n%s", self.plan.describe())
         self.path, self.model_config = model_source(config)
         check_topology(self.model_config, config.tp, config.pp)
+        check_spec_fits(self.model_config, config.spec)
+        if (config.max_model_len or 0) > self.model_config.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's %d positions: the context is %d tokens",
+                        config.max_model_len, self.model_config.max_position_embeddings,
+                        self.model_config.max_position_embeddings)
         self.head_padding = tp_head_padding(self.model_config, config.tp)
         if self.head_padding:
             log.warning("head padding: %s", self.head_padding.describe())

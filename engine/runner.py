@@ -24,10 +24,28 @@ from .scheduler import ScheduledBatch, Scheduler
 
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` splits any head count (heads that do
-    not divide are padded exactly, engine.model.tp_pad); ``pp`` may not exceed the layer count."""
+    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
+    the heads (heads that do not divide are padded exactly, engine.model.tp_pad); a larger ``tp`` would leave
+    ranks holding padding heads only; ``pp`` may not exceed the layer count."""
     if pp > cfg.num_hidden_layers:
         raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
+    if tp > cfg.num_attention_heads:
+        raise ConfigError(f"tp={tp} is larger than the number of attention heads ({cfg.num_attention_heads}): "
+                          "ranks would hold padding heads only")
+
+
+def check_spec_fits(cfg: ModelConfig, spec) -> None:
+    """Raise ConfigError when an EAGLE shape (``SpecConfig``) cannot run on this model: ``topk`` above the
+    vocabulary, or a per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions
+    (the rotary table and every request's KV are sized past the context by it). No-op when spec is off."""
+    if not spec.enabled:
+        return
+    if spec.topk > cfg.vocab_size:
+        raise ConfigError(f"spec.topk={spec.topk} is larger than the vocabulary ({cfg.vocab_size} tokens)")
+    if spec.reserve_per_req > cfg.max_position_embeddings:
+        raise ConfigError(f"spec: the per-request reserve num_draft_tokens + topk * num_steps = {spec.reserve_per_req}"
+                          f" KV slots exceeds the model's {cfg.max_position_embeddings} positions; lower spec.topk, "
+                          "spec.num_steps or spec.num_draft_tokens")
 
 
 def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:

@@ -39,10 +39,9 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
     base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp, fault=None))
     cand = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.candidate_pp))
     # both topologies are checked before the baseline runs (a refused candidate must not waste the baseline's run)
-    from engine.runner import check_topology, model_source
-    _, mc = model_source(cfg.engine)
+    from .dryrun import check_topology
     for c in (base, cand):
-        check_topology(mc, c.engine.tp, c.engine.pp)
+        check_topology(c)
     return base, cand
 
 

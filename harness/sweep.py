@@ -121,11 +121,9 @@ def check_cell(cell: dict) -> str | None:
     """Resolve a matrix cell's config and check its topology against the model, as its run would before any work;
     returns the one-line error, or None when the cell would start (``sweep --dry-run``)."""
     from engine.config import ConfigError
-    from engine.runner import check_topology, model_source
+    from .dryrun import check_topology
     try:
-        cfg = resolve(None, cell["config"])
-        _, mc = model_source(cfg.engine)
-        check_topology(mc, cfg.engine.tp, cfg.engine.pp)
+        check_topology(resolve(None, cell["config"]))
     except (HarnessConfigError, ConfigError, FileNotFoundError) as e:
         return str(e)
     return None

@@ -936,3 +936,12 @@ def test_plan_takes_the_topology_flags():
     assert r.exit_code == 2 and r.output.strip() == "Error: pp=40 is larger than the number of layers (30)"
     r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec"])
     assert r.exit_code == 0 and "draft tree -; spec round -;" in r.output
+
+
+def test_plan_and_dry_run_refuse_a_spec_shape_the_model_cannot_take():
+    """Regression (QA): a spec.topk above the vocabulary was planned and listed as runnable, then failed at load."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.topk=100000"])
+    assert r.exit_code == 2 and r.output.strip() == "Error: spec.topk=100000 is larger than the vocabulary (49152 tokens)"
+    r = runner.invoke(app, ["bench", "--config", "tp1pp1", "--set", "spec.num_steps=9000",
+                            "--set", "spec.num_draft_tokens=9001", "--dry-run"])
+    assert r.exit_code == 1 and "[would fail: spec: the per-request reserve" in r.output

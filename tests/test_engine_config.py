@@ -26,6 +26,46 @@ def test_unknown_architecture(tmp_path):
 def test_bad_topology(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"pp=5 is larger than the number of layers \(4\)"):
         LLM(EngineConfig(model=tiny_model_dir, pp=5))
+    # regression (QA): tp=1000 was accepted with a padding warning and started 1000 ranks
+    with pytest.raises(ConfigError, match=r"^tp=5 is larger than the number of attention heads \(4\): ranks would "
+                                          r"hold padding heads only$"):
+        LLM(EngineConfig(model=tiny_model_dir, tp=5))
+
+
+def test_a_spec_shape_the_model_cannot_take_is_refused_before_loading(tiny_model_dir, tiny_draft_dir, monkeypatch):
+    """Regression (QA): spec.topk=1e20 ended in an OverflowError traceback (the rotary table sized past the context
+    by the reserve), topk=1e8 tried to allocate 77 GB, topk=100000 failed every request in the draft's top-k and
+    num_steps=100000 ran on with a 200001-slot reserve. Each is now one ConfigError before any weight loads."""
+    import engine.runner
+    monkeypatch.setattr(engine.runner.ModelRunner, "__init__", lambda *a, **k: pytest.fail("weights were loaded"))
+    spec = dict(algorithm="eagle", draft=tiny_draft_dir)
+    for shape, msg in [(dict(topk=10**20, num_steps=1, num_draft_tokens=2), r"^spec.topk=100000000000000000000 is "
+                        r"larger than the vocabulary \(\d+ tokens\)$"),
+                       (dict(num_steps=100000, num_draft_tokens=100001), r"^spec: the per-request reserve "
+                        r"num_draft_tokens \+ topk \* num_steps = 200001 KV slots exceeds the model's \d+ positions; "
+                        r"lower spec.topk, spec.num_steps or spec.num_draft_tokens$")]:
+        with pytest.raises(ConfigError, match=msg):
+            LLM(EngineConfig(model=tiny_model_dir, spec=dict(spec, **shape)))
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1, 99999999999999999999999, 1.5])
+def test_a_seed_torch_cannot_take_is_refused(seed):
+    """Regression (QA): --set seed=99999999999999999999999 ended in a ValueError traceback (Overflow when unpacking
+    long long) when the runner seeded torch."""
+    with pytest.raises(ConfigError, match=r"^seed must be an integer in \[-2\*\*63, 2\*\*64\) \(torch.manual_seed's "
+                                          r"range\), got "):
+        EngineConfig(seed=seed)
+    EngineConfig(seed=2**64 - 1)
+    EngineConfig(seed=-2**63)
+
+
+def test_a_max_model_len_past_the_model_is_noted(tiny_model_dir, caplog):
+    """Regression (QA): max_model_len above the model's positions was cut to them silently."""
+    with caplog.at_level(logging.WARNING, logger="ppspec"):
+        with LLM(EngineConfig(model=tiny_model_dir, max_model_len=10**6)) as llm:
+            ctx = llm.config.context_length(llm.model_config)
+    assert [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()] == [
+        f"max_model_len 1000000 exceeds the model's {ctx} positions: the context is {ctx} tokens"]
 
 
 def test_bad_requests(tiny_model_dir):
