@@ -400,7 +400,7 @@ def test_ttt_steps_equal_inference_chain(tiny_model_dir):
             for t in range(n):
                 chain = []                                   # (token, feature, position) of depths 2 .. U
                 h = _engine_forward(d, torch.tensor(s[1:t + 2]), base[:t + 1], torch.arange(t + 1), [t + 1])[-1]
-                assert torch.allclose(outs[0][b, t], h, atol=1e-5, rtol=1e-4)
+                assert torch.allclose(outs[0][b, t], h, atol=1e-5 * h.abs().max().item(), rtol=1e-4)
                 for j in range(1, U):
                     if t + j + 1 > n:                        # no token x_{t+j+1}: past the sequence's end
                         break
@@ -409,7 +409,9 @@ def test_ttt_steps_equal_inference_chain(tiny_model_dir):
                     feats = torch.cat([base[:t + 1], torch.stack([c[1] for c in chain])])
                     pos = torch.cat([torch.arange(t + 1), torch.tensor([c[2] for c in chain])])
                     h = _engine_forward(d, ids, feats, pos, [len(ids)])[-1]
-                    assert torch.allclose(outs[j][b, t], h, atol=1e-5, rtol=1e-4), (b, t, j)
+                    # float32 rounding of two summation orders, judged on the row's scale (CPU kernels differ with the
+                    # instruction set); a wrong mask differs by O(1) (test_ttt_differs_from_causal_unroll)
+                    assert torch.allclose(outs[j][b, t], h, atol=1e-5 * h.abs().max().item(), rtol=1e-4), (b, t, j)
             off += len(s)
 
 
