@@ -65,6 +65,8 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
+        from harness.gsm8k import check_shots
+        check_shots(cfg)                              # before the run directory is named
         d = run_dir(cfg, "gsm8k", out)
         if resume and not has_records(d):
             err.print(f"--resume: {d} holds no earlier records ({RECORDS}): nothing to resume, starting a fresh run",

@@ -89,6 +89,14 @@ RECORDS = "records.jsonl"
 JOURNAL = "journal.jsonl"
 
 
+def check_shots(cfg: RunConfig) -> None:
+    """Raise HarnessConfigError when ``gsm8k.num_fewshot`` exceeds the train questions the shots are drawn from."""
+    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
+    if cfg.gsm8k.num_fewshot > n_train:
+        raise HarnessConfigError(f"gsm8k.num_fewshot={cfg.gsm8k.num_fewshot} exceeds the {n_train} train questions "
+                                 "the shots are drawn from")
+
+
 def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None] | None = None,
               run_dir: str | Path | None = None, resume: bool = False) -> tuple[dict, list[dict]]:
     """Run ``cfg.gsm8k.runs`` full evaluations; returns (summary, per-question records).
@@ -106,10 +114,7 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
     """
     _quiet()
     g = cfg.gsm8k
-    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
-    if g.num_fewshot > n_train:
-        raise HarnessConfigError(f"gsm8k.num_fewshot={g.num_fewshot} exceeds the {n_train} train questions the "
-                                 "shots are drawn from")
+    check_shots(cfg)
     journal = _Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
     import functools
 

@@ -945,3 +945,11 @@ def test_plan_and_dry_run_refuse_a_spec_shape_the_model_cannot_take():
     r = runner.invoke(app, ["bench", "--config", "tp1pp1", "--set", "spec.num_steps=9000",
                             "--set", "spec.num_draft_tokens=9001", "--dry-run"])
     assert r.exit_code == 1 and "[would fail: spec: the per-request reserve" in r.output
+
+
+def test_gsm8k_too_many_shots_is_refused_before_the_run_directory_is_named(tmp_path, monkeypatch):
+    """Regression (QA): ``gsm8k --num-fewshot 100000`` printed "run directory: ... --resume" before its error."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["gsm8k", "--num-fewshot", "100000", "--limit", "2"])
+    assert r.exit_code == 2
+    assert r.output.strip() == "Error: gsm8k.num_fewshot=100000 exceeds the 7473 train questions the shots are drawn from"
