@@ -133,7 +133,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
-    ahead = stage_round and config.overlap_schedule is True        # opt-in until its graphs are held on a GPU
+    ahead = stage_round and config.overlap_schedule is True        # opt-in: no measured gain on one shared GPU
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "ring_rounds" if ahead else \
         "plain" if pp1 else "ring"
     relay = frames = None
