@@ -155,7 +155,7 @@ def test_smollm2_tp2pp2_spec_equals_tp1_spec():
     qs = lmeval_contexts("harness/data/gsm8k", 4)
     prompts = [q["prompt"] for q in qs]
     params = [SamplingParams(max_new_tokens=40, stop=tuple(q["until"])) for q in qs]
-    cfg = resolve(None).engine
+    cfg = resolve(None).engine.replace(dtype="float32")     # auto: bfloat16 on AMX CPUs, whose near-ties TP may part
     assert cfg.spec.enabled
     with LLM(cfg) as llm:
         one = llm.generate(prompts, params)
