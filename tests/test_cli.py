@@ -113,7 +113,8 @@ def test_precedence_toml_yaml_flags(tmp_path, monkeypatch):
 
 
 def test_precedence_through_the_cli(tmp_path, monkeypatch):
-    toml = _write(tmp_path / "ppspec.toml", "[gsm8k]\nlimit = 50\n")
+    data = Path(__file__).resolve().parents[1] / "harness" / "data" / "gsm8k"     # the shots are checked before the run
+    toml = _write(tmp_path / "ppspec.toml", f"[gsm8k]\nlimit = 50\n[paths]\ndata = \"{data}\"\n")
     run_yaml = _write(tmp_path / "run.yaml", "gsm8k:\n  limit: 20\n")
     monkeypatch.setenv("PPSPEC_TOML", str(toml))
     seen = []
