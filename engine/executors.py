@@ -218,10 +218,11 @@ class SpecRoundExecutor(RingExecutor):
             def next_round():
                 rr.append_slots(g.st, [(g.live[i], p0, slots) for i, p0, slots in new])
                 return self._round(g)
-            ahead = int(g.inflight > 0)
+            ahead = g.inflight > 0
             h = self.failing(0, [r.rid for r in g.reqs], next_round)
-            self.num_round_lookahead += ahead * isinstance(h, Step)
-            if not isinstance(h, Step):
+            if isinstance(h, Step):
+                self.num_round_lookahead += ahead
+            else:
                 g.st = None                              # failed: the segment closes (its requests are retracted)
             return h
         if not g.inflight:
