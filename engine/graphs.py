@@ -1,50 +1,97 @@
-"""CUDA graphs for a stage's decode and verify forwards (the SGLang / vLLM "cuda graph runner"); the one-request
-prefill graphs (:mod:`engine.prefill_graphs`) share its buffers, capture and input loading.
+"""CUDA graphs of a stage's forwards (the SGLang / vLLM "cuda graph runner"), and the capture sequence and
+batch-size ladder every graph runner of the engine uses (:func:`capture`, :func:`ladder`, :func:`pick`).
 
-A forward of ``bs`` requests with a fixed number of new tokens per request (1 for decode, n =
-num_draft_tokens for EAGLE verify) is captured once per batch size of a ladder
-(:func:`engine.graph_capture.ladder`: 1, 2, 4, 8, 12, 16, 24, 32, ... up to ``max_bs``). At run time a batch of
-B requests replays the smallest captured ``bs >= B``: its inputs are copied into stable buffers, rows B..bs are
-padding (token 0, position 0, KV written to the padding slot 0, attending to slot 0 only), and the graph-mode
-attention of that size is re-planned on the host (:class:`engine.attention.flashinfer_graphs.StageGraphAttention`:
-page table, and for verify the bit-packed tree mask) before ``graph.replay()``. Outputs are views of the graph's
-stable output buffers, valid until the next replay of the same graph; callers that keep them (PP proxies) clone.
+:class:`CudaGraphRunner`: a forward of ``bs`` requests with a fixed number of new tokens per request (1 for decode,
+n = num_draft_tokens for EAGLE verify) is captured once per batch size of the ladder. A batch of B requests replays
+the smallest captured ``bs >= B``: its inputs are copied into stable buffers, rows B..bs are padding (token 0,
+position 0, KV written to the padding slot 0, attending to slot 0 only), and the graph-mode attention of that size
+is re-planned on the host (:class:`~engine.attention.flashinfer_graphs.StageGraphAttention`) before the replay.
+Decode graphs of at most ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` requests attend with :mod:`engine.attention.device`
+instead (slot matrix and lengths copied per replay, no host plan).
+:class:`PrefillGraphRunner`: one-request prefills from position 0 over token buckets, padded at the end (under the
+causal mask no real row attends to padding, so rows ``[:T]`` are exactly the unpadded forward's).
 
-EAGLE-3 (the runner's ``eagle3`` set): the stage forward is captured with an aux list, so the outputs of this
-stage's aux layers (``model.aux_layers``) are static outputs of the graph next to hidden / residual; a replay
-appends their views (real rows only) to the caller's list. The aux slots that earlier stages sent are never read by
-the forward (it only appends), so they are not graph inputs: the caller passes them on as they are.
-
-Only the FlashInfer backend is captured (its kernels read all per-batch metadata from device
-buffers, so a replanned graph stays valid); the torch reference backend always runs eagerly.
-Collectives inside the forward must be capturable: graphs are off when TP > 1 goes through gloo.
+Outputs are views of the graph's stable output buffers, valid until the next replay of the same graph. EAGLE-3
+(the runner's ``eagle3`` set): the stage's aux-layer outputs are further static outputs, appended (real rows) to the
+caller's aux list. Only the FlashInfer backend is captured; graphs are off when TP > 1 goes through gloo.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+from typing import Callable
+
 import torch
 
+from . import knobs
 from .attention.backend import ForwardContext, h2d, set_context
-from .attention.flashinfer_graphs import graph_backend, plan_key
-from .graph_capture import capture, ladder, pick
+from .attention.device import DeviceLayout, default_splits
+from .attention.flashinfer_graphs import PrefillGraphAttention, StageGraphAttention, graph_backend, plan_key
+
+LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+PREFILL_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
-def dev_attention_decode_max_bs() -> int:
-    """Captured decode graphs of batch size <= ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` (default 8; 0: none) attend with
-    :mod:`engine.attention.device` (slot matrix and lengths copied to the device per replay, no FlashInfer plan, no
-    FlashInfer merge) instead of FlashInfer's decode wrapper, whose kernel is the faster one at large batches.
+def ladder(max_bs: int, steps=LADDER) -> list[int]:
+    """Captured sizes: the ``steps`` below ``max_bs``, then ``max_bs`` itself."""
+    return [b for b in steps if b < max_bs] + [max_bs]
 
-    Raises:
-        ConfigError: the variable is not an integer >= 0 (one line, naming it).
-    """
-    from . import knobs
-    return knobs.current().dev_attn_decode_max_bs
+
+def pick(bs_list: list[int], B: int) -> int | None:
+    """The smallest captured size ``>= B`` of ``bs_list`` (ascending), or None when ``B`` exceeds the largest."""
+    return next((b for b in bs_list if b >= B), None)
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Captured prefill lengths: the ``PREFILL_BUCKETS`` below ``max_tokens``, then ``max_tokens`` itself."""
+    return ladder(max_tokens, PREFILL_BUCKETS)
+
+
+prefill_bucket = pick
+
+
+@contextlib.contextmanager
+def capturing(g: "torch.cuda.CUDAGraph", pool):
+    """``torch.cuda.graph`` with the garbage collector held off (a collection during capture can finalise an earlier
+    CUDA graph, invalidating this capture; vLLM does the same) and thread-local capture errors. The collector's
+    previous state is restored on exit, also after an error."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def capture(body: Callable[[], object], dev, pool, reset: Callable[[], None] | None = None):
+    """Capture ``body()`` as one CUDA graph on device ``dev``: two warm-up calls on a side stream (lazy init and
+    autotuning stay outside the graph), then the capture into the memory pool ``pool`` (None: the graph's own,
+    returned for the next capture to share). ``reset`` (optional) runs before each warm-up and before the capture.
+    Returns (graph, the captured call's output, pool). Errors of ``body`` or of the capture propagate."""
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            if reset is not None:
+                reset()
+            body()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    if reset is not None:
+        reset()
+    g = torch.cuda.CUDAGraph()
+    with capturing(g, pool):
+        out = body()
+    if pool is None:
+        pool = g.pool()
+    return g, out, pool
 
 
 def capture_forward(obj, ctx: ForwardContext, T: int):
-    """Capture ``obj.r.model`` over the first ``T`` rows of ``obj``'s stable input buffers (``obj._args(T)``) under
-    the attention layout ``ctx`` (:func:`engine.graph_capture.capture`: two warm-up forwards on a side stream, then
-    the capture into ``obj.pool``; the first capture creates it). Returns (graph, outputs): outputs (hidden,
-    residual), plus a tuple of this stage's aux-layer outputs [T, H] (layer order) when ``obj.with_aux``."""
+    """Capture ``obj.r.model`` over the first ``T`` rows of ``obj``'s input buffers under the attention layout ``ctx``
+    (:func:`capture` into ``obj.pool``). Returns (graph, (hidden, residual[, tuple of aux outputs [T, H]]))."""
     model = obj.r.model
 
     def body():
@@ -63,14 +110,12 @@ def capture_forward(obj, ctx: ForwardContext, T: int):
 
 class _StageBuffers:
     """Stable device inputs of a captured stage forward (``ids``, ``pos``, ``loc`` [max T] int64; ``hidden`` /
-    ``residual`` [max T, H] on later PP stages, else None), shared by the decode/verify and prefill graph runners,
-    with their capture bookkeeping (graphs and outputs by key, the graph pool, the replay count). ``with_aux``:
-    the forwards also output this stage's EAGLE-3 aux-layer features (the runner has ``eagle3`` set)."""
+    ``residual`` [max T, H] on later PP stages, else None) and the capture bookkeeping (graphs and outputs by key,
+    the graph pool, the replay count). ``with_aux``: the forwards also output the EAGLE-3 aux-layer features."""
 
     with_aux = False
 
     def _init_buffers(self, model, max_tok: int) -> None:
-        """Allocate the stable inputs for ``max_tok`` rows of ``model``'s stage; empty bookkeeping."""
         H = model.cfg.hidden_size
         d, i64 = self.dev, torch.int64
         self.ids = torch.zeros(max_tok, dtype=i64, device=d)
@@ -78,10 +123,7 @@ class _StageBuffers:
         self.loc = torch.zeros(max_tok, dtype=i64, device=d)
         self.hidden = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
         self.residual = None if model.is_first else torch.zeros(max_tok, H, dtype=self.dtype, device=d)
-        self.graphs: dict = {}
-        self.outputs: dict = {}
-        self.pool = None
-        self.num_replays = 0
+        self.graphs, self.outputs, self.pool, self.num_replays = {}, {}, None, 0
 
     def _bind(self, runner, attn) -> None:
         """Runner, device, dtype, the FlashInfer backend (RuntimeError for any other) and the plan key of ``attn``."""
@@ -98,13 +140,9 @@ class _StageBuffers:
 
     def _load(self, ids, pos, loc, hidden, residual, t: int, T: int) -> None:
         """Copy ``t`` real rows into the buffers and zero rows ``t:T`` (padding: token 0, position 0, slot 0)."""
-        self.ids[:t].copy_(ids, non_blocking=True)
-        self.pos[:t].copy_(pos, non_blocking=True)
-        self.loc[:t].copy_(loc, non_blocking=True)
-        if T > t:
-            self.ids[t:T].zero_()
-            self.pos[t:T].zero_()
-            self.loc[t:T].zero_()
+        for buf, src in ((self.ids, ids), (self.pos, pos), (self.loc, loc)):
+            buf[:t].copy_(src, non_blocking=True)
+            buf[t:T].zero_()
         if self.hidden is not None:
             self.hidden[:t].copy_(hidden.to(self.dtype), non_blocking=True)
             self.residual[:t].copy_(residual.to(self.dtype), non_blocking=True)
@@ -122,12 +160,9 @@ class _StageBuffers:
 class CudaGraphRunner(_StageBuffers):
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
 
-    Args:
-      runner: the ModelRunner (its model, KV pool, device, dtype, max_model_len, reserve).
-      max_bs: largest captured batch (requests).
-      verify_n: tokens per request of a verify forward (EAGLE num_draft_tokens), or None: no verify graphs.
-      decode: capture decode graphs (plain decoding).
-    Raises RuntimeError if the attention backend is not FlashInfer.
+    Args: runner (the ModelRunner: model, KV pool, device, dtype, max_model_len, reserve), max_bs (largest captured
+    batch), verify_n (tokens per request of a verify forward, or None: no verify graphs), decode (capture decode
+    graphs). Raises RuntimeError if the attention backend is not FlashInfer.
     """
 
     def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True):
@@ -136,20 +171,14 @@ class CudaGraphRunner(_StageBuffers):
         self.backend.set_plan_key(runner.kv_pool, self.key)
         self.bs_list = ladder(max_bs)
         self.max_bs = self.bs_list[-1]
-        self.q_len = {}
-        if decode:
-            self.q_len["decode"] = 1
-        if verify_n:
-            self.q_len["verify"] = verify_n
+        self.q_len = {**({"decode": 1} if decode else {}), **({"verify": verify_n} if verify_n else {})}
         max_q = max(self.q_len.values())
         self._init_buffers(model, self.max_bs * max_q)
         d, i64 = self.dev, torch.int64
         max_kv = runner.max_model_len + runner.reserve + max_q + 8
-        self.attn = self.backend.graph_state("stage", self.key, d, max_bs=self.max_bs, q_len=self.q_len,
-                                             max_kv=max_kv)
-        # decode attention planned on the device (engine.attention.device) instead of FlashInfer: the page table is
-        # a [bs, max_kv] slot matrix + lengths copied per replay, no host plan, no FlashInfer merge kernel
-        self.dev_decode_max_bs = dev_attention_decode_max_bs() if decode else 0
+        self.attn = StageGraphAttention(self.backend, self.key, d, max_bs=self.max_bs, q_len=self.q_len,
+                                        max_kv=max_kv)
+        self.dev_decode_max_bs = knobs.current().dev_attn_decode_max_bs if decode else 0
         if self.dev_decode_max_bs:
             self.dl_rt = torch.zeros(self.max_bs, max_kv, dtype=i64, device=d)
             self.dl_lens = torch.zeros(self.max_bs, dtype=i64, device=d)
@@ -161,15 +190,11 @@ class CudaGraphRunner(_StageBuffers):
                 self._capture(kind, bs)
 
     def _dev_decode(self, kind: str, bs: int) -> bool:
-        """Whether graph (kind, bs) attends with engine.attention.device instead of FlashInfer."""
         return kind == "decode" and bs <= self.dev_decode_max_bs
 
-    # ------------------------------------------------------------------------------------ capture
     def _fill_device_layout(self, bs: int, kvs: list[torch.Tensor]) -> None:
-        """Decode with engine.attention.device: request i's KV list (its new token's slot last) becomes row i of the
-        slot matrix (prefix = all but the last, which is ``out_cache_loc``) and its prefix length; padding rows
-        get length 0. One pinned copy of [bs, max len] slots + lengths. Raises RuntimeError when a list exceeds
-        the captured slot matrix."""
+        """Request i's KV list (its new token's slot last) -> row i of the slot matrix (all but the last) and its
+        prefix length (padding rows: 0), in one pinned copy. Raises RuntimeError past the captured matrix."""
         lens = [int(k.numel()) - 1 for k in kvs]
         w = max(lens + [1])
         if w > self.dl_max_kv:
@@ -186,7 +211,6 @@ class CudaGraphRunner(_StageBuffers):
         q = self.q_len[kind]
         ctx = ForwardContext(list(range(0, bs * q + 1, q)), None, None, self.loc[:bs * q], self.r.kv_pool, kind)
         if self._dev_decode(kind, bs):
-            from .attention.device import DeviceLayout, default_splits
             splits = default_splits(bs, self.key[1], self.dl_max_kv, max_splits=32)
             ctx.device_layout = DeviceLayout(self.dl_rt[:bs], self.dl_rows[:bs], self.dl_lens[:bs],
                                              self.loc[:bs].view(bs, 1), self.dl_mask[:bs], splits)
@@ -200,7 +224,6 @@ class CudaGraphRunner(_StageBuffers):
             self.attn.capture_context(kind, bs, ctx)
         self.graphs[(kind, bs)], self.outputs[(kind, bs)] = capture_forward(self, ctx, T)
 
-    # ------------------------------------------------------------------------------------ replay
     def can_run(self, ctx: ForwardContext) -> bool:
         q = self.q_len.get(ctx.mode)
         if q is None or (ctx.mode == "verify" and ctx.tree_mask is None):   # verify graphs pack tree_mask
@@ -211,9 +234,8 @@ class CudaGraphRunner(_StageBuffers):
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
             aux: list | None = None):
-        """Replay the graph for ``ctx`` (see :meth:`can_run`); returns the stage outputs for the B real
-        rows (views of the graph's output buffers: valid until this graph's next replay). ``aux`` (EAGLE-3): a list
-        the views [t, H] of this stage's aux-layer outputs are appended to, as the eager forward does."""
+        """Replay the graph for ``ctx`` (see :meth:`can_run`): the stage outputs of the real rows (views, valid until
+        this graph's next replay); ``aux`` (EAGLE-3) gets the views of the aux-layer outputs appended."""
         kind = ctx.mode
         q = self.q_len[kind]
         B = len(ctx.qo_indptr) - 1
@@ -227,3 +249,55 @@ class CudaGraphRunner(_StageBuffers):
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
         return self._outputs((kind, bs), t, aux)
+
+
+class PrefillGraphRunner(_StageBuffers):
+    """Captured one-request prefill forwards of one stage over token buckets (:func:`prefill_buckets`).
+
+    Runs a forward of ONE request whose new tokens start at position 0 (a fresh prompt or its first chunk; no KV
+    prefix, no custom mask), ``T <= max bucket``, padded at the end to the smallest bucket ``Tb >= T`` (padding rows:
+    token 0, position 0, KV slot 0). The bucket's graph-mode wrapper is re-planned per replay (only the page table
+    changes). Everything else runs eagerly. Args: runner (ModelRunner), max_tokens (largest bucket). Raises
+    RuntimeError if the attention backend is not FlashInfer.
+    """
+
+    def __init__(self, runner, max_tokens: int):
+        model = runner.model
+        self._bind(runner, model.layers[0].self_attn)
+        self.buckets = prefill_buckets(max_tokens)
+        Tm = self.buckets[-1]
+        self._init_buffers(model, Tm)
+        self.attn = PrefillGraphAttention(self.backend, self.key, self.dev, max_tokens=Tm)
+        for Tb in reversed(self.buckets):            # largest first: the smaller ones reuse its pool memory
+            self._capture(Tb)
+
+    @torch.inference_mode()
+    def _capture(self, Tb: int) -> None:
+        self.loc[:Tb].zero_()                        # capture writes K/V to the padding slot only
+        ctx = ForwardContext([0, Tb], None, None, self.loc[:Tb], self.r.kv_pool, "extend")
+        self.attn.capture_context(Tb, self.loc[:Tb], ctx)
+        self.graphs[Tb], self.outputs[Tb] = capture_forward(self, ctx, Tb)
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        """One request, new tokens from position 0 (as many KV slots as new tokens), no mask, the target's pool,
+        at most the largest bucket."""
+        qo = ctx.qo_indptr
+        if ctx.mode not in ("prefill", "extend") or len(qo) != 2:
+            return False
+        if ctx.custom_mask is not None or ctx.tree_mask is not None:
+            return False
+        if ctx.device_layout is not None or ctx.pool is not self.r.kv_pool or ctx.kv_indices is None:
+            return False
+        T = qo[1] - qo[0]
+        return 0 < T <= self.buckets[-1] and int(ctx.kv_indices[0].numel()) == T
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
+            aux: list | None = None):
+        """Replay the bucket graph for ``ctx`` (see :meth:`can_run`); as :meth:`CudaGraphRunner.run`."""
+        T = ctx.qo_indptr[1] - ctx.qo_indptr[0]
+        Tb = prefill_bucket(T, self.buckets)
+        self._load(ids, pos, ctx.out_cache_loc, hidden, residual, T, Tb)
+        self.attn.plan(Tb, self.loc[:Tb])
+        self.graphs[Tb].replay()
+        self.num_replays += 1
+        return self._outputs(Tb, T, aux)

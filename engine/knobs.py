@@ -15,11 +15,9 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .config import ConfigError
-
-GEMV_OPS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -36,54 +34,6 @@ class Knob:
     field: str
     choices: tuple = ()
     minimum: int | None = None
-    check: Callable[[str, str], Any] | None = None    # (name, raw) -> parsed value for structured strings
-
-
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
-def parse_gemv_cfg(name: str, raw: str) -> tuple[int, int, int, int, int]:
-    """``BLOCK_N,BLOCK_K,warps,stages[,prefetch]`` (prefetch defaults to 1) as a 5-tuple of ints.
-
-    Raises:
-        ConfigError: not powers of two (BLOCK_K >= 16), warps <= 32, stages >= 1, prefetch 0 or 1 (names ``name``).
-    """
-    try:
-        vals = [int(v) for v in raw.split(",")]
-        if len(vals) == 4:
-            vals.append(1)
-        bn, bk, w, s, pre = vals
-    except ValueError:
-        bn = bk = w = s = pre = 0
-    if not (_pow2(bn) and _pow2(bk) and bk >= 16 and _pow2(w) and w <= 32 and s >= 1 and pre in (0, 1)):
-        raise ConfigError(f"{name} must be BLOCK_N,BLOCK_K,warps,stages[,prefetch] (powers of two, BLOCK_K "
-                          f">= 16, warps <= 32, stages >= 1, prefetch 0 or 1), got {raw!r}")
-    return bn, bk, w, s, pre
-
-
-def parse_skinny_cfg(name: str, raw: str) -> tuple[int, int, int, int]:
-    """``BLOCK_N,BLOCK_K,warps,stages`` as a 4-tuple of ints.
-
-    Raises:
-        ConfigError: BLOCK_N, BLOCK_K not powers of two >= 16, warps not a power of two <= 32 or stages < 1.
-    """
-    try:
-        bn, bk, w, s = (int(v) for v in raw.split(","))
-    except ValueError:
-        bn = bk = w = s = 0
-    if not (_pow2(bn) and bn >= 16 and _pow2(bk) and bk >= 16 and _pow2(w) and w <= 32 and s >= 1):
-        raise ConfigError(f"{name} must be BLOCK_N,BLOCK_K,warps,stages (BLOCK_N, BLOCK_K powers of two "
-                          f">= 16, warps a power of two <= 32, stages >= 1), got {raw!r}")
-    return bn, bk, w, s
-
-
-def parse_gemv_ops(name: str, raw: str) -> frozenset:
-    """A comma list of :data:`GEMV_OPS` (``none``: no op). Raises ConfigError on another name."""
-    ops = {o.strip() for o in raw.split(",") if o.strip()}
-    if sorted(ops - set(GEMV_OPS) - {"none"}):
-        raise ConfigError(f"{name} takes a comma list of {', '.join(GEMV_OPS)} (or none), got {raw!r}")
-    return frozenset(ops)
 
 
 _K, _B, _D = "kernel", "behaviour", "debug"
@@ -91,44 +41,24 @@ K, KA, KS = "engine/kernels/", "engine/attention/", "engine/speculative/"
 REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_FUSED", "bool", True, _K, "FlashInfer fused RMSNorm / SiLU-and-mul / RoPE ops (0: torch ops)",
          K + "fused.py", "fused"),
-    Knob("PPSPEC_BLAS", "choice", "", _K, "preferred cuBLAS library for CUDA linears (empty: torch's default)",
-         K + "fused.py", "blas", choices=("", "cublas", "cublaslt")),
-    Knob("PPSPEC_BF16_RPR", "bool", None, _K, "bf16 reduced-precision split-K reductions (auto: torch's default)",
-         K + "fused.py", "bf16_rpr"),
     Knob("PPSPEC_GEMV", "bool", None, _K, "one-row Triton GEMV linears (auto: CUDA half precision; interpreter: "
          "only when 1)", K + "gemv.py", "gemv"),
     Knob("PPSPEC_GEMV_MIN_W", "int", 1 << 22, _K, "GEMV only for weights of more elements than this",
          K + "gemv.py", "gemv_min_w", minimum=0),
-    Knob("PPSPEC_GEMV_OPS", "str", "", _K, "comma list of GEMV linears (qkv, o, gate_up, down, none; empty: all)",
-         K + "gemv.py", "gemv_ops", check=parse_gemv_ops),
-    Knob("PPSPEC_GEMV_CFG", "str", "", _K, "GEMV block config BLOCK_N,BLOCK_K,warps,stages[,prefetch] for every op",
-         K + "gemv.py", "gemv_cfg", check=parse_gemv_cfg),
-    *(Knob(f"PPSPEC_GEMV_CFG_{op.upper()}", "str", "", _K, f"GEMV block config of the {op} linear (over "
-           "PPSPEC_GEMV_CFG)", K + "gemv.py", f"gemv_cfg_{op}", check=parse_gemv_cfg) for op in GEMV_OPS),
     Knob("PPSPEC_SKINNY", "bool", None, _K, "fused Triton skinny GEMMs for few rows (auto: CUDA half precision; "
          "interpreter: only when 1)", K + "skinny.py", "skinny"),
-    Knob("PPSPEC_SKINNY_MAX_M", "int", 16, _K, "skinny kernels for at most this many rows", K + "skinny.py",
-         "skinny_max_m"),
     Knob("PPSPEC_SKINNY_MAX_W", "int", 1 << 22, _K, "skinny kernels for weights of at most this many elements",
          K + "skinny.py", "skinny_max_w"),
-    Knob("PPSPEC_SKINNY_CFG", "str", "", _K, "skinny block config BLOCK_N,BLOCK_K,warps,stages (empty: heuristic)",
-         K + "skinny.py", "skinny_cfg", check=parse_skinny_cfg),
     Knob("PPSPEC_ROPE_STORE", "bool", True, _K, "fused RoPE + KV-store Triton kernel (0: two kernels)",
          K + "rope_store.py", "rope_store"),
     Knob("PPSPEC_TRITON_ARGMAX", "bool", True, _K, "Triton row argmax for greedy sampling (0: torch.argmax)",
          K + "argmax.py", "triton_argmax"),
     Knob("PPSPEC_PDL", "bool", True, _K, "programmatic dependent launch of Triton kernels on capable GPUs",
-         K + "pdl.py", "pdl"),
+         K + "fused.py", "pdl"),
     Knob("PPSPEC_TRITON", "bool", True, _K, "Triton tree build / greedy verify / mask kernels (0: torch)",
          KS + "tree_kernels.py", "tree_triton"),
     Knob("PPSPEC_FI_DECODE_TC_MIN_GROUP", "int", 4, _K, "FlashInfer decode uses tensor cores from this GQA group "
          "size (0: only where required)", KA + "flashinfer.py", "fi_decode_tc_min_group", minimum=0),
-    Knob("PPSPEC_FI_STRIDED_Q", "bool", True, _K, "hand FlashInfer q as a strided view of the QKV output (0: copy)",
-         KA + "flashinfer.py", "fi_strided_q"),
-    Knob("PPSPEC_FI_DISABLE_SPLIT_KV", "bool", False, _K, "FlashInfer decode plans without split-KV",
-         KA + "flashinfer.py", "fi_disable_split_kv"),
-    Knob("PPSPEC_FLASHINFER_PREFILL_BACKEND", "str", "fa2", _K, "FlashInfer prefill backend (fa2, fa3, auto)",
-         KA + "flashinfer.py", "fi_prefill_backend"),
     Knob("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "int", 8, _K, "captured decode graphs up to this batch size use the "
          "device-planned Triton attention (0: none)", "engine/graphs.py", "dev_attn_decode_max_bs", minimum=0),
     Knob("PPSPEC_ENABLE_PP_SPEC", "bool", False, _B, "allow pipeline parallelism with speculative decoding",
@@ -165,7 +95,7 @@ REGISTRY: tuple[Knob, ...] = (
 def _parse(k: Knob, env) -> Any:
     raw = env.get(k.name, "").strip()
     if raw == "":
-        return None if k.check else k.default
+        return k.default
     if k.kind == "bool":
         if raw not in ("0", "1"):
             raise ConfigError(f"{k.name} must be 0 or 1 (or unset), got {raw!r}")
@@ -185,16 +115,14 @@ def _parse(k: Knob, env) -> Any:
             raise ConfigError(f"{k.name} must be one of {', '.join(c for c in k.choices if c)} (or unset), "
                               f"got {raw!r}")
         return raw
-    return k.check(k.name, raw) if k.check else raw
+    return raw
 
 
 def _knobs_class():
     fields = [(k.field, Any) for k in REGISTRY] + [("triton_interpret", bool), ("raw", tuple)]
     return dataclasses.make_dataclass("Knobs", fields, frozen=True, namespace={
-        "__doc__": "Parsed knobs (one attribute per :data:`REGISTRY` entry's ``field``; structured strings "
-                   "parsed: GEMV/skinny configs as int tuples or None, gemv_ops a frozenset or None for all); "
+        "__doc__": "Parsed knobs (one attribute per :data:`REGISTRY` entry's ``field``); "
                    "``raw``: (name, value) of every set knob; ``triton_interpret``: TRITON_INTERPRET=1.",
-        "gemv_cfg_for": lambda self, op: getattr(self, f"gemv_cfg_{op}", None) or self.gemv_cfg,
         "non_default": lambda self: {n: v for n, v in self.raw},
     })
 

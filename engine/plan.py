@@ -3,7 +3,7 @@ x device x :mod:`engine.knobs` before the first forward.
 
 The runner and the worker read their choices (event loop, draft-tree placement, KV reservation, attention backend,
 captured graphs) from :func:`resolve_plan`, so the printed plan is the one that runs. Kernel choices that also
-depend on a batch's rows (skinny for at most ``skinny_max_m`` rows, GEMV for one row) are stated as the policy.
+depend on a batch's rows (skinny for at most 16 rows, GEMV for one row) are stated as the policy.
 Resolution needs no CUDA device: ``resolve_plan(config, device="cuda")`` on a CPU host prints the CUDA plan
 (library availability is then checked by import lookup only).
 """
@@ -19,6 +19,7 @@ from . import knobs as _knobs
 from .config import EngineConfig
 
 HALF = ("bfloat16", "float16")
+SKINNY_MAX_M = 16                 # engine.kernels.skinny.MAX_ROWS (not imported: the plan needs no torch)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     dev_max = kn.dev_attn_decode_max_bs if "decode" in graphs else 0
     fi = backend == "flashinfer"
     attention = {"backend": backend,
-                 "prefill": f"flashinfer {kn.fi_prefill_backend}" if fi else backend,
+                 "prefill": "flashinfer fa2" if fi else backend,
                  "decode": (f"device-planned Triton up to bs {dev_max}, then flashinfer" if dev_max and fi
                             else "flashinfer" if fi else backend),
                  "verify": "flashinfer (tree mask)" if fi else f"{backend} (tree mask)"}
@@ -217,15 +218,14 @@ def _triton_gate(kn, cuda: bool, dtype: str, flag, libs: dict) -> bool:
 def _linear(kn, cuda: bool, dtype: str, libs: dict) -> dict:
     gemv = _triton_gate(kn, cuda, dtype, kn.gemv, libs)
     skinny = _triton_gate(kn, cuda, dtype, kn.skinny, libs)
-    ops = sorted(kn.gemv_ops) if kn.gemv_ops is not None else list(_knobs.GEMV_OPS)
     parts = []
     if gemv:
-        parts.append(f"gemv (1 row, weights > {kn.gemv_min_w}, ops {','.join(ops)})")
+        parts.append(f"gemv (1 row, weights > {kn.gemv_min_w})")
     if skinny:
-        parts.append(f"skinny (<= {kn.skinny_max_m} rows, weights <= {kn.skinny_max_w})")
+        parts.append(f"skinny (<= {SKINNY_MAX_M} rows, weights <= {kn.skinny_max_w})")
     parts.append("unfused")
-    return {"policy": " > ".join(parts), "gemv": gemv, "gemv_min_w": kn.gemv_min_w, "gemv_ops": ops,
-            "skinny": skinny, "skinny_max_m": kn.skinny_max_m, "skinny_max_w": kn.skinny_max_w}
+    return {"policy": " > ".join(parts), "gemv": gemv, "gemv_min_w": kn.gemv_min_w,
+            "skinny": skinny, "skinny_max_m": SKINNY_MAX_M, "skinny_max_w": kn.skinny_max_w}
 
 
 def _kernels(kn, cuda: bool, dtype: str, libs: dict) -> dict:

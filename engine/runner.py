@@ -154,9 +154,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:
-        if self.device.type == "cuda":
-            from .kernels.fused import apply_blas_knobs
-            apply_blas_knobs()
         if self.plan.backend == "flashinfer":
             if self.device.type != "cuda":
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
@@ -209,7 +206,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
         if "prefill" in kinds and max_tok > 0:
-            from .prefill_graphs import PrefillGraphRunner
+            from .graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
             from .speculative.draft_graphs import DraftGraphRunner

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attention.packed_mask import pack_masks
-from engine.graph_capture import ladder, pick
+from engine.graphs import ladder, pick
 
 
 def test_ladder():
@@ -185,7 +185,7 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
     import contextlib
     import gc
 
-    from engine import graph_capture as cuda_graph
+    from engine import graphs as cuda_graph
     seen = {}
 
     @contextlib.contextmanager
@@ -208,11 +208,11 @@ def test_capture_holds_gc_and_is_thread_local(monkeypatch):
 
 
 def test_capture_sequence_with_reset(monkeypatch):
-    """engine.graph_capture.capture, the sequence every graph runner uses (torch.cuda stubbed): reset + warm-up
+    """engine.graphs.capture, the sequence every graph runner uses (torch.cuda stubbed): reset + warm-up
     twice on a side stream, reset, then the capture; the pool comes from the first graph and is kept after."""
     import contextlib
 
-    from engine import graph_capture as gc_mod
+    from engine import graphs as gc_mod
     seen = []
 
     class FakeGraph:
@@ -265,25 +265,6 @@ def test_env_int(monkeypatch):
             env_int("PPSPEC_X", 7, minimum)
 
 
-def test_blas_knobs_refuse_bad_values(monkeypatch):
-    """PPSPEC_BLAS / PPSPEC_BF16_RPR (engine.kernels.fused.apply_blas_knobs, read at a CUDA runner's start): a value outside
-    the choices is a one-line ConfigError naming the knob, raised before any torch setting changes."""
-    from engine import ConfigError
-    from engine.kernels.fused import apply_blas_knobs
-    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    monkeypatch.setenv("PPSPEC_BLAS", "cublaslt")
-    monkeypatch.setenv("PPSPEC_BF16_RPR", "2")
-    with pytest.raises(ConfigError, match="PPSPEC_BF16_RPR must be 0 or 1"):
-        apply_blas_knobs()
-    monkeypatch.setenv("PPSPEC_BLAS", "mkl")
-    with pytest.raises(ConfigError, match="PPSPEC_BLAS must be one of cublas, cublaslt"):
-        apply_blas_knobs()
-    monkeypatch.setenv("PPSPEC_BLAS", "")
-    monkeypatch.setenv("PPSPEC_BF16_RPR", "")
-    assert apply_blas_knobs() == {"blas": "default", "bf16_reduced_precision_reduction": before}
-    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == before
-
-
 # ------------------------------------------------------------------------------------------ EAGLE-3 aux outputs
 class _ReplayOnCPU:
     """A CUDA graph's stand-in on CPU: ``replay`` re-runs the captured body and writes its results into the tensors
@@ -301,7 +282,7 @@ class _ReplayOnCPU:
 
     @classmethod
     def capture(cls, body, dev, pool, reset=None):
-        """engine.graph_capture.capture's contract: (graph, the captured call's output, pool)."""
+        """engine.graphs.capture's contract: (graph, the captured call's output, pool)."""
         out = body()
         return cls(body, out), out, 1
 
@@ -327,7 +308,7 @@ def _prefill_graphs_on_cpu(monkeypatch, with_aux: bool):
     from types import SimpleNamespace
 
     import engine.graphs as G
-    from engine.prefill_graphs import PrefillGraphRunner
+    from engine.graphs import PrefillGraphRunner
     monkeypatch.setattr(G, "capture", _ReplayOnCPU.capture)
     r = object.__new__(PrefillGraphRunner)
     model = _MiddleStage(4)

@@ -1,5 +1,5 @@
 """Dispatch of the batch-1 GEMV kernels (engine.kernels.gemv) and of programmatic dependent launch
-(engine.kernels.pdl): when they are on, the per-op block configs, the knobs' error messages. The kernels against the
+(engine.kernels.fused.launch_kwargs): when they are on, the per-op block configs, the knobs' error messages. The kernels against the
 unfused torch computation and end to end: tests/kernel_tests/test_gemv.py."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 def test_gemv_dispatch(monkeypatch):
     """On by default for CUDA half precision (not testable here); on CPU only under Triton's interpreter when
-    PPSPEC_GEMV=1 is named; exactly one row; weights above PPSPEC_GEMV_MIN_W elements; ops in PPSPEC_GEMV_OPS."""
+    PPSPEC_GEMV=1 is named; exactly one row; weights above PPSPEC_GEMV_MIN_W elements."""
     import torch
     from engine import ConfigError
     from engine.kernels import gemv
     x, w = torch.zeros(1, 64), torch.zeros(128, 64)
-    for k in ("TRITON_INTERPRET", "PPSPEC_GEMV", "PPSPEC_GEMV_MIN_W", "PPSPEC_GEMV_OPS", "PPSPEC_GEMV_CFG"):
+    for k in ("TRITON_INTERPRET", "PPSPEC_GEMV", "PPSPEC_GEMV_MIN_W"):
         monkeypatch.delenv(k, raising=False)
     assert not gemv.enabled(x)                         # CPU tensors: the torch path
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -23,10 +23,7 @@ def test_gemv_dispatch(monkeypatch):
     assert not gemv.use(x, w, "o")                     # 8192 elements <= the default 1<<22: skinny's range
     monkeypatch.setenv("PPSPEC_GEMV_MIN_W", "0")
     assert all(gemv.use(x, w, op) for op in gemv.OPS)
-    monkeypatch.setenv("PPSPEC_GEMV_OPS", "qkv,down")
-    assert [gemv.use(x, w, op) for op in gemv.OPS] == [True, False, False, True]
-    monkeypatch.setenv("PPSPEC_GEMV_OPS", "none")
-    assert not any(gemv.use(x, w, op) for op in gemv.OPS)
+    assert not gemv.use(x, w, "lm_head")
     monkeypatch.setenv("PPSPEC_GEMV", "0")
     assert not gemv.enabled(x)
     # the measured per-op defaults (H200, Llama-3-8B shape); BLOCK_K capped at K's next power of two
@@ -35,35 +32,28 @@ def test_gemv_dispatch(monkeypatch):
     assert gemv.pick_config("gate_up", 28672, 4096) == (8, 256, 4, 2, 1)
     assert gemv.pick_config("down", 4096, 14336) == (4, 512, 4, 1, 1)
     assert gemv.pick_config("o", 576, 100) == (4, 128, 4, 1, 1)
-    monkeypatch.setenv("PPSPEC_GEMV_CFG", "8,512,8,2")
-    monkeypatch.setenv("PPSPEC_GEMV_CFG_DOWN", "2,2048,4,1,0")
+    monkeypatch.setattr(gemv, "TUNE", (8, 512, 8, 2, 1))             # tools.kernel_bench's sweep hook
     assert gemv.pick_config("o", 4096, 4096) == (8, 512, 8, 2, 1)
-    assert gemv.pick_config("down", 4096, 14336) == (2, 2048, 4, 1, 0)
-    monkeypatch.delenv("PPSPEC_GEMV_CFG_DOWN")
     for name, val, call in [("PPSPEC_GEMV", "yes", lambda: gemv.enabled(x)),
-                            ("PPSPEC_GEMV_CFG", "8,512", lambda: gemv.pick_config("o", 64, 64)),
-                            ("PPSPEC_GEMV_CFG", "3,512,4,1", lambda: gemv.pick_config("o", 64, 64)),
-                            ("PPSPEC_GEMV_CFG", "4,512,4,1,2", lambda: gemv.pick_config("o", 64, 64)),
-                            ("PPSPEC_GEMV_MIN_W", "big", lambda: gemv.use(x, w, "o")),
-                            ("PPSPEC_GEMV_OPS", "qkv,lm_head", lambda: gemv.use(x, w, "o"))]:
+                            ("PPSPEC_GEMV_MIN_W", "big", lambda: gemv.use(x, w, "o"))]:
         monkeypatch.setenv("PPSPEC_GEMV", "1")
         monkeypatch.setenv(name, val)
-        with pytest.raises(ConfigError, match=name.rsplit("_CFG", 1)[0] if "CFG" in name else name):
+        with pytest.raises(ConfigError, match=name):
             call()
         monkeypatch.delenv(name)
 
 
 def test_pdl_dispatch(monkeypatch):
-    """engine.kernels.pdl: never on CPU tensors or under the interpreter (kernels then launch plainly, USE_PDL False);
+    """engine.kernels.fused.pdl_enabled: never on CPU tensors or under the interpreter (kernels then launch plainly, USE_PDL False);
     PPSPEC_PDL accepts 0 / 1 only."""
     import torch
     from engine import ConfigError
-    from engine.kernels import pdl
+    from engine.kernels.fused import launch_kwargs, pdl_enabled
     monkeypatch.delenv("PPSPEC_PDL", raising=False)
     x = torch.zeros(2)
-    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {"USE_PDL": False}
+    assert not pdl_enabled(x) and launch_kwargs(x) == {"USE_PDL": False}
     monkeypatch.setenv("PPSPEC_PDL", "1")
-    assert pdl.launch_kwargs(x) == {"USE_PDL": False}
+    assert launch_kwargs(x) == {"USE_PDL": False}
     monkeypatch.setenv("PPSPEC_PDL", "on")
     with pytest.raises(ConfigError, match="PPSPEC_PDL"):
-        pdl.enabled(x)
+        pdl_enabled(x)

@@ -19,14 +19,13 @@ CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 
 
 def test_registry_covers_every_variable_read():
-    """Every PPSPEC_* name in engine/, harness/ and tools/ is a registry entry (PPSPEC_GEMV_CFG_<OP>: one per op),
+    """Every PPSPEC_* name in engine/, harness/ and tools/ is a registry entry,
     and every entry is complete."""
     names = {k.name for k in knobs.REGISTRY}
     seen = set()
     for d in ("engine", "harness", "tools"):
         for p in (REPO / d).rglob("*.py"):
             seen |= set(re.findall(r"PPSPEC_[A-Z0-9_]+", p.read_text()))
-    seen.discard("PPSPEC_GEMV_CFG_")
     assert seen - names == set()
     for k in knobs.REGISTRY:
         assert k.kind in ("bool", "int", "str", "choice") and k.group in ("kernel", "behaviour", "debug")
@@ -35,13 +34,11 @@ def test_registry_covers_every_variable_read():
 
 def test_parse_defaults_and_values():
     kn = knobs.read({})
-    assert kn.gemv is None and kn.skinny is None and kn.pdl and kn.fused and kn.gemv_ops is None
-    assert kn.gemv_min_w == 1 << 22 and kn.skinny_max_m == 16 and kn.non_default() == {}
-    kn = knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_GEMV_OPS": "qkv, down", "PPSPEC_GEMV_CFG": "8,512,8,2",
-                     "PPSPEC_GEMV_CFG_DOWN": "2,2048,4,1,0", "PPSPEC_BLAS": "cuBLASLt", "PPSPEC_FAULT": "drop_tree",
+    assert kn.gemv is None and kn.skinny is None and kn.pdl and kn.fused
+    assert kn.gemv_min_w == 1 << 22 and kn.dev_attn_decode_max_bs == 8 and kn.non_default() == {}
+    kn = knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_RELAY_CODEC": "Torch", "PPSPEC_FAULT": "drop_tree",
                      "TRITON_INTERPRET": "1", "PPSPEC_SKINNY_MAX_W": " 12 "})
-    assert kn.gemv is False and kn.gemv_ops == {"qkv", "down"} and kn.blas == "cublaslt"
-    assert kn.gemv_cfg_for("o") == (8, 512, 8, 2, 1) and kn.gemv_cfg_for("down") == (2, 2048, 4, 1, 0)
+    assert kn.gemv is False and kn.relay_codec == "torch"
     assert kn.triton_interpret and kn.skinny_max_w == 12 and kn.fault == "drop_tree"
     assert kn.non_default()["PPSPEC_GEMV"] == "0" and "TRITON_INTERPRET" not in kn.non_default()
 
@@ -51,10 +48,7 @@ def test_parse_defaults_and_values():
     ("PPSPEC_PDL", "on", "PPSPEC_PDL must be 0 or 1"),
     ("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "-1", "PPSPEC_DEV_ATTN_DECODE_MAX_BS must be an integer >= 0"),
     ("PPSPEC_CPU_KV_TOKENS", "lots", "PPSPEC_CPU_KV_TOKENS must be an integer >= 0"),
-    ("PPSPEC_BLAS", "mkl", "PPSPEC_BLAS must be one of cublas, cublaslt"),
-    ("PPSPEC_GEMV_OPS", "qkv,lm_head", "PPSPEC_GEMV_OPS takes a comma list"),
-    ("PPSPEC_GEMV_CFG_QKV", "3,512,4,1", "PPSPEC_GEMV_CFG_QKV must be BLOCK_N"),
-    ("PPSPEC_SKINNY_CFG", "24,100,4,3", "PPSPEC_SKINNY_CFG must be BLOCK_N"),
+    ("PPSPEC_RELAY_CODEC", "json", "PPSPEC_RELAY_CODEC must be one of packed, torch"),
 ])
 def test_invalid_value_is_one_line_config_error(name, value, msg):
     with pytest.raises(ConfigError, match=msg) as e:
@@ -64,19 +58,19 @@ def test_invalid_value_is_one_line_config_error(name, value, msg):
 
 def test_read_once_and_reload(monkeypatch):
     """current() caches until reload(); a malformed value raises at the reload, naming the variable."""
-    monkeypatch.delenv("PPSPEC_SKINNY_MAX_M", raising=False)
+    monkeypatch.delenv("PPSPEC_DEV_ATTN_DECODE_MAX_BS", raising=False)
     first = knobs.reload()
-    assert knobs.current() is first and first.skinny_max_m == 16
+    assert knobs.current() is first and first.dev_attn_decode_max_bs == 8
     import os
-    os.environ["PPSPEC_SKINNY_MAX_M"] = "32"           # changed behind knobs' back: not seen until reload
+    os.environ["PPSPEC_DEV_ATTN_DECODE_MAX_BS"] = "32"           # changed behind knobs' back: not seen until reload
     try:
-        assert knobs.current().skinny_max_m == 16
-        assert knobs.reload().skinny_max_m == 32
-        os.environ["PPSPEC_SKINNY_MAX_M"] = "x"
-        with pytest.raises(ConfigError, match="PPSPEC_SKINNY_MAX_M"):
+        assert knobs.current().dev_attn_decode_max_bs == 8
+        assert knobs.reload().dev_attn_decode_max_bs == 32
+        os.environ["PPSPEC_DEV_ATTN_DECODE_MAX_BS"] = "x"
+        with pytest.raises(ConfigError, match="PPSPEC_DEV_ATTN_DECODE_MAX_BS"):
             knobs.reload()
     finally:
-        os.environ.pop("PPSPEC_SKINNY_MAX_M")
+        os.environ.pop("PPSPEC_DEV_ATTN_DECODE_MAX_BS")
         knobs.invalidate()
 
 

@@ -1,4 +1,4 @@
-"""Prefill CUDA graphs (engine.prefill_graphs.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
+"""Prefill CUDA graphs (engine.graphs.PrefillGraphRunner), CPU side: the bucket ladder, which forwards a bucket
 graph may take, the config knob, and the padding argument the graphs rest on (padding rows at the end change no
 real row of a causal prefill), checked with the torch backend on the tiny model.
 GPU replay: tests/test_cuda_graph.py."""
@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig
 from engine.attention.backend import ForwardContext
-from engine.prefill_graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
+from engine.graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
 
 
 def test_prefill_buckets_ladder():
@@ -82,11 +82,11 @@ def test_padding_at_the_end_leaves_real_rows_unchanged(tiny_model_dir):
 
 def test_capture_forward_and_stage_buffers_on_cpu(monkeypatch):
     """The shared capture / input-loading code of the graph runners (engine.graphs.capture_forward over
-    engine.graph_capture.capture, _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
+    engine.graphs.capture, _StageBuffers), run on the CPU with torch.cuda's stream and graph objects stubbed: two warm-up forwards, then one
     captured, all under ``ctx``; the pool is taken from the first graph; _load copies t rows and zeroes t:T."""
     import contextlib
 
-    from engine import graph_capture
+    from engine import graphs as graph_capture
     from engine import graphs as cuda_graph
     from engine.attention.backend import get_context
 

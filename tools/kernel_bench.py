@@ -6,12 +6,11 @@
   python -m tools.kernel_bench --model suites/shapes/llama3-8b --gemv --out g.json
 
 ``--gemv`` times engine.kernels.gemv's batch-1 kernels (one row; add-RMSNorm folded into qkv, add-RMSNorm + SiLU-and-mul into
-gate_up) per block config against the unfused path and against cuBLAS alone, and prints the best config per op as
-``PPSPEC_GEMV_CFG_<OP>=...`` lines (for the engine's decode A/B in the same run).
+gate_up) per block config against the unfused path and against cuBLAS alone, and prints the best config per op
+(candidates for ``engine.kernels.gemv.DEFAULTS``).
 
 ``--blas`` times the plain linear (no norm) under the cuBLAS choices instead: torch's default, reduced-precision
-split-K reductions off (``PPSPEC_BF16_RPR=0``), cuBLASLt preferred (``PPSPEC_BLAS=cublaslt``), both, and the weight
-stored transposed ([K, N], an NN GEMM), to find the kernel that streams the 8B shape's skinny GEMMs fastest.
+split-K reductions off, cuBLASLt preferred, both, and the weight stored transposed ([K, N], an NN GEMM).
 
 Each op is captured in a CUDA graph over enough distinct weight copies (>= 256 MB in all) that every call
 reads its weights from HBM, as consecutive layers do in a real step; the graph is replayed 20 times and
@@ -55,12 +54,12 @@ def _time_graph(fn, calls: int, reps: int = 20) -> float:
     return e0.elapsed_time(e1) * 1e3 / (reps * calls)
 
 
-def _sweep(row: dict, configs, knob: str, fn, copies: int):
-    """Time ``fn`` under each block config (set through environment variable ``knob``), recording
-    ``row["cfg(...)"]`` in microseconds (or the compile error); returns (best config, us) or None."""
+def _sweep(row: dict, configs, kernel, fn, copies: int):
+    """Time ``fn`` under each block config (forced through ``kernel.TUNE``), recording ``row["cfg(...)"]`` in
+    microseconds (or the compile error); returns (best config, us) or None."""
     best = None
     for c in configs:
-        knobs.set_env(knob, ",".join(map(str, c)))
+        kernel.TUNE = c
         try:
             us = _time_graph(fn, copies)
         except Exception as e:                        # noqa: BLE001 - a config that does not compile: skip it
@@ -119,8 +118,8 @@ def main() -> None:
                 gb = N * K * 2 / 1e3
                 row = {"op": name, "M": M, "N": N, "K": K, "unfused_us": _time_graph(unfused, copies)}
                 row["unfused_GBps"] = gb / row["unfused_us"]
-                best = _sweep(row, CONFIGS, "PPSPEC_SKINNY_CFG", fused, copies)
-                knobs.set_env("PPSPEC_SKINNY_CFG", None)
+                best = _sweep(row, CONFIGS, skinny, fused, copies)
+                skinny.TUNE = None
                 if best is not None:
                     row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
                     row["fused_GBps"] = gb / best[1]
@@ -188,9 +187,9 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
             row = {"op": name, "N": N, "K": K, "unfused_us": round(_time_graph(unfused, copies), 2),
                    "cublas_us": round(_time_graph(lambda i: F.linear(x, ws[i]), copies), 2)}
             row["cublas_GBps"] = round(gb / row["cublas_us"], 1)
-            best = _sweep(row, GEMV_CONFIGS, "PPSPEC_GEMV_CFG", fused, copies)
+            best = _sweep(row, GEMV_CONFIGS, gemv, fused, copies)
             if best is not None:
-                knobs.set_env("PPSPEC_GEMV_CFG", ",".join(map(str, best[0])))
+                gemv.TUNE = best[0]
                 row["best_cfg"], row["gemv_us"] = list(best[0]), round(best[1], 2)
                 row["gemv_GBps"] = round(gb / best[1], 1)
                 ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
@@ -200,8 +199,8 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
                 row["gemv_nopdl_us"] = round(_time_graph(fused, copies), 2)
                 knobs.set_env("PPSPEC_PDL", None)
                 if "_nonorm" not in name:
-                    print(f"PPSPEC_GEMV_CFG_{op.upper()}={','.join(map(str, best[0]))}", flush=True)
-            knobs.set_env("PPSPEC_GEMV_CFG", None)
+                    print(f"best {op}: {','.join(map(str, best[0]))}", flush=True)
+            gemv.TUNE = None
             rows.append(row)
             print(json.dumps(row), flush=True)
             del ws

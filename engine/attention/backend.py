@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .device import attention as device_attention
+
 
 @dataclass
 class ForwardContext:
@@ -170,10 +172,9 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, laye
     ctx = get_context()
     if ctx.device_layout is None:
         return _BACKEND.forward(q, k, v, layer, scale)
-    from .device import attention
     if k is not None:
         ctx.pool.store(layer, ctx.out_cache_loc, k, v)
-    return attention(q, ctx.pool.kv_cache[layer], ctx.device_layout, scale)
+    return device_attention(q, ctx.pool.kv_cache[layer], ctx.device_layout, scale)
 
 
 def get_backend():

@@ -1,40 +1,25 @@
-"""Paged attention planned on the device (Triton): the whole batch layout lives in device tensors, so one
-call can be captured in a CUDA graph and replayed with new lengths without host-side planning.
-FlashInfer's wrappers need a host ``plan`` per batch; the EAGLE speculative round uses this instead.
+"""Paged attention planned on the device (Triton): the whole batch layout lives in device tensors, so one call can
+be captured in a CUDA graph and replayed with new lengths without host-side planning.
 
 Layout (:class:`DeviceLayout`, B lanes of Q query rows each):
   * ``req_to_token`` [R, max_len] int64: the KV slot of (row, position), as in SGLang's req_to_token pool.
   * ``rows``         [B] int64: lane b reads row ``rows[b]`` of ``req_to_token``.
-  * ``prefix_lens``  [B] int64: lane b attends to slots ``req_to_token[rows[b], 0:prefix_lens[b]]`` (all its
-                     query rows see all of them; 0 <= prefix_lens[b] <= max_len) ...
-  * ``tail_slots``   [B, Qt] int64: ... plus these explicit slots (valid slot indices, 0 <= s < num_slots) ...
+  * ``prefix_lens``  [B] int64: lane b attends to slots ``req_to_token[rows[b], 0:prefix_lens[b]]`` ...
+  * ``tail_slots``   [B, Qt] int64: ... plus these explicit slots ...
   * ``tail_mask``    [B, Q, Qt] bool: ... where query row i of lane b sees tail slot j iff ``tail_mask[b, i, j]``.
   * ``num_splits``   static int >= 1: split-KV partitions of the prefix (:func:`default_splits`).
 
   attention(q [B*Q, Hq, D], kv_cache [num_slots, 2, Hk, D], layout, scale, out=None) -> [B*Q, Hq, D]
 
-Query rows of lane b are rows b*Q .. b*Q+Q-1 of q; query head hq uses KV head hq // (Hq // Hk) (GQA).
-Result: softmax(scale * q.k) . v over the visible keys, computed in float32, in q's dtype; a query row that
-sees no key returns zeros. Device values are never read on the host: the same call (same shapes, same
-``num_splits``) serves any lengths, so it is CUDA-graph capturable.
+Query rows of lane b are rows b*Q .. b*Q+Q-1 of q; query head hq uses KV head hq // (Hq // Hk) (GQA). Result:
+softmax(scale * q.k) . v over the visible keys in float32, in q's dtype; zeros for a row that sees no key.
 
-Algorithm: split-KV decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference")
-with FlashAttention-2's online softmax (Dao 2023) in each part; SGLang's Triton decode/extend attention
-backend applies the same idea to its req_to_token addressing. The code here is ours. Two launches:
-  1. grid (B, Hk, num_splits + 1). Program (b, h, s < num_splits) walks one contiguous chunk of lane b's prefix,
-     ``chunk = cdiv(cdiv(L, num_splits), BLOCK_N) * BLOCK_N`` tokens with L = prefix_lens[b] read in the kernel;
-     program s == num_splits walks the tail under the bit mask. Each program takes all M = Q*G query rows
-     of its KV head as one tile (row m -> query row m // G, head h*G + m % G; padded to a power of two >= 16 for
-     ``tl.dot``), gathers K/V blocks [BLOCK_N, D] by slot (int64 addressing), and runs the online softmax in base 2
-     (scale * log2(e) folded into the scores). It writes its normalised partial o [B, Hk, S+1, M, D] float32 and
-     its base-2 log-sum-exp lse [B, Hk, S+1, M] float32 (-inf for an empty part).
-  2. grid (B*Q, Hq): merge the S+1 partials of one (query row, head) by their lse into the output.
-
-Split kernel 4 warps, merge kernel 1 warp.
-
-Used when :func:`enabled` (Triton importable and q on CUDA in bf16/fp16, or any device under Triton's CPU
-interpreter ``TRITON_INTERPRET=1``); otherwise :func:`attention` runs :func:`attention_ref` (plain torch, the
-CPU path, which reads the maximum prefix length on the host; :mod:`engine.attention.device_ref`).
+Algorithm: split-KV decoding (Dao et al. 2023, "Flash-Decoding") with FlashAttention-2's online softmax per part;
+SGLang's Triton decode backend applies it to req_to_token addressing; the code is ours. Launch 1, grid (B, Hk,
+num_splits + 1): program s < num_splits walks one chunk of lane b's prefix, s == num_splits the masked tail; all
+M = Q*G query rows of a KV head form one tile; it writes partial o [B, Hk, S+1, M, D] and base-2 lse (-inf when
+empty), float32. Launch 2, grid (B*Q, Hq): merge the S+1 partials by their lse.
+Used when :func:`enabled`; otherwise :func:`attention_ref` (plain torch, the CPU path and the reference twin).
 """
 from __future__ import annotations
 
@@ -43,8 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import knobs
-from ..kernels import pdl
-from .device_ref import attention_ref, check_layout as _check
+from ..kernels.fused import launch_kwargs
 
 try:
     import triton
@@ -72,9 +56,7 @@ def enabled(x: torch.Tensor) -> bool:
     bf16/fp16, or any tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
     if triton is None:
         return False
-    if knobs.current().triton_interpret:
-        return True
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return knobs.current().triton_interpret or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def default_splits(batch_lanes: int, num_kv_heads: int, max_len: int, num_sms: int = 132,
@@ -86,6 +68,72 @@ def default_splits(batch_lanes: int, num_kv_heads: int, max_len: int, num_sms: i
     per_split = max(1, batch_lanes * num_kv_heads)
     splits = -(-waves * num_sms // per_split)
     return max(1, min(splits, -(-max(0, max_len) // block_n), max_splits))
+
+
+def check_layout(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout,
+           out: torch.Tensor | None = None) -> tuple[int, int, int, int, int, int]:
+    """Shape checks shared by both paths -> (B, Q, Qt, Hq, Hk, D). Raises ValueError (one line)."""
+    lay = layout
+    if q.dim() != 3:
+        raise ValueError(f"dev_attention: q must be [B*Q, Hq, D], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != 2:
+        raise ValueError(f"dev_attention: kv_cache must be [num_slots, 2, Hk, D], got shape {tuple(kv_cache.shape)}")
+    if lay.tail_mask.dim() != 3 or lay.tail_slots.dim() != 2 or lay.rows.dim() != 1 \
+            or lay.prefix_lens.dim() != 1 or lay.req_to_token.dim() != 2:
+        raise ValueError("dev_attention: layout ranks must be req_to_token [R, max_len], rows [B], prefix_lens [B], "
+                         "tail_slots [B, Qt], tail_mask [B, Q, Qt]")
+    B, Q, Qt = lay.tail_mask.shape
+    Hq, D = q.shape[1], q.shape[2]
+    Hk = kv_cache.shape[2]
+    if tuple(lay.rows.shape) != (B,) or tuple(lay.prefix_lens.shape) != (B,) or tuple(lay.tail_slots.shape) != (B, Qt):
+        raise ValueError(f"dev_attention: rows {tuple(lay.rows.shape)}, prefix_lens {tuple(lay.prefix_lens.shape)}, "
+                         f"tail_slots {tuple(lay.tail_slots.shape)} do not match tail_mask [B={B}, Q={Q}, Qt={Qt}]")
+    if lay.tail_mask.dtype != torch.bool:
+        raise ValueError(f"dev_attention: tail_mask must be bool, got {lay.tail_mask.dtype}")
+    for name in ("req_to_token", "rows", "prefix_lens", "tail_slots"):
+        t = getattr(lay, name)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"dev_attention: layout.{name} must be an integer tensor, got {t.dtype}")
+    if q.shape[0] != B * Q:
+        raise ValueError(f"dev_attention: q has {q.shape[0]} rows, expected B*Q = {B}*{Q} = {B * Q}")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"dev_attention: Hq = {Hq} query heads is not a multiple of Hk = {Hk} KV heads")
+    if kv_cache.shape[3] != D:
+        raise ValueError(f"dev_attention: head dim of q ({D}) != head dim of kv_cache ({kv_cache.shape[3]})")
+    if not isinstance(lay.num_splits, int) or lay.num_splits < 1:
+        raise ValueError(f"dev_attention: num_splits must be a python int >= 1, got {lay.num_splits!r}")
+    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
+        raise ValueError(f"dev_attention: out {tuple(out.shape)} {out.dtype} must be {tuple(q.shape)} {q.dtype}")
+    return B, Q, Qt, Hq, Hk, D
+
+
+def attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, scale: float) -> torch.Tensor:
+    """Plain-torch :func:`attention` (same shapes and result; the CPU path): one gather of the prefix slots padded to
+    the longest prefix (read on the host: not capturable), then the tail slots; a float32 softmax. q may have any
+    strides. Raises ValueError as :func:`check_layout`."""
+    B, Q, Qt, Hq, Hk, D = check_layout(q, kv_cache, layout)
+    G = Hq // Hk
+    lay = layout
+    dev = kv_cache.device
+    lens = lay.prefix_lens.to(dev, torch.int64)
+    Lmax = int(lens.max()) if B else 0
+    Lmax = min(Lmax, lay.req_to_token.shape[1])
+    pos = torch.arange(Lmax, device=dev)
+    valid = pos[None, :] < lens[:, None]                                         # [B, Lmax]
+    pre = lay.req_to_token[lay.rows.to(lay.req_to_token.device, torch.int64), :Lmax].to(dev, torch.int64)
+    slots = torch.cat([torch.where(valid, pre, torch.zeros_like(pre)), lay.tail_slots.to(dev, torch.int64)], 1)
+    mask = torch.cat([valid[:, None, :].expand(B, Q, Lmax), lay.tail_mask.to(dev)], 2)   # [B, Q, Lmax + Qt]
+    kv = kv_cache[slots].float()                                                  # [B, Lk, 2, Hk, D]: one gather
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    qf = q.float().reshape(B, Q, Hk, G, D)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)                      # rows that see nothing: -inf max
+    e = torch.exp(s - m)
+    p = e / e.sum(-1, keepdim=True).clamp_min(1.0)     # a non-empty row's sum is >= 1 (its max gives exp(0)); empty: 0
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v)
+    return o.reshape(B * Q, Hq, D).to(q.dtype)
 
 
 if triton is not None:
@@ -114,7 +162,7 @@ if triton is not None:
                       Q: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                       M: tl.constexpr, M_PAD: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
                       TB: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # the PDL contract: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
@@ -213,7 +261,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, sca
             num_splits < 1, a wrong ``out``), or for the kernels: non-unit inner strides, a non-contiguous
             kv_cache, D not a power of two >= 16.
     """
-    B, Q, Qt, Hq, Hk, D = _check(q, kv_cache, layout, out)
+    B, Q, Qt, Hq, Hk, D = check_layout(q, kv_cache, layout, out)
     if not enabled(q):
         ref = attention_ref(q, kv_cache, layout, scale)
         return ref if out is None else out.copy_(ref)
@@ -244,8 +292,8 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, sca
         lay.req_to_token.shape[1], rows, lens, lay.tail_slots, lay.tail_slots.stride(0),
         tm, tm.stride(0), tm.stride(1), o_part, lse_part, float(scale) * _LOG2E,
         Q=Q, QT=Qt, G=G, HK=Hk, D=D, M=M, M_PAD=max(16, triton.next_power_of_2(M)), S=S, BLOCK=BLOCK_N,
-        TB=max(16, min(64, triton.next_power_of_2(max(Qt, 1)))), PREC=prec, num_warps=4, **pdl.launch_kwargs(q))
+        TB=max(16, min(64, triton.next_power_of_2(max(Qt, 1)))), PREC=prec, num_warps=4, **launch_kwargs(q))
     _merge_kernel[(B * Q, Hq)](
         o_part, lse_part, out, out.stride(0), out.stride(1),
-        Q=Q, G=G, HK=Hk, D=D, M=M, S1=S + 1, SB=min(32, triton.next_power_of_2(S + 1)), num_warps=1, **pdl.launch_kwargs(q))
+        Q=Q, G=G, HK=Hk, D=D, M=M, S1=S + 1, SB=min(32, triton.next_power_of_2(S + 1)), num_warps=1, **launch_kwargs(q))
     return out

@@ -37,30 +37,10 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
     GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
-    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (an integer, read once by engine.knobs; unset or empty: 4; 0: never), where one tensor-core
-    tile serves all query heads of a KV head instead of one CUDA-core pass each. Default 4: chosen by decode A/Bs
-    on the H200 at the Llama-3-8B shape (group 4), where tensor cores were faster at b=1 and b=32.
-
-    Raises:
-        ConfigError: PPSPEC_FI_DECODE_TC_MIN_GROUP is not an integer >= 0 (one line, naming it).
-    """
+    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (0: never), where one tensor-core tile serves all query heads of a KV head."""
     group = num_qo_heads // num_kv_heads
     knob = knobs.current().fi_decode_tc_min_group
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
-
-
-# PPSPEC_FI_STRIDED_Q (default 1; 0 copies q): hand FlashInfer q as the strided view of the QKV output (its batch
-# kernels take q.stride(0) / q.stride(1)), one copy kernel less per layer (tests/test_flashinfer.py covers it).
-def strided_q() -> bool:
-    """``PPSPEC_FI_STRIDED_Q`` (see above)."""
-    return knobs.current().fi_strided_q
-
-
-def decode_plan_options() -> dict:
-    """Extra decode ``plan`` options: ``PPSPEC_FI_DISABLE_SPLIT_KV=1`` passes ``disable_split_kv=True`` (one CTA
-    per request and KV head, no split-KV merge kernel: an A/B knob for small batches; read once by
-    engine.knobs, so set it before the engine starts)."""
-    return {"disable_split_kv": True} if knobs.current().fi_disable_split_kv else {}
 
 
 def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +78,6 @@ class FlashInferBackend:
         if dtype is not None:
             _check_dtype(dtype)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_backend = knobs.current().fi_prefill_backend
         self._wrappers: dict = {}                     # (kind, variant) -> [wrapper, wrapper] (double buffer)
         self._turn: dict = {}
         self._events: dict = {}
@@ -109,8 +88,7 @@ class FlashInferBackend:
     def _make(self, kind: str, tensor_cores: bool):
         if kind == "decode":
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tensor_cores)
-        backend = "fa2" if kind == "verify" else self.prefill_backend    # custom masks: FA2 only
-        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
 
     def _wrapper(self, kind: str, tensor_cores: bool):
         """Next wrapper of this kind. Two alternate, and a wrapper is re-planned only once the host->device
@@ -125,16 +103,6 @@ class FlashInferBackend:
         if ev is not None:
             ev.synchronize()
         return self._wrappers[key][i], (key, i)
-
-    # ------------------------------------------------------------------------------------ graphs
-    def graph_state(self, kind: str, key, dev, **sizes):
-        """Stable buffers and graph-mode wrappers for captured forwards (:mod:`engine.attention.flashinfer_graphs`):
-        ``kind`` "stage" (decode / verify; sizes max_bs, q_len, max_kv), "prefill" (max_tokens) or "draft"
-        (max_lanes, num_steps, max_kv, extend_bs); ``key`` the plan key (Hq, Hk, D, scale, dtype). Raises
-        KeyError for another kind."""
-        from .flashinfer_graphs import DraftGraphAttention, PrefillGraphAttention, StageGraphAttention
-        cls = {"stage": StageGraphAttention, "prefill": PrefillGraphAttention, "draft": DraftGraphAttention}[kind]
-        return cls(self, key, dev, **sizes)
 
     def set_plan_key(self, pool, key) -> None:
         """Record ``key`` (Hq, Hk, D, scale, dtype) as the plan key of KV ``pool``, so ``prepare`` plans its
@@ -191,7 +159,7 @@ class FlashInferBackend:
         if p["kind"] == "decode":
             w, slot = self._wrapper("decode", decode_tensor_cores(hq, hk))
             w.plan(p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
-                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, **decode_plan_options())
+                   q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         elif p["kind"] == "extend":
             w, slot = self._wrapper("extend", False)
             w.plan(p["qo_indptr"], p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
@@ -226,6 +194,6 @@ class FlashInferBackend:
                 raise ValueError(f"q dtype {q.dtype} != KV pool dtype {st['fi']['dtype']}")
             self._plan(st, key)
             self._heads[pool] = key
-        if not q.is_contiguous() and not (strided_q() and q.stride(-1) == 1):
+        if q.stride(-1) != 1:                               # a strided view of the QKV output is taken as is
             q = q.contiguous()
         return st["fi_wrapper"].run(q, pool.kv_cache[layer].unsqueeze(2))    # [slots, 2, page 1, Hk, D]

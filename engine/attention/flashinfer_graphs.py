@@ -3,8 +3,8 @@
 
 A captured forward reads all per-batch attention metadata from buffers the wrapper was built over, so a graph
 stays valid when its wrapper is re-planned on the host for the next batch. The graph runners
-(:mod:`engine.graphs`, :mod:`engine.speculative.draft_graphs`) obtain a state from
-:meth:`engine.attention.flashinfer.FlashInferBackend.graph_state` and use only its methods:
+(:mod:`engine.graphs`, :mod:`engine.speculative.draft_graphs`) build a state over the backend and use only its
+methods:
 
   * :class:`StageGraphAttention`   decode / verify forwards of a stage over a batch-size ladder;
   * :class:`PrefillGraphAttention` one-request causal prefills over token buckets (a workspace of its own);
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .backend import ForwardContext, get_backend, h2d
-from .flashinfer import decode_plan_options, decode_tensor_cores, page_table
+from .flashinfer import decode_tensor_cores, page_table
 from .packed_mask import pack_masks, pack_verify_mask
 
 
@@ -125,8 +125,7 @@ class StageGraphAttention(_GraphPlans):
         indptr, indices = page_table(kvs, self.dev)
         last = torch.ones(bs, dtype=torch.int32)
         if kind == "decode":
-            w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-                   **decode_plan_options())
+            w.plan(indptr, indices, last, hq, hk, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
             self._record_plan((kind, bs))
             return
         q = self.q_len[kind]

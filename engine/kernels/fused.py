@@ -6,6 +6,14 @@ kernels (``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``, ``flashinfer.activ
 ops); everywhere else (CPU, float32, training) the torch reference code runs. ``PPSPEC_FUSED=0``
 forces the reference path (used by tests to compare the two on the GPU).
 
+Also the programmatic dependent launch (PDL) gate of the engine's own Triton kernels (:func:`launch_kwargs`):
+a kernel launched with PDL starts while its predecessor drains. Contract of every such kernel (``USE_PDL``
+constexpr): each program calls ``gdc_wait()`` before it reads any activation or writes any output, reads only
+never-written tensors (weights) before the wait, and calls ``gdc_launch_dependents()`` right after the wait (so
+only the next kernel launches early; completion stays transitive along the stream). On for CUDA devices of compute
+capability >= 9, Triton with ``gdc_wait``, not under the interpreter, ``PPSPEC_PDL`` not 0. Mechanism: CUDA's
+"Programmatic Dependent Launch and Synchronization".
+
 Semantics (both paths):
   * ``rmsnorm(x [T, H], w [H], eps) -> [T, H]``: x / sqrt(mean(x^2) + eps) * w, statistics in float32.
   * ``add_rmsnorm(x, residual, w, eps) -> (normed, residual + x)``: the FlashInfer path updates
@@ -16,10 +24,18 @@ Semantics (both paths):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from .. import knobs
-import torch.nn.functional as F
+
+try:
+    import triton.language as tl
+    _HAS_GDC = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+except Exception:                                 # noqa: BLE001 - no Triton / an old one: plain launches
+    _HAS_GDC = False
 
 _FI = None
 _FI_TRIED = False
@@ -103,25 +119,20 @@ def rope(positions, q, k, cos, sin, cos_sin):
     return rope_ref(positions, q, k, cos, sin)
 
 
-BLAS_CHOICES = ("", "cublas", "cublaslt")
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def apply_blas_knobs() -> dict:
-    """Apply the GEMM-library knobs for CUDA linears, read once at runner start.
-
-    ``PPSPEC_BLAS``: ``cublas`` or ``cublaslt`` sets ``torch.backends.cuda.preferred_blas_library`` (unset or empty:
-    torch's default). ``PPSPEC_BF16_RPR``: ``0`` forbids reduced-precision (bf16) reductions inside split-K bf16
-    GEMMs, ``1`` allows them (unset or empty: torch's default, allowed). Both only steer which cuBLAS kernel runs;
-    the math is the same linear. Returns the settings in force.
-
-    Raises:
-        ConfigError: a knob holds a value outside the choices above (one line naming it).
-    """
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether Triton kernels on ``t``'s device launch with PDL (see the module docstring)."""
     kn = knobs.current()
-    lib, rpr = kn.blas, kn.bf16_rpr
-    if lib:
-        torch.backends.cuda.preferred_blas_library(lib)
-    if rpr is not None:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = rpr
-    return {"blas": lib or "default", "bf16_reduced_precision_reduction":
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}
+    if not kn.pdl or not _HAS_GDC or not t.is_cuda or kn.triton_interpret:
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """``{"USE_PDL": True, "launch_pdl": True}`` when :func:`pdl_enabled`, else ``{"USE_PDL": False}``: splat into
+    the launch of a kernel that takes a ``USE_PDL`` constexpr and keeps the PDL contract."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"USE_PDL": False}

@@ -1,51 +1,32 @@
-"""Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for decode at large hidden sizes.
+"""Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for one-row decode at large hidden sizes.
 
-At batch-1 decode with large hidden sizes (the Llama-3-8B shape) a layer's time above the weight-bandwidth floor goes
-to (a) cuBLAS's tiled GEMMs for one row launching too few CTAs for qkv / o_proj to reach copy bandwidth, (b) cuBLAS
-split-K reduce kernels after o_proj and down_proj and (c) the element-wise launches between the GEMMs (add-RMSNorm,
-SiLU-and-mul). engine.kernels.skinny fuses (c) but its tensor-core tiles (16 rows) lose to cuBLAS on weights of
-16-117M elements. These kernels take the other route for exactly one row: a GEMV where each program owns
-BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles with 16-byte loads, and multiplies by the
-activation vector on the CUDA cores (no tensor cores, no split-K, so no reduce kernel); many small programs
-(N / BLOCK_N, thousands) keep every SM busy to the tail. With ``prefetch`` a program keeps two weight tiles in
-flight (the next loads while the current one is multiplied), and launched with PDL (engine/kernels/pdl.py) it loads its
-first tile before waiting for the previous kernel, so the weight stream starts during that kernel's tail. The
-classic batch-1 decode kernel layout (as in FasterTransformer / TensorRT-LLM's GEMV and gpt-fast's compiled int8
-decode); the code is ours.
+Each program owns BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles and multiplies by the
+activation vector on the CUDA cores (no tensor cores, no split-K reduce); with ``prefetch`` two weight tiles are in
+flight, and under PDL (:func:`engine.kernels.fused.launch_kwargs`) the first tile loads before the wait. The layout
+is the classic batch-1 decode GEMV (FasterTransformer / TensorRT-LLM, gpt-fast's int8 decode); the code is ours.
 
   * ``linear(x, W, bias)``: y = x W^T (+ bias).
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (rounded to x's dtype), y = rmsnorm(h) W^T
     (+ bias); returns (y, h). Without a residual h = x.
   * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u (W [2I, K]: gate rows
-    then up rows, ColumnParallelLinear's layout); returns (y [1, I], h).
+    then up rows); returns (y [1, I], h).
 
-The norm is folded, not applied first: rmsnorm(h) W^T = rstd * ((h * gamma) W^T) with rstd = 1 / sqrt(mean(h^2) +
-eps), a scalar per row, so each program accumulates sum(h^2) in the same K loop that streams its weights (the
-activation row is L2-resident) and scales its outputs at the end: no statistics pass, no normalised activation
-written. The normalised activation is therefore not rounded to bf16 before the product as the unfused path
-(FlashInfer's norm kernel, then cuBLAS) rounds it: results agree within bf16 rounding, not bit for bit. Program 0
-writes h (the new residual stream), bit-exact with x + residual rounded to x's dtype.
+The norm is folded: rmsnorm(h) W^T = rstd * ((h * gamma) W^T), sum(h^2) accumulated in the weight loop, so the
+normalised activation is not rounded to bf16 as in the unfused path: results agree within bf16 rounding. Program 0
+writes h, bit-exact with x + residual rounded to x's dtype.
 
-Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K], W [N, K] contiguous of x's dtype
-(nn.Linear layout), bias [N] or None. Outputs are fresh [1, N] / [1, K] tensors of x's dtype; inputs are never
-written. Accumulation, the statistic and the epilogue are float32.
-
-Dispatch (:func:`use`): CUDA bf16/fp16 activations of exactly one row, ``PPSPEC_GEMV`` not 0 (default 1), weights of
-more than ``PPSPEC_GEMV_MIN_W`` elements (default 1<<22: below it engine.kernels.skinny's fused tiles run), and the op named
-in ``PPSPEC_GEMV_OPS`` (comma list of qkv, o, gate_up, down; default all). Under Triton's CPU interpreter only when
-``PPSPEC_GEMV=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, per op overridable with
-``PPSPEC_GEMV_CFG_<OP>`` (or ``PPSPEC_GEMV_CFG`` for all) = ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]``; ``python -m
-tools.kernel_bench --gemv`` sweeps them on the GPU.
-
-Raises ValueError for layouts the kernels do not take (see :func:`_launch`), ConfigError for bad knobs.
+Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K], W [N, K] contiguous of x's dtype,
+bias [N] or None. Outputs are fresh [1, N] / [1, K] tensors of x's dtype; float32 accumulation.
+Dispatch (:func:`use`): CUDA bf16/fp16, exactly one row, ``PPSPEC_GEMV`` not 0, weights of more than
+``PPSPEC_GEMV_MIN_W`` elements; under Triton's interpreter only with ``PPSPEC_GEMV=1``. Raises ValueError for
+layouts the kernels do not take.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import knobs
-from . import pdl
-from ..config import ConfigError
+from .fused import launch_kwargs, use_fused
 
 try:
     import triton
@@ -55,66 +36,33 @@ except Exception:                                 # noqa: BLE001 - no Triton: ca
 
 OPS = ("qkv", "o", "gate_up", "down")
 num_launches = 0                                  # kernel launches in this process (tests check the path ran)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) per op, from tools.kernel_bench --gemv at the Llama-3-8B shape
+DEFAULTS = {"qkv": (2, 1024, 4, 1, 1), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
+TUNE: tuple | None = None                         # a config forced on every op (tools.kernel_bench sweeps it)
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether activations ``x`` [M, K] take the GEMV kernels at all (one row, CUDA half precision, knob on).
-
-    Raises:
-        ConfigError: ``PPSPEC_GEMV`` is not 0 or 1.
-    """
+    """Whether activations ``x`` [M, K] take the GEMV kernels at all (one row, CUDA half precision, knob on)."""
     kn = knobs.current()
     if triton is None or kn.gemv is False or x.dim() != 2 or x.shape[0] != 1:
         return False
     if kn.triton_interpret:                               # CPU interpreter: only when asked for by name (tests)
         return kn.gemv is True
-    from .fused import use_fused
     return use_fused(x)
 
 
-def _ops() -> frozenset:
-    ops = knobs.current().gemv_ops
-    return frozenset(OPS) if ops is None else ops
-
-
 def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
-    """Whether linear ``op`` (one of :data:`OPS`) with weight ``w`` [N, K] runs as a GEMV for activations ``x``.
-
-    Raises:
-        ConfigError: ``PPSPEC_GEMV``, ``PPSPEC_GEMV_MIN_W`` or ``PPSPEC_GEMV_OPS`` holds a bad value.
-    """
-    if not enabled(x):
-        return False
-    ops, min_w = _ops(), knobs.current().gemv_min_w
-    return w.numel() > min_w and op in ops
-
-
-# per-op defaults (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) chosen by a kernel bench on the H200 at the
-# Llama-3-8B shape, one row, PDL on; for qkv the prefetching config was kept over the bench's no-prefetch best
-# because end-to-end b=1 decode was faster with it
-DEFAULTS = {"qkv": (2, 1024, 4, 1, 1), "o": (4, 512, 4, 1, 1), "gate_up": (8, 256, 4, 2, 1), "down": (4, 512, 4, 1, 1)}
+    """Whether linear ``op`` (one of :data:`OPS`) with weight ``w`` [N, K] runs as a GEMV for activations ``x``."""
+    return enabled(x) and w.numel() > knobs.current().gemv_min_w and op in OPS
 
 
 def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) for linear ``op`` with weight [N, K]:
-    ``PPSPEC_GEMV_CFG_<OP>``, then ``PPSPEC_GEMV_CFG``, else :data:`DEFAULTS` with BLOCK_K capped at K's next power
-    of two. ``prefetch`` 1 keeps two weight tiles in flight per program (the next loads while this one multiplies).
-
-    Raises:
-        ConfigError: a config knob is not BLOCK_N,BLOCK_K,warps,stages[,prefetch] with BLOCK_N, BLOCK_K powers of two
-            (BLOCK_K >= 16), warps a power of two <= 32, stages >= 1 and prefetch 0 or 1.
-    """
-    cfg = knobs.current().gemv_cfg_for(op)
-    if cfg:
-        return cfg
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch) for linear ``op`` with weight [N, K]: :data:`TUNE`, else
+    :data:`DEFAULTS` with BLOCK_K capped at K's next power of two."""
+    if TUNE:
+        return TUNE
     bn, bk, warps, stages, pre = DEFAULTS.get(op, (4, 512, 4, 1, 1))
     return bn, min(bk, max(16, triton.next_power_of_2(K))), warps, stages, pre
-
-
-def parse_cfg(env: str) -> tuple[int, int, int, int, int]:
-    """Parse ``BLOCK_N,BLOCK_K,warps,stages[,prefetch]`` (see :func:`pick_config`; prefetch defaults to 1).
-    Raises ConfigError naming PPSPEC_GEMV_CFG."""
-    return knobs.parse_gemv_cfg("PPSPEC_GEMV_CFG", env)
 
 
 if triton is not None:
@@ -156,7 +104,7 @@ if triton is not None:
         wp = w_ptr + rows[:, None] * stride_wn + rk[None, :]
         up = w_ptr + (rows + N)[:, None] * stride_wn + rk[None, :]   # GATED: the up half of W
         dt = x_ptr.dtype.element_ty
-        # the first weight tile(s) before the PDL wait: weights are never written (engine/kernels/pdl.py's contract)
+        # the first weight tile(s) before the PDL wait: weights are never written (the PDL contract)
         if EVEN_K:
             w = tl.load(wp, eviction_policy="evict_first")
         else:
@@ -234,7 +182,7 @@ def _launch(op: str, x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, 
         x, residual if residual is not None else x, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, N, K, float(eps),
         NORM=norm, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None, EVEN_K=K % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pre), num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
+        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pre), num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y, h
 
 

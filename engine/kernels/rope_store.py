@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import knobs
-from . import pdl
+from .fused import launch_kwargs, use_fused
 
 try:
     import triton
@@ -32,10 +32,7 @@ def enabled(x: torch.Tensor) -> bool:
     kn = knobs.current()
     if triton is None or not kn.rope_store:
         return False
-    if kn.triton_interpret:
-        return True
-    from .fused import use_fused
-    return use_fused(x)
+    return kn.triton_interpret or use_fused(x)
 
 
 if triton is not None:
@@ -43,7 +40,7 @@ if triton is not None:
     def _rope_store_kernel(qkv_ptr, stride_t, pos_ptr, cos_sin_ptr, loc_ptr, kv_ptr,
                            HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP2: tl.constexpr,
                            USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # the PDL contract: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
@@ -89,4 +86,4 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, cos_sin: torch.Tensor
     half = head_dim // 2
     _rope_store_kernel[(T, num_heads + num_kv_heads)](
         qkv, qkv.stride(0), positions, cos_sin, loc, kv_cache,
-        HQ=num_heads, HK=num_kv_heads, HALF=half, HP2=max(2, 1 << (half - 1).bit_length()), **pdl.launch_kwargs(qkv))
+        HQ=num_heads, HK=num_kv_heads, HALF=half, HP2=max(2, 1 << (half - 1).bit_length()), **launch_kwargs(qkv))

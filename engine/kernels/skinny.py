@@ -1,50 +1,32 @@
 """Skinny GEMMs with fused prologues (Triton): the decode-time linears of a Llama layer, few rows each.
 
-At decode batch sizes a layer's GEMMs read their weights once and are bound by memory or by launch
-latency, and the element-wise kernels between them (add-RMSNorm, SiLU-and-mul) are separate launches
-of a few microseconds each (a small model at b=1 runs about 12 kernels per layer, each near its
-per-kernel floor). These kernels fold the element-wise step into the GEMM that consumes it, so a
-layer runs 6 launches instead of 9, plus any cuBLAS split-K reduces (same idea as the fused-prologue GEMMs of gpt-fast's compiled
-decode and of TensorRT-LLM's GEMV plugins; the code here is ours):
+The element-wise step is folded into the GEMM that consumes it, so a layer runs 6 launches instead of 9 (the idea
+of gpt-fast's compiled decode and TensorRT-LLM's GEMV plugins; the code is ours):
 
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (bf16 round), y = rmsnorm(h) W^T (+ bias);
-    returns (y, h). Replaces add-RMSNorm then the QKV GEMM. Without a residual: h = x.
-  * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u: add-RMSNorm, the
-    gate_up GEMM and SiLU-and-mul in one launch (each program owns matching gate and up columns).
+    returns (y, h). Without a residual: h = x.
+  * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u, one launch.
   * ``linear(x, W)``: y = x W^T, no prologue (o_proj, down_proj): no cuBLAS split-K reduce kernel.
 
-The norm prologue makes a statistics pass over the activation row first (L2-resident), then normalises each
-K tile before its product. SiLU-and-mul runs in gate_up's epilogue, not in down_proj's K loop (an exp per
-activation element inside the loop is far slower than the unfused pair), and the statistic is not accumulated
-inside the GEMM loop (a row reduction there stalls the weight pipeline).
+The norm prologue makes a statistics pass over the activation row first, then normalises each K tile before its
+product; SiLU-and-mul runs in gate_up's epilogue. Each program owns BLOCK_N output columns for BLOCK_M = 16 rows
+(one ``tl.dot`` tile) and streams its weight strip once.
 
-Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K]
-(nn.Linear layout, contiguous), bias [N] or None; the outputs [M, N] / [M, K] are fresh
-tensors of x's dtype (the residual is never updated in place: other programs still read it). Accumulation
-and the RMS statistics are float32; the normalised activation is rounded to the input dtype before the
-product, as the unfused path (FlashInfer's norm kernel, then cuBLAS) does.
-
-Each program owns BLOCK_N output columns for BLOCK_M (16: the smallest ``tl.dot`` tile) rows and
-streams its [BLOCK_N, K] weight strip once; the prologue is recomputed per program from the [M, K]
-activations (L2-resident, a few KB). Rows beyond M are masked (no traffic).
-
-Dispatch: :func:`use` per linear. The kernels run for CUDA bf16/fp16 activations when ``PPSPEC_SKINNY`` is 1
-(the default; 0 = the unfused path), for at most ``PPSPEC_SKINNY_MAX_M`` rows (default 16) and weights of at most
-``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22). Under Triton's CPU interpreter they run only when
-``PPSPEC_SKINNY=1`` is set explicitly (tests). Block sizes: :func:`pick_config`, overridable with
-``PPSPEC_SKINNY_CFG=BN,BK,warps,stages`` for tuning runs (``python -m tools.kernel_bench``).
-Raises ValueError for layouts the kernels do not take.
-
-The kernels pay off at small hidden sizes (the SmolLM2 shape); at the Llama-3-8B shape cuBLAS streams the
-16-117M-element weights faster, so ``PPSPEC_SKINNY_MAX_W`` keeps cuBLAS there.
+Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K] contiguous,
+bias [N] or None; outputs [M, N] / [M, K] are fresh tensors of x's dtype (the residual is never updated in place).
+Float32 accumulation and statistics; the normalised activation is rounded to the input dtype before the product,
+as the unfused path (FlashInfer's norm, then cuBLAS) does.
+Dispatch (:func:`use`): CUDA bf16/fp16, ``PPSPEC_SKINNY`` not 0, at most :data:`MAX_ROWS` rows, weights of at most
+``PPSPEC_SKINNY_MAX_W`` elements; under Triton's interpreter only with ``PPSPEC_SKINNY=1``. Raises ValueError for
+layouts the kernels do not take.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import knobs
-from . import pdl
-from ..config import ConfigError
+from .fused import launch_kwargs, rmsnorm_ref, use_fused
 
 try:
     import triton
@@ -52,64 +34,39 @@ try:
 except Exception:                                 # noqa: BLE001 - no Triton: callers use the unfused path
     triton = None
 
+MAX_ROWS = 16                                     # one BLOCK_M tile
 num_launches = 0                                  # kernel launches in this process (tests check the path ran)
-
-
-def max_rows() -> int:
-    return knobs.current().skinny_max_m
+TUNE: tuple | None = None                         # (BLOCK_N, BLOCK_K, warps, stages) forced (tools.kernel_bench)
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the fused skinny kernels take activations ``x`` [M, K] (see the module docstring).
-
-    Raises:
-        ConfigError: PPSPEC_SKINNY_MAX_M is set but not an integer.
-    """
+    """Whether the fused skinny kernels take activations ``x`` [M, K] (see the module docstring)."""
     kn = knobs.current()
     if triton is None or kn.skinny is False or x.dim() != 2:
         return False
     if kn.triton_interpret:                              # CPU interpreter: only when asked for by name (tests)
         if kn.skinny is not True:
             return False
-    else:
-        from .fused import use_fused
-        if not use_fused(x):
-            return False
-    return x.shape[0] <= max_rows()
+    elif not use_fused(x):
+        return False
+    return x.shape[0] <= MAX_ROWS
 
 
 def fits(w: torch.Tensor) -> bool:
-    """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements (default 1<<22: a kernel
-    bench on the H200 has cuBLAS ahead on the Llama-3-8B shape's 16-117M-element weights).
-
-    Raises:
-        ConfigError: PPSPEC_SKINNY_MAX_W is set but not an integer.
-    """
+    """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements."""
     return w.numel() <= knobs.current().skinny_max_w
 
 
 def use(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the linear with weight ``w`` takes the skinny kernel for activations ``x``: :func:`enabled` and
-    :func:`fits`. (A layer, whose linears share the row count, asks :func:`enabled` once.)"""
+    """:func:`enabled` and :func:`fits` (a layer, whose linears share the row count, asks :func:`enabled` once)."""
     return enabled(x) and fits(w)
 
 
 def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a skinny GEMM with weight [N, K] (the row count does not
-    change the choice: at most 16 rows, one BLOCK_M tile).
-
-    Heuristic from a kernel bench on the H200 (SmolLM2 shapes, 1-16 rows): narrow column
-    strips (16; 32 for the gated gate_up, which streams a gate and an up strip) so that even N = 1-4K gives
-    several programs per SM, and 256-wide K tiles; plain GEMMs with K <= 1024 take 128-wide tiles with 4 stages
-    (the norm prologue keeps 256-wide tiles).
-
-    Raises:
-        ConfigError: ``PPSPEC_SKINNY_CFG`` is not 4 integers BLOCK_N,BLOCK_K,warps,stages with BLOCK_N and
-            BLOCK_K powers of two >= 16, warps a power of two <= 32 and stages >= 1.
-    """
-    cfg = knobs.current().skinny_cfg
-    if cfg:
-        return cfg
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for weight [N, K]: :data:`TUNE`, else narrow column strips (16; 32
+    for the gated gate_up) and 256-wide K tiles; plain GEMMs with K <= 1024 take 128-wide tiles with 4 stages."""
+    if TUNE:
+        return TUNE
     bn = 32 if gated else 16
     if K < 256:
         return bn, max(16, triton.next_power_of_2(K)), 4, 3
@@ -124,7 +81,7 @@ if triton is not None:
                        stride_ym, M, N, K, eps,
                        NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:                               # engine/kernels/pdl.py: nothing is read before the wait
+        if USE_PDL:                               # the PDL contract: nothing is read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         pid_n = tl.program_id(0)
@@ -213,7 +170,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, norm: bool, gated: bool, residual=
         residual.stride(0) if residual is not None else 0, h if h is not None else y,
         gamma if gamma is not None else w, w, w.stride(0), bias if bias is not None else w, y, y.stride(0),
         M, N, K, float(eps), NORM=norm, GATED=gated, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch_kwargs(x))
+        BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y, h
 
 
@@ -240,8 +197,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def reference(x, w, residual=None, gamma=None, eps: float = 0.0, bias=None, norm: bool = False,
               gated: bool = False):
     """The unfused torch computation (the test oracle): (y, h or None)."""
-    from .fused import rmsnorm_ref
-    import torch.nn.functional as F
     h = x + residual if residual is not None else x
     y = F.linear(rmsnorm_ref(h, gamma, eps) if norm else h, w, bias)
     if gated:

@@ -1,13 +1,11 @@
 """The decoder layer's linears with their fusions: add-RMSNorm + QKV, add-RMSNorm + gate_up + SiLU-and-mul, and
 the row-parallel o_proj / down_proj, each choosing its kernel path once per weight.
 
-Paths (engine/plan.py's ``linear`` policy): ``gemv`` (engine/kernels/gemv.py: exactly one row and a weight above
-``PPSPEC_GEMV_MIN_W`` elements, op in ``PPSPEC_GEMV_OPS``), ``skinny`` (engine/kernels/skinny.py: at most
-``PPSPEC_SKINNY_MAX_M`` rows and a weight of at most ``PPSPEC_SKINNY_MAX_W`` elements), else ``unfused``
-(FlashInfer / torch norm and activation, cuBLAS / torch linear). The weight-size and op tests are resolved once per
-:class:`engine.knobs.Knobs` (the process's knobs, read once); only the row / device / dtype test of the kernel gates
-runs per call, as the kernels need it. The modules hold their norm and linear by reference (no parameters of
-their own): checkpoint names stay those of the layer's ``self_attn`` / ``mlp`` / norms.
+Paths (engine/plan.py's ``linear`` policy): ``gemv`` (engine/kernels/gemv.py: one row, a weight above
+``PPSPEC_GEMV_MIN_W`` elements), ``skinny`` (engine/kernels/skinny.py: at most 16 rows, a weight of at most
+``PPSPEC_SKINNY_MAX_W`` elements), else ``unfused`` (FlashInfer / torch norm and activation, cuBLAS / torch linear).
+The weight-size test is resolved once per :class:`engine.knobs.Knobs`; the row / device / dtype test runs per call.
+The modules hold their norm and linear by reference: checkpoint names stay those of ``self_attn`` / ``mlp`` / norms.
 """
 from __future__ import annotations
 
@@ -35,16 +33,11 @@ class _Routed(nn.Module):
         return self._refs[0]
 
     def path(self, x: torch.Tensor) -> str:
-        """``gemv``, ``skinny`` or ``unfused`` for activations ``x`` [M, K].
-
-        Raises:
-            ConfigError: a kernel knob is malformed (engine.knobs).
-        """
+        """``gemv``, ``skinny`` or ``unfused`` for activations ``x`` [M, K]."""
         kn = knobs.current()
         if self._kn is not kn:            # once per weight and knob set
             w = self.linear.weight
-            ops = gemv.OPS if kn.gemv_ops is None else kn.gemv_ops
-            self._kn, self._gemv_w, self._skinny_w = kn, w.numel() > kn.gemv_min_w and self.op in ops, skinny.fits(w)
+            self._kn, self._gemv_w, self._skinny_w = kn, w.numel() > kn.gemv_min_w and self.op in gemv.OPS, skinny.fits(w)
         if self._gemv_w and gemv.enabled(x):
             return "gemv"
         if self._skinny_w and skinny.enabled(x):

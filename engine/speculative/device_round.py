@@ -19,7 +19,7 @@ import torch
 
 from ..attention.backend import h2d, pinned
 from ..attention.device import default_splits
-from ..graph_capture import capture, ladder, pick
+from ..graphs import capture, ladder, pick
 from .round_steps import RoundState, spec_round
 from .tree import chain_fallback
 

@@ -1,5 +1,5 @@
 """CUDA graphs of the EAGLE draft: the tail-draft beam search, and optionally the draft extend after a verify
-followed by the beam search, captured as one graph per batch size of the ladder (:func:`engine.graph_capture.ladder`),
+followed by the beam search, captured as one graph per batch size of the ladder (:func:`engine.graphs.ladder`),
 so a round's drafting is one replay with no host sync. Attention: graph-mode FlashInfer wrappers
 (:class:`engine.attention.flashinfer_graphs.DraftGraphAttention`), re-planned on the host before each replay.
 EAGLE-1/2 and EAGLE-3 drafts alike: the beam search feeds the draft its own hidden [*, H]; the draft extend reads
@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from ..attention.backend import ForwardContext, h2d, pinned
-from ..attention.flashinfer_graphs import graph_backend, plan_key
-from ..graph_capture import capture, ladder, pick
+from ..attention.flashinfer_graphs import DraftGraphAttention, graph_backend, plan_key
+from ..graphs import capture, ladder, pick
+from .eagle_worker import draft_beam_search, scratch_slots
 
 
 class DraftGraphRunner:
@@ -48,7 +49,7 @@ class DraftGraphRunner:
         self.max_kv = runner.max_model_len + runner.reserve + self.S + 8
         self.last_h = torch.zeros(self.max_bs, H, dtype=self.dtype, device=d)
         self.scratch = torch.zeros(self.max_bs, self.k, max(self.S - 1, 0), dtype=i64, device=d)
-        self.attn = self.backend.graph_state("draft", self.key, d, max_lanes=lanes, num_steps=self.S,
+        self.attn = DraftGraphAttention(self.backend, self.key, d, max_lanes=lanes, num_steps=self.S,
                                              max_kv=self.max_kv, extend_bs=self.max_bs if extend else 0)
         self.steps = {s: {"hist_pos": torch.zeros(lanes * s, dtype=i64, device=d),
                           "pos": torch.zeros(lanes, dtype=i64, device=d)} for s in range(1, self.S)}
@@ -75,7 +76,6 @@ class DraftGraphRunner:
         """Per step s: (kv_indptr [lanes+1] int32, kv_indices [sum] int32 with zeros where the graph writes
         the ancestry, hist_pos [lanes*s] int64, positions [lanes] int64), host numpy; scratch [bs,k,S-1].
         Raises RuntimeError when a page table exceeds the captured buffer (lanes * max_kv slots)."""
-        from .eagle_worker import scratch_slots
         k, S, B = self.k, self.S, len(rows)
         lanes = bs * k
         pad = (bs - B) * k
@@ -126,7 +126,6 @@ class DraftGraphRunner:
 
     def _round_body(self, bs: int, step_inputs):
         """Draft extend (W rows per request, causal) -> hidden of each request's last accepted row -> beam search."""
-        from .eagle_worker import draft_beam_search
         T = bs * self.W
         ctx = ForwardContext(list(range(0, T + 1, self.W)), None, None, self.e_in[2, :T], self.r.draft_pool, "extend")
         self.attn.bind_extend(ctx, bs)
@@ -135,7 +134,6 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def _capture(self, bs: int, with_extend: bool = False) -> None:
-        from .eagle_worker import draft_beam_search
         self.attn.capture_steps(bs, bs * self.k)
         rows = [torch.zeros(self.S * self.k + self.W + 1, dtype=torch.int64)] * bs
         self._plan(bs, rows, [1] * bs)

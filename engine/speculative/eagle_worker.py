@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..attention.backend import ForwardContext, d2h, get_backend, h2d, set_context
-from ..kv_cache import commit_order
 from ..messages import DraftTree, StepResult
-from .tree import draft_step_select, organize_draft_results, verify_tree_sampling
+from .tree import commit_order, draft_step_select, organize_draft_results, verify_tree_sampling
 
 
 def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):

@@ -27,7 +27,9 @@ import torch
 
 from ..attention.backend import ForwardContext, set_context
 from ..attention.device import DeviceLayout
-from ..kv_cache import commit_order_device
+from ..model.sampling import target_probs
+from .eagle_worker import draft_beam_search
+from .tree import commit_order_device, verify_tree_sampling
 from .tree_kernels import build_tree_any, verify_tree_greedy_any
 
 
@@ -108,8 +110,6 @@ def verify_sampled(runner, st: RoundState, tree, feature: torch.Tensor):
     ``coins`` [bs, S+2, n+1] float32, where ``coins[b, j]`` are request b's coins for its output position j tokens
     past the one the host knew at launch; j is the accept length of the state's previous round (``st.out``, zero
     after a load: that round was applied already). No host sync."""
-    from ..model.sampling import target_probs
-    from .tree import verify_tree_sampling
     sp, S, n = st.sampling, runner.spec.num_steps, runner.spec.num_draft_tokens
     probs = target_probs(runner.model.compute_logits(feature), sp["temperature"], sp["top_k"], sp["top_p"])
     coins = sp["coins"][st.rows, st.out[:, S + 1].clamp(0, S + 1)]                         # [bs, n+1]
@@ -122,7 +122,6 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     (``st.rt`` permuted, ``st.seq_lens`` advanced), draft extend, tail draft into ``st.tokens`` / ``st.parents`` /
     ``st.tsi``, the result row into ``st.out``. ``draft_feature`` [bs*n, F]: what the draft extend reads per tree
     node (default ``feature``; EAGLE-3: the aux features, F = 3H, :func:`round_draft_feature`). No host sync."""
-    from .eagle_worker import draft_beam_search
     spec, model = runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, L, ar = st.bs, st.seq_lens, st.ar

@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from ..dist import ps
-from ..kv_cache import commit_order_device
 from ..messages import DraftTree, StepResult
 from .device_round import SpecRoundRunner
+from .tree import commit_order_device
 from .round_steps import RoundState, round_draft_feature, round_tail, verify_forward
 
 _TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")

@@ -19,12 +19,9 @@ def test_gemv_kernels_match_reference(monkeypatch):
     g = torch.Generator().manual_seed(0)
     worst, cases = 0.0, 0
     # (N, K, pad, config): odd N (masked last program), K not a multiple of BLOCK_K (masked tail), strided x rows
-    for N, K, pad, cfg in [(40, 96, 0, "4,32,4,1"), (34, 70, 8, "4,32,4,1,0"), (64, 300, 0, "16,64,4,2"),
-                           (20, 256, 5, "1,256,4,1,0"), (96, 16, 0, "8,16,2,1"), (33, 128, 0, None)]:
-        if cfg is None:
-            monkeypatch.delenv("PPSPEC_GEMV_CFG", raising=False)
-        else:
-            monkeypatch.setenv("PPSPEC_GEMV_CFG", cfg)
+    for N, K, pad, cfg in [(40, 96, 0, (4, 32, 4, 1, 1)), (34, 70, 8, (4, 32, 4, 1, 0)), (64, 300, 0, (16, 64, 4, 2, 1)),
+                           (20, 256, 5, (1, 256, 4, 1, 0)), (96, 16, 0, (8, 16, 2, 1, 1)), (33, 128, 0, None)]:
+        monkeypatch.setattr(gemv, "TUNE", cfg)
         for dt in (torch.float32, torch.bfloat16):
             tol = 2e-5 if dt == torch.float32 else 2e-2
             for op in ("plain", "norm", "gated"):
@@ -61,7 +58,7 @@ def test_gemv_kernels_match_reference(monkeypatch):
                         if dt == torch.float32:
                             worst = max(worst, err)
                         cases += 1
-    monkeypatch.delenv("PPSPEC_GEMV_CFG", raising=False)
+    monkeypatch.setattr(gemv, "TUNE", None)
     for bad in [lambda: gemv.linear(torch.randn(1, 8), torch.randn(4, 6)),
                 lambda: gemv.linear(torch.randn(2, 8), torch.randn(4, 8)),
                 lambda: gemv.linear(torch.randn(1, 8), torch.randn(8, 4).t()),
