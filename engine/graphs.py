@@ -47,9 +47,6 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return ladder(max_tokens, PREFILL_BUCKETS)
 
 
-prefill_bucket = pick
-
-
 @contextlib.contextmanager
 def capturing(g: "torch.cuda.CUDAGraph", pool):
     """``torch.cuda.graph`` with the garbage collector held off (a collection during capture can finalise an earlier
@@ -295,7 +292,7 @@ class PrefillGraphRunner(_StageBuffers):
             aux: list | None = None):
         """Replay the bucket graph for ``ctx`` (see :meth:`can_run`); as :meth:`CudaGraphRunner.run`."""
         T = ctx.qo_indptr[1] - ctx.qo_indptr[0]
-        Tb = prefill_bucket(T, self.buckets)
+        Tb = pick(self.buckets, T)
         self._load(ids, pos, ctx.out_cache_loc, hidden, residual, T, Tb)
         self.attn.plan(Tb, self.loc[:Tb])
         self.graphs[Tb].replay()

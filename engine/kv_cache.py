@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from . import knobs
-from .speculative.tree import commit_order, commit_order_device  # noqa: F401  (re-exported)
+from .speculative.tree_host import commit_order  # noqa: F401  (re-exported)
 
 
 class KVCacheError(RuntimeError):

@@ -98,7 +98,7 @@ class ModelRunner:
         if self.head_padding:
             weights = self.head_padding.weights(weights)
         if self.spec and s.is_last_stage:               # the draft, with its own copy of the target embedding
-            from .speculative.drafts import build_draft, copy_embedding
+            from .speculative.eagle import build_draft, copy_embedding
             self.draft = build_draft(self.spec, self.checkpoint_config, self.eagle3, self.dtype, self.device, max_pos,
                                      seed=config.seed, dummy=config.load_format == "dummy", tp_size=s.tp_size)
             weights = copy_embedding(self.draft, weights)

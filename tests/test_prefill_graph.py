@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig
 from engine.attention.backend import ForwardContext
-from engine.graphs import PrefillGraphRunner, prefill_bucket, prefill_buckets
+from engine.graphs import PrefillGraphRunner, pick, prefill_buckets
 
 
 def test_prefill_buckets_ladder():
@@ -20,8 +20,8 @@ def test_prefill_buckets_ladder():
     assert prefill_buckets(1000) == [64, 128, 256, 384, 512, 768, 1000]
     assert prefill_buckets(40) == [40]
     b = prefill_buckets(2048)
-    assert [prefill_bucket(t, b) for t in (1, 64, 65, 385, 1537, 2048)] == [64, 64, 128, 512, 2048, 2048]
-    assert prefill_bucket(2049, b) is None
+    assert [pick(b, t) for t in (1, 64, 65, 385, 1537, 2048)] == [64, 64, 128, 512, 2048, 2048]
+    assert pick(b, 2049) is None
 
 
 def _fake_runner(pool):

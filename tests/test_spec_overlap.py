@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-from engine.speculative.tree import commit_order, commit_order_device
+from engine.speculative.tree_host import commit_order
+from engine.speculative.tree_kernels import commit_order_device
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = dict(num_steps=3, topk=2, num_draft_tokens=6)

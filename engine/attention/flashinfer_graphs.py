@@ -1,19 +1,14 @@
 """Graph-mode FlashInfer attention for captured forwards: stable page-table buffers, one graph-mode wrapper per
-(kind, batch size), and the host re-plan before each replay.
-
-A captured forward reads all per-batch attention metadata from buffers the wrapper was built over, so a graph
-stays valid when its wrapper is re-planned on the host for the next batch. The graph runners
-(:mod:`engine.graphs`, :mod:`engine.speculative.draft_graphs`) build a state over the backend and use only its
-methods:
+(kind, size), and the host re-plan before each replay (a captured forward reads all attention metadata from the
+buffers its wrapper was built over, so a re-planned graph stays valid).
 
   * :class:`StageGraphAttention`   decode / verify forwards of a stage over a batch-size ladder;
   * :class:`PrefillGraphAttention` one-request causal prefills over token buckets (a workspace of its own);
   * :class:`DraftGraphAttention`   the EAGLE draft steps (a decode wrapper per step) and the causal draft extend.
 
-Each state's ``capture_*`` methods create the wrapper of one size and plan it for a dummy batch;
-``bind*`` point a :class:`~engine.attention.backend.ForwardContext` at that wrapper (already planned, so the
-backend plans nothing inside the graph); ``plan*`` re-plan it for the batch of the next replay. The plan key is
-(Hq, Hk, D, softmax scale, dtype) of the attention module (:func:`plan_key`). Page size 1, NHD layout.
+``capture_*`` create the wrapper of one size and plan it for a dummy batch; ``bind*`` point a
+:class:`~engine.attention.backend.ForwardContext` at it (so the backend plans nothing inside the graph); ``plan*``
+re-plan it for the next replay. Plan key: (Hq, Hk, D, softmax scale, dtype) (:func:`plan_key`). Page size 1, NHD.
 """
 from __future__ import annotations
 

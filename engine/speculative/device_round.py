@@ -1,17 +1,11 @@
-"""The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, so the host can
-launch round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler).
+"""The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, so the host can launch
+round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler).
 
-A round of the normal path is host-serial: the verify result comes back to the host, which then permutes the
-page table, plans FlashInfer for the draft extend and the draft steps from host slot lists, and launches them.
-Here every input of round t+1 is an output of round t on the device (the state and the round's steps,
-:func:`spec_round`, are in :mod:`engine.speculative.round_steps`). Attention reads its layout from device tensors
-(:mod:`engine.attention.device`), so nothing is planned on the host and the round is one CUDA graph per batch size
-(:class:`SpecRoundRunner`); on CPU it runs eagerly (same code, torch reference attention).
-
-The host keeps its own req_to_token (the scheduler's) one round behind: it applies each round's commit
-permutation when it processes that round's result (``Scheduler.process_output``), exactly as on the normal
-path, and appends newly allocated slots to both copies. Slots are allocated ahead for every round in flight
-(a round advances a request by at most S+1 positions).
+Every input of round t+1 is an output of round t on the device (the steps: :mod:`engine.speculative.round_steps`);
+attention reads its layout from device tensors, so the round is one CUDA graph per batch size
+(:class:`SpecRoundRunner`; eager on CPU). The host keeps its req_to_token one round behind (the commit permutation is
+applied when it processes the round's result) and allocates slots ahead for every round in flight (at most S+1
+positions per round).
 """
 from __future__ import annotations
 

@@ -8,18 +8,27 @@ Checkpoint format (published EAGLE layout): ``config.json`` (the target's shape,
 ``architectures: ["LlamaForCausalLMEagle"]``) and ``model.safetensors`` with keys ``fc.weight``,
 ``fc.bias`` and ``layers.0.*`` (HF decoder-layer names). ``embed_tokens`` is not stored: the draft
 takes a copy of the target's embedding.
+
+:func:`build_draft` builds the last stage's draft module from ``spec.draft``: an EAGLE-1/2 head (its layer
+TP-padded like the target's) or an EAGLE-3 head (:class:`~engine.speculative.eagle3.Eagle3Draft`).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, SpecConfig
+from ..model.config import is_eagle3_config
 from ..model.layers import RotaryEmbedding, VocabParallelEmbedding
 from ..model.llama import DecoderLayer, load_layer_weight
+from ..model.loader import dummy_weights
+from ..model.tp_pad import tp_head_padding
+from .eagle3 import Eagle3Draft
+from .eagle3_checkpoint import dummy_eagle3_weights
 
 
 class EagleDraft(nn.Module):
@@ -75,7 +84,6 @@ def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
     d = json.loads(p.read_text())
     if int(d.get("hidden_size", -1)) != target.hidden_size:
         raise ConfigError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {target.hidden_size}")
-    from .eagle3 import is_eagle3_config
     if is_eagle3_config(d) or "d2t" in d:
         raise ConfigError(f"{p}: an EAGLE-3 checkpoint; use spec.algorithm: eagle3 (the EAGLE-1/2 module would read "
                           "the wrong feature)")
@@ -98,7 +106,6 @@ def dummy_draft_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, de
     """Random EAGLE weights for a config-only draft under ``load_format=dummy`` (speed runs of shapes
     without a trained head; such a draft accepts almost nothing): ``fc`` normal(0, 0.02) with zero bias,
     layer 0 as :func:`engine.model.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
-    from ..model.loader import dummy_weights
     dev = torch.device(device) if device is not None else torch.device("cpu")
     H = cfg.hidden_size
     g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + 7)
@@ -161,3 +168,44 @@ def draft_state_dict(draft: EagleDraft) -> dict[str, torch.Tensor]:
         out.update({"layers.0.self_attn.q_proj.bias": b[:q_sz], "layers.0.self_attn.k_proj.bias": b[q_sz:q_sz + kv_sz],
                     "layers.0.self_attn.v_proj.bias": b[q_sz + kv_sz:]})
     return out
+
+
+def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtype, device: torch.device, max_pos: int,
+                *, seed: int, dummy: bool, tp_size: int) -> nn.Module:
+    """The draft of ``spec`` for a target of config ``target``: an :class:`Eagle3Draft` when ``eagle3`` (the draft's
+    :class:`~engine.speculative.eagle3.Eagle3Spec`) is given, else an :class:`EagleDraft`; rotary tables for
+    ``max_pos`` positions, weights from ``spec.draft`` in ``dtype``, or random ones (``seed``) when ``dummy`` (a
+    random target) and the draft directory holds only a config. The embedding is left for :func:`copy_embedding`.
+
+    Raises:
+        ConfigError: ``spec.draft`` is empty, the draft's config or weights are unusable, or ``tp_size`` does not
+            divide an EAGLE-3 draft's heads (EAGLE-1/2 heads are padded instead).
+    """
+    if not spec.draft:
+        raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
+    random_weights = dummy and not has_draft_weights(spec.draft)
+    if eagle3 is not None:
+        if tp_head_padding(eagle3.cfg, tp_size):
+            raise ConfigError(f"spec.algorithm eagle3: tp={tp_size} does not divide the draft's heads "
+                              f"({eagle3.cfg.num_attention_heads} q, {eagle3.cfg.num_key_value_heads} kv)")
+        draft = Eagle3Draft(eagle3, dtype, max_pos)
+        draft.load_draft_weights(dummy_eagle3_weights(eagle3, seed, dtype, device) if random_weights
+                                 else iter_draft_weights(spec.draft, dtype))
+        return draft
+    dcfg = draft_config(target, spec.draft)
+    dpad = tp_head_padding(dcfg, tp_size)            # the draft layer is TP-sharded like the target's
+    draft = EagleDraft(dpad.config(dcfg) if dpad else dcfg, dtype, max_pos)
+    # a config-only draft next to a random target: random draft weights too (labelled random)
+    dw = dummy_draft_weights(dcfg, seed, dtype, device) if random_weights else iter_draft_weights(spec.draft, dtype)
+    draft.load_draft_weights(dpad.weights(dw) if dpad else dw)
+    return draft
+
+
+def copy_embedding(draft: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The target's (name, tensor) weights passed on unchanged; ``model.embed_tokens.weight`` is also loaded into
+    the draft's own embedding as it passes (the draft keeps a copy: it runs on the last stage, which may not hold
+    the target's embedding)."""
+    for name, t in weights:
+        if name == "model.embed_tokens.weight":
+            draft.embed_tokens.load(t)
+        yield name, t

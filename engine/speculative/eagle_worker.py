@@ -12,7 +12,8 @@ import torch
 
 from ..attention.backend import ForwardContext, d2h, get_backend, h2d, set_context
 from ..messages import DraftTree, StepResult
-from .tree import commit_order, draft_step_select, organize_draft_results, verify_tree_sampling
+from .tree_host import commit_order
+from .tree import draft_step_select, organize_draft_results, verify_tree_sampling
 
 
 def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):

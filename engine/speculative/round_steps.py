@@ -1,25 +1,16 @@
-"""The steps of the device-resident EAGLE round (one stage, greedy) and the device state they read and update: the
-round :class:`engine.speculative.device_round.SpecRoundRunner` runs whole on one stage, and
-:mod:`engine.speculative.stage_round` cuts at PP stage boundaries (:func:`verify_forward` on every stage,
-:func:`round_tail` on the last).
+"""The steps of the device-resident EAGLE round (one stage, greedy) and the device state they read and update, shared
+by :class:`engine.speculative.device_round.SpecRoundRunner` (the whole round on one stage) and
+:mod:`engine.speculative.stage_round` (:func:`verify_forward` on every PP stage, :func:`round_tail` on the last).
 
-  state (per request b of the segment, device tensors):
-    rt [bs, max_len] int64     the request's req_to_token row (a segment-local copy; slot ids)
-    seq_lens [bs] int64        committed tokens (the next root excluded)
-    tokens [bs, n], parents [bs, k(S-1)+1], tsi [bs, n-1]   the next tree (column 0 of tokens = root)
-  round (:func:`spec_round`):
-    1. build the tree (``build_tree_any``), verify forward over ``rt[b, L:L+n]`` with the tree mask,
-    2. greedy walk (``verify_tree_greedy_any``; with sampled requests on the stage round, exact tree rejection
-       sampling: ``verify_sampled``),
-    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``kv_cache.commit_order_device``, the
-       device twin of ``kv_cache.commit_order``), ``seq_lens += accept_length``,
-    4. draft extend over W = min(S+1, n) rows, tail draft (``draft_beam_search``) -> the next tree; the extend
-       reads the target's final-norm output per accepted node (EAGLE-1/2) or, for EAGLE-3, the outputs of the
-       target's aux layers collected by the same verify forward, concatenated in layer order [bs*n, 3H]
-       (:func:`engine.speculative.eagle3.assemble_features`); later draft steps read the draft's own output (H),
-    5. write the result row [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``.
-
-No step syncs with the host: attention reads its layout from device tensors (:mod:`engine.attention.device`).
+  state (per request b, device tensors): rt [bs, max_len] int64 (a segment-local copy of its req_to_token row),
+    seq_lens [bs] int64 (committed tokens, the next root excluded), the next tree: tokens [bs, n] (column 0 =
+    root), parents [bs, k(S-1)+1], tsi [bs, n-1].
+  round (:func:`spec_round`): 1. build the tree, verify forward over ``rt[b, L:L+n]`` with the tree mask;
+    2. greedy walk (sampled requests on the stage round: exact tree rejection sampling, :func:`verify_sampled`);
+    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``commit_order_device``),
+    ``seq_lens += accept_length``; 4. draft extend over W = min(S+1, n) rows (EAGLE-3: the aux-layer features
+    [bs*n, 3H]) and the tail draft -> the next tree; 5. the result row [accept_nodes (S+1) | accept_length |
+    emitted (S+1) | bonus] to ``out``. No step syncs with the host.
 """
 from __future__ import annotations
 
@@ -29,8 +20,8 @@ from ..attention.backend import ForwardContext, set_context
 from ..attention.device import DeviceLayout
 from ..model.sampling import target_probs
 from .eagle_worker import draft_beam_search
-from .tree import commit_order_device, verify_tree_sampling
-from .tree_kernels import build_tree_any, verify_tree_greedy_any
+from .tree import verify_tree_sampling
+from .tree_kernels import build_tree_any, commit_order_device, verify_tree_greedy_any
 
 
 class RoundState:

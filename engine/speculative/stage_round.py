@@ -1,29 +1,16 @@
 """The EAGLE verify round of one PP stage on the device (the plan's ``round: stage``): the device round of
-:mod:`engine.speculative.device_round` cut at the stage boundary, so PP (and TP) runs get what pp=1 has.
+:mod:`engine.speculative.device_round` cut at the stage boundary.
 
-Every stage, for a greedy verify batch of B requests (padded to a captured batch size bs):
-  1. load: the requests' req_to_token rows, seq_lens and relayed trees into the stage's :class:`RoundState`
-     (one pinned host->device copy for the rows, the tree rows copied device to device);
-  2. :func:`stage_round`: build the verify trees with the device tree kernels (every stage rebuilds the identical
-     input), run this stage's layers over ``rt[b, L:L+n]`` with attention read from device tensors
-     (:mod:`engine.attention.device`: nothing planned on the host), from the previous stage's proxies;
-  3. the last stage continues in the same launch: greedy walk, commit, draft extend, tail draft
-     (:func:`engine.speculative.round_steps.round_tail`), the result row [accept_nodes | accept_length | emitted |
-     bonus] and the next trees written to device buffers.
-EAGLE-3: the proxy is (hidden, residual, aux) as on the host round (``ModelRunner.aux_slots``): a stage copies the
-slots it receives into its state's ``a_in`` buffers, its verify forward appends the outputs of the aux layers it owns,
-a stage that is not the last hands all of them on (``a_out``), and the last stage concatenates them in layer order
-[bs*n, 3H] for the draft extend (:func:`engine.speculative.round_steps.round_draft_feature`). Nothing of this goes
-on the relay back to stage 0. A wrong slot count raises RelayError (``aux_slots`` on receipt; the assembly on the
-last stage), which the ``drop_aux`` fault exercises.
-On CUDA with graphs each (stage, bs) is one captured graph. Nothing is read back here: non-last stages hand on
-device proxies, the last stage a :class:`StepResult` of device tensors that the relay carries as they are (NCCL) or
-stages (gloo); each stage's scheduler reads it in one device->host copy when it processes it
-(``StepResult.on_host``). The host keeps req_to_token one round behind, exactly as on the host round: the commit
-permutation is applied when the relayed result is processed.
-
-Sampled requests, batches larger than the largest captured size and trees not relayed take the host round
-(``EagleWorker.verify``); both give the same tokens and accept lengths (tests/test_stage_round.py).
+Every stage, for a greedy verify batch of B requests (padded to a captured size bs): load the requests'
+req_to_token rows, seq_lens and relayed trees into its :class:`RoundState`; :func:`stage_round` builds the verify
+trees with the device tree kernels (every stage rebuilds the identical input) and runs this stage's layers over
+``rt[b, L:L+n]`` with device-planned attention; the last stage goes on in the same launch with
+:func:`engine.speculative.round_steps.round_tail`. EAGLE-3: the proxy is (hidden, residual, aux slots); a stage
+hands on the slots it received plus its own aux outputs, the last concatenates them for the draft extend; a wrong
+slot count raises RelayError. Nothing is read back here: the last stage returns a :class:`StepResult` of device
+tensors; the host applies the commit permutation one round behind when it processes the relayed result.
+Sampled requests, batches past the largest captured size and trees not relayed take the host round
+(``EagleWorker.verify``); both give the same tokens and accept lengths.
 """
 from __future__ import annotations
 
@@ -32,8 +19,8 @@ import torch
 from ..dist import ps
 from ..messages import DraftTree, StepResult
 from .device_round import SpecRoundRunner
-from .tree import commit_order_device
 from .round_steps import RoundState, round_draft_feature, round_tail, verify_forward
+from .tree_kernels import commit_order_device
 
 _TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")
 

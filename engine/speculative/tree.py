@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -288,47 +287,3 @@ def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, c
     x = (final_coins.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
     bonus = torch.searchsorted(cdf.contiguous(), x, right=True).squeeze(1).clamp(max=V - 1)
     return verify_result(tree, accept_nodes, num, bonus)
-
-
-def commit_order(accept_nodes, accept_length, n: int) -> np.ndarray:
-    """Commit permutation of a verify segment, batched (host, numpy).
-
-    accept_nodes [B, S+1] (node ids in path order, -1 padding), accept_length [B] (torch or numpy ints).
-    Returns perm [B, n] int64: the accepted nodes ``accept_nodes[b, :accept_length[b]]`` first, then the
-    rejected ones in node order, so ``seg[b][perm[b]]`` is request b's committed segment (page_size 1:
-    the commit is this index rewrite of ``req_to_token``, no KV moves). Source: SGLang's EAGLE
-    ``assign_req_to_token_pool`` after verify (accepted slots become the committed prefix).
-    """
-    nodes = np.asarray(accept_nodes, dtype=np.int64)
-    alen = np.asarray(accept_length, dtype=np.int64).reshape(-1)
-    B, W = nodes.shape
-    keys = np.broadcast_to(W + np.arange(n, dtype=np.int64), (B, n)).copy()
-    p = np.arange(W)
-    b_idx, p_idx = np.nonzero(p[None, :] < alen[:, None])
-    keys[b_idx, nodes[b_idx, p_idx]] = p_idx
-    return np.argsort(keys, axis=1, kind="stable")
-
-
-def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int,
-                        ar: torch.Tensor | None = None) -> torch.Tensor:
-    """Device twin of :func:`commit_order` (same result, no host sync, capturable).
-
-    accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
-    Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
-    Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
-    entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
-    the order (the same as a stable argsort, without a sort launch).
-    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device (a cached constant: no launch).
-    Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
-    """
-    B, W = accept_nodes.shape
-    if ar is None:
-        ar = torch.arange(max(n, W), device=accept_nodes.device)
-    big = W + n
-    keys = (W + ar[:n]).expand(B, n).clone()
-    p = ar[:W].expand(B, W)
-    src = torch.where(p < accept_length.view(B, 1), p, big)
-    keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
-    # the keys are distinct, so node j's place is the number of smaller keys (no sort kernel: n is small)
-    rank = (keys.unsqueeze(1) < keys.unsqueeze(2)).sum(2)
-    return torch.empty_like(keys).scatter_(1, rank, ar[:n].expand(B, n))

@@ -169,3 +169,22 @@ def tree_input_hash(tree: TreeInfo) -> str:
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def commit_order(accept_nodes, accept_length, n: int) -> np.ndarray:
+    """Commit permutation of a verify segment, batched (host, numpy).
+
+    accept_nodes [B, S+1] (node ids in path order, -1 padding), accept_length [B] (torch or numpy ints).
+    Returns perm [B, n] int64: the accepted nodes ``accept_nodes[b, :accept_length[b]]`` first, then the
+    rejected ones in node order, so ``seg[b][perm[b]]`` is request b's committed segment (page_size 1:
+    the commit is this index rewrite of ``req_to_token``, no KV moves). Source: SGLang's EAGLE
+    ``assign_req_to_token_pool`` after verify (accepted slots become the committed prefix).
+    """
+    nodes = np.asarray(accept_nodes, dtype=np.int64)
+    alen = np.asarray(accept_length, dtype=np.int64).reshape(-1)
+    B, W = nodes.shape
+    keys = np.broadcast_to(W + np.arange(n, dtype=np.int64), (B, n)).copy()
+    p = np.arange(W)
+    b_idx, p_idx = np.nonzero(p[None, :] < alen[:, None])
+    keys[b_idx, nodes[b_idx, p_idx]] = p_idx
+    return np.argsort(keys, axis=1, kind="stable")

@@ -175,3 +175,28 @@ def verify_tree_greedy_any(tree: TreeInfo, target_predict: Tensor, num_steps: in
                                 c(tree.valid).view(torch.int8), c(target_predict), accept_nodes, num, alen,
                                 emitted, bonus, N=n, NP2=_np2(n), S=S, SP2=_np2(S + 1))
     return VerifyResult(accept_nodes, num, alen, emitted, bonus)
+
+
+def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor, n: int,
+                        ar: torch.Tensor | None = None) -> torch.Tensor:
+    """Device twin of :func:`commit_order` (same result, no host sync, capturable).
+
+    accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
+    Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
+    Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
+    entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
+    the order (the same as a stable argsort, without a sort launch).
+    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device (a cached constant: no launch).
+    Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
+    """
+    B, W = accept_nodes.shape
+    if ar is None:
+        ar = torch.arange(max(n, W), device=accept_nodes.device)
+    big = W + n
+    keys = (W + ar[:n]).expand(B, n).clone()
+    p = ar[:W].expand(B, W)
+    src = torch.where(p < accept_length.view(B, 1), p, big)
+    keys.scatter_reduce_(1, accept_nodes.clamp(min=0), src, reduce="amin")
+    # the keys are distinct, so node j's place is the number of smaller keys (no sort kernel: n is small)
+    rank = (keys.unsqueeze(1) < keys.unsqueeze(2)).sum(2)
+    return torch.empty_like(keys).scatter_(1, rank, ar[:n].expand(B, n))
