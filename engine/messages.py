@@ -3,17 +3,59 @@
 ``DraftTree``: one batch's next EAGLE verify trees (or one request's row of them). ``StepResult``: the one message
 the last stage relays round the PP ring for each batch it ran (prefill, decode, verify) or that failed (error);
 every stage's scheduler applies it identically (``Scheduler.process_output``). Both pickle as plain dataclasses of
-tensors over the gloo object path (``engine.dist``).
+tensors over the gloo object path (``engine.dist``). Also the host/device copy helpers every layer uses (:func:`h2d`,
+:func:`d2h`, :func:`pinned`) and the degenerate tree rows (:func:`chain_fallback`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
 import torch
-
-from .attention.backend import d2h, h2d
+from torch import Tensor
 
 _TREE_FIELDS = ("tokens", "parent_list", "top_scores_index")
+
+
+def pinned(t: torch.Tensor, dev) -> torch.Tensor:
+    """``t`` in pinned memory when it is a host tensor bound for a CUDA ``dev`` (so a ``non_blocking``
+    copy is truly asynchronous); ``t`` itself otherwise."""
+    return t.pin_memory() if torch.device(dev).type == "cuda" and t.device.type == "cpu" else t
+
+
+def h2d(t: torch.Tensor, dev) -> torch.Tensor:
+    """Host tensor -> ``dev`` without a stream sync: on CUDA the copy goes from pinned memory with
+    ``non_blocking`` (a blocking copy from pageable memory waits for every queued kernel first)."""
+    if torch.device(dev).type != "cuda" or t.device.type != "cpu":
+        return t.to(dev)
+    return pinned(t, dev).to(dev, non_blocking=True)
+
+
+D2H_COPIES = [0]                           # device->host copies made through d2h (the PP metrics count them)
+
+
+def d2h(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host; an accelerator tensor is copied (blocking: it waits for the work producing ``t``) and
+    counted in ``D2H_COPIES``."""
+    if t.device.type == "cpu":
+        return t
+    D2H_COPIES[0] += 1
+    return t.cpu()
+
+
+def chain_fallback(bonus: Tensor, num_steps: int, topk: int, num_draft_tokens: int):
+    """Degenerate row for a request not drafted for yet.
+
+    Returns ``(tokens [B,n] int64 = [bonus, 0, 0, ...], parent_list [B, k(S-1)+1] =
+    arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``; ``build_tree`` on
+    ``(tokens[:,0], parent_list, top_scores_index, tokens[:,1:])`` always gives a valid tree.
+    """
+    B, dev, n = bonus.shape[0], bonus.device, num_draft_tokens
+    tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
+    tokens[:, 0] = bonus.long()
+    P = topk * (num_steps - 1) + 1
+    parent_list = torch.arange(-1, P - 1, device=dev).expand(B, P).contiguous()
+    top_scores_index = torch.arange(n - 1, device=dev).expand(B, n - 1).contiguous()
+    return tokens, parent_list, top_scores_index
 
 
 class RelayError(RuntimeError):
@@ -66,7 +108,6 @@ class DraftTree:
         """Degenerate chain trees for requests not drafted for (root [B] int64; ``spec``: num_steps, topk,
         num_draft_tokens): tokens = [root, 0, ...], parent_list = arange(-1, k(S-1)), top_scores_index =
         arange(n-1), fresh tensors on root's device; building and verifying them always gives a valid tree."""
-        from .speculative.tree import chain_fallback
         return DraftTree(*chain_fallback(root, spec.num_steps, spec.topk, spec.num_draft_tokens))
 
     def with_rows(self, idx: list[int], other: DraftTree) -> DraftTree:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..messages import D2H_COPIES, d2h, h2d, pinned  # noqa: F401  (re-exported)
 from .device import attention as device_attention
 
 
@@ -56,32 +57,6 @@ def request_masks(ctx: ForwardContext) -> list[torch.Tensor | None]:
 
 
 _CTX: ForwardContext | None = None
-
-
-def pinned(t: torch.Tensor, dev) -> torch.Tensor:
-    """``t`` in pinned memory when it is a host tensor bound for a CUDA ``dev`` (so a ``non_blocking``
-    copy is truly asynchronous); ``t`` itself otherwise."""
-    return t.pin_memory() if torch.device(dev).type == "cuda" and t.device.type == "cpu" else t
-
-
-def h2d(t: torch.Tensor, dev) -> torch.Tensor:
-    """Host tensor -> ``dev`` without a stream sync: on CUDA the copy goes from pinned memory with
-    ``non_blocking`` (a blocking copy from pageable memory waits for every queued kernel first)."""
-    if torch.device(dev).type != "cuda" or t.device.type != "cpu":
-        return t.to(dev)
-    return pinned(t, dev).to(dev, non_blocking=True)
-
-
-D2H_COPIES = [0]                           # device->host copies made through d2h (the PP metrics count them)
-
-
-def d2h(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host; an accelerator tensor is copied (blocking: it waits for the work producing ``t``) and
-    counted in ``D2H_COPIES``."""
-    if t.device.type == "cpu":
-        return t
-    D2H_COPIES[0] += 1
-    return t.cpu()
 
 
 def set_context(ctx: ForwardContext | None) -> None:

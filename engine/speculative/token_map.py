@@ -24,6 +24,7 @@ import torch
 
 from ..kernels.argmax import argmax_rows
 from ..config import ConfigError, token_map_file
+from ..dist import ps, tp_all_gather
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
@@ -108,7 +109,6 @@ class HotHead:
     @classmethod
     def from_lm_head(cls, lm_head, ids: torch.Tensor) -> "HotHead":
         """Rows ``ids`` (target ids) of a ``ParallelLMHead`` (any TP size)."""
-        from ..dist import ps, tp_all_gather
         w = lm_head.weight.data
         if ps().tp_size > 1:
             w = tp_all_gather(w, dim=0)
