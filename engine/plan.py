@@ -30,8 +30,7 @@ class ExecutionPlan:
     ``ring_rounds`` (the ring with stage rounds, pp > 1 or tp > 1: a micro-batch's round r+1 launched from the
     device state before round r's relayed result is applied; ``overlap_schedule: true``, opt-in on every device),
     ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
-    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
-    PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
+    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
     tensor). frames: how the CPU part of every PP message travels: None (pp = 1), ``gloo`` or ``shm`` (a shared-memory
     ring per ring edge, :mod:`engine.shm_ring`; auto when the ranks share one GPU on an x86-64 host,
     PPSPEC_RELAY_SHM=1 forces it, also on CPU ranks of one host). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
@@ -146,8 +145,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())
         frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
-        ipc = cuda and staged and kn.relay_ipc
-        relay = "device group" if p2p else "cuda ipc" if ipc else "staged" if cuda else "gloo"
+        relay = "device group" if p2p else "staged" if cuda else "gloo"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend
     if backend == "auto":

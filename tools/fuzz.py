@@ -451,12 +451,12 @@ class CaseResult:
     def kinds(self) -> list[str]:
         return sorted({k for k, _ in self.failures}, key=KINDS.index)
 
-    def report(self) -> str:
-        """A multi-line report: status line, one line per failure, the repro command."""
+    def report(self, phases: bool = False) -> str:
+        """A multi-line report: status line, the phase timings (``phases``), one line per failure, the repro
+        command."""
         status = "PASS" if not self.failures else "FAIL [" + ", ".join(self.kinds) + "]"
         lines = [f"case {self.seed}: {status}  {self.desc}  retractions {self.retractions}  {self.wall_s:.1f}s"]
-        from engine import knobs
-        if self.phases and knobs.current().fuzz_phases:
+        if self.phases and phases:
             lines.append("    phases: " + ", ".join(f"{n} @{t}s" for n, t in self.phases))
         if self.failures:
             lines += [f"    {k}: {m}" for k, m in self.failures]
@@ -532,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="target model (default: the cached tiny random Llama)")
     ap.add_argument("--draft", help="EAGLE draft (default with the tiny model: its trained draft; none: no spec)")
     ap.add_argument("--describe", action="store_true", help="print the drawn cases, run nothing")
+    ap.add_argument("--phases", action="store_true", help="print each case's phase timings")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, results = time.perf_counter(), []
     for s in seeds:
         r = run_isolated(s, model, draft, a.timeout)
-        print(r.report(), flush=True)
+        print(r.report(a.phases), flush=True)
         results.append(r)
     print(summary(results, time.perf_counter() - t0))
     return 1 if any(r.failures for r in results) else 0
