@@ -139,9 +139,7 @@ class EngineConfig:
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
     overlap_schedule: bool | None = None  # the host one step ahead: plain greedy decoding on one stage launches step
-                                          # t+1 before reading step t (auto: on for CUDA); true also makes stage
-                                          # rounds (pp > 1 or tp > 1) launch a micro-batch's round r+1 before
-                                          # applying round r's relayed result (loop ring_rounds; not auto yet)
+                                          # t+1 before reading step t (auto: on for CUDA)
     spec_device_tree: bool | None = None  # EAGLE (every topology): the draft tree stays on the device (Triton tree
                                           # build / verify walk / mask packing on CUDA, torch reference elsewhere);
                                           # under PP every stage rebuilds it there from the relayed tensors

@@ -27,8 +27,6 @@ class ExecutionPlan:
 
     loop: the executor of the worker's event loop (``engine.executors``): ``lookahead`` (plain greedy decode on one
     stage, step t+1 launched before step t is read), ``spec_rounds`` (EAGLE rounds on the device, pp=1 tp=1),
-    ``ring_rounds`` (the ring with stage rounds, pp > 1 or tp > 1: a micro-batch's round r+1 launched from the
-    device state before round r's relayed result is applied; ``overlap_schedule: true``, opt-in on every device),
     ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
     (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
     tensor). frames: how the CPU part of every PP message travels: None (pp = 1), ``gloo`` or ``shm`` (a shared-memory
@@ -132,9 +130,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
-    ahead = stage_round and config.overlap_schedule is True        # opt-in: no measured gain on one shared GPU
-    loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "ring_rounds" if ahead else \
-        "plain" if pp1 else "ring"
+    loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = frames = None
     if not pp1:
         from .shm_ring import supported as shm_supported

@@ -146,9 +146,7 @@ class ModelRunner:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
                 else config.max_running_requests
             self.stage_rounds = StageRoundRunner(self, max_bs, use_graphs="stage_rounds" in self.plan.graphs,
-                                                 keep_tree=config.debug_hash_rebuild,
-                                                 slots=config.pp if self.plan.loop == "ring_rounds" else 1,
-                                                 sampled=self.plan.loop == "ring_rounds")
+                                                 keep_tree=config.debug_hash_rebuild)
             if self.stage_rounds.use_graphs:
                 self.stage_rounds.capture_all()
 

@@ -221,30 +221,6 @@ def test_kv_pool_stores_adjacent_k_v_in_one_view():
     assert pool.kv_cache[1][[0, 2, 5]].abs().sum() == 0 and pool.kv_cache[0].abs().sum() == 0
 
 
-def test_reserve_ahead_per_slot_ignores_other_slots_prefills():
-    """reserve_ahead refuses while a request waits for admission or prefills; with ``slot`` only a prefill in that
-    slot stops it (PP rounds launched ahead keep going while another micro-batch slot prefills in chunks)."""
-    import torch
-    s = Scheduler(capacity=400, max_reqs=4, max_model_len=512, reserve=4, spec=False, max_prefill_tokens=16,
-                  num_slots=2, eos_ids=(2,))
-    s.max_concurrency = 4
-    s.add(Req(0, list(range(3, 9)), SamplingParams(max_new_tokens=20)))
-    b = s.schedule(0)
-    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[7]]), chunks=b.chunks))
-    r0 = s.reqs[0]
-    assert r0.status == "running" and r0.slot == 0
-    s.add(Req(1, list(range(3, 40)), SamplingParams(max_new_tokens=20)))        # 37 tokens: 3 chunks of 16
-    assert s.reserve_ahead([r0], 8, slot=0) is None                            # request 1 waits for admission
-    b = s.schedule(1)
-    assert b.kind == "prefill" and b.rids == [1] and s.reqs[1].status == "prefilling"
-    assert s.reserve_ahead([r0], 8) is None                                    # pp=1 semantics: any prefill stops it
-    before = r0.allocated_len
-    new = s.reserve_ahead([r0], 8, slot=0)                                     # slot 1's prefill does not
-    assert new is not None and r0.allocated_len == r0.seq_len + 8 + 4 > before
-    assert [(i, p0, len(sl)) for i, p0, sl in new] == [(0, before, r0.allocated_len - before)]
-    assert s.reserve_ahead([s.reqs[1]], 8, slot=1) is None                     # ... but its own slot's does
-
-
 def test_steps_ahead_yield_only_to_a_request_the_pool_can_place():
     """reserve_ahead / reserve_lookahead yield to a waiting request only when the next schedule could admit it: under
     the concurrency limit and placeable now (a free row; free slots, plus unpinned prefix-cache blocks it would not
