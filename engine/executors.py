@@ -6,6 +6,8 @@ and accept lengths do not depend on the executor.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +16,26 @@ from .attention.backend import h2d
 from .dist import ps
 from .kv_cache import KVCacheError
 from .messages import DraftTree, RelayError, StepResult
-from .ranks import few_threads
 from .scheduler import Req, ScheduledBatch
 from .transport import ring_exchange
 
 FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request's batch
+
+
+@contextlib.contextmanager
+def few_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
+    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
+    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
+    prev = torch.get_num_threads()
+    if n is None or n >= prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 class RingExecutor:

@@ -17,7 +17,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import ConfigError
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (or the variable) in one line."""
 
 GEMV_OPS = ("qkv", "o", "gate_up", "down")
 

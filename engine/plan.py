@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from . import knobs as _knobs
 from .config import EngineConfig
+from .config import ConfigError
+from .shm_ring import supported as shm_supported
 
 HALF = ("bfloat16", "float16")
 
@@ -133,9 +135,7 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = frames = None
     if not pp1:
-        from .shm_ring import supported as shm_supported
         if kn.relay_shm and not shm_supported():
-            from .config import ConfigError
             raise ConfigError(f"PPSPEC_RELAY_SHM=1 needs an x86-64 host (the shared-memory ring relies on its store "
                               f"order); this host is {platform.machine() or 'unknown'}")
         shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())

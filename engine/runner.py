@@ -3,17 +3,16 @@ pools, turns a scheduled batch into tensors, runs the forward and, on the last s
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
 from .attention.backend import TorchBackend, get_backend, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
-from .config import ConfigError, EngineConfig, ModelConfig, rank_fault
+from .config import ConfigError, EngineConfig, check_topology, model_source, rank_fault
 from .dist import all_reduce_min_int, ps
 from .kv_cache import KVPool, rank_kv_tokens
 from .plan import resolve_plan
-from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from .model.loader import dummy_weights, iter_weights, load_tokenizer
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.tp_pad import tp_head_padding
 from .prefix_cache import PREFIX_BLOCK
@@ -21,37 +20,6 @@ from .prefix_cache import PREFIX_BLOCK
 from .batch_inputs import batch_inputs
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
-
-
-def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
-    the heads (heads that do not divide are padded exactly, engine.model.tp_pad); a larger ``tp`` would leave
-    ranks holding padding heads only; ``pp`` may not exceed the layer count."""
-    if pp > cfg.num_hidden_layers:
-        raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
-    if tp > cfg.num_attention_heads:
-        raise ConfigError(f"tp={tp} is larger than the number of attention heads ({cfg.num_attention_heads}): "
-                          "ranks would hold padding heads only")
-
-
-def check_spec_fits(cfg: ModelConfig, spec) -> None:
-    """Raise ConfigError when an EAGLE shape (``SpecConfig``) cannot run on this model: ``topk`` above the
-    vocabulary, or a per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions
-    (the rotary table and every request's KV are sized past the context by it). No-op when spec is off."""
-    if not spec.enabled:
-        return
-    if spec.topk > cfg.vocab_size:
-        raise ConfigError(f"spec.topk={spec.topk} is larger than the vocabulary ({cfg.vocab_size} tokens)")
-    if spec.reserve_per_req > cfg.max_position_embeddings:
-        raise ConfigError(f"spec: the per-request reserve num_draft_tokens + topk * num_steps = {spec.reserve_per_req}"
-                          f" KV slots exceeds the model's {cfg.max_position_embeddings} positions; lower spec.topk, "
-                          "spec.num_steps or spec.num_draft_tokens")
-
-
-def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
-    """Resolve the checkpoint and its shape (dummy load format needs only the config)."""
-    path = resolve_model_path(config.model)
-    return path, load_model_config(path)
 
 
 class ModelRunner:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import ps
+from .shm_ring import ShmRing
 from .relay_codec import _HEAD, decode, encode, encode_reference, field_bytes  # noqa: F401 (re-exported)
 
 _FRAME = 256 * 1024              # receive buffer of the first (usually only) CPU-group send of a message
@@ -77,7 +78,6 @@ def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 2
     cannot map the writer's file (another host), or whose writer cannot create one (shared memory full), keeps gloo;
     returns whether both of this rank's edges use the ring."""
     import socket
-    from .shm_ring import ShmRing
     s = ps()
     close_shm_frames()
     if s.pp_size == 1:

@@ -17,6 +17,7 @@ forwards it round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 
@@ -26,10 +27,8 @@ from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
-from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor
-from .heap import freeze_startup_objects
+from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor, few_threads
 from .messages import RelayError, StepResult
-from .ranks import few_threads
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
@@ -53,6 +52,32 @@ def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return sampled
 
 
+
+
+_FROZEN_ENGINES = 0                       # in-process engines holding the startup freeze (freeze_startup_objects)
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
+    collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
+    vLLM freeze after startup for the same reason): a full collection of the startup heap otherwise stalls one
+    inter-token gap early in serving.
+    Counted per engine: ``thaw_startup_objects`` unfreezes when the last in-process engine that froze is shut down
+    (a dead engine's cycles must become collectable; a live one's freeze must stay). Returns the number frozen."""
+    global _FROZEN_ENGINES
+    gc.collect()
+    gc.freeze()
+    _FROZEN_ENGINES += 1
+    return gc.get_freeze_count()
+
+
+def thaw_startup_objects() -> None:
+    """One engine's share of ``freeze_startup_objects`` undone; the last one out unfreezes (back to the oldest
+    generation, collectable again). Call once per freeze."""
+    global _FROZEN_ENGINES
+    _FROZEN_ENGINES = max(0, _FROZEN_ENGINES - 1)
+    if _FROZEN_ENGINES == 0:
+        gc.unfreeze()
 
 
 class Worker:

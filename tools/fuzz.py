@@ -98,7 +98,7 @@ class Case:
 # --------------------------------------------------------------------------------------------- drawing
 def _topologies(mc) -> list[tuple[int, int, float]]:
     """(tp, pp, weight) valid for the model: PP 1-5 up to its layer count, and TP2 x PP2."""
-    from engine.runner import check_topology
+    from engine.config import check_topology
     from engine.config import ConfigError
     out = []
     for tp, pp, w in [(1, 1, 3), (1, 2, 3), (1, 3, 2), (1, 4, 1), (1, 5, 1), (2, 2, 2)]:

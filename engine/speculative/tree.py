@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..messages import chain_fallback  # noqa: F401  (the degenerate tree lives with DraftTree)
+
 
 def _desc_order(x: Tensor) -> Tensor:
     """Indices sorting ``x`` descending along dim -1; ties by lower index; NaN ranks last."""
@@ -149,22 +151,6 @@ def build_tree(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tenso
     retrive_index = torch.arange(B, device=dev).unsqueeze(1) * n + ar
     return TreeInfo(candidates, seq_lens.long().unsqueeze(1) + depth, mask, parent, depth,
                     next_token, next_sibling, retrive_index, valid)
-
-
-def chain_fallback(bonus: Tensor, num_steps: int, topk: int, num_draft_tokens: int):
-    """Degenerate row for a request not drafted for yet.
-
-    Returns ``(tokens [B,n] int64 = [bonus, 0, 0, ...], parent_list [B, k(S-1)+1] =
-    arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``; ``build_tree`` on
-    ``(tokens[:,0], parent_list, top_scores_index, tokens[:,1:])`` always gives a valid tree.
-    """
-    B, dev, n = bonus.shape[0], bonus.device, num_draft_tokens
-    tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
-    tokens[:, 0] = bonus.long()
-    P = topk * (num_steps - 1) + 1
-    parent_list = torch.arange(-1, P - 1, device=dev).expand(B, P).contiguous()
-    top_scores_index = torch.arange(n - 1, device=dev).expand(B, n - 1).contiguous()
-    return tokens, parent_list, top_scores_index
 
 
 @dataclass
