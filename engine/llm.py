@@ -21,7 +21,7 @@ from .dist import ParallelState, set_ps
 from .model.sampling import SamplingParams
 from .model.loader import load_tokenizer
 from .model.tp_pad import tp_head_padding
-from .worker import Worker
+from .worker import Worker, thaw_startup_objects
 from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
 from .ranks import (collect_failures, collect_run, death, free_port, peak_memory, rank_info,
                     rank_main, reap)

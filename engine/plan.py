@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import knobs as _knobs
 from .config import EngineConfig
 from .config import ConfigError
-from .shm_ring import supported as shm_supported
+from . import shm_ring
 
 HALF = ("bfloat16", "float16")
 
@@ -135,10 +135,10 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = frames = None
     if not pp1:
-        if kn.relay_shm and not shm_supported():
+        if kn.relay_shm and not shm_ring.supported():
             raise ConfigError(f"PPSPEC_RELAY_SHM=1 needs an x86-64 host (the shared-memory ring relies on its store "
                               f"order); this host is {platform.machine() or 'unknown'}")
-        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())
+        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_ring.supported())
         frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
         relay = "device group" if p2p else "staged" if cuda else "gloo"
