@@ -1,4 +1,5 @@
-"""Frozen engine configuration: model shape, parallel layout, KV cache and speculative decoding.
+"""Frozen engine configuration: model shape, parallel layout, KV cache and speculative decoding; fault injection
+values; the checks a model's shape puts on a configuration.
 
 Every field is validated once in ``__post_init__``; derived runtime values (KV pool size after
 profiling, stage layer ranges) live on the runner, never written back here.
@@ -9,14 +10,84 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import knobs
+from .knobs import ConfigError
+from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: F401  (re-exported)
+
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field in one line."""
+def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
+    """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault (a batch holding token ID fails in its forward on
+    pp stage STAGE, default 0), or None for any other value."""
+    if not fault or not fault.startswith("fail_token:"):
+        return None
+    parts = fault.split(":")[1:]
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
 
 
-from .faults import FAULTS, check_fault, fail_token_fault, rank_fault  # noqa: E402,F401  (re-exported)
-from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: E402,F401  (re-exported)
+def rank_fault(fault: str | None, kind: str) -> int | None:
+    """The target of a ``KIND:N`` fault of this ``kind``, else None: ``fail_rank`` (that rank's ``Worker.run``
+    raises), ``exit_rank`` (that rank's process exits silently at start), ``drop_aux`` (EAGLE-3: that pp stage leaves
+    its auxiliary features out of the hidden-state handoff, which the next stage must refuse)."""
+    if not fault or not fault.startswith(kind + ":"):
+        return None
+    rank = fault[len(kind) + 1:]
+    return int(rank) if rank.isdigit() else None
+
+
+def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
+    """Raise ConfigError (one line) unless ``fault`` is None, ``drop_tree`` (the relay carries degenerate draft
+    trees: outputs stay correct, acceptance collapses) or one of :data:`FAULTS` whose rank (below ``world_size``) or
+    pp stage (below ``pp``) exists: a fault aimed at a rank the engine does not have would never fire."""
+    if fault is None or fault == "drop_tree":
+        return
+    tok = fail_token_fault(fault)
+    targets = [(tok[1], pp, "pp stage")] if tok is not None else [
+        (t, limit, what) for kind, limit, what in (("fail_rank", world_size, "rank"), ("exit_rank", world_size, "rank"),
+                                                   ("drop_aux", pp, "pp stage"))
+        if (t := rank_fault(fault, kind)) is not None]
+    if not targets:
+        raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
+    target, limit, what = targets[0]
+    if limit is not None and target >= limit:
+        raise ConfigError(f"fault: {fault!r} names {what} {target}, but this engine has {limit} "
+                          f"({what}s 0-{limit - 1}): it would never fire")
+
+
+def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
+    the heads (heads that do not divide are padded exactly, engine.model.tp_pad); a larger ``tp`` would leave
+    ranks holding padding heads only; ``pp`` may not exceed the layer count."""
+    if pp > cfg.num_hidden_layers:
+        raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
+    if tp > cfg.num_attention_heads:
+        raise ConfigError(f"tp={tp} is larger than the number of attention heads ({cfg.num_attention_heads}): "
+                          "ranks would hold padding heads only")
+
+
+def check_spec_fits(cfg: ModelConfig, spec: "SpecConfig") -> None:
+    """Raise ConfigError when an EAGLE shape cannot run on this model: ``topk`` above the vocabulary, or a
+    per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions. No-op when spec
+    is off."""
+    if not spec.enabled:
+        return
+    if spec.topk > cfg.vocab_size:
+        raise ConfigError(f"spec.topk={spec.topk} is larger than the vocabulary ({cfg.vocab_size} tokens)")
+    if spec.reserve_per_req > cfg.max_position_embeddings:
+        raise ConfigError(f"spec: the per-request reserve num_draft_tokens + topk * num_steps = {spec.reserve_per_req}"
+                          f" KV slots exceeds the model's {cfg.max_position_embeddings} positions; lower spec.topk, "
+                          "spec.num_steps or spec.num_draft_tokens")
+
+
+def model_source(config: "EngineConfig") -> tuple[Path, ModelConfig]:
+    """The checkpoint path of ``config.model`` and its shape (read from its config; no weights). Raises ConfigError
+    on a missing path or an unsupported architecture."""
+    from .model.loader import load_model_config, resolve_model_path      # torch: imported on first use
+    path = resolve_model_path(config.model)
+    return path, load_model_config(path)
 
 
 def token_map_file(path: str | Path) -> Path:
@@ -139,9 +210,7 @@ class EngineConfig:
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
     overlap_schedule: bool | None = None  # the host one step ahead: plain greedy decoding on one stage launches step
-                                          # t+1 before reading step t (auto: on for CUDA); true also makes stage
-                                          # rounds (pp > 1 or tp > 1) launch a micro-batch's round r+1 before
-                                          # applying round r's relayed result (loop ring_rounds; not auto yet)
+                                          # t+1 before reading step t (auto: on for CUDA)
     spec_device_tree: bool | None = None  # EAGLE (every topology): the draft tree stays on the device (Triton tree
                                           # build / verify walk / mask packing on CUDA, torch reference elsewhere);
                                           # under PP every stage rebuilds it there from the relayed tensors
@@ -209,7 +278,6 @@ class EngineConfig:
                               f"{self.seed!r}")
         check_fault(self.fault, self.tp * self.pp, self.pp)
         if self.spec.enabled and self.pp > 1:
-            from . import knobs
             if not (self.spec.pp_spec or knobs.current().enable_pp_spec):
                 self._check_layers_first()
                 raise ConfigError(
@@ -219,7 +287,6 @@ class EngineConfig:
     def _check_layers_first(self) -> None:
         """A topology the model cannot take is the error to report before an off-by-default gate (when the model's
         config can be read; a model that cannot be read is reported where it is loaded)."""
-        from .runner import check_topology, model_source
         try:
             cfg = model_source(self)[1]
         except (ConfigError, OSError, ValueError):
@@ -273,6 +340,5 @@ class EngineConfig:
 
     def with_fault_from_env(self) -> "EngineConfig":
         """This config with ``fault`` taken from ``PPSPEC_FAULT`` when that is set (and differs)."""
-        from . import knobs
         f = knobs.current().fault
         return self.replace(fault=f) if f and f != self.fault else self

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 
 @dataclass
 class ParallelState:
@@ -78,7 +80,6 @@ def init_distributed(rank: int, world_size: int, tp: int, pp: int, device: torch
     if relay_p2p is None:
         relay_p2p = use_nccl
     if relay_p2p and device.type == "cuda" and not use_nccl:
-        from .config import ConfigError
         raise ConfigError(f"PPSPEC_RELAY_P2P=1 needs one GPU per rank (NCCL); {world_size} ranks share {n_gpu} GPU(s)")
     p2p_group = None
     if relay_p2p and pp > 1:

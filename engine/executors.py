@@ -2,11 +2,12 @@
 returns its handle; ``chain(prev)`` launches the step after ``prev`` for its requests that keep running, without the
 scheduler, or returns None; ``collect(h)`` reads a step back as the ``StepResult`` the scheduler applies. At most
 ``depth`` steps are in flight. Executors keep no request state and take every KV slot from the scheduler, so tokens
-and accept lengths do not depend on the executor. The ring with rounds launched ahead (plan loop ``ring_rounds``)
-is :mod:`engine.ring_rounds`.
+and accept lengths do not depend on the executor.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,26 @@ from .attention.backend import h2d
 from .dist import ps
 from .kv_cache import KVCacheError
 from .messages import DraftTree, RelayError, StepResult
-from .ranks import few_threads
 from .scheduler import Req, ScheduledBatch
 from .transport import ring_exchange
 
 FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request's batch
+
+
+@contextlib.contextmanager
+def few_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
+    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
+    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
+    prev = torch.get_num_threads()
+    if n is None or n >= prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 class RingExecutor:
@@ -29,7 +45,6 @@ class RingExecutor:
     itself); the relay it brings, checked against the schema, is the tick's result."""
 
     name, depth = "ring", 1
-    defers_results = False      # True: the worker applies a collected result after the next tick's ``ahead``
     num_lookahead = 0           # decode steps launched before the previous one was read back (cumulative)
     num_overlap_rounds = 0      # EAGLE rounds run on the device
     num_round_lookahead = 0     # ... of them launched before the previous round was read back
@@ -66,11 +81,6 @@ class RingExecutor:
             raise
         except Exception as e:                   # noqa: BLE001 - the batch fails, the engine serves on
             return {"relay": StepResult.failed(slot, rids, e)}
-
-    def ahead(self, slot: int, pending: StepResult, arrived: int | None = None):
-        """Launch ``slot``'s next batch before ``pending`` (its previous result) is applied, or return None (then
-        the worker applies it, schedules and ``launch``-es as usual). Only executors that defer results do."""
-        return None
 
     def chain(self, prev):
         return None

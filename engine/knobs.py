@@ -17,7 +17,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (or the variable) in one line."""
 
 
 @dataclass(frozen=True)
@@ -68,16 +71,9 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_RELAY_P2P", "bool", None, _B, "PP relay tensors over a device group, stream-ordered (auto: with "
          "NCCL, one GPU per rank; 1 on CPU ranks: a second gloo group; 0: staged through the CPU group)",
          "engine/transport.py", "relay_p2p"),
-    Knob("PPSPEC_RELAY_IPC", "bool", False, _B, "PP relay device tensors through CUDA IPC slots when ranks share one "
-         "GPU (default 0: staged through host memory)", "engine/ipc.py", "relay_ipc"),
     Knob("PPSPEC_RELAY_SHM", "bool", None, _B, "PP message frames through a shared-memory ring per ring edge (auto: "
          "when the ranks share one GPU on an x86-64 host; 1: also CPU ranks of one host, x86-64 only; 0: gloo)",
          "engine/shm_ring.py", "relay_shm"),
-    Knob("PPSPEC_RELAY_IPC_SLOT_MB", "int", 16, _B, "size of one CUDA IPC relay slot (larger payloads are staged)",
-         "engine/ipc.py", "relay_ipc_slot_mb", minimum=1),
-    Knob("PPSPEC_RELAY_CODEC", "choice", "packed", _B, "PP message codec: packed (pickled skeleton + one byte "
-         "buffer, one staging copy) or torch (torch.save, the reference twin)", "engine/transport.py", "relay_codec",
-         choices=("packed", "torch")),
     Knob("PPSPEC_CPU_KV_TOKENS", "int", 0, _B, "KV pool tokens on CPU when max_num_tokens is unset (0: a share of "
          "the free host memory, engine.kv_cache.CPU_KV_SHARE)", "engine/kv_cache.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
@@ -87,8 +83,6 @@ REGISTRY: tuple[Knob, ...] = (
          "engine/kv_cache.py", "kv_check"),
     Knob("PPSPEC_CPROFILE", "str", "", _D, "directory: each rank writes a cProfile of its runs (rank<N>.txt, by "
          "cumulative time)", "engine/ranks.py", "cprofile"),
-    Knob("PPSPEC_FUZZ_PHASES", "bool", False, _D, "print each fuzz case's phase timings", "tools/fuzz.py",
-         "fuzz_phases"),
 )
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from . import knobs
-from .speculative.tree_host import commit_order  # noqa: F401  (re-exported)
 
 
 class KVCacheError(RuntimeError):

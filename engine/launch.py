@@ -26,6 +26,7 @@ from .dist import init_distributed
 from .model.sampling import SamplingParams
 from .requests import prompt_token_ids
 from .scheduler import Req
+from .worker import Worker
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "ignore_eos")
 
@@ -54,7 +55,6 @@ def torchrun_main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(dev)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     init_distributed(rank, world, cfg.tp, cfg.pp, dev, "env://", cfg.dist_timeout_s, knobs.current().relay_p2p)
-    from .worker import Worker
     worker = Worker(cfg.replace(device=str(dev)), record_times=rank == 0)
     tok = worker.runner.tokenizer
     rows = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()]

@@ -15,12 +15,13 @@ import torch
 import torch.multiprocessing as mp
 
 from . import knobs
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, check_spec_fits, check_topology, model_source
 from .plan import resolve_plan
 from .dist import ParallelState, set_ps
-from .runner import check_spec_fits, check_topology, model_source
 from .model.sampling import SamplingParams
+from .model.loader import load_tokenizer
 from .model.tp_pad import tp_head_padding
+from .worker import Worker, thaw_startup_objects
 from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
 from .ranks import (collect_failures, collect_run, death, free_port, peak_memory, rank_info,
                     rank_main, reap)
@@ -75,7 +76,6 @@ class LLM:
         self.last_peak_memory = 0
         self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
         if config.world_size == 1:
-            from .worker import Worker
             set_ps(ParallelState(device=torch.device(config.device)))
             self._worker = Worker(config, record_times=True)
             self._infos = [rank_info(self._worker)]
@@ -83,7 +83,6 @@ class LLM:
         else:
             try:
                 self._start_ranks()
-                from .model.loader import load_tokenizer
                 self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
             except BaseException:
                 self.shutdown()
@@ -259,7 +258,6 @@ class LLM:
             except Exception:
                 pass
         if getattr(self, "_worker", None) is not None and not getattr(self, "_thawed", False):
-            from .heap import thaw_startup_objects
             self._thawed = True                  # shutdown runs again from __del__: thaw this engine's share once
             thaw_startup_objects()
         reap(procs, graceful)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from . import knobs as _knobs
 from .config import EngineConfig
+from .config import ConfigError
+from . import shm_ring
 
 HALF = ("bfloat16", "float16")
 SKINNY_MAX_M = 16                 # engine.kernels.skinny.MAX_ROWS (not imported: the plan needs no torch)
@@ -28,11 +30,8 @@ class ExecutionPlan:
 
     loop: the executor of the worker's event loop (``engine.executors``): ``lookahead`` (plain greedy decode on one
     stage, step t+1 launched before step t is read), ``spec_rounds`` (EAGLE rounds on the device, pp=1 tp=1),
-    ``ring_rounds`` (the ring with stage rounds, pp > 1 or tp > 1: a micro-batch's round r+1 launched from the
-    device state before round r's relayed result is applied; ``overlap_schedule: true``, opt-in on every device),
     ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
-    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``cuda ipc`` (ranks sharing one GPU,
-    PPSPEC_RELAY_IPC=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
+    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
     tensor). frames: how the CPU part of every PP message travels: None (pp = 1), ``gloo`` or ``shm`` (a shared-memory
     ring per ring edge, :mod:`engine.shm_ring`; auto when the ranks share one GPU on an x86-64 host,
     PPSPEC_RELAY_SHM=1 forces it, also on CPU ranks of one host). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
@@ -134,21 +133,16 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
-    ahead = stage_round and config.overlap_schedule is True        # opt-in: no measured gain on one shared GPU
-    loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "ring_rounds" if ahead else \
-        "plain" if pp1 else "ring"
+    loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = frames = None
     if not pp1:
-        from .shm_ring import supported as shm_supported
-        if kn.relay_shm and not shm_supported():
-            from .config import ConfigError
+        if kn.relay_shm and not shm_ring.supported():
             raise ConfigError(f"PPSPEC_RELAY_SHM=1 needs an x86-64 host (the shared-memory ring relies on its store "
                               f"order); this host is {platform.machine() or 'unknown'}")
-        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_supported())
+        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_ring.supported())
         frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
-        ipc = cuda and staged and kn.relay_ipc
-        relay = "device group" if p2p else "cuda ipc" if ipc else "staged" if cuda else "gloo"
+        relay = "device group" if p2p else "staged" if cuda else "gloo"
     reserve = spec.reserve_per_req if spec else (2 if overlap else 1)
     backend = config.attention_backend
     if backend == "auto":

@@ -1,11 +1,9 @@
 """Rank processes of a multi-rank engine: the spawned rank's main loop, its reports to the front end
 (``("ready", rank, info)``, ``("progress", done, total)``, ``("result", reqs, peak_bytes)``,
-``("error", rank, one_line, traceback)``), how a rank that reported nothing ended, and a rank's torch thread count
-(its share of the cores; ``few_threads`` lowers it around a batch).
+``("error", rank, one_line, traceback)``), how a rank that reported nothing ended,.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import resource
@@ -14,12 +12,14 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 
 import torch
 
 from .config import EngineConfig, rank_fault
+from . import knobs
+from .shm_ring import remove_files_of
 from .dist import init_distributed
+from .worker import Worker
 
 
 def free_port() -> int:
@@ -56,22 +56,6 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-@contextlib.contextmanager
-def few_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
-    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
-    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
-    prev = torch.get_num_threads()
-    if n is None or n >= prev:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads: int) -> None:
     if rank_fault(config.fault, "exit_rank") == rank:            # fault injection: a rank that dies silently
         os._exit(3)
@@ -79,12 +63,10 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's ^C reaches the whole group: the front end decides
     try:
         torch.set_num_threads(threads)
-        from .worker import Worker
         dev = torch.device(config.device)
         if dev.type == "cuda":
             dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(dev)
-        from . import knobs
         init_distributed(rank, config.world_size, config.tp, config.pp, dev, f"tcp://127.0.0.1:{port}",
                          config.dist_timeout_s, knobs.current().relay_p2p)
         worker = Worker(config.replace(device=str(dev)), record_times=rank == 0)
@@ -170,7 +152,6 @@ def reap(procs, graceful: bool) -> None:
     """End rank processes: ``graceful`` (sent a stop message) ones get 2 s to leave; then the live ones get SIGTERM
     and 2 s, then SIGKILL and 2 s. The shared-memory ring files of those that exited are removed after
     (``shm_ring.remove_files_of``: a rank killed during the ring set-up leaves its file)."""
-    from .shm_ring import remove_files_of
     if graceful:
         join_all(procs, 2.0)
     for p in procs:

@@ -1,10 +1,9 @@
 """The PP message codec (:mod:`engine.transport` sends what it makes): a message, a nested dict of Python values,
 tensors and dataclasses of tensors, is pickled once with each tensor reduced to a reference into its frame.
 
-frame = head (total, pickle, host-tensor and device-payload byte counts, IPC slot, codec) | pickle | host tensor
+frame = head (total, pickle, host-tensor and device-payload byte counts, codec) | pickle | host tensor
 bytes | pad | staged device bytes. Host tensors travel as raw bytes; device tensors are staged into the frame
-in one device->host copy per message, written to a same-GPU IPC slot (:mod:`engine.ipc`), or returned as one
-device payload for a device group. :func:`encode_reference` is the reference twin (``torch.save``).
+in one device->host copy per message, or returned as one device payload for a device group. :func:`encode_reference` is the reference twin (``torch.save``).
 """
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from .attention.backend import d2h
 _ALIGN = 16                     # byte alignment of each tensor in a packed buffer (any dtype's view is legal)
 
 
-_HEAD = struct.Struct("<QQQQqB")  # total, pickle, host-tensor, device-payload bytes; IPC slot (-1: none); codec
-                                  # (0 packed, 1 torch.save)
+_HEAD = struct.Struct("<QQQQB")   # total, pickle, host-tensor, device-payload bytes; codec (0 packed, 1 torch.save)
 
 
 class _Pickler(pickle.Pickler):
@@ -129,13 +127,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def encode(obj, p2p_device: torch.device | None = None, ipc=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode(obj, p2p_device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(frame uint8 on the host, device payload uint8 or None) of ``obj``.
 
-    frame = head (total, pickle, host-bytes and device-payload byte counts, IPC slot, codec) | pickle | host tensor
-    bytes | pad | staged device bytes. Staged (``p2p_device`` None): accelerator tensors are joined on the device
-    and written to a shared IPC slot (``ipc``: an :class:`engine.ipc.IpcSender`, when the payload fits one) or else
-    staged into the frame in ONE device->host copy. With ``p2p_device``, the tensors on that device's type form the
+    frame = head (total, pickle, host-bytes and device-payload byte counts, codec) | pickle | host tensor bytes | pad |
+    staged device bytes. Staged (``p2p_device`` None): accelerator tensors are joined on the device and staged into
+    the frame in ONE device->host copy. With ``p2p_device``, the tensors on that device's type form the
     device payload (sent over the device group as they are; on CPU ranks that is every tensor)."""
     f = io.BytesIO()
     f.write(bytes(_HEAD.size))
@@ -145,14 +142,12 @@ def encode(obj, p2p_device: torch.device | None = None, ipc=None) -> tuple[torch
     for b in pk.host:
         f.write(b)
     dev = torch.cat(pk.dev) if len(pk.dev) > 1 else (pk.dev[0] if pk.dev else None)
-    slot = ipc.put(dev) if ipc is not None and dev is not None and p2p_device is None else None
-    staged = dev is not None and p2p_device is None and slot is None
+    staged = dev is not None and p2p_device is None
     start = f.tell() + (-f.tell() % _ALIGN)
     total = start + dev.numel() if staged else f.tell()
     frame = torch.empty(total, dtype=torch.uint8)
     fb = f.getbuffer()
-    _HEAD.pack_into(fb, 0, total, n_pickle, pk.host_off, dev.numel() if dev is not None else 0,
-                    -1 if slot is None else slot, 0)
+    _HEAD.pack_into(fb, 0, total, n_pickle, pk.host_off, dev.numel() if dev is not None else 0, 0)
     frame[:len(fb)] = torch.frombuffer(fb, dtype=torch.uint8)
     del fb
     if staged:
@@ -164,7 +159,7 @@ def decode(frame: torch.Tensor, dev_buf: torch.Tensor | None = None):
     """The object :func:`encode` (or :func:`encode_reference`) encoded. Host and staged tensors are copies (the
     frame may be a reused receive buffer); device-payload tensors are views of ``dev_buf``."""
     mv = memoryview(frame.numpy())
-    total, n_pickle, n_host, n_dev, _, codec = _HEAD.unpack_from(mv, 0)
+    total, n_pickle, n_host, n_dev, codec = _HEAD.unpack_from(mv, 0)
     p0 = _HEAD.size
     body = mv[p0:p0 + n_pickle]
     if codec == 1:
@@ -195,7 +190,7 @@ def encode_reference(obj) -> tuple[torch.Tensor, None]:
     torch.save(to_cpu(obj), buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     body = buf.getvalue()
     frame = torch.empty(_HEAD.size + len(body), dtype=torch.uint8)
-    frame[:_HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(frame.numel(), len(body), 0, 0, -1, 1)), dtype=torch.uint8)
+    frame[:_HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(frame.numel(), len(body), 0, 0, 1)), dtype=torch.uint8)
     frame[_HEAD.size:] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     return frame, None
 

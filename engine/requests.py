@@ -138,7 +138,6 @@ class ScheduledBatch:
     slot: int
     reqs: list[Req]
     chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
-    ahead: object = None      # verify launched ahead of its predecessor's read-back (engine.ring_rounds.Ahead)
 
     @property
     def rids(self) -> list[int]:

@@ -3,55 +3,55 @@ pools, turns a scheduled batch into tensors, runs the forward and, on the last s
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from .attention.backend import TorchBackend, get_backend, set_backend, set_context
+from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
-from .config import ConfigError, EngineConfig, ModelConfig, rank_fault
+from .config import ConfigError, EngineConfig, check_topology, model_source, rank_fault
 from .dist import all_reduce_min_int, ps
+from .kernels.argmax import argmax_rows
 from .kv_cache import KVPool, rank_kv_tokens
 from .plan import resolve_plan
-from .model.loader import dummy_weights, iter_weights, load_model_config, load_tokenizer, resolve_model_path
+from .model.loader import dummy_weights, iter_weights, load_tokenizer
 from .model.llama import LlamaForCausalLM, stage_layer_range
+from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
 from .model.tp_pad import tp_head_padding
 from .prefix_cache import PREFIX_BLOCK
-
-from .batch_inputs import batch_inputs
-from .sampler import Sampler
+from .requests import Req
 from .scheduler import ScheduledBatch, Scheduler
 
 
-def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
-    the heads (heads that do not divide are padded exactly, engine.model.tp_pad); a larger ``tp`` would leave
-    ranks holding padding heads only; ``pp`` may not exceed the layer count."""
-    if pp > cfg.num_hidden_layers:
-        raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
-    if tp > cfg.num_attention_heads:
-        raise ConfigError(f"tp={tp} is larger than the number of attention heads ({cfg.num_attention_heads}): "
-                          "ranks would hold padding heads only")
+class Sampler:
+    """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded sampling after
+    temperature / top-k / top-p with per-request coins (``seed``: the engine seed, mixed into every request's), so
+    every rank draws the same tokens (:mod:`engine.model.sampling` holds the kernels and the coin derivation)."""
 
+    def __init__(self, device: torch.device, seed: int):
+        self.device, self.seed = device, seed
 
-def check_spec_fits(cfg: ModelConfig, spec) -> None:
-    """Raise ConfigError when an EAGLE shape (``SpecConfig``) cannot run on this model: ``topk`` above the
-    vocabulary, or a per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions
-    (the rotary table and every request's KV are sized past the context by it). No-op when spec is off."""
-    if not spec.enabled:
-        return
-    if spec.topk > cfg.vocab_size:
-        raise ConfigError(f"spec.topk={spec.topk} is larger than the vocabulary ({cfg.vocab_size} tokens)")
-    if spec.reserve_per_req > cfg.max_position_embeddings:
-        raise ConfigError(f"spec: the per-request reserve num_draft_tokens + topk * num_steps = {spec.reserve_per_req}"
-                          f" KV slots exceeds the model's {cfg.max_position_embeddings} positions; lower spec.topk, "
-                          "spec.num_steps or spec.num_draft_tokens")
+    def sampling_tensors(self, reqs: list[Req], repeat: int = 1):
+        """(temperature [R] float32, top_k [R] int64, top_p [R] float32) on the device, each request's values
+        repeated ``repeat`` times (R = len(reqs) * repeat)."""
+        return tuple(h2d(torch.tensor([getattr(r.params, f) for r in reqs], dtype=dt).repeat_interleave(repeat),
+                         self.device) for f, dt in (("temperature", torch.float32), ("top_k", torch.int64),
+                                                    ("top_p", torch.float32)))
 
+    def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
+        """logits [R, V] -> per-row target distribution [R, V] float32 (greedy rows one-hot on the argmax)."""
+        return target_probs(logits, *self.sampling_tensors(reqs, repeat))
 
-def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
-    """Resolve the checkpoint and its shape (dummy load format needs only the config)."""
-    path = resolve_model_path(config.model)
-    return path, load_model_config(path)
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
+        if all(r.params.greedy for r in reqs):
+            return argmax_rows(logits)
+        probs = self.target_probs(logits, reqs)
+        coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
+        return sample_from_probs(probs, coins.to(probs.device))
+
+    def coins(self, r: Req, count: int, ahead: int = 0) -> torch.Tensor:
+        """``count`` sampling coins [count] float32 for ``r``'s output position ``ahead`` tokens past its next one."""
+        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids) + ahead, count)
+
 
 
 class ModelRunner:
@@ -68,12 +68,10 @@ class ModelRunner:
                                   else self.checkpoint_config)
         self.max_model_len = config.context_length(mc)
         spec = config.spec
-        self.spec = spec if spec.enabled else None
+        self.spec = spec if spec.enabled else None     # None: no speculative decoding
         self.plan = resolve_plan(config, staged=s.staged)
-        self.spec_overlap = self.plan.spec_overlap
-        self.device_tree = self.plan.device_tree
-        # plain decoding keeps one slot past seq_len; the overlap schedule one more (the step launched ahead)
-        self.reserve = self.plan.reserve
+        self.spec_overlap, self.device_tree = self.plan.spec_overlap, self.plan.device_tree
+        self.reserve = self.plan.reserve      # KV slots past seq_len (plan.reserve)
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
@@ -104,8 +102,7 @@ class ModelRunner:
             weights = copy_embedding(self.draft, weights)
         self.model.load_weights(weights)
         self.model.to(self.device)
-        if self.draft is not None:
-            self.draft.to(self.device)
+        self.draft = self.draft.to(self.device) if self.draft is not None else None
         self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map) or the EAGLE-3 head, last stage
         if self.draft is not None and self.eagle3 is not None:
             from .speculative.eagle3 import Eagle3Head
@@ -128,31 +125,30 @@ class ModelRunner:
         if self.spec:
             from .speculative.tree_ops import DeviceTreeOps, HostTreeOps
             self.tree_ops = DeviceTreeOps(self.device) if self.device_tree else HostTreeOps()
-        self.eagle = self._build_eagle() if self.draft is not None else None
+        self.eagle = None                     # the last stage's EagleWorker: draft, its KV pool, target head, tree ops
+        if self.draft is not None:
+            from .speculative.eagle_worker import EagleWorker
+            self.eagle = EagleWorker(self.spec, self.draft, self.draft_pool, self.model, self.sched.req_to_token,
+                                     self.tree_ops, self.device, hot_head=self.hot_head,
+                                     probs=self.sampler.target_probs, coins=self.sampler.coins,
+                                     drop_tree=config.fault == "drop_tree")
         self._init_cuda_graphs()
         if self.eagle is not None:
             self.eagle.draft_graphs = self.draft_graphs
-        self.round_runner = None
+        self.round_runner = self.stage_rounds = None    # plan round "device" (pp=1 tp=1) or "stage"
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
+            else config.max_running_requests
         if self.spec_overlap and self.draft is not None:
             from .speculative.device_round import SpecRoundRunner
-            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
-                else config.max_running_requests
             self.round_runner = SpecRoundRunner(self, max_bs, use_graphs="spec_rounds" in self.plan.graphs)
-            if self.round_runner.use_graphs:
-                self.round_runner.capture_all()
-        self.stage_rounds = None              # plan round "stage": this stage's verify round on the device
         if self.plan.round == "stage":
             from .speculative.stage_round import StageRoundRunner
-            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
-                else config.max_running_requests
             self.stage_rounds = StageRoundRunner(self, max_bs, use_graphs="stage_rounds" in self.plan.graphs,
-                                                 keep_tree=config.debug_hash_rebuild,
-                                                 slots=config.pp if self.plan.loop == "ring_rounds" else 1,
-                                                 sampled=self.plan.loop == "ring_rounds")
-            if self.stage_rounds.use_graphs:
-                self.stage_rounds.capture_all()
+                                                 keep_tree=config.debug_hash_rebuild)
+        for rr in (self.round_runner, self.stage_rounds):
+            if rr is not None and rr.use_graphs:
+                rr.capture_all()
 
-    # ------------------------------------------------------------------------------------ setup
     def _init_backend(self) -> None:
         if self.plan.backend == "flashinfer":
             if self.device.type != "cuda":
@@ -163,14 +159,6 @@ class ModelRunner:
             set_backend(RaggedTorchBackend())
         else:
             set_backend(TorchBackend())
-
-    def _build_eagle(self):
-        """The last stage's EagleWorker: draft, its KV pool, the target head, the page table and the tree ops."""
-        from .speculative.eagle_worker import EagleWorker
-        return EagleWorker(self.spec, self.draft, self.draft_pool, self.model, self.sched.req_to_token, self.tree_ops,
-                           self.device, hot_head=self.hot_head, probs=self.sampler.target_probs,
-                           coins=self.sampler.coins,
-                           drop_tree=self.config.fault == "drop_tree")
 
     def _init_kv(self) -> None:
         mc, s = self.model_config, ps()
@@ -187,16 +175,52 @@ class ModelRunner:
             self.draft_pool = KVPool(1, self.capacity + 1, max(1, dc.num_key_value_heads // s.tp_size), dc.head_dim,
                                      self.dtype, self.device)
 
-    # ------------------------------------------------------------------------------------ forward
     def batch_inputs(self, batch: ScheduledBatch, tree=None, lookahead: bool = False):
-        """The device inputs of ``batch`` on this stage (:func:`engine.batch_inputs.batch_inputs`)."""
-        return batch_inputs(batch, self.sched.req_to_token, self.kv_pool, self.device, tree, lookahead)
+        """(input_ids [T], positions [T], ForwardContext: qo_indptr, kv_indices from ``req_to_token`` on the host,
+        out_cache_loc) of ``batch`` on this stage (SGLang's ``ForwardBatch``): prefill chunks, decode, or verify of
+        ``tree``. ``lookahead``: decode one step past the step in flight (position seq_len + 1; the caller supplies
+        the ids from the device). ids, positions and out_cache_loc travel in one pinned host-to-device copy."""
+        if batch.kind == "verify":
+            return self._verify_inputs(batch, tree)
+        rt = self.sched.req_to_token
+        ids, pos, locs, kv, qo = [], [], [], [], [0]
+        for i, r in enumerate(batch.reqs):
+            if batch.kind == "prefill":
+                st, en, _ = batch.chunks[i]
+                ids.append(torch.tensor(r.fill_ids[st:en]))
+                pos.append(torch.arange(st, en))
+                locs.append(rt[r.row, st:en])
+                kv.append(rt[r.row, :en])
+            else:                                  # decode
+                L = r.seq_len + (1 if lookahead else 0)
+                ids.append(torch.tensor([r.root_token]))
+                pos.append(torch.tensor([L]))
+                locs.append(rt[r.row, L:L + 1])
+                kv.append(rt[r.row, :L + 1])
+            qo.append(qo[-1] + ids[-1].numel())
+        ids_d, pos_d, loc_d = h2d(torch.stack([torch.cat(ids).long(), torch.cat(pos).long(), torch.cat(locs).long()]),
+                                  self.device)
+        return ids_d, pos_d, ForwardContext(qo, kv, None, loc_d, self.kv_pool, batch.kind)
+
+    def _verify_inputs(self, batch: ScheduledBatch, tree):
+        """Verify inputs: the tree's ids / positions (one pinned copy with out_cache_loc for a host tree, in place for
+        a device tree); masks stay ``tree_mask`` [B, n, n] + prefix lengths for the backend to expand or pack."""
+        rt, device = self.sched.req_to_token, self.device
+        n = tree.candidates.shape[1]
+        Ls = [r.seq_len for r in batch.reqs]
+        locs = torch.cat([rt[r.row, L:L + n] for r, L in zip(batch.reqs, Ls)])
+        kv = [rt[r.row, :L + n] for r, L in zip(batch.reqs, Ls)]
+        if tree.candidates.device.type == "cpu":
+            ids_d, pos_d, loc_d = h2d(torch.stack([tree.candidates.reshape(-1), tree.positions.reshape(-1), locs]), device)
+        else:
+            ids_d, pos_d, loc_d = tree.candidates.reshape(-1), tree.positions.reshape(-1), h2d(locs, device)
+        ctx = ForwardContext(list(range(0, len(Ls) * n + 1, n)), kv, None, loc_d, self.kv_pool, "verify",
+                             tree_mask=tree.tree_mask, prefix_lens=Ls)
+        return ids_d, pos_d, ctx
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode/verify graphs (CUDA + flashinfer only; see engine.graphs)."""
-        self.graphs = None
-        self.draft_graphs = None
-        self.prefill_graphs = None
+        self.graphs = self.draft_graphs = self.prefill_graphs = None
         cfg, kinds = self.config, self.plan.graphs      # none off CUDA + flashinfer, or under staged TP (gloo)
         if not {"decode", "verify"} & set(kinds):
             return
@@ -213,24 +237,16 @@ class ModelRunner:
             self.draft_graphs = DraftGraphRunner(self, max_bs, extend="draft_extend" in kinds)
 
     def graph_replays(self) -> dict:
-        """Cumulative CUDA-graph replays of this rank since start, by runner: ``stage`` (decode / verify),
-        ``prefill``, ``draft`` (tail-draft beam search), ``draft_round`` (draft extend + beam search); runners that
-        were not captured are left out."""
-        out = {}
-        if self.graphs is not None:
-            out["stage"] = self.graphs.num_replays
-        if self.prefill_graphs is not None:
-            out["prefill"] = self.prefill_graphs.num_replays
-        if self.draft_graphs is not None:
-            out["draft"] = self.draft_graphs.num_replays
-            out["draft_round"] = self.draft_graphs.num_round_replays
-        return out
+        """Cumulative CUDA-graph replays of this rank by runner: ``stage`` (decode / verify), ``prefill``, ``draft``
+        (tail draft), ``draft_round`` (draft extend + tail draft); runners not captured are left out."""
+        g, p, d = self.graphs, self.prefill_graphs, self.draft_graphs
+        return {k: v for k, v in (("stage", g and g.num_replays), ("prefill", p and p.num_replays),
+                                  ("draft", d and d.num_replays), ("draft_round", d and d.num_round_replays))
+                if v is not None}
 
-    # ------------------------------------------------------------------------------------ EAGLE-3 aux features
     def aux_slots(self, proxy) -> list | None:
-        """The EAGLE-3 aux features this stage starts from: the proxy's third element (earlier stages' slots, layer
-        order) as a new list, ``[]`` on stage 0; None without EAGLE-3. RelayError when the count does not match the
-        aux layers below this stage's first layer."""
+        """EAGLE-3: the aux features this stage starts from (the proxy's third element as a new list, ``[]`` on stage
+        0; RelayError on a wrong count); None without EAGLE-3."""
         if self.eagle3 is None:
             return None
         from .speculative.eagle3 import check_incoming
@@ -240,8 +256,7 @@ class ModelRunner:
         return aux
 
     def draft_features(self, aux):
-        """EAGLE-3 on the last stage: the draft's input feature, the aux features concatenated in layer order
-        [T, 3H] (RelayError if a slot is missing); None otherwise (the draft reads the target's final-norm output)."""
+        """EAGLE-3 on the last stage: the draft's input feature [T, 3H] (RelayError if a slot is missing), else None."""
         if self.eagle3 is None or self.draft is None:
             return None
         from .speculative.eagle3 import assemble_features
@@ -249,13 +264,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None, aux: list | None = None):
-        """Run this stage on one batch: a captured graph when one fits (decode/verify, one-request prefill from
-        position 0), else eagerly. Returns (hidden, residual) [T, H] (residual None on the last stage).
-
-        ``aux`` (EAGLE-3, :meth:`aux_slots`): the incoming slots, moved to this stage's device and dtype in place;
-        the outputs [T, H] of this stage's aux layers are appended (graph replays carry them too). Under the
-        ``drop_aux`` fault this stage's slots are removed again. Off the last stage, tensors coming out of a graph
-        (hidden, residual, this stage's slots) are copies: proxies outlive the graph's next replay."""
+        """Run this stage on one batch: a captured graph when one fits, else eagerly. Returns (hidden, residual)
+        [T, H] (residual None on the last stage); off the last stage graph outputs are copies (proxies outlive the
+        next replay). ``aux`` (EAGLE-3, :meth:`aux_slots`): the incoming slots, moved to this stage's device and
+        dtype in place, then this stage's aux layer outputs [T, H] appended (removed under ``drop_aux``)."""
         n = 0
         if aux is not None:
             aux[:] = [a.to(self.device, self.dtype) for a in aux]
@@ -275,8 +287,7 @@ class ModelRunner:
         return h, res
 
     def drop_own_aux(self, aux: list | None, n: int) -> None:
-        """Fault ``drop_aux`` on this stage: remove this stage's own slots ``aux[n:]`` (``n``: the slots received) in
-        place, so its features never reach the proxy or the draft. No-op without the fault or with ``aux`` None."""
+        """Fault ``drop_aux`` on this stage: remove its own slots ``aux[n:]`` (``n``: the slots received) in place."""
         if aux is not None and self.drop_aux:
             del aux[n:]
 
@@ -292,5 +303,5 @@ class ModelRunner:
             set_context(None)
 
     def draft_forward(self, ids, features, pos, ctx, planned: bool = False):
-        """One draft forward (:meth:`EagleWorker.draft_forward`), for the graph runners that hold this runner."""
+        """One draft forward (:meth:`EagleWorker.draft_forward`), for the graph runners."""
         return self.eagle.draft_forward(ids, features, pos, ctx, planned=planned)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from .config import ConfigError
-from .kv_cache import commit_order
+from .speculative.tree_host import commit_order
 from .kv_manager import KVManager
 from .messages import StepResult
 from .requests import (Arrivals, Req, ScheduledBatch, finish_reason, kv_need,  # noqa: F401 (ScheduledBatch re-exported)
@@ -185,15 +185,14 @@ class Scheduler:
             return None
         return keep
 
-    def reserve_ahead(self, reqs: list[Req], ahead: int, slot: int | None = None) -> list[tuple[int, int, list[int]]] | None:
+    def reserve_ahead(self, reqs: list[Req], ahead: int) -> list[tuple[int, int, list[int]]] | None:
         """KV slots for ``reqs`` to advance ``ahead`` more positions before their results are read back (the
         overlapped rounds), plus the reserve; None (nothing allocated) when a request is not running or would pass
-        the context, a request waits to be admitted, a request is prefilling (``slot``: in that micro-batch slot;
-        None: anywhere), or the pool is short. Returns the new slots as (index in ``reqs``, first position, slots),
+        the context, a request waits to be admitted or prefills, or the pool is short. Returns the new slots as (index in ``reqs``, first position, slots),
         already appended to the requests' rows."""
         if self.can_admit():
             return None
-        if any(r.status == "prefilling" and slot in (None, r.slot) for r in self.reqs.values()):
+        if any(r.status == "prefilling" for r in self.reqs.values()):
             return None
         for r in reqs:
             if r.status != "running" or len(r.prompt_ids) + len(r.output_ids) + ahead >= self.max_model_len:

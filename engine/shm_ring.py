@@ -4,7 +4,7 @@ When PP ranks share a host (always so when they share one GPU), the CPU part of 
 :mod:`engine.transport`) goes through a memory-mapped file in ``/dev/shm`` instead of a gloo send over loopback
 TCP. A gloo message wakes the receiving process through the kernel and gloo's I/O thread several times (about
 140 us a message on the H200 host, ``tools/ring_probe``); a write into shared memory is seen by a polling reader
-within microseconds. This is the host half of what NCCL does inside a node (its device half is :mod:`engine.ipc`).
+within microseconds.
 
 Layout of one ring (``n_slots`` slots of ``slot_bytes``)::
 

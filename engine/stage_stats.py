@@ -35,7 +35,6 @@ class StageStats:
         self.cuda = device.type == "cuda"
         self.ticks = self.batches = 0
         self.device_rounds = 0                # verify batches run as device stage rounds (engine.speculative.stage_round)
-        self.ahead_rounds = 0                 # ... of them launched before the previous round was applied
         self.host = dict.fromkeys(PHASES, 0.0)
         self.busy_s = 0.0
         self._events: list = []
@@ -81,7 +80,7 @@ class StageStats:
         self.host["send"], self.host["recv"] = w.send_s, w.recv_s
         return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "loop": self.loop, "ticks": self.ticks,
                 "batches": self.batches, "device_rounds": self.device_rounds,
-                "ahead_rounds": self.ahead_rounds, "wall_s": wall, "busy_s": self.busy_s,
+"wall_s": wall, "busy_s": self.busy_s,
                 "host_s": dict(self.host), "messages": w.messages, "bytes": dict(w.bytes),
                 "d2h": D2H_COPIES[0] - self._d2h0,
                 "graph_replays": ({k: v - self._replays0.get(k, 0) for k, v in self._replays().items()}

@@ -7,7 +7,6 @@ Device tensors of a message travel one of three ways (the plan's ``relay``):
   produced them and nothing is staged through host memory. On CPU ranks the same path runs over a second gloo
   group (``ParallelState.p2p_group``, ``PPSPEC_RELAY_P2P=1``), every tensor counting as "device", so its pairing
   logic is tested without accelerators;
-- **cuda ipc** (ranks sharing one GPU): through shared device slots (:mod:`engine.ipc`);
 - **staged**: copied into the frame in ONE device->host copy per message.
 
 The frame itself goes over the CPU (gloo) group, or, when the plan's ``frames`` is ``shm`` (ranks of one host),
@@ -15,8 +14,7 @@ through a shared-memory ring per ring edge (:mod:`engine.shm_ring`; frames large
 gloo, in order).
 
 The frame is one CPU-group send when it fits ``_FRAME`` bytes (the receiver posts a buffer of that size and reads
-the true length from the frame's head), two otherwise. ``PPSPEC_RELAY_CODEC=torch`` selects the codec's reference
-twin (``torch.save`` of the message).
+the true length from the frame's head), two otherwise.
 """
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import knobs
 from .dist import ps
+from .shm_ring import ShmRing
 from .relay_codec import _HEAD, decode, encode, encode_reference, field_bytes  # noqa: F401 (re-exported)
 
 _FRAME = 256 * 1024              # receive buffer of the first (usually only) CPU-group send of a message
@@ -61,15 +59,6 @@ _RECV_FRAME: list = []          # this rank's reused receive buffer (one frame)
 
 
 @dataclasses.dataclass
-class _Ipc:
-    sender: object = None       # engine.ipc.IpcSender toward the successor, or None (no same-GPU IPC)
-    receiver: object = None     # engine.ipc.IpcReceiver from the predecessor
-
-
-IPC = _Ipc()
-
-
-@dataclasses.dataclass
 class _Shm:
     out: object = None          # engine.shm_ring.ShmRing toward out_peer (this rank writes), or None
     inp: object = None          # ... from in_peer (this rank reads), or None
@@ -89,7 +78,6 @@ def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 2
     cannot map the writer's file (another host), or whose writer cannot create one (shared memory full), keeps gloo;
     returns whether both of this rank's edges use the ring."""
     import socket
-    from .shm_ring import ShmRing
     s = ps()
     close_shm_frames()
     if s.pp_size == 1:
@@ -126,19 +114,9 @@ def close_shm_frames() -> None:
 
 def open_for_plan(plan, timeout_s: float) -> None:
     """Open the channels the plan names (collective: every rank of the engine, once, before its first message):
-    shared-memory frames (``plan.frames == "shm"``) and CUDA IPC slots (``plan.relay == "cuda ipc"``)."""
+    shared-memory frames (``plan.frames == "shm"``)."""
     if plan.frames == "shm":
         open_shm_frames(timeout_s)
-    if plan.relay == "cuda ipc":
-        open_same_gpu_ipc(knobs.current().relay_ipc_slot_mb << 20)
-
-
-def open_same_gpu_ipc(slot_bytes: int) -> None:
-    """Route the staged device payloads of this rank's PP messages through CUDA IPC slots (ranks sharing one GPU).
-    Collective: every stage calls it once, at the same point, before its first message of a run."""
-    from .ipc import open_ring
-    s = ps()
-    IPC.sender, IPC.receiver = open_ring(s.device, s.pp_size, slot_bytes, ring_exchange)
 
 
 def send_msg(obj: dict, dst: int) -> None:
@@ -148,10 +126,7 @@ def send_msg(obj: dict, dst: int) -> None:
     s = ps()
     for k, b in field_bytes(obj).items():
         WIRE.bytes[k] = WIRE.bytes.get(k, 0) + b
-    if knobs.current().relay_codec == "torch":
-        frame, dev_buf = encode_reference(obj)
-    else:
-        frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None, IPC.sender)
+    frame, dev_buf = encode(obj, s.device if s.p2p_group is not None else None)
     WIRE.bytes["frame"] = WIRE.bytes.get("frame", 0) + frame.numel()
     _send_frame(frame, dst, s)
     if dev_buf is not None:
@@ -198,11 +173,9 @@ def recv_msg(src: int) -> dict:
     """Receive what :func:`send_msg` sent from global rank ``src`` (blocking; the groups' timeout applies)."""
     t0 = time.perf_counter()
     s = ps()
-    frame, (total, _, _, n_dev, slot, codec) = _recv_frame(src, s)
+    frame, (total, _, _, n_dev, codec) = _recv_frame(src, s)
     dev_buf = None
-    if slot >= 0:
-        dev_buf = IPC.receiver.take(slot, n_dev)
-    elif n_dev and s.p2p_group is not None and codec == 0:
+    if n_dev and s.p2p_group is not None and codec == 0:
         dev_buf = torch.empty(n_dev, dtype=torch.uint8, device=s.device)
         dist.recv(dev_buf, src, group=s.p2p_group)
     out = decode(frame[:total], dev_buf)

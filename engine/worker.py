@@ -1,9 +1,7 @@
 """The per-rank event loop (``Worker.run``), one for every plan and topology. A tick:
 
-  1. admit the open-loop arrivals (``Worker.admit``); an executor that defers results (``ring_rounds``) first
-     launches the slot's next round from the device (``ahead``) where it can, then applies the result collected at
-     the previous tick; with no run in flight, schedule the slot's next batch on this rank's scheduler replica and
-     launch it (``launch``, engine.executors: the plan's loop);
+  1. admit the open-loop arrivals (``Worker.admit``); with no run in flight, schedule the slot's next batch on this
+     rank's scheduler replica and launch it (``launch``, engine.executors: the plan's loop);
   2. while the executor allows (``chain``, at most ``depth`` steps in flight), launch the next step of the
      same requests before the previous one is read back;
   3. collect the oldest step in flight (``collect``; under PP the ring exchange) and apply its result
@@ -14,12 +12,12 @@ stage 0 scheduled p ticks earlier (its replica has processed the same results an
 admission count from its clock, later stages apply the count relayed with the proxy), runs its layers (proxy from
 stage p-1; the last stage samples, verifies and tail-drafts, producing the batch's ``StepResult``) and exchanges in
 parity order: stage p sends {relay it processed, admission count, proxy, batch identity} to p+1, the last stage
-sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again (with
-``ring_rounds``: just after launching the slot's next round ahead, when it does); every stage forwards it round the
-ring. All stages run the same number of ticks.
+sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again; every stage
+forwards it round the ring. All stages run the same number of ticks.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 
@@ -29,11 +27,8 @@ from .attention.backend import d2h, h2d
 from .config import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
-from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor
-from .ring_rounds import RingRoundExecutor
-from .heap import freeze_startup_objects
+from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor, few_threads
 from .messages import RelayError, StepResult
-from .ranks import few_threads
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
 from .stage_stats import StageStats
@@ -41,8 +36,7 @@ from .speculative.tree_host import tree_input_hash
 from . import transport
 
 
-EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor,
-             "ring_rounds": RingRoundExecutor}                  # plan loop -> executor class (else the ring)
+EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor}   # plan loop -> executor (else the ring)
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -58,6 +52,32 @@ def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return sampled
 
 
+
+
+_FROZEN_ENGINES = 0                       # in-process engines holding the startup freeze (freeze_startup_objects)
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
+    collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
+    vLLM freeze after startup for the same reason): a full collection of the startup heap otherwise stalls one
+    inter-token gap early in serving.
+    Counted per engine: ``thaw_startup_objects`` unfreezes when the last in-process engine that froze is shut down
+    (a dead engine's cycles must become collectable; a live one's freeze must stay). Returns the number frozen."""
+    global _FROZEN_ENGINES
+    gc.collect()
+    gc.freeze()
+    _FROZEN_ENGINES += 1
+    return gc.get_freeze_count()
+
+
+def thaw_startup_objects() -> None:
+    """One engine's share of ``freeze_startup_objects`` undone; the last one out unfreezes (back to the oldest
+    generation, collectable again). Call once per freeze."""
+    global _FROZEN_ENGINES
+    _FROZEN_ENGINES = max(0, _FROZEN_ENGINES - 1)
+    if _FROZEN_ENGINES == 0:
+        gc.unfreeze()
 
 
 class Worker:
@@ -137,7 +157,6 @@ class Worker:
         out, kept = self.runner.stage_rounds.run(batch, proxy)
         if self.stats is not None:
             self.stats.device_rounds += 1
-            self.stats.ahead_rounds += batch.ahead is not None
         thash = tree_input_hash(kept) if kept is not None else None
         if thash is not None and inbox.get("tree_hash") not in (None, thash):
             raise RelayError(f"stage {s.pp_rank}: rebuilt verify input differs from stage {s.pp_rank - 1}")
@@ -192,22 +211,12 @@ class Worker:
 
         ex.start()
         inflight: deque = deque()              # steps launched and not yet collected, oldest first
-        last = res = pending = None            # the run's newest step (None: no run in flight); the last result;
-        tick, end_tick, idle = 0, None, 0      # a collected result not applied yet (ex.defers_results)
+        last = res = None                      # the run's newest step (None: no run in flight); the last result
+        tick, end_tick, idle = 0, None, 0
         while True:
             t0 = clock()
             arrived = self.admit(ex.inbox)
-            if pending is not None:                        # launch the slot's next round before applying its result
-                t_ahead = clock()                          # (counted as forward and process, not schedule)
-                if last is None and end_tick is None and tick >= p:
-                    stats.forward_begin()
-                    if (last := ex.ahead((tick - p) % P, pending, arrived)) is not None:
-                        inflight.append(last)
-                    stats.forward_end(last is not None)
-                apply(pending)
-                pending = None
-                t0 += clock() - t_ahead
-            if end_tick is None and sched.all_finished() and (last is None or ex.defers_results):
+            if end_tick is None and sched.all_finished() and last is None:
                 end_tick = tick - p + P - 1
             batch = None
             if last is None and end_tick is None and tick >= p:
@@ -228,10 +237,7 @@ class Worker:
                 inflight.append(last := h)
             res = ex.collect(inflight.popleft()) if inflight else None
             if res is not None:
-                if ex.defers_results:
-                    pending = res
-                else:
-                    apply(res)
+                apply(res)
             if last is not None and not inflight:          # the run's steps are all read back: resume it or end it
                 last = chain(last)
                 if last is not None:
@@ -240,8 +246,6 @@ class Worker:
             if end_tick is not None and tick >= end_tick:
                 break
             tick += 1
-        if pending is not None:                            # the ring's last result: a round of finished requests
-            apply(pending)
 
     def forward_or_fail(self, batch: ScheduledBatch, inbox: dict) -> StepResult | dict:
         """``forward_batch``, or on a stage whose forward raised (or that received a failed batch) the batch's

@@ -69,7 +69,7 @@ def check_cells_fit(cfg: RunConfig) -> None:
         engine.config.ConfigError / FileNotFoundError: unknown model.
     """
     from harness.config import HarnessConfigError
-    from engine.runner import model_source
+    from engine.config import model_source
     _, mc = model_source(cfg.engine)
     ctx = cfg.engine.context_length(mc)
     for L, B in cfg.bench.cell_list():

@@ -476,10 +476,6 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
     meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
     engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
-    if (engine.overlap_schedule is True and engine.spec.enabled and (engine.pp > 1 or engine.tp > 1)
-            and not engine.use_spec_overlap):
-        notes.append("note: overlap_schedule launches PP / TP rounds ahead only on the device stage round: add "
-                     "spec_overlap: true (on by default on CUDA)")
     default_name = Path(str(config)).stem if config is not None else "default"
     return RunConfig(
         name=meta.get("name") or default_name, engine=engine,

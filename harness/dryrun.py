@@ -38,10 +38,10 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
 
 
 def check_topology(cfg: RunConfig) -> None:
-    """ConfigError when the model cannot be split as ``cfg.engine`` asks (``engine.runner.check_topology``: e.g. pp
-    above the layer count) or cannot take its EAGLE shape (``engine.runner.check_spec_fits``), from the model's
+    """ConfigError when the model cannot be split as ``cfg.engine`` asks (``engine.config.check_topology``: e.g. pp
+    above the layer count) or cannot take its EAGLE shape (``engine.config.check_spec_fits``), from the model's
     config alone."""
-    from engine.runner import check_spec_fits, check_topology as check, model_source
+    from engine.config import check_spec_fits, check_topology as check, model_source
     model = model_source(cfg.engine)[1]
     check(model, cfg.engine.tp, cfg.engine.pp)
     check_spec_fits(model, cfg.engine.spec)

@@ -907,16 +907,6 @@ def test_plan_and_dry_run_refuse_a_topology_the_engine_refuses():
     assert r.exit_code == 1 and r.output.count("[would fail: pp=31 is larger than the number of layers (30)]") == 2
 
 
-def test_overlap_schedule_without_the_stage_round_is_noted():
-    """Regression (QA): ``overlap_schedule: true`` under PP with spec but without the device stage round (CPU
-    without spec_overlap) silently did nothing; resolution now says what it needs. With it the plan runs ring_rounds."""
-    r = runner.invoke(app, ["plan", "--config", "tp1pp2", "--set", "overlap_schedule=true"])
-    assert r.exit_code == 0 and "note: overlap_schedule launches PP / TP rounds ahead only on the device stage round: " \
-        "add spec_overlap: true (on by default on CUDA)" in r.output and "loop ring;" in r.output
-    r = runner.invoke(app, ["plan", "--config", "tp1pp2", "--set", "overlap_schedule=true", "--set", "spec_overlap=true"])
-    assert r.exit_code == 0 and "loop ring_rounds;" in r.output and "note:" not in r.output
-
-
 def test_empty_prompt_is_refused_before_the_model_loads(monkeypatch):
     """Regression (QA): ``ppspec generate ''`` loaded the tokenizer and config (~30 s on a loaded machine) before
     refusing the empty prompt."""

@@ -218,12 +218,12 @@ _PP_LENS = [12, 30, 20, 41, 25]
 
 def _pp_run(setup, name: str):
     """One cached PP2 tree run of the tiny GPU model: ``graph`` (the stage round replayed from graphs, the CUDA default),
-    ``eager`` (the stage round without graphs), ``ahead`` (graphs, rounds launched ahead: loop ring_rounds) or ``host``
-    (the host round: FlashInfer, host-planned)."""
+    ``eager`` (the stage round without graphs) or ``host`` (the host round: FlashInfer,
+    host-planned)."""
     if name not in _PP_RUNS:
         model, draft, prompts, _ = setup
         kw = {"graph": {"spec_overlap": True}, "eager": {"cuda_graph": False, "spec_overlap": True},
-              "host": {"spec_overlap": False}, "ahead": {"spec_overlap": True, "overlap_schedule": True}}[name]
+              "host": {"spec_overlap": False}}[name]
         _PP_RUNS[name] = _generate_pp(model, draft, prompts, _PP_LENS, **kw)
     return _PP_RUNS[name]
 
@@ -261,28 +261,6 @@ def test_graph_stage_round_under_pp_matches_eager(setup):
           f"; accept {sum(acc_g) / len(acc_g):.3f} (eager {sum(acc_e) / len(acc_e):.3f})")
     assert all(s["device_rounds"] > 0 for s in st_g)
     divergences("stage round under PP: graph vs eager", prompts, eager, graph, logits)
-
-
-def test_stage_rounds_launched_ahead_match_the_ring(setup):
-    """Rounds launched ahead of the previous round's read-back (loop ring_rounds, graphs) vs the ring without it: the
-    ring's greedy tokens up to bf16 near-ties (a round launched ahead still carries a request whose finish is not
-    applied yet, so the batch, hence the replayed graph's batch size, can differ from the ring's), similar
-    acceptance; every rank launched the same rounds ahead; device->host copies per verify round counted (at most one
-    per stage beyond the staged relay's)."""
-    _, _, prompts, logits = setup
-    ahead, acc_a, st_a, plan_a = _pp_run(setup, "ahead")
-    ring, acc_r, st_r, plan_r = _pp_run(setup, "graph")
-    assert (plan_a.loop, plan_r.loop) == ("ring_rounds", "ring")
-    print("rounds ahead: " + "; ".join(f"stage {s['pp_rank']} {s['ahead_rounds']} of {s['device_rounds']} rounds "
-                                       f"ahead, {s['d2h']} d2h in {s['batches']} batches" for s in st_a) +
-          "; ring: " + "; ".join(f"stage {s['pp_rank']} {s['d2h']} d2h in {s['batches']} batches" for s in st_r))
-    ah = [s["ahead_rounds"] for s in st_a]
-    assert ah[0] > 0 and len(set(ah)) == 1
-    assert all(s["ahead_rounds"] == 0 for s in st_r)
-    for s in st_a:                # staged relay: one staging copy per message + at most one read of each result
-        assert s["d2h"] - 2 * (s["batches"] - s["device_rounds"]) <= 2 * s["device_rounds"]
-    divergences("stage rounds ahead vs the ring", prompts, ring, ahead, logits)
-    assert abs(sum(acc_a) / len(acc_a) - sum(acc_r) / len(acc_r)) < 0.3
 
 
 def test_graph_spec_overlap_chain_and_token_map(setup, tmp_path):

@@ -1,63 +1,213 @@
-"""Imports point downward: nothing under engine/attention, engine/kernels or engine/model imports
-engine.speculative or engine.graphs. Checked
-on the source with ast (every import statement, at module level or inside functions; relative imports resolved)."""
+"""The module graph of engine/, harness/ and tools/ is a layered DAG: no import cycle, and no import pointing to a
+higher layer of :data:`LAYERS`. Imports are read from the source with ast: every import statement, at module level
+or inside a function, relative imports resolved; ``from X import y`` imports the module ``X.y`` when that is a
+module, else ``X``. An import may point to its own layer or any lower one (cycles inside a layer are still
+refused). ``python tests/test_import_direction.py`` prints the layers, the strongly connected components of more
+than one module and the upward imports.
+"""
 from __future__ import annotations
 
 import ast
 import sys
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
-LOWER = ("attention", "kernels", "model")
-UPPER = ("engine.speculative", "engine.graphs")
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "harness", "tools")
+
+# Lowest first. A module belongs to the layer of the longest prefix (a module or a package) that names it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("engine.knobs",),                                        # the PPSPEC_* registry and ConfigError
+    ("engine.messages",),                                     # the relay's types, host/device copy helpers
+    ("engine.model.config",),                                 # ModelConfig (a checkpoint's shape)
+    ("engine.model.checkpoint", "engine.model.gguf", "engine.model.loader"),   # reading a checkpoint
+    ("engine.config",),                                       # EngineConfig, SpecConfig, faults, topology checks
+    ("engine.dist",),                                         # process groups, TP collectives
+    ("engine.kernels",),
+    ("engine.attention",),
+    ("engine.graphs",),                                       # the capture sequence, batch-size ladder, stage graphs
+    ("engine.kv_cache", "engine.prefix_cache"),               # the KV pool
+    ("engine.model",),
+    ("engine.speculative",),
+    ("engine.requests", "engine.kv_manager", "engine.scheduler", "engine.plan",
+     "engine.shm_ring", "engine.relay_codec", "engine.transport",
+     "engine.stage_stats"),
+    ("engine.runner",),
+    ("engine.executors",),
+    ("engine.worker",),
+    ("engine.ranks",),
+    ("engine.llm", "engine.launch"),
+    ("engine",),                                              # the package face (engine/__init__.py)
+    ("harness",),
+    ("tools",),
+)
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ENGINE.parent).with_suffix("")
-    parts = list(rel.parts)
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute names of the modules ``path`` imports (``from X import y`` gives X and X.y)."""
-    mod = _module_name(path)
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+def modules(root: Path = REPO, packages=PACKAGES) -> dict[str, Path]:
+    """Every module of ``packages`` under ``root``: name -> path."""
+    return {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` (at ``path``) imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
                 base = base[:len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
+                mod = ".".join(base + ([node.module] if node.module else []))
             else:
-                target = node.module
-            out.add(target)
-            out.update(f"{target}.{a.name}" for a in node.names)
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:          # ``import a.b.c`` of a package: its longest known prefix
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
     return out
 
 
-def _upward(names: set[str]) -> list[str]:
-    return sorted(n for n in names if any(n == u or n.startswith(u + ".") for u in UPPER))
+def graph(root: Path = REPO, packages=PACKAGES) -> dict[str, set[str]]:
+    mods = modules(root, packages)
+    known = set(mods)
+    return {m: imports_of(m, p, known) for m, p in mods.items()}
 
 
-def test_resolver_sees_relative_and_nested_imports(tmp_path, monkeypatch):
-    pkg = tmp_path / "engine" / "attention"
-    pkg.mkdir(parents=True)
-    f = pkg / "x.py"
-    f.write_text("from ..speculative.tree import a\nfrom . import backend\n"
-                 "def g():\n    from .. import graphs\n    import engine.kernels.pdl\n")
-    monkeypatch.setattr(sys.modules[__name__], "ENGINE", tmp_path / "engine")
-    names = imported_modules(f)
-    assert _upward(names) == ["engine.graphs", "engine.speculative.tree", "engine.speculative.tree.a"]
-    assert "engine.attention.backend" in names and "engine.kernels.pdl" in names
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted, largest first."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        work = [(v, iter(sorted(g.get(v, ()))))]
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        while work:
+            u, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(g.get(w, ())))))
+                    break
+                if w in on:
+                    low[u] = min(low[u], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[u])
+                if low[u] == index[u]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == u:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return sorted(out, key=lambda c: (-len(c), c))
 
 
-def test_lower_layers_do_not_import_speculative_or_graphs():
-    files = [p for d in LOWER for p in sorted((ENGINE / d).rglob("*.py"))]
-    assert len(files) > 10
-    bad = {str(p.relative_to(ENGINE.parent)): up for p in files if (up := _upward(imported_modules(p)))}
-    assert bad == {}
+def layer(mod: str, layers=LAYERS) -> int:
+    """The layer index of ``mod`` (longest matching prefix). Raises KeyError when no layer names it."""
+    best, depth = None, -1
+    for i, names in enumerate(layers):
+        for n in names:
+            if (mod == n or mod.startswith(n + ".")) and n.count(".") > depth:
+                best, depth = i, n.count(".")
+    if best is None:
+        raise KeyError(f"{mod} is in no layer of LAYERS")
+    return best
+
+
+def upward(g: dict[str, set[str]], layers=LAYERS) -> list[tuple[str, str]]:
+    """(importer, imported) pairs whose target lies in a higher layer than the importer."""
+    return sorted((m, t) for m, ts in g.items() for t in ts if layer(t, layers) > layer(m, layers))
+
+
+# ----------------------------------------------------------------------------------------------- tests
+def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return graph(tmp_path, ("engine",))
+
+
+def test_checker_resolves_relative_nested_and_package_imports(tmp_path):
+    g = _plant(tmp_path, {"engine/__init__.py": "", "engine/attention/__init__.py": "",
+                          "engine/attention/x.py": "from ..speculative.tree import a\nfrom . import backend\n"
+                                                   "def g():\n    from .. import graphs\n    import engine.kernels.pdl\n",
+                          "engine/attention/backend.py": "", "engine/speculative/__init__.py": "",
+                          "engine/speculative/tree.py": "", "engine/graphs.py": "", "engine/kernels/__init__.py": "",
+                          "engine/kernels/pdl.py": ""})
+    assert g["engine.attention.x"] == {"engine.speculative.tree", "engine.attention.backend", "engine.graphs",
+                                       "engine.kernels.pdl"}
+
+
+def test_checker_catches_a_planted_cycle(tmp_path):
+    g = _plant(tmp_path, {"engine/__init__.py": "", "engine/a.py": "from . import b\n",
+                          "engine/b.py": "def f():\n    from .c import x\n", "engine/c.py": "import engine.a\n",
+                          "engine/d.py": "from . import a\n"})
+    assert cycles(g) == [["engine.a", "engine.b", "engine.c"]]
+
+
+def test_checker_catches_a_planted_upward_import(tmp_path):
+    g = _plant(tmp_path, {"engine/__init__.py": "", "engine/low.py": "def f():\n    from .high import x\n",
+                          "engine/high.py": "from .low import y\n"})
+    layers = (("engine.low",), ("engine.high",), ("engine",))
+    assert upward(g, layers) == [("engine.low", "engine.high")]
+    assert cycles(g) == [["engine.high", "engine.low"]]
+
+
+def test_every_module_has_a_layer():
+    g = graph()
+    assert len(g) > 50
+    unplaced = []
+    for m in g:
+        try:
+            layer(m)
+        except KeyError:
+            unplaced.append(m)
+    assert unplaced == []
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_no_upward_import():
+    assert upward(graph()) == []
+
+
+if __name__ == "__main__":
+    g = graph()
+    print(f"{len(g)} modules, {sum(len(v) for v in g.values())} imports")
+    for i, names in enumerate(LAYERS):
+        print(f"layer {i:2d}: {', '.join(names)}")
+    for c in cycles(g):
+        print(f"cycle of {len(c)}: {' '.join(c)}")
+    for m, t in upward(g):
+        print(f"upward: {m} -> {t} (layer {layer(m)} -> {layer(t)})")
+    sys.exit(1 if cycles(g) or upward(g) else 0)

@@ -183,7 +183,7 @@ def test_commit_order_accepted_first_then_rejected_in_node_order():
     """Batched commit permutation (numpy) against its definition, on random accepted paths (-1 padding)."""
     import torch
 
-    from engine.kv_cache import commit_order
+    from engine.speculative.tree_host import commit_order
     assert commit_order([[0, 2, 3, -1], [0, -1, -1, -1]], [3, 1], 5).tolist() == [[0, 2, 3, 1, 4], [0, 1, 2, 3, 4]]
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
@@ -219,30 +219,6 @@ def test_kv_pool_stores_adjacent_k_v_in_one_view():
     pool.store(1, loc, k, v)
     assert torch.equal(pool.k_cache[1][loc], k) and torch.equal(pool.v_cache[1][loc], v)
     assert pool.kv_cache[1][[0, 2, 5]].abs().sum() == 0 and pool.kv_cache[0].abs().sum() == 0
-
-
-def test_reserve_ahead_per_slot_ignores_other_slots_prefills():
-    """reserve_ahead refuses while a request waits for admission or prefills; with ``slot`` only a prefill in that
-    slot stops it (PP rounds launched ahead keep going while another micro-batch slot prefills in chunks)."""
-    import torch
-    s = Scheduler(capacity=400, max_reqs=4, max_model_len=512, reserve=4, spec=False, max_prefill_tokens=16,
-                  num_slots=2, eos_ids=(2,))
-    s.max_concurrency = 4
-    s.add(Req(0, list(range(3, 9)), SamplingParams(max_new_tokens=20)))
-    b = s.schedule(0)
-    s.process_output(StepResult("prefill", 0, [0], torch.tensor([[7]]), chunks=b.chunks))
-    r0 = s.reqs[0]
-    assert r0.status == "running" and r0.slot == 0
-    s.add(Req(1, list(range(3, 40)), SamplingParams(max_new_tokens=20)))        # 37 tokens: 3 chunks of 16
-    assert s.reserve_ahead([r0], 8, slot=0) is None                            # request 1 waits for admission
-    b = s.schedule(1)
-    assert b.kind == "prefill" and b.rids == [1] and s.reqs[1].status == "prefilling"
-    assert s.reserve_ahead([r0], 8) is None                                    # pp=1 semantics: any prefill stops it
-    before = r0.allocated_len
-    new = s.reserve_ahead([r0], 8, slot=0)                                     # slot 1's prefill does not
-    assert new is not None and r0.allocated_len == r0.seq_len + 8 + 4 > before
-    assert [(i, p0, len(sl)) for i, p0, sl in new] == [(0, before, r0.allocated_len - before)]
-    assert s.reserve_ahead([s.reqs[1]], 8, slot=1) is None                     # ... but its own slot's does
 
 
 def test_steps_ahead_yield_only_to_a_request_the_pool_can_place():

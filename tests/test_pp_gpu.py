@@ -1,7 +1,6 @@
 """GPU only: PP x EAGLE with two ranks on one GPU (the SmolLM2 shape, random bf16 weights, the shipped head): the
-relay's device tensors through CUDA IPC slots give the staged relay's exact tokens and accept lengths, the tree
-on the device gives the host tree's, and the device->host copies per batch are counted (IPC: none on stage 0, at
-most one per verify round on the last stage)."""
+tree on the device gives the host tree's exact tokens and accept lengths, and the device->host copies per batch are
+counted (the staged relay: one staging copy per verify round)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,25 +40,14 @@ def _run(monkeypatch, env: dict, **kw):
 
 
 def test_pp2_relay_paths_agree_and_copies_per_round(monkeypatch):
-    """The same round through the CUDA IPC relay and the staged relay gives the same tokens (the stage round, the
-    CUDA default); on the host round the device tree gives the host tree's. Copies per batch are counted."""
-    ipc = _run(monkeypatch, {"PPSPEC_RELAY_IPC": "1"})
+    """On the host round the device tree gives the host tree's tokens; copies per batch of the staged relay (the
+    stage round, the CUDA default) are counted."""
     staged = _run(monkeypatch, {})
     host_tree = _run(monkeypatch, {}, spec_device_tree=False, spec_overlap=False)
     dev_tree = _run(monkeypatch, {}, spec_overlap=False)
-    assert ipc[3].relay == "cuda ipc" and staged[3].relay == "staged" and ipc[3].tree == "device"
+    assert staged[3].relay == "staged" and staged[3].tree == "device"
     assert (host_tree[3].tree, host_tree[3].round, dev_tree[3].tree) == ("host", "host", "device")
-    assert ipc[:2] == staged[:2]
     assert host_tree[:2] == dev_tree[:2]
-    s0, s1 = ipc[2][0], ipc[2][1]
-    rounds = sum(len(a) for a in ipc[1])
-    print(f"IPC relay: stage 0 {s0['d2h']} d2h in {s0['batches']} batches; last stage {s1['d2h']} in "
-          f"{s1['batches']} ({rounds} verify rounds); staged: {staged[2][0]['d2h']}, {staged[2][1]['d2h']}")
-    # the proxy never leaves the GPU: stage 0's only copies read the relayed results of its verify rounds
-    assert 0 < s0["d2h"] <= s0["device_rounds"]
-    # last stage: one copy per verify batch (reading the relayed result), two per prefill batch (sampled token,
-    # first tree)
-    assert s1["d2h"] <= s1["batches"] + len(_prompts())
     assert staged[2][0]["d2h"] == staged[2][0]["batches"]
     for st in staged[2]:                                     # stage round, staged: one staging copy per verify round
         assert st["device_rounds"] > 0

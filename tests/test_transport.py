@@ -133,7 +133,7 @@ def _gen(model, draft, prompts, params, **kw):
 def test_pp2_metrics_and_transports(tiny_model_dir, tiny_draft_dir, tiny_prompts, monkeypatch):
     """One PP2 spec request: the last stage sends, per batch, exactly the relay's tensor bytes (accept_lens [1],
     accept_nodes [1, S+1], next_tree [1, n + P + n-1], int64); busy fractions lie in (0, 1]. The device-payload
-    path and the torch.save codec give the same tokens and accept lengths."""
+    path gives the same tokens and accept lengths."""
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = tiny_prompts[2:3]
     outs, st = _gen(tiny_model_dir, tiny_draft_dir, prompts, params)
@@ -147,7 +147,7 @@ def test_pp2_metrics_and_transports(tiny_model_dir, tiny_draft_dir, tiny_prompts
     for s in stages:
         assert 0 < s["busy_fraction"] <= 1 and s["batches"] == 1 + len(outs[0].accept_lengths)
         assert s["ticks"] >= s["batches"] and s["host_ms_per_tick"]["forward"] > 0
-    for env in ({"PPSPEC_RELAY_P2P": "1"}, {"PPSPEC_RELAY_CODEC": "torch"}):
+    for env in ({"PPSPEC_RELAY_P2P": "1"},):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         other, _ = _gen(tiny_model_dir, tiny_draft_dir, prompts, params)

@@ -1,7 +1,7 @@
 """Seeded differential fuzzer of the engine: ``python -m tools.fuzz --cases N --seed S`` (or ``--case SEED``).
 
 Each case is drawn from one integer seed (:func:`draw_case`): a topology (PP 1-5 within the model's layers, or
-TP2 x PP2), a speculative shape (none, a chain, a tree) and its loop (host / device / ahead rounds; plain pp=1:
+TP2 x PP2), a speculative shape (none, a chain, a tree) and its loop (host / device rounds; plain pp=1:
 the eager loop or lookahead decode), sometimes a context (``max_model_len``) that cuts requests short, a KV pool
 from barely fitting the largest request to large, a prefill chunk budget, a running-request cap and 3-16 requests
 (random-id or GSM8K-text prompts, greedy or seeded sampled, stop strings / stop ids that fire mid-output,
@@ -72,8 +72,7 @@ class Case:
     reqs: list[ReqDraw]
     poison: str | None = None           # bad_id | too_big
     rounds: str = "host"                # spec: host (the host round) | device (the device round: pp=1 tp=1's overlapped
-                                        # round, else the stage round) | ahead (device, and stage rounds launched
-                                        # before the previous one is applied: loop ring_rounds); plain at pp=1 tp=1:
+                                        # round, else the stage round); plain at pp=1 tp=1:
                                         # host | lookahead (decode step t+1 launched before step t is read back)
     max_model_len: int | None = None    # a context shorter than some prompt + max_new (None: the model's)
 
@@ -99,7 +98,7 @@ class Case:
 # --------------------------------------------------------------------------------------------- drawing
 def _topologies(mc) -> list[tuple[int, int, float]]:
     """(tp, pp, weight) valid for the model: PP 1-5 up to its layer count, and TP2 x PP2."""
-    from engine.runner import check_topology
+    from engine.config import check_topology
     from engine.config import ConfigError
     out = []
     for tp, pp, w in [(1, 1, 3), (1, 2, 3), (1, 3, 2), (1, 4, 1), (1, 5, 1), (2, 2, 2)]:
@@ -158,7 +157,7 @@ def draw_case(seed: int, mc, tok, with_spec: bool = True) -> Case:
         poison = "bad_id"
     case = Case(seed, tp, pp, spec, pool, pool_kind, chunk, rng.randint(1, 8), reqs, poison)
     if spec is not None:            # drawn apart, so adding it left every earlier seed's draw as it was
-        case.rounds = random.Random(seed * 7877 + 3).choice(["host", "device", "ahead"])
+        case.rounds = random.Random(seed * 7877 + 3).choice(["host", "device"])
     elif tp == pp == 1:
         case.rounds = random.Random(seed * 7877 + 3).choice(["host", "lookahead"])
     ctx = random.Random(seed * 7901 + 7)     # (salt 7: the CI cases of tests/test_fuzz.py draw no context)
@@ -318,7 +317,7 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
                        max_prefill_tokens=case.max_prefill_tokens,
                        max_running_requests=case.max_running_requests, spec=spec,
                        spec_overlap=case.spec is not None and case.rounds != "host",
-                       overlap_schedule=case.rounds in ("ahead", "lookahead"), max_model_len=case.max_model_len)
+                       overlap_schedule=case.rounds == "lookahead", max_model_len=case.max_model_len)
     diagnose = []
     phase("engine start")
     try:
@@ -451,12 +450,12 @@ class CaseResult:
     def kinds(self) -> list[str]:
         return sorted({k for k, _ in self.failures}, key=KINDS.index)
 
-    def report(self) -> str:
-        """A multi-line report: status line, one line per failure, the repro command."""
+    def report(self, phases: bool = False) -> str:
+        """A multi-line report: status line, the phase timings (``phases``), one line per failure, the repro
+        command."""
         status = "PASS" if not self.failures else "FAIL [" + ", ".join(self.kinds) + "]"
         lines = [f"case {self.seed}: {status}  {self.desc}  retractions {self.retractions}  {self.wall_s:.1f}s"]
-        from engine import knobs
-        if self.phases and knobs.current().fuzz_phases:
+        if self.phases and phases:
             lines.append("    phases: " + ", ".join(f"{n} @{t}s" for n, t in self.phases))
         if self.failures:
             lines += [f"    {k}: {m}" for k, m in self.failures]
@@ -532,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="target model (default: the cached tiny random Llama)")
     ap.add_argument("--draft", help="EAGLE draft (default with the tiny model: its trained draft; none: no spec)")
     ap.add_argument("--describe", action="store_true", help="print the drawn cases, run nothing")
+    ap.add_argument("--phases", action="store_true", help="print each case's phase timings")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, results = time.perf_counter(), []
     for s in seeds:
         r = run_isolated(s, model, draft, a.timeout)
-        print(r.report(), flush=True)
+        print(r.report(a.phases), flush=True)
         results.append(r)
     print(summary(results, time.perf_counter() - t0))
     return 1 if any(r.failures for r in results) else 0

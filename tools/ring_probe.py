@@ -29,9 +29,6 @@ def _rank(rank: int, a, port: int, q) -> None:
     if a.shm:
         from engine.transport import open_shm_frames
         open_shm_frames(60)
-    if a.ipc:
-        from engine.transport import open_same_gpu_ipc
-        open_same_gpu_ipc(16 << 20)
     S, n = 5, 6
     res = StepResult("verify", 0, [0], torch.zeros(1, S + 1, dtype=torch.int64),
                      accept_nodes=torch.zeros(1, S + 1, dtype=torch.int64), accept_lens=torch.ones(1, dtype=torch.int64),
@@ -59,7 +56,6 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--shm", action="store_true", help="frames through shared-memory rings (ranks of one host)")
-    ap.add_argument("--ipc", action="store_true", help="device payloads through CUDA IPC slots (ranks share one GPU)")
     a = ap.parse_args(argv)
     from engine.ranks import free_port
     ctx = mp.get_context("spawn")
@@ -71,7 +67,7 @@ def main(argv=None) -> None:
     res = dict(q.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    print(json.dumps({"pp": a.pp, "device": a.device, "ipc": a.ipc, "shm": a.shm, "us_per_exchange": {r: res[r] for r in sorted(res)}}))
+    print(json.dumps({"pp": a.pp, "device": a.device, "shm": a.shm, "us_per_exchange": {r: res[r] for r in sorted(res)}}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from .config import ModelConfig
 
 # End-of-turn markers of common chat templates. One of them counts as an EOS id when the model's
 # chat template uses it and the vocabulary has it: GGUF/HF metadata often names only one EOS

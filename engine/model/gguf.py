@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..knobs import ConfigError
 from .checkpoint import END_OF_TURN_TOKENS, dedup_ids, in_layer_range
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..knobs import ConfigError
+from .config import ModelConfig
 from .checkpoint import (END_OF_TURN_TOKENS, dedup_ids, dummy_weights, hf_weight_shapes, in_layer_range,  # noqa: F401
                          save_hf_checkpoint)
 from .gguf import _gguf_meta, gguf_hf_config, gguf_to_hf_name, iter_gguf, unpermute_qk  # noqa: F401

@@ -77,11 +77,9 @@ class StageRoundRunner(SpecRoundRunner):
         self.drop_tree = runner.config.fault == "drop_tree"
 
     def can_run(self, batch) -> bool:
-        """A batch launched ahead (``batch.ahead``: its slot's previous round ran here), or a verify batch of at most
-        ``max_bs`` requests whose trees were relayed, all greedy unless ``sampled``."""
-        return batch.ahead is not None or (
-            batch.kind == "verify" and len(batch.reqs) <= self.max_bs
-            and all((self.sampled or r.params.greedy) and r.tree is not None for r in batch.reqs))
+        """A verify batch of at most ``max_bs`` requests whose trees were relayed, all greedy unless ``sampled``."""
+        return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
+                and all((self.sampled or r.params.greedy) and r.tree is not None for r in batch.reqs))
 
     def state(self, bs: int, slot: int = 0, sampled: bool = False) -> RoundState:
         """The state of micro-batch ``slot`` at batch size ``bs`` (one per (slot, bs): a slot's state outlives its
@@ -125,8 +123,7 @@ class StageRoundRunner(SpecRoundRunner):
 
     @torch.inference_mode()
     def run(self, batch, proxy=None):
-        """Run ``batch`` (``can_run``, or launched ahead: ``batch.ahead``, an :class:`engine.ring_rounds.Ahead`) on this
-        stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots
+        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots
         [B*n, H] in layer order. A batch launched ahead runs on its slot's state of the previous round, advanced by
         :meth:`advance`; any other is loaded from the scheduler (``load``).
 
@@ -137,12 +134,8 @@ class StageRoundRunner(SpecRoundRunner):
         reqs, B, n = batch.reqs, len(batch.reqs), self.n
         slots = None if self.first else self.r.aux_slots(proxy)     # EAGLE-3: checked before anything runs
         st = self.state(self.pick(B), batch.slot, not all(r.params.greedy for r in reqs))
-        if batch.ahead is None:
-            self.load(reqs, self.r.sched.req_to_token, st)
-            self.load_sampling(st, reqs, (0,), params=True)
-        else:
-            self.advance(st, batch.ahead)
-            self.load_sampling(st, reqs, range(1, self.S + 2))
+        self.load(reqs, self.r.sched.req_to_token, st)
+        self.load_sampling(st, reqs, (0,), params=True)
         if not self.first:
             st.h_in[:B * n].copy_(proxy[0])
             st.r_in[:B * n].copy_(proxy[1])

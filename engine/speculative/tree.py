@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..messages import chain_fallback  # noqa: F401  (re-exported)
+from ..messages import chain_fallback  # noqa: F401  (the degenerate tree lives with DraftTree)
 
 
 def _desc_order(x: Tensor) -> Tensor:
