@@ -76,6 +76,8 @@ class LLM:
         self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
         if config.world_size == 1:
             from .worker import Worker
+            if self.plan.threads:
+                torch.set_num_threads(self.plan.threads["per_rank"])
             set_ps(ParallelState(device=torch.device(config.device)))
             self._worker = Worker(config, record_times=True)
             self._infos = [rank_info(self._worker)]
@@ -95,7 +97,7 @@ class LLM:
         W = cfg.world_size
         self._cmd_qs = [ctx.Queue() for _ in range(W)]
         self._res_q = ctx.Queue()
-        threads = max(1, (os.cpu_count() or 1) // W)
+        threads = self.plan.threads["per_rank"] if self.plan.threads else 1
         port = free_port()
         self._busy = True
         _ENGINES.add(self)
