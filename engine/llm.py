@@ -76,6 +76,8 @@ class LLM:
         self.last_peak_memory = 0
         self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
         if config.world_size == 1:
+            if self.plan.threads:
+                torch.set_num_threads(self.plan.threads["per_rank"])
             set_ps(ParallelState(device=torch.device(config.device)))
             self._worker = Worker(config, record_times=True)
             self._infos = [rank_info(self._worker)]
@@ -94,7 +96,7 @@ class LLM:
         W = cfg.world_size
         self._cmd_qs = [ctx.Queue() for _ in range(W)]
         self._res_q = ctx.Queue()
-        threads = max(1, (os.cpu_count() or 1) // W)
+        threads = self.plan.threads["per_rank"] if self.plan.threads else 1
         port = free_port()
         self._busy = True
         _ENGINES.add(self)
@@ -179,8 +181,13 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  max_concurrency: int | None = None, progress=None,
-                 arrival_times: list[float] | None = None) -> list[RequestOutput]:
+                 arrival_times: list[float] | None = None, stream=None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids). Outputs come back in input order.
+
+        ``stream(updates)``, when given, is called in this process as tokens are committed (stage 0 reports them
+        after every step that emitted any): ``updates`` is a list of ``(prompt index, new token ids)``, each token
+        reported once and in order, so their concatenation per prompt is that output's ``token_ids``.
+        ``progress(done, total)`` is called as requests finish.
 
         ``arrival_times`` (open-loop load): per prompt, seconds after this call starts at which the request arrives;
         stage 0's scheduler admits a request only once its arrival time has passed (every stage admits it at the
@@ -210,7 +217,7 @@ class LLM:
         if clamped:
             log.warning("%s", clamped)
         if self.config.world_size == 1:
-            done = self._worker.run(reqs, max_concurrency, progress)
+            done = self._worker.run(reqs, max_concurrency, progress, stream)
             self.last_peak_memory = peak_memory(torch.device(self.config.device))
             self.last_stage_stats = [self._worker.last_stats]
         else:
@@ -221,9 +228,9 @@ class LLM:
                                   "and start a new LLM")
             self._busy = True
             for q in self._cmd_qs:
-                q.put(("generate", reqs, max_concurrency))
+                q.put(("generate", reqs, max_concurrency, stream is not None))
             done, self.last_peak_memory, self.last_stage_stats = collect_run(self._get, self.config.world_size,
-                                                                             progress)
+                                                                             progress, stream)
             self._busy = False
         return [self._output(r) for r in done]
 

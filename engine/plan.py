@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import platform
 from dataclasses import dataclass
 
@@ -42,7 +43,8 @@ class ExecutionPlan:
     reserve: KV slots per request past seq_len.
     attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
     linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
-    tree kernels on or off. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
+    tree kernels on or off. threads (CPU only): torch threads per rank (``per_rank``) chosen by
+    :func:`cpu_threads` from the cores this process may use and the load on them. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
     and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
     """
 
@@ -63,6 +65,7 @@ class ExecutionPlan:
     knobs: dict
     libraries: dict
     frames: str | None = None
+    threads: dict | None = None
 
     @property
     def backend(self) -> str:
@@ -96,6 +99,10 @@ class ExecutionPlan:
                  f"linear {li['policy']}",
                  f"kernels on: {', '.join(on) or 'none'}",
                  "knobs " + (", ".join(f"{n}={v}" for n, v in self.knobs.items()) or "all default")]
+        if self.threads:
+            t = self.threads
+            lines.append(f"cpu threads {t['per_rank']} per rank ({t['cores']} cores, load {t['load']:.1f}"
+                         + (": fewer threads while the cores are busy)" if t["contended"] else ")"))
         if self.libraries.get("assumed"):
             lines.append("(resolved off a GPU host: flashinfer and triton assumed importable)")
         return "\n".join(lines)
@@ -158,7 +165,22 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     return ExecutionPlan(dev, config.dtype, config.tp, config.pp, bool(staged), loop, relay,
                          ("device" if device_tree else "host") if spec else None, round_, reserve, attention, graphs,
                          _linear(kn, cuda, config.dtype, libs), _kernels(kn, cuda, config.dtype, libs), kn.non_default(),
-                         libs, frames)
+                         libs, frames, None if cuda else cpu_threads(config.world_size))
+
+
+def cpu_threads(world_size: int, cores: int | None = None, load: float | None = None) -> dict:
+    """Torch threads per rank on CPU: the cores this process may run on (``os.sched_getaffinity``) less the
+    1-minute load average (``os.getloadavg``), shared by the ``world_size`` ranks, at least 1 each. On a loaded
+    machine intra-op threads that wait for a busy core slow every op down (a barrier per op), so a contended
+    machine gets fewer threads, down to 1. ``cores`` / ``load`` override the measured values (tests).
+    Returns ``{"per_rank", "cores", "load", "contended"}``."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    free = max(1, min(cores, int(cores - load + 0.5)))
+    return {"per_rank": max(1, free // world_size), "cores": cores, "load": round(load, 2),
+            "contended": free < cores}
 
 
 def _libraries(cuda: bool) -> dict:

@@ -75,9 +75,10 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
             cmd = cmd_q.get()
             if cmd[0] == "stop":
                 break
-            _, reqs, max_conc = cmd
+            _, reqs, max_conc, streaming = cmd
             prog = (lambda d, t: res_q.put(("progress", d, t))) if rank == 0 else None
-            profile_run(worker, reqs, max_conc, prog, knobs.current().cprofile, rank)
+            stream = (lambda upd: res_q.put(("tokens", upd))) if rank == 0 and streaming else None
+            profile_run(worker, reqs, max_conc, prog, knobs.current().cprofile, rank, stream)
             res_q.put(("stats", rank, worker.last_stats))
             if rank == 0:
                 res_q.put(("result", reqs, peak_memory(dev)))
@@ -103,11 +104,11 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
         os._exit(0)
 
 
-def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int) -> None:
+def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int, stream=None) -> None:
     """``worker.run``; with ``out_dir`` (PPSPEC_CPROFILE) under cProfile, appending the top functions by cumulative
     time to ``out_dir/rank<rank>.txt``."""
     if not out_dir:
-        worker.run(reqs, max_conc, prog)
+        worker.run(reqs, max_conc, prog, stream)
         return
     import cProfile
     import io
@@ -115,7 +116,7 @@ def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int) -> None:
     prof = cProfile.Profile()
     prof.enable()
     try:
-        worker.run(reqs, max_conc, prog)
+        worker.run(reqs, max_conc, prog, stream)
     finally:
         prof.disable()
         buf = io.StringIO()
@@ -125,15 +126,17 @@ def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int) -> None:
             f.write(f"# run of {len(reqs)} requests\n{buf.getvalue()}\n")
 
 
-def collect_run(get, world_size: int, progress) -> tuple[list, int, list[dict]]:
+def collect_run(get, world_size: int, progress, stream=None) -> tuple[list, int, list[dict]]:
     """Wait for the end of a multi-rank generate: (rank 0's requests with outputs, its peak memory, every rank's
-    ``Worker.last_stats`` by rank), calling ``progress(done, total)`` as rank 0 reports. ``get``: the next message
-    from the ranks (raises on a rank's failure)."""
+    ``Worker.last_stats`` by rank), calling ``progress(done, total)`` and ``stream(updates)`` (``Worker.run``) as
+    rank 0 reports. ``get``: the next message from the ranks (raises on a rank's failure)."""
     stats, done, peak = {}, None, 0
     while done is None or len(stats) < world_size:
         msg = get()
         if msg[0] == "progress" and progress is not None:
             progress(msg[1], msg[2])
+        elif msg[0] == "tokens" and stream is not None:
+            stream(msg[1])
         elif msg[0] == "stats":
             stats[msg[1]] = msg[2]
         elif msg[0] == "result":

@@ -165,8 +165,12 @@ class Worker:
         return {"proxy": out, "batch": (batch.kind, batch.rids), "tree_hash": thash}
 
     # ------------------------------------------------------------------------------------ event loop
-    def run(self, reqs: list[Req], max_concurrency: int | None = None, progress=None) -> list[Req]:
+    def run(self, reqs: list[Req], max_concurrency: int | None = None, progress=None, stream=None) -> list[Req]:
         """Serve ``reqs`` to completion; returns them (with outputs) in input order.
+
+        ``progress(done, total)`` is called when the count of finished requests changes; ``stream(updates)`` after
+        every applied step that committed tokens, with ``updates`` a list of ``(index into reqs, new token ids)``
+        (each token reported once, in order; none for a request's placeholder chunk tokens).
 
         All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError naming the first that cannot
         be served). A batch whose forward raises fails only the request that fails alone (``Scheduler.fail``:
@@ -180,13 +184,13 @@ class Worker:
         sched.max_concurrency = max_concurrency or self.config.max_running_requests
         sched.add_all(reqs)
         try:
-            self._loop(reqs, progress)
+            self._loop(reqs, progress, stream)
             return self.finish_run(reqs)
         except BaseException:
             sched.reset()
             raise
 
-    def _loop(self, reqs: list[Req], progress) -> None:
+    def _loop(self, reqs: list[Req], progress, stream=None) -> None:
         """The event loop (module docstring) until every request has finished and the ring is drained."""
         s, sched, ex = ps(), self.sched, self.executor
         P, p = s.pp_size, s.pp_rank
@@ -200,6 +204,7 @@ class Worker:
             return h
 
         finished = 0
+        streamed = [0] * len(reqs)                 # output tokens already reported to ``stream``, per request
 
         def apply(res):
             nonlocal finished
@@ -207,6 +212,12 @@ class Worker:
             sched.process_output(res)
             if progress is not None and (now := sum(r.status == "finished" for r in reqs)) != finished:
                 progress(finished := now, len(reqs))
+            if stream is not None:
+                new = [(i, r.output_ids[streamed[i]:]) for i, r in enumerate(reqs) if len(r.output_ids) > streamed[i]]
+                for i, ids in new:
+                    streamed[i] += len(ids)
+                if new:
+                    stream(new)
             stats.add("process", clock() - t1)
 
         ex.start()

@@ -14,6 +14,7 @@ from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelO
                                 ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, console, done_line, err, load, overrides,
                                 run_dir, save, show, user_errors, write_run_plots)
 from harness.config import HarnessConfigError
+from harness.textstream import TextStream
 
 
 def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
@@ -190,11 +191,14 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         check_prompt(cfg.engine, prompt)
         with LLM(cfg.engine) as llm:
-            o = llm.generate([prompt], params)[0]
+            out = TextStream(llm.tokenizer)          # tokens printed as they are committed, as plain text
+            o = llm.generate([prompt], params, stream=out.on_tokens)[0]
         if o.finish_reason == "error":
+            if out.printed:
+                typer.echo("")
             err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
             raise typer.Exit(1)
-        typer.echo(o.text)              # the completion exactly: no console wrapping, markup or emoji codes
+        out.close(o.text)               # the completion exactly: no console wrapping, markup or emoji codes
         spec_on = cfg.engine.spec.enabled and o.accept_lengths       # plain decoding records 1 per step: not shown
         acc = f", accept length {sum(o.accept_lengths) / len(o.accept_lengths):.2f}" if spec_on else ""
         cut = (", stopped by the context length" if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens

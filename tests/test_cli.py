@@ -33,7 +33,7 @@ class FakeLLM:
         return {"model": "fake", "kv_pool_tokens": 4096, "weight_bytes": 2**20, "peak_memory_bytes": 2**30,
                 "tp": self.config.tp, "pp": self.config.pp}
 
-    def generate(self, prompts, params, max_concurrency=None, progress=None):
+    def generate(self, prompts, params, max_concurrency=None, progress=None, stream=None):
         plist = params if isinstance(params, list) else [params] * len(prompts)
         broken = self.config.fault == "drop_tree" and self.config.pp > 1
         step = 1 if broken or not self.config.spec.enabled else 2

@@ -1,0 +1,59 @@
+"""Token streaming: ``LLM.generate(stream=...)`` reports every committed token once, in order, step by step (not all at
+the end), at pp=1 and pp=2, with and without EAGLE; ``harness.textstream.TextStream`` prints the same text the
+completion holds, a multi-byte character split across tokens once whole."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from harness.textstream import TextStream
+
+
+@pytest.mark.parametrize("pp,spec", [(1, False), (1, True), (2, False), (2, True)])
+def test_stream_reports_every_token_in_order(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp, spec):
+    sc = SpecConfig(draft=str(tiny_draft_dir), pp_spec=pp > 1) if spec else SpecConfig()
+    calls, got = [], {}
+
+    def stream(updates):
+        calls.append(updates)
+        for i, ids in updates:
+            got.setdefault(i, []).extend(ids)
+    with LLM(EngineConfig(model=str(tiny_model_dir), pp=pp, spec=sc)) as llm:
+        outs = llm.generate(tiny_prompts[:3], SamplingParams(max_new_tokens=20, ignore_eos=True), stream=stream)
+    assert got == {i: o.token_ids for i, o in enumerate(outs)}
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert len(calls) >= 20 // (4 if spec else 1)       # step by step: at most S+1 tokens a round per request
+    assert all(ids for u in calls for _, ids in u)       # no empty update
+
+
+class _ByteTokenizer:
+    """Each token id is one byte of UTF-8; decode replaces an incomplete sequence with U+FFFD (as HF tokenizers do)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_textstream_holds_back_split_characters_and_matches_the_text():
+    text = "2+3 = 5 — «ok» 数字"
+    data = list(text.encode())
+    out = io.StringIO()
+    s = TextStream(_ByteTokenizer(), out)
+    writes = []
+    for b in data:
+        before = out.getvalue()
+        s.on_tokens([(0, [b])])
+        writes.append(out.getvalue()[len(before):])
+    assert "\ufffd" not in out.getvalue()
+    assert out.getvalue() == text                        # all of it streamed before close
+    s.close(text)
+    assert out.getvalue() == text + "\n"
+    assert sum(bool(w) for w in writes) == len(text)     # one write per whole character
+
+
+def test_textstream_without_streamed_tokens_prints_the_final_text():
+    out = io.StringIO()
+    s = TextStream(_ByteTokenizer(), out)
+    s.close("The answer is 5")
+    assert out.getvalue() == "The answer is 5\n"
