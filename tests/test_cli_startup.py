@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -172,3 +174,77 @@ def test_a_swallowed_interrupt_is_delivered_again(tmp_path):
                   watchdog_s=0.5)
     assert p.returncode == 130 and p.stdout == "swallowed\nswallowed\n", (p.stdout, p.stderr[-2000:])
     assert p.stderr == "ppspec: interrupted (SIGINT)\n"
+
+
+def _sigterm_caught(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM (``SigCgt`` of /proc/PID/status): the interpreter does not, so this
+    turns true when :func:`harness.entry.main`'s first line has run."""
+    import signal
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _interrupt_generate(model: str, delay_s: float, *, after_entry: bool, extra: tuple[str, ...] = ()):
+    """Start ``python -m harness generate`` on ``model`` and send it SIGINT ``delay_s`` seconds after it started
+    (``after_entry``: after its entry point installed its handlers). Returns (returncode, stdout, stderr, the pids
+    of its descendants still alive afterwards)."""
+    import signal
+    import time
+
+    import psutil
+    cmd = [sys.executable, "-m", "harness", "generate", "hello", "--model", model, "--device", "cpu",
+           "--max-new-tokens", "2000", "--set", "max_model_len=4096", *extra]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    t0 = time.monotonic()
+    while after_entry and not _sigterm_caught(p.pid) and time.monotonic() - t0 < 60 and p.poll() is None:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < delay_s and p.poll() is None:
+        try:
+            seen |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    alive = []
+    for pid in seen:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return p.returncode, out, err, alive
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.0, 2.0, 3.5])
+def test_sigint_at_any_point_of_start_up_exits_130_with_one_line(tiny_model_dir, delay_s):
+    """Regression: a Ctrl-C in the first seconds of a command (while torch and triton import) could be swallowed
+    (the command ran on) or crash the interpreter. From the entry point's first line on, SIGINT at any point of
+    start-up (the CLI's imports, torch's, the engine's start at pp=2) ends the command with exit 130, the one
+    interrupt line on stderr, no traceback, nothing on stdout, and no rank process left behind."""
+    rc, out, err, alive = _interrupt_generate(str(tiny_model_dir), delay_s, after_entry=True,
+                                              extra=("--no-spec", "--pp", "2"))
+    assert rc == 130, (rc, out, err[-2000:])
+    assert err.startswith("ppspec: interrupted (SIGINT)") and err.count("\n") == 1, err[-2000:]
+    assert out == "" and not alive, (out, alive)
+
+
+@pytest.mark.parametrize("at_s", ["1", "3.5"])
+def test_timeout_sigint_in_the_first_seconds(tiny_model_dir, at_s):
+    """The issue's own check: ``timeout -s INT <t> python -m harness generate ...`` at a point inside the first
+    seconds exits 130 with the one interrupt line (``--preserve-status``: the command's own exit code)."""
+    import shutil
+    if shutil.which("timeout") is None:
+        pytest.skip("no timeout(1)")
+    p = subprocess.run(["timeout", "--preserve-status", "-s", "INT", at_s, sys.executable, "-m", "harness",
+                        "generate", "hello", "--model", str(tiny_model_dir), "--device", "cpu", "--no-spec",
+                        "--max-new-tokens", "2000", "--set", "max_model_len=4096"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stdout, p.stderr[-2000:])
+    assert p.stderr.startswith("ppspec: interrupted (SIGINT)") and p.stderr.count("\n") == 1, p.stderr[-2000:]
