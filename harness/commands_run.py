@@ -189,7 +189,14 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-        check_prompt(cfg.engine, prompt)
+        fit = check_prompt(cfg.engine, prompt)
+        if fit is not None and max_new_tokens > fit[1] - fit[0]:
+            # served, not refused (asking for "as many as fit" is legitimate; EOS usually ends it sooner), but said
+            # before the model loads, and the request carries the cap so the engine's own clamp notice is not repeated
+            room = fit[1] - fit[0]
+            err.print(f"Note: --max-new-tokens {max_new_tokens} is capped at {room} tokens: the context length "
+                      f"{fit[1]} minus the prompt's {fit[0]}", markup=False, highlight=False)
+            params = SamplingParams(temperature=temperature, max_new_tokens=room)
         with LLM(cfg.engine) as llm:
             out = TextStream(llm.tokenizer)          # tokens printed as they are committed, as plain text
             o = llm.generate([prompt], params, stream=out.on_tokens)[0]
@@ -206,17 +213,20 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
         err.print(f"[{len(o.token_ids)} tokens, {o.finish_reason}{cut}{acc}]", markup=False, highlight=False)
 
 
-def check_prompt(engine_config, prompt: str) -> None:
+def check_prompt(engine_config, prompt: str) -> tuple[int, int] | None:
     """Refuse an empty or over-long text prompt with the engine's own one-line ConfigError, from the tokenizer and
-    the model's config alone (before any weight is loaded or rank started). Random weights (no tokenizer): no-op."""
+    the model's config alone (before any weight is loaded or rank started); returns (prompt tokens, context length
+    in tokens). Random weights (no tokenizer): no check, None."""
     if engine_config.load_format == "dummy":
-        return
+        return None
     from engine.config import ConfigError
     from engine.model.loader import load_model_config, load_tokenizer, resolve_model_path
     from engine.requests import prompt_length_error, prompt_token_ids
     path = resolve_model_path(engine_config.model)
     mc, tok = load_model_config(path), load_tokenizer(path)
     ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
-    why = "empty prompt" if not ids else prompt_length_error(len(ids), engine_config.context_length(mc))
+    ctx = engine_config.context_length(mc)
+    why = "empty prompt" if not ids else prompt_length_error(len(ids), ctx)
     if why:
         raise ConfigError(f"prompt 0: {why}")
+    return len(ids), ctx

@@ -248,3 +248,18 @@ def test_timeout_sigint_in_the_first_seconds(tiny_model_dir, at_s):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stdout, p.stderr[-2000:])
     assert p.stderr.startswith("ppspec: interrupted (SIGINT)") and p.stderr.count("\n") == 1, p.stderr[-2000:]
+
+
+def test_max_new_tokens_past_the_context_is_capped_with_a_notice_up_front(tiny_model_dir):
+    """Regression: a huge --max-new-tokens was capped at the context silently (a log line only once the model had
+    loaded) and ran for minutes. The front end says so first, in one line naming the cap, then serves the request
+    at the cap (the engine's own clamp warning is not repeated); the closing line says the context stopped it."""
+    p = subprocess.run([sys.executable, "-m", "harness", "generate", "hi", "--model", str(tiny_model_dir), "--device",
+                        "cpu", "--no-spec", "--max-new-tokens", "100000000", "--set", "max_model_len=48"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    from engine.model.loader import load_tokenizer
+    n = len(load_tokenizer(tiny_model_dir).encode("hi", add_special_tokens=False))
+    assert p.stderr.splitlines() == [
+        f"Note: --max-new-tokens 100000000 is capped at {48 - n} tokens: the context length 48 minus the prompt's {n}",
+        f"[{48 - n} tokens, length, stopped by the context length]"], p.stderr
