@@ -35,7 +35,7 @@ DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (cuda 
 SpecOpt = Annotated[Optional[bool], typer.Option("--spec/--no-spec", help="Speculative decoding on/off.", rich_help_panel=E)]
 PpSpecOpt = Annotated[Optional[bool], typer.Option("--pp-spec/--no-pp-spec", help="Allow PP x spec (or PPSPEC_ENABLE_PP_SPEC=1).", rich_help_panel=E)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Any field: [cyan]KEY=VALUE[/cyan], e.g. spec.num_steps=4, load_format=dummy.")]
-OutOpt = Annotated[Optional[Path], typer.Option(help="Result directory (default results/<suite>/<timestamp>-<kind>).")]
+OutOpt = Annotated[Optional[Path], typer.Option(help="Result directory (default: a new one under results/SUITE/, named by the time and the command).")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 

@@ -128,32 +128,74 @@ def annotate(cmd, name: str) -> None:
     if getattr(cmd, "_ppspec_annotated", False):
         return
     cmd._ppspec_annotated = True
+    cmd.help = unwrap(cmd.help)
     keys = OPTIONS.get(name, {})
+    epilog = []
     for p in cmd.params:
         if p.name in keys and getattr(p, "help", None) is not None:
             value, where = effective_default(keys[p.name])
             p.help = _DEFAULT_IN_HELP.sub("", p.help) + " " + escape(
                 f"[default: {show_value(keys[p.name], value)}" + (" from ppspec.toml]" if where == "ppspec.toml" else "]"))
         elif p.name == "config" and getattr(p, "help", None):
-            p.help += " Available: " + ", ".join(f"[cyan]{s}[/cyan]" for s in
-                                                 suites("train" if name == "train-draft" else "run")) + "."
+            p.help += " Suites: below."
+            epilog.append("Suites for --config: " + ", ".join(
+                f"[cyan]{s}[/cyan]" for s in suites("train" if name == "train-draft" else "run")) + ".")
         elif p.name == "matrix" and getattr(p, "help", None):
-            p.help += " Available: " + ", ".join(f"[cyan]suites/{s}.yaml[/cyan]" for s in suites("matrix")) + "."
-    if name in EXAMPLES and not cmd.epilog:
-        cmd.epilog = f"Example: [cyan]{escape(EXAMPLES[name])}[/cyan]"
+            p.help += " Matrices: below."
+            epilog.append("Matrices for --matrix: " + ", ".join(
+                f"[cyan]suites/{s}.yaml[/cyan]" for s in suites("matrix")) + ".")
+    if name in EXAMPLES:
+        epilog.append(f"Example: [cyan]{escape(EXAMPLES[name])}[/cyan]")
+    if epilog and not cmd.epilog:
+        cmd.epilog = "\n\n".join(epilog)
+
+
+def unwrap(text: str | None) -> str | None:
+    """A docstring's paragraphs (blank-line separated) each on one line, so the terminal wraps them at its own width
+    (Typer's rich mode keeps the source's line breaks: a help text broke mid-sentence wherever the docstring did).
+    A line starting a bullet (``* ``, ``- ``) keeps its break."""
+    if not text:
+        return text
+    import inspect
+    out = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        lines: list[str] = []
+        for line in para.splitlines():
+            if lines and not line.lstrip().startswith(("* ", "- ")):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line.rstrip())
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 class _Folding:
     """A Typer help highlighter whose Text folds onto the next line instead of ending in an ellipsis when the
-    option table is narrower than the name (an 80-column terminal cuts no option name)."""
+    option table is narrower than the name (an 80-column terminal cuts no option name). A flag's type (``<bool>``)
+    is left out: a flag takes no value, and the column it took squeezed the help text."""
 
     def __init__(self, inner):
         self.inner = inner
 
     def __call__(self, text):
+        if getattr(text, "plain", None) == "<bool>":
+            text = type(text)("")
         out = self.inner(text)
         out.overflow = "fold"
         return out
+
+
+def _names_whole_table():
+    """Rich's Table whose columns but the last (the option names, flags and types of Typer's panels) do not wrap: at
+    80 columns the help text, not an option name, gives up the width (rich shrinks the widest columns first)."""
+    from rich.table import Table
+
+    class NamesWhole(Table):
+        def add_row(self, *renderables, **kw):
+            super().add_row(*renderables, **kw)
+            for c in self.columns[:-1]:
+                c.no_wrap = True
+    return NamesWhole
 
 
 def _fold_help_text() -> None:
@@ -165,6 +207,7 @@ def _fold_help_text() -> None:
         if h is not None and not isinstance(h, _Folding):
             setattr(ru, name, _Folding(h))
     if not getattr(ru, "_ppspec_fold", False):
+        ru.Table = _names_whole_table()
         base = ru._get_parameter_help
 
         def folded(*a, **kw):

@@ -16,7 +16,7 @@ from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelO
 def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix file, e.g. [cyan]suites/matrix_cpu.yaml[/cyan].")],
           out: Annotated[Optional[Path], typer.Option(help="Sweep directory (default results/<matrix name>).")] = None,
           only: Annotated[Optional[list[str]], typer.Option(help="Run only these cells (repeatable).")] = None,
-          dry_run: Annotated[bool, typer.Option(help="List the cells and exit.")] = False) -> None:
+          dry_run: Annotated[bool, typer.Option("--dry-run", help="List the cells (and which would fail) and exit.")] = False) -> None:
     """Run a TP x PP x spec matrix, one fresh process per cell, resumable; render the comparison table."""
     from harness.sweep import load_matrix, run_matrix
     with user_errors():
@@ -25,22 +25,22 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
         if dry_run:
             from harness.sweep import check_cell
             m = load_matrix(matrix)
+            _check_only(only, m, matrix)
             bad = 0
             for c in m["cells"]:
+                if only and c["name"] not in only:
+                    continue
                 msg = check_cell(c)
                 bad += msg is not None
-                console.print(f"{c['name']}: {c.get('commands', m['commands'])}" + (f"  [would fail: {msg}]" if msg else ""),
-                              markup=False, highlight=False, soft_wrap=True)
+                console.print(f"{c['name']}: {', '.join(c.get('commands', m['commands']))}"
+                              + (f"  [would fail: {msg}]" if msg else ""), markup=False, highlight=False, soft_wrap=True)
             if bad:
                 console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
                 raise typer.Exit(1)
             return
         from harness.progress import SweepReporter
         m = load_matrix(matrix)
-        unknown = sorted(set(only or []) - {c["name"] for c in m["cells"]})
-        if unknown:
-            raise HarnessConfigError(f"--only {', '.join(unknown)}: no such cell in {matrix} (cells: "
-                                     f"{', '.join(c['name'] for c in m['cells'])})")
+        _check_only(only, m, matrix)
         n = sum(len(c.get("commands", m["commands"])) for c in m["cells"] if not only or c["name"] in only)
         rows, rend, d = run_matrix(matrix, out, only, SweepReporter(n, lambda line: err.print(
             line, markup=False, highlight=False)))
@@ -50,6 +50,14 @@ def sweep(matrix: Annotated[str, typer.Option("--matrix", "-m", help="Matrix fil
         err.print("failed cells: " + ", ".join(f"{r['cell']}/{r['command']} (log {r['log']})"
                                                for r in rows if r["status"] == "failed"), markup=False)
         raise typer.Exit(1)
+
+
+def _check_only(only: list[str] | None, m: dict, matrix: str) -> None:
+    """Refuse a ``--only`` cell the matrix ``m`` (loaded from ``matrix``) does not have, naming its cells."""
+    unknown = sorted(set(only or []) - {c["name"] for c in m["cells"]})
+    if unknown:
+        raise HarnessConfigError(f"--only {', '.join(unknown)}: no such cell in {matrix} (cells: "
+                                 f"{', '.join(c['name'] for c in m['cells'])})")
 
 
 def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (run, sweep cell or suite dirs).")],

@@ -81,9 +81,11 @@ def _wrapped_lines(texts: list[str], width: int) -> int:
 def fit_table(table: Table, width: int = 80) -> list[Table]:
     """``table`` as one or more panels that each fit ``width`` terminal columns with no figure cut short: the table
     itself when it fits; else its columns wrap at spaces (never inside a word, so nothing is ellipsised), and when
-    even the wrapped columns do not fit, the columns after the first are split into panels that each repeat the
-    first column (the row labels, kept unwrapped when they take at most a third of ``width``), titled
-    ``... (panel i/n)``. A single column wider than ``width`` folds."""
+    even the wrapped columns do not fit, the other columns are split into panels that each repeat the key columns,
+    titled ``... (panel i/n)``. The key columns are the fewest leading columns whose cells tell every row apart (the
+    first alone, or e.g. "A vs B" and "filter" when the first repeats), so no two rows of a panel look alike; the
+    row labels are kept unwrapped when they take at most a third of ``width``. A single column wider than
+    ``width`` folds."""
     heads = [str(c.header) for c in table.columns]
     cells = [[str(x) for x in c.cells] for c in table.columns]
     natural = [max([_lines_len(h)] + [_lines_len(x) for x in col]) for h, col in zip(heads, cells)]
@@ -93,13 +95,14 @@ def fit_table(table: Table, width: int = 80) -> list[Table]:
         return 1 + sum(widths[i] + 3 for i in idx)
     if span(list(range(len(heads))), natural) <= width or len(heads) < 2:
         return [table]
+    keys = _key_columns(cells)
     panels: list[list[int]] = []
-    cur = [0]
+    cur = list(range(keys))
     pack = [natural[0] if natural[0] <= width // 3 else least[0]] + least[1:]   # row labels kept whole when short
-    for i in range(1, len(heads)):
-        if len(cur) > 1 and span(cur + [i], pack) > width:
+    for i in range(keys, len(heads)):
+        if len(cur) > keys and span(cur + [i], pack) > width:
             panels.append(cur)
-            cur = [0]
+            cur = list(range(keys))
         cur.append(i)
     panels.append(cur)
     title = str(table.title or "")
@@ -126,3 +129,13 @@ def fit_table(table: Table, width: int = 80) -> list[Table]:
             t.add_row(*[cells[i][r] for i in idx])
         out.append(t)
     return out
+
+
+def _key_columns(cells: list[list[str]]) -> int:
+    """The fewest leading columns (at least 1, leaving one column to show) whose cells tell every row apart; 1 when
+    no prefix does."""
+    rows = list(zip(*cells))
+    for k in range(1, len(cells)):
+        if len({r[:k] for r in rows}) == len(rows):
+            return k
+    return 1

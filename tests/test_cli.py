@@ -372,7 +372,11 @@ def test_sweep_matrix_dry_run_and_resume(tmp_path):
                                     "axes:\n  pp: [1, 2]\n"
                                     "cells:\n  - {name: tp3, set: {tp: 3}}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
-    assert r.exit_code == 0 and "pp1" in r.output and "pp2" in r.output and "tp3" in r.output
+    assert r.exit_code == 0 and r.output == "pp1: bench\npp2: bench\ntp3: bench\n", r.output   # not a Python list
+    r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run", "--only", "pp2"])
+    assert r.exit_code == 0 and r.output == "pp2: bench\n", r.output
+    r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run", "--only", "pp9"])
+    assert r.exit_code == 2 and "--only pp9: no such cell" in r.output, r.output
     out = tmp_path / "sweep"
     for cell in ("pp1", "pp2", "tp3"):        # pretend every cell finished: nothing may be re-run
         d = out / "cells" / cell / "bench"
@@ -385,7 +389,7 @@ def test_sweep_matrix_dry_run_and_resume(tmp_path):
     m2 = _write(tmp_path / "m2.yaml", "name: mini2\nbase: tiny_cpu\ncommands: [bench]\n"
                                       "cells:\n  - {name: pp99, set: {pp: 99}}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--dry-run"])      # regression: listed without complaint
-    assert r.exit_code == 1 and "pp99: ['bench']  [would fail: pp=99 is larger than the number of layers (30)]" in r.output
+    assert r.exit_code == 1 and "pp99: bench  [would fail: pp=99 is larger than the number of layers (30)]" in r.output
     r = runner.invoke(app, ["sweep", "--matrix", str(m2), "--out", str(tmp_path / "sweep2")])
     assert r.exit_code == 1 and "failed cells: pp99/bench" in r.output, r.output
     log = tmp_path / "sweep2" / "logs" / "pp99-bench.log"
@@ -732,6 +736,45 @@ def test_help_cuts_nothing_at_80_columns(command):
                        env={**os.environ, "COLUMNS": "80"}, timeout=120)
     assert r.returncode == 0 and "…" not in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
+
+
+def _help_words(command: str) -> tuple[list[str], list[str]]:
+    """(every word of ``command``'s option names, option help and epilog; its description's paragraphs), as plain
+    text (markup stripped) after the help annotations."""
+    import typer.main
+    from rich.text import Text
+
+    import click
+    group = typer.main.get_command(app)
+    cmd = group.get_command(click.Context(group), command)
+    words: list[str] = []
+    for p in cmd.params:
+        words += [*p.opts, *p.secondary_opts]
+        if getattr(p, "help", None):
+            words += Text.from_markup(p.help).plain.split()
+    words += Text.from_markup(cmd.epilog or "").plain.split()
+    paras = [Text.from_markup(q).plain for q in (cmd.help or "").split("\n\n")]
+    return words, paras
+
+
+@pytest.mark.parametrize("command", ["gsm8k", "bench", "gate", "sweep", "compare", "generate", "plan", "train-draft",
+                                     "token-map"])
+def test_help_breaks_no_word_and_no_sentence(command):
+    """Regression: at 80 columns ``bench --help`` folded suite names and paths mid-word ('h200_llama3_8b_spe / c'),
+    and every help text broke its description wherever the docstring's source line ended ('so an interrupted run /
+    keeps them'), at any width. Every word of the options' names and help and of the epilog appears whole at 80
+    columns and at 200; at 200 every description paragraph is one line."""
+    words, paras = _help_words(command)
+    for cols in (80, 200):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": str(cols), "NO_COLOR": "1", "TERM": "dumb"})
+        assert r.exit_code == 0, r.output
+        assert max(len(line) for line in r.output.splitlines()) <= cols
+        broken = [w for w in words if w not in r.output]
+        assert not broken, (cols, broken, r.output)
+    lines = [" ".join(line.split()) for line in r.output.splitlines()]
+    for para in paras:
+        if len(para) < 190:
+            assert " ".join(para.split()) in lines, (para, r.output)
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "-0.1"])

@@ -325,3 +325,24 @@ def test_compare_engine_names_the_plan_loop():
     entry = {"bench": {"config": {"engine": eng}, "meta": {"plan": {"loop": "ring_rounds"}}}}
     assert _engine_desc(entry) == "TP1xPP2 eagle S3k1n4 fp32 cpu ring_rounds"
     assert _engine_desc({"bench": {"config": {"engine": eng}, "meta": {}}}) == "TP1xPP2 eagle S3k1n4 fp32 cpu"
+
+
+def test_split_panels_repeat_the_columns_that_tell_rows_apart():
+    """Regression: at 80 columns the paired-tests table of ``compare`` split into panels that repeated only its first
+    column ("A vs B"), so the flexible-extract and strict-match rows of the second panel looked alike. Each panel now
+    repeats the leading columns that tell the rows apart (here "A vs B" and "filter"); a table whose first column
+    does alone repeats only that."""
+    headers = ["A vs B", "filter", "n", "acc A", "acc B", "B-A [95% CI]", "discordant", "McNemar p", "MDD paired",
+               "MDD unpaired"]
+    rows = [["tiny_pp1 vs tiny_pp2", f, "1319", "41.3%", "40.9%", "-0.4% [-1.2%, +0.5%] (n=1319)", "57", "0.421",
+             "2.1%", "5.4%"] for f in ("flexible-extract", "strict-match")]
+    panels = fit_table(rich_table("paired differences", headers, rows), 80)
+    assert len(panels) > 1
+    for p in panels:
+        assert [str(c.header) for c in p.columns][:2] == ["A vs B", "filter"]
+        shown = list(zip(*[[str(x) for x in c.cells] for c in p.columns]))
+        assert len(set(shown)) == len(shown), shown
+    _fits(_render([rich_table("paired differences", headers, rows)]))
+    wide = rich_table("wide", ["metric"] + [f"config-{i}" for i in range(9)],
+                      [[f"row {r}"] + [f"{1234.5678 * (i + r):,.3f}" for i in range(9)] for r in range(3)])
+    assert all(str(p.columns[1].header) != "config-0" or i == 0 for i, p in enumerate(fit_table(wide, 80)))
