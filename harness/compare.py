@@ -10,7 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from harness import stats
-from harness.gsm8k import INVALID
+from harness.pairing import (WINNER_LEGEND, accept_pairs, gsm8k_pairs, paired_row_winner, paired_tests,
+                             request_pairs, single_winner)
 from harness.results import load_records, load_summary
 from harness.tables import both, fmt
 
@@ -54,153 +55,6 @@ def _engine_desc(entry: dict) -> str:
     return f"TP{e.get('tp')}xPP{e.get('pp')} {sp} {dtype} {e.get('device')}{loop}"
 
 
-ALPHA = 0.05
-MIN_PAIRS = 3
-WINNER_LEGEND = (
-    "winner: the best entry of the row against the runner-up, with their paired difference (winner - runner-up) and "
-    "its 95% CI. GSM8K accuracy and invalid answers: exact McNemar test on the questions both answered in run 0 "
-    f"(p < {ALPHA}), CI by paired bootstrap over those questions; accept length: paired bootstrap over matched "
-    "(run, question) requests; TTFT/TPOT: paired bootstrap over matched requests (cell, run, position); tok/s: over "
-    f"matched runs; a bootstrap needs >= {MIN_PAIRS} pairs (else 'too few pairs') and wins when its CI excludes 0. "
-    "KV pool tokens (larger wins) and peak memory (smaller wins) are single values.")
-
-
-def _signed(x: float, unit: str) -> str:
-    if unit == "pp":
-        return f"{x * 100:+.1f}"
-    if unit == "ms":
-        return ("+" if x >= 0 else "-") + fmt(abs(x), "ms")
-    return f"{x:+.2f}"
-
-
-def _diff_text(d: float, lo: float, hi: float, unit: str) -> str:
-    u = {"pp": " pp", "ms": " ms"}.get(unit, "")
-    return f"{_signed(d, unit)}{u} [{_signed(lo, unit)}, {_signed(hi, unit)}]"
-
-
-def mcnemar_winner(name_a: str, a: list, name_b: str, b: list, higher_better: bool = True,
-                   alpha: float = ALPHA) -> dict:
-    """Winner of two paired 0/1 samples (``a[i]``, ``b[i]``: one question under each config): exact McNemar
-    (:func:`harness.stats.mcnemar_exact`) decides at ``alpha``; the difference winner - other (rates, 0-1) and its
-    95% CI come from a paired bootstrap over the questions. ``higher_better`` False: the smaller rate wins (invalid
-    answers). Returns ``{winner (name or None), diff, ci, p, n, text}``."""
-    n = len(a)
-    if n == 0:
-        return {"winner": None, "diff": None, "ci": None, "p": None, "n": 0, "text": "no paired questions"}
-    mc = stats.mcnemar_exact(a, b)
-    ra, rb = sum(a) / n, sum(b) / n
-    better_b = (rb > ra) == higher_better and rb != ra
-    w, (x, y) = (name_b, (a, b)) if better_b else (name_a, (b, a))
-    pb = stats.paired_bootstrap(x, y)
-    diff, ci = pb["diff"], (pb["ci_low"], pb["ci_high"])
-    if mc["p_value"] >= alpha:
-        return {"winner": None, "diff": diff, "ci": ci, "p": mc["p_value"], "n": n,
-                "text": f"no detectable difference (p={fmt(mc['p_value'], 'p')})"}
-    return {"winner": w, "diff": diff, "ci": ci, "p": mc["p_value"], "n": n,
-            "text": f"{w} {_diff_text(diff, *ci, 'pp')}, p={fmt(mc['p_value'], 'p')}"}
-
-
-def bootstrap_winner(name_a: str, a: list, name_b: str, b: list, lower_better: bool = True, unit: str = "num",
-                     min_pairs: int = MIN_PAIRS) -> dict:
-    """Winner of two paired samples (``a[i]``, ``b[i]``: one matched request or run under each config) by a paired
-    bootstrap of the mean difference (:func:`harness.stats.paired_bootstrap`): the better mean wins when the 95% CI
-    of winner - other excludes 0; fewer than ``min_pairs`` pairs: ``too few pairs``. ``unit`` ``ms`` formats
-    seconds as milliseconds. Returns ``{winner (name or None), diff, ci, n, text}``."""
-    n = len(a)
-    if n < min_pairs:
-        return {"winner": None, "diff": None, "ci": None, "n": n, "text": f"too few pairs ({n})"}
-    ma, mb = sum(a) / n, sum(b) / n
-    better_b = (mb < ma) == lower_better and mb != ma
-    w, (x, y) = (name_b, (a, b)) if better_b else (name_a, (b, a))
-    pb = stats.paired_bootstrap(x, y)
-    diff, ci = pb["diff"], (pb["ci_low"], pb["ci_high"])
-    if ma == mb or ci[0] <= 0 <= ci[1]:
-        return {"winner": None, "diff": diff, "ci": ci, "n": n,
-                "text": f"no detectable difference ({_diff_text(diff, *ci, unit)})"}
-    return {"winner": w, "diff": diff, "ci": ci, "n": n, "text": f"{w} {_diff_text(diff, *ci, unit)}"}
-
-
-def _top_two(entries: list[dict], values: list, lower_better: bool) -> tuple[int, int] | None:
-    """Indices of the best and the runner-up among the entries with a value; None with fewer than two."""
-    have = [i for i, v in enumerate(values) if v is not None]
-    if len(have) < 2:
-        return None
-    order = sorted(have, key=lambda i: values[i] if lower_better else -values[i])
-    return order[0], order[1]
-
-
-def _paired_row_winner(entries: list[dict], values: list, pairs, lower_better: bool, test: str,
-                       unit: str = "num") -> str:
-    """The winner cell of a row: best vs runner-up by point value, tested on ``pairs(ea, eb) -> (xs, ys)``."""
-    top = _top_two(entries, values, lower_better)
-    if top is None:
-        return "-"
-    i, j = top
-    a, b = pairs(entries[i], entries[j])
-    if test == "mcnemar":
-        return mcnemar_winner(entries[i]["name"], a, entries[j]["name"], b, higher_better=not lower_better)["text"]
-    return bootstrap_winner(entries[i]["name"], a, entries[j]["name"], b, lower_better, unit)["text"]
-
-
-def _single_winner(entries: list[dict], values: list, lower_better: bool, kind: str) -> str:
-    top = _top_two(entries, values, lower_better)
-    if top is None:
-        return "-"
-    i, j = top
-    if values[i] == values[j]:
-        return "tie"
-    d = values[i] - values[j]
-    if kind == "gib" and abs(d) < 2**20:
-        return "tie (< 1 MiB apart)"
-    if kind == "gib":
-        shown = f"{d / 2**30:+.2f} GiB" if abs(d) >= 2**30 / 10 else f"{d / 2**20:+.0f} MiB"
-    else:
-        shown = f"{d:+,} tokens"
-    return f"{entries[i]['name']} {shown}"
-
-
-def _gsm8k_run0(e: dict) -> dict:
-    return {r["doc_id"]: r for r in e.get("gsm8k_records", []) if r.get("run", 0) == 0}
-
-
-def _gsm8k_pairs(field: str, invalid: bool = False):
-    def pairs(ea, eb):
-        ra, rb = _gsm8k_run0(ea), _gsm8k_run0(eb)
-        common = sorted(set(ra) & set(rb))
-        if invalid:
-            return ([int(ra[q][field]["extracted"] == INVALID) for q in common],
-                    [int(rb[q][field]["extracted"] == INVALID) for q in common])
-        return [ra[q][field]["exact_match"] for q in common], [rb[q][field]["exact_match"] for q in common]
-    return pairs
-
-
-def _accept_pairs(ea, eb):
-    def per(e):
-        return {(r.get("run", 0), r["doc_id"]): sum(r["accept_lengths"]) / len(r["accept_lengths"])
-                for r in e.get("gsm8k_records", []) if r.get("accept_lengths")}
-    pa, pb = per(ea), per(eb)
-    common = sorted(set(pa) & set(pb))
-    return [pa[k] for k in common], [pb[k] for k in common]
-
-
-def _request_pairs(L: int, B: int, key: str):
-    """Matched bench requests of cell (L, B): same run, same position in the run."""
-    def per(e):
-        out: dict = {}
-        pos: Counter = Counter()
-        for r in e.get("bench_records", []):
-            if (r["input_len"], r["batch_size"]) == (L, B):
-                out[(r["run"], pos[r["run"]])] = r.get(key)
-                pos[r["run"]] += 1
-        return out
-
-    def pairs(ea, eb):
-        pa, pb = per(ea), per(eb)
-        common = sorted(k for k in set(pa) & set(pb) if pa[k] is not None and pb[k] is not None)
-        return [pa[k] for k in common], [pb[k] for k in common]
-    return pairs
-
-
 def _cell(e: dict, L: int, B: int) -> dict | None:
     return next((c for c in e.get("bench", {}).get("cells", []) if (c["input_len"], c["batch_size"]) == (L, B)), None)
 
@@ -240,15 +94,16 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
         row("GSM8K questions", g(lambda s: str(s["overall"]["n_questions"])))
         for f, short in (("flexible-extract", "flex"), ("strict-match", "strict")):
             row(f"GSM8K {short} per run", g(lambda s, f=f: _per_run(s, f)),
-                _paired_row_winner(entries, _first_run(gs, f), _gsm8k_pairs(f), False, "mcnemar"))
+                paired_row_winner(entries, _first_run(gs, f), "gsm8k", gsm8k_pairs(f), False, "mcnemar"))
         for f, short in (("strict-match", "strict"), ("flexible-extract", "flex")):
             rates = ov((f, "invalid_rate_mean"))
             row(f"invalid answers {short}", [fmt(v, "pct") for v in rates],
-                _paired_row_winner(entries, _first_run_invalid(gs, f), _gsm8k_pairs(f, invalid=True), True, "mcnemar"))
+                paired_row_winner(entries, _first_run_invalid(gs, f), "gsm8k", gsm8k_pairs(f, invalid=True), True,
+                                  "mcnemar"))
         acc_mean = [((s["overall"].get("accept_length") or {}).get("mean") if s else None) for s in gs]
         if any(v is not None for v in acc_mean):
             row("accept len range (runs)", g(lambda s: _range(s["overall"]["accept_length_range"])),
-                _paired_row_winner(entries, acc_mean, _accept_pairs, False, "bootstrap"))
+                paired_row_winner(entries, acc_mean, "gsm8k", accept_pairs, False, "bootstrap"))
         row("run agreement", g(lambda s: "n/a (1 run)" if s["overall"].get("runs", 0) < 2
                                else fmt(s["overall"].get("agreement"), "pct")))
         if any(s and s["overall"].get("failed_requests") for s in gs):    # scored as wrong answers above
@@ -262,11 +117,11 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
         for label, key in (("TTFT mean ms", "ttft"), ("TPOT mean ms", "tpot")):
             vals = [c["pooled"][key]["mean"] if c else None for c in cs]
             row(f"{label} @bs{B} in{L}", [fmt(v, "ms") for v in vals],
-                _paired_row_winner(entries, vals, _request_pairs(L, B, key), True, "bootstrap", "ms"))
+                paired_row_winner(entries, vals, "bench", request_pairs(L, B, key), True, "bootstrap", "ms"))
         tps = [sum(t) / len(t) if c and (t := c["pooled"]["output_throughput_runs"]) else None for c in cs]
         if B > 1 or len(cells) == 1:
             row(f"tok/s @bs{B} in{L}", [fmt(v) for v in tps],
-                _paired_row_winner(entries, tps, _run_pairs(L, B), False, "bootstrap"))
+                paired_row_winner(entries, tps, None, _run_pairs(L, B), False, "bootstrap"))
         if spec_any:
             acc = [(c["pooled"].get("accept_length") or {}).get("mean") if c else None for c in cs]
             row(f"accept len @bs{B} in{L}", [fmt(a) if a is not None else "-" for a in acc])
@@ -274,8 +129,8 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
     info = [next((e[k].get("engine_info", {}) for k in ("bench", "gsm8k") if k in e), {}) for e in entries]
     kv = [i.get("kv_pool_tokens") for i in info]
     mem = [i.get("peak_memory_bytes") for i in info]
-    row("KV pool tokens", [fmt(v, "int") for v in kv], _single_winner(entries, kv, False, "int"))
-    row("peak memory GiB", [fmt(v, "gib") for v in mem], _single_winner(entries, mem, True, "gib"))
+    row("KV pool tokens", [fmt(v, "int") for v in kv], single_winner(entries, kv, False, "int"))
+    row("peak memory GiB", [fmt(v, "gib") for v in mem], single_winner(entries, mem, True, "gib"))
     t, md = both(title, ["metric"] + [e["name"] for e in entries] + ["winner"], rows)
     t.columns[-1].justify = "left"
     return t, md + f"\n{WINNER_LEGEND}\n"
@@ -316,26 +171,9 @@ def _range(r) -> str:
     return "-" if not r else (f"{r[0]:.2f}" if abs(r[1] - r[0]) < 5e-3 else f"{r[0]:.2f}–{r[1]:.2f}")
 
 
-def paired_tests(entries: list[dict]) -> tuple[list[dict], tuple]:
-    """First entry vs each other on the GSM8K questions both answered (run 0): McNemar, bootstrap, MDD."""
-    out = []
-    ref = entries[0]
-    for other in entries[1:]:
-        ra = {r["doc_id"]: r for r in ref.get("gsm8k_records", []) if r.get("run", 0) == 0}
-        rb = {r["doc_id"]: r for r in other.get("gsm8k_records", []) if r.get("run", 0) == 0}
-        common = sorted(set(ra) & set(rb))
-        if not common:
-            continue
-        for f in ("flexible-extract", "strict-match"):
-            a = [ra[q][f]["exact_match"] for q in common]
-            b = [rb[q][f]["exact_match"] for q in common]
-            mc = stats.mcnemar_exact(a, b)
-            pb = stats.paired_bootstrap(a, b)
-            n = len(common)
-            out.append({"a": ref["name"], "b": other["name"], "filter": f, "n": n,
-                        "acc_a": sum(a) / n, "acc_b": sum(b) / n, **pb, "mcnemar": mc,
-                        "mdd_paired": stats.min_detectable_difference(n, p_discordant=max(mc["discordant"], 1) / n),
-                        "mdd_unpaired": stats.min_detectable_difference(n, p=sum(a) / n)})
+def paired_tests_table(entries: list[dict]) -> tuple[list[dict], tuple]:
+    """(:func:`harness.pairing.paired_tests`, its (rich table, markdown))."""
+    out = paired_tests(entries)
     headers = ["A vs B", "filter", "n", "acc A", "acc B", "B-A [95% CI]", "discordant", "McNemar p",
                "MDD paired", "MDD unpaired"]
     rows = [[f"{t['a']} vs {t['b']}", t["filter"], str(t["n"]), fmt(t["acc_a"], "pct"), fmt(t["acc_b"], "pct"),
@@ -355,7 +193,7 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
         if counts[e["name"]] > 1:
             e["name"] = f"{e['name']} ({Path(e['dir']).name})"
     t1, md1 = comparison_table(entries)
-    tests, (t2, md2) = paired_tests(entries)
+    tests, (t2, md2) = paired_tests_table(entries)
     from harness.plots import compare_plots
     pngs = compare_plots(entries, out_dir) if plots and out_dir is not None else []
     md = md1 + ("\n" + md2 if tests else "") + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)

@@ -149,7 +149,11 @@ def make_run_dir(cfg: RunConfig, kind: str, out: str | Path | None = None, creat
 def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dict] = ()) -> Path:
     """Write summary.json, summary.md and records.jsonl into ``run_dir``; returns summary.json. With
     ``summary["meta"]["git"]`` summary.md ends with a ``source:`` line naming the commit and, for a dirty tree, the
-    hash of the uncommitted diff (:func:`git_info`)."""
+    hash of the uncommitted diff (:func:`git_info`). A gsm8k or bench summary also keeps the per-request figures
+    compare pairs (``pairing``: :func:`harness.pairing.pairing_table`, one compact line), since records.jsonl is not
+    committed with a result."""
+    from harness.pairing import pairing_table
+    records = list(records)
     run_dir.mkdir(parents=True, exist_ok=True)
     g = (summary.get("meta") or {}).get("git") or {}
     if g.get("sha"):
@@ -166,7 +170,13 @@ def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dic
     tmp.replace(rec)
     path = run_dir / "summary.json"
     tmp = path.with_suffix(".json.tmp")      # summary.json last and atomic: it marks a finished run
-    tmp.write_text(json.dumps({"schema": SCHEMA_VERSION, **summary}, indent=1, default=_json_default))
+    pairing = pairing_table(summary.get("kind", ""), records) or summary.get("pairing")
+    summary = {k: v for k, v in summary.items() if k != "pairing"}
+    text = json.dumps({"schema": SCHEMA_VERSION, **summary}, indent=1, default=_json_default)
+    if pairing:                              # one line, not one per number
+        text = (text[:text.rindex("}")].rstrip() + ',\n "pairing": '
+                + json.dumps(pairing, separators=(",", ":"), default=_json_default) + "\n}")
+    tmp.write_text(text)
     tmp.replace(path)
     return path
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from engine.config import ConfigError, EngineConfig, resolve_device
 from harness.cli import app
-from harness.compare import bootstrap_winner, comparison_table, load_entry, mcnemar_winner, run_compare
+from harness.compare import comparison_table, load_entry, run_compare
+from harness.pairing import bootstrap_winner, mcnemar_winner
 from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, layers_device, load_yaml,
                             resolve)
 from harness.tables import fit_table, rich_table
@@ -211,7 +212,7 @@ def test_comparison_rows_name_the_winner_of_three():
     assert lines["KV pool tokens"].endswith("| b +2,000 tokens |")          # larger wins, against the runner-up c
     assert lines["peak memory GiB"].endswith("| b -1.00 GiB |")             # smaller wins
     assert "| c +10.00 [+10.00, +10.00] |" in lines["tok/s @bs4 in8"]     # c against b over 3 matched runs
-    assert lines["TTFT mean ms @bs4 in8"].endswith("| too few pairs (0) |")   # no request records
+    assert lines["TTFT mean ms @bs4 in8"].endswith("| no per-request figures in a and b |")   # no records, no pairing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +240,36 @@ def test_compare_fixture_table_has_winners_and_fits_80_columns(tmp_path, monkeyp
     assert r.exit_code == 0, r.output
     _fits(r.output.split("results:")[0])
     assert "winner" in (tmp_path / "c" / "compare.md").read_text()
+
+
+def test_compare_pairs_from_the_summary_alone(tmp_path):
+    """Regression: committed results carry no records.jsonl, so compare read 'too few pairs (0)' for TTFT/TPOT and
+    'no paired questions' for GSM8K. summary.json keeps the per-request figures a pairing needs (``pairing``, one
+    line): with records.jsonl deleted, compare gives the same table, winners and paired tests as with it."""
+    import shutil
+
+    from harness.results import load_records, write_run
+    dirs = []
+    for name in ("tiny_pp1", "tiny_pp2"):
+        shutil.copytree(FIXTURES / name, tmp_path / name)
+        for kind in ("gsm8k", "bench"):
+            d = tmp_path / name / kind
+            s = json.loads((d / "summary.json").read_text())
+            s.pop("schema", None)
+            write_run(d, s, "", load_records(d))
+            text = (d / "summary.json").read_text()
+            assert sum(line.startswith(' "pairing": ') for line in text.splitlines()) == 1
+        dirs.append(str(tmp_path / name))
+    with_records = run_compare(dirs, None, plots=False)
+    for name in ("tiny_pp1", "tiny_pp2"):
+        for kind in ("gsm8k", "bench"):
+            (tmp_path / name / kind / "records.jsonl").unlink()
+    summary, _, md = run_compare(dirs, None, plots=False)
+    assert md == with_records[2] and summary["paired_tests"] == with_records[0]["paired_tests"]
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("|")}
+    assert "ms [" in rows["TPOT mean ms @bs4 in32"] and "pairs" not in rows["TTFT mean ms @bs1 in32"]
+    assert rows["GSM8K flex per run"].endswith("| no detectable difference (p=1) |")
+    assert len(summary["paired_tests"]) == 2
 
 
 def test_compare_of_six_entries_splits_into_panels_without_cutting():
