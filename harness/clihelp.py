@@ -230,6 +230,10 @@ class HelpGroup(TyperGroup):
             _fold_help_text()
         return cmd
 
+    def format_help(self, ctx, formatter):
+        _fold_help_text()                                # the group's own help too (no command looked up)
+        return super().format_help(ctx, formatter)
+
     def main(self, *args, standalone_mode: bool = True, **kw):
         """Typer's ``main``; in standalone mode a usage error is one line on stderr (exit 2) and any other Click
         error keeps Typer's rendering."""

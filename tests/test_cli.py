@@ -746,7 +746,7 @@ def _help_words(command: str) -> tuple[list[str], list[str]]:
 
     import click
     group = typer.main.get_command(app)
-    cmd = group.get_command(click.Context(group), command)
+    cmd = group.get_command(click.Context(group), command) if command else group
     words: list[str] = []
     for p in cmd.params:
         words += [*p.opts, *p.secondary_opts]
@@ -757,8 +757,8 @@ def _help_words(command: str) -> tuple[list[str], list[str]]:
     return words, paras
 
 
-@pytest.mark.parametrize("command", ["gsm8k", "bench", "gate", "sweep", "compare", "generate", "plan", "train-draft",
-                                     "token-map"])
+@pytest.mark.parametrize("command", ["", "gsm8k", "bench", "gate", "sweep", "compare", "generate", "plan",
+                                     "train-draft", "token-map"])
 def test_help_breaks_no_word_and_no_sentence(command):
     """Regression: at 80 columns ``bench --help`` folded suite names and paths mid-word ('h200_llama3_8b_spe / c'),
     and every help text broke its description wherever the docstring's source line ended ('so an interrupted run /
@@ -766,11 +766,13 @@ def test_help_breaks_no_word_and_no_sentence(command):
     columns and at 200; at 200 every description paragraph is one line."""
     words, paras = _help_words(command)
     for cols in (80, 200):
-        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": str(cols), "NO_COLOR": "1", "TERM": "dumb"})
+        r = runner.invoke(app, [command, "--help"] if command else ["--help"],
+                          env={"COLUMNS": str(cols), "NO_COLOR": "1", "TERM": "dumb"})
         assert r.exit_code == 0, r.output
         assert max(len(line) for line in r.output.splitlines()) <= cols
         broken = [w for w in words if w not in r.output]
         assert not broken, (cols, broken, r.output)
+        assert "<bool>" not in r.output                  # a flag takes no value
     lines = [" ".join(line.split()) for line in r.output.splitlines()]
     for para in paras:
         if len(para) < 190:
