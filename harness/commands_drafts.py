@@ -19,21 +19,29 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
                 algorithm: Annotated[Optional[str], typer.Option(help="Head to train: [cyan]eagle[/cyan] (EAGLE-1/2) or [cyan]eagle3[/cyan] (EAGLE-3: three target layers, own draft vocabulary).")] = None,
+                resume: Annotated[Optional[str], typer.Option(help="Continue the run whose checkpoint is in this --out directory (its recipe; --time-budget, --checkpoint-every and --set train.* of those keys may change).")] = None,
+                time_budget: Annotated[Optional[float], typer.Option(help="Wall seconds of training in this call ([cyan]train.time_budget_s[/cyan]); then a checkpoint, exit 0.")] = None,
+                checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps ([cyan]train.checkpoint_every[/cyan]).")] = None,
                 set_: SetOpt = None, progress: ProgressOpt = True) -> None:
     """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
-        flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm).items() if v is not None}
-        cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}), kind="train")
+        flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm, time_budget_s=time_budget,
+                                       checkpoint_every=checkpoint_every).items() if v is not None}
         try:
             from harness.train_draft import train_draft as _train
         except ImportError as e:
             raise HarnessConfigError(f"train-draft: harness.train_draft is not available ({e})") from None
-        kwargs = dict(cfg.train)
+        if resume is not None:
+            kwargs = resumed_kwargs(resume, merge(parse_sets(set_), {"train": flags}).get("train") or {})
+        else:
+            cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}), kind="train")
+            kwargs = dict(cfg.train)
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
         check_train_kwargs(_train, kwargs)
-        check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))
+        if resume is None:
+            check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))
         check_out(Path(kwargs["out"]), finished_ok=True)
         with progress_bars(progress) as cb:
             if cb:
@@ -60,6 +68,17 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
         short = " (all the distinct tokens of the corpus)" if summary["size"] < size else ""
         typer.echo(f"{out}: {summary['size']} of {summary['vocab_size']} tokens{short}; coverage GSM8K train "
                    f"{summary['coverage_train']:.4f}, test answers {summary['coverage_test_answers']:.4f}")
+
+
+def resumed_kwargs(out: str, given: dict) -> dict:
+    """The ``train:`` arguments that continue the run checkpointed in ``out``: its recorded recipe, ``out`` and
+    ``resume``, with the call keys of ``given`` (time budget, step budget, checkpoint interval, device) applied; any
+    other key of ``given`` that differs from the recipe is refused (one line, harness.train_state.check_recipe)."""
+    from harness.train_state import check_recipe, load_state
+    recipe = load_state(out)["recipe"]
+    given = {k: v for k, v in given.items() if k not in ("out", "resume")}
+    check_recipe(recipe, {**recipe, **given})
+    return {**recipe, **given, "out": out, "resume": True}
 
 
 def check_init_from_exists(init_from: str | None, suites: Path) -> None:
