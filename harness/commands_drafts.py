@@ -9,7 +9,7 @@ import typer
 
 from harness.cli_common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_out, check_writable, console, load,
                                 overrides, parse_sets, progress_bars, user_errors)
-from harness.config import HarnessConfigError, load_yaml, merge, suites_of
+from harness.config import HarnessConfigError, merge
 
 RecipeOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Training recipe (a [cyan]train:[/cyan] section): [cyan]suites/NAME.yaml[/cyan] or a path.")]
 
@@ -87,16 +87,8 @@ def check_init_from_exists(init_from: str | None, suites: Path) -> None:
     command to run first. Whether the head there fits is checked later (harness.train_draft.check_init_from)."""
     if init_from is None or (Path(init_from) / "config.json").is_file():
         return
-    want = Path(init_from).resolve()
-    writers = []
-    for name in suites_of(suites, "train"):
-        out = (load_yaml(suites / f"{name}.yaml").get("train") or {}).get("out")
-        if out and Path(out).resolve() == want:
-            writers.append(name)
-    first = (f"run ppspec train-draft --config {writers[0]} first (its train.out)" if writers
-             else "train that head first (a train-draft run whose train.out is that directory)")
-    raise HarnessConfigError(f"train-draft: train.init_from {init_from} holds no trained head (no config.json): "
-                             f"{first}")
+    from harness.train_checks import missing_init_from
+    raise HarnessConfigError(missing_init_from(init_from, suites))
 
 
 def check_train_kwargs(fn, kwargs: dict) -> None:

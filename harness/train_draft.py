@@ -66,7 +66,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     init_from (EAGLE-3 only): a saved EAGLE-3 head whose weights, draft vocabulary and aux layers training continues
     from (``aux_layers`` / ``draft_vocab_size`` must then agree with it; checked before any data is read).
     val_sequences (EAGLE-3 only): the last this many sequences are held out; after each epoch their validation
-    accept length is measured (:func:`harness.train_eagle3.val_accept_length`), kept in the checkpoint, the head's
+    accept length (on the whole prompts, as the evaluation drafts, whatever ``context_tokens``) is measured (:func:`harness.train_eagle3.val_accept_length`), kept in the checkpoint, the head's
     ``ppspec_training`` record and the returned stats.
     The learning-rate schedule runs on the step over ``epochs`` epochs. This call stops, writing the checkpoint
     ``out/checkpoint`` (:mod:`harness.train_state`) and the head so far, when ``time_budget_s`` wall seconds of
@@ -107,9 +107,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "
                           f"({len(seqs)} sequences)")
     cut = len(seqs) - val_sequences
-    val = trim_context(seqs[cut:], plens[cut:], context_tokens) if context_tokens is not None else (seqs[cut:],
-                                                                                                   plens[cut:])
-    seqs, plens = seqs[:cut], plens[:cut]
+    val, seqs, plens = (seqs[cut:], plens[cut:]), seqs[:cut], plens[:cut]    # validation: whole prompts
     if context_tokens is not None:
         seqs, plens = trim_context(seqs, plens, context_tokens)
     t_gen = time.perf_counter() - t0

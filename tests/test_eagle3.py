@@ -542,7 +542,7 @@ def test_train_eagle3_init_from(tiny_model_dir, tmp_path):
     assert cfg["ppspec_training"]["init_from_training"]["steps"] > 0
     missing = tmp_path / "none.jsonl"                 # never read: every refusal comes first
     for bad, msg in ((dict(aux_layers=[0, 1, 3]), "aux_layers"), (dict(draft_vocab_size=256), "draft_vocab_size"),
-                     (dict(init_from=tmp_path / "nothing"), "not found"), (dict(algorithm="eagle"), "eagle3")):
+                     (dict(init_from=tmp_path / "nothing"), "train.init_from .*nothing holds no trained head"), (dict(algorithm="eagle"), "eagle3")):
         args = {**kw, "init_from": tmp_path / "a", **bad}
         with pytest.raises(ConfigError, match=msg):
             train_draft(tiny_model_dir, missing, tmp_path / "c", **args)
