@@ -8,7 +8,8 @@ the loss history, last step's stats and the per-epoch validation records) and ``
 AdamW's moments, 2x the trainable tensors). The learning rate is a function of the step (``lr_at``), so the step is
 the scheduler's whole state. Resuming from both files continues bit for bit as the uninterrupted run would (same
 device, same batches); without ``optim.pt`` (left behind to keep what travels small) AdamW restarts its moments,
-bias-corrected, and the run continues from the exact weights.
+bias-corrected, the run continues from the exact weights, and the learning rate warms up again linearly over
+:data:`REWARM` steps (the first steps of fresh moments are sign-like updates of the full step size).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from engine.config import ConfigError
 
 clock = time.perf_counter           # the wall clock of the time budget (a test may replace it)
 STATE, OPTIM = "state.pt", "optim.pt"
+REWARM = 10                         # steps of linear learning-rate warm-up after the moments restart
 CALL_KEYS = ("time_budget_s", "step_budget", "checkpoint_every", "device")   # may change between calls
 
 
@@ -40,6 +42,7 @@ class Progress:
     val: list = field(default_factory=list)
     train_s: float = 0.0              # training-loop seconds of every call so far
     calls: int = 0
+    restarted: list = field(default_factory=list)   # steps at which the optimizer's moments restarted
 
 
 def checkpoint_dir(out: str | Path) -> Path:
@@ -111,9 +114,11 @@ def restore(state: dict, module, opt, out, log=print) -> Progress:
     op = checkpoint_dir(out) / OPTIM
     if ensure_whole(op):
         opt.load_state_dict(torch.load(op, map_location=dev, weights_only=False))
-    else:
-        log(f"resume: no {op}: the optimizer's moments restart (the weights are the checkpoint's)")
     prog = Progress(**state["progress"])
+    if not ensure_whole(op):
+        log(f"resume: no {op}: the optimizer's moments restart (the weights are the checkpoint's; the learning "
+            f"rate warms up again over {REWARM} steps)")
+        prog.restarted.append(prog.step)
     set_rng_state(state["rng"])
     return prog
 
@@ -148,8 +153,9 @@ def run(*, module, params, opt, lr: float, lr_at, n_batches: int, epochs: int, s
             if ((time_budget_s is not None and clock() - t0 >= time_budget_s)
                     or (step_budget is not None and prog.step - steps0 >= step_budget)):
                 return stop(False)
+            rewarm = min(1.0, (prog.step - prog.restarted[-1] + 1) / REWARM) if prog.restarted else 1.0
             for g in opt.param_groups:
-                g["lr"] = lr * lr_at(prog.step)
+                g["lr"] = lr * lr_at(prog.step) * rewarm
             loss, prog.stats = step_fn(prog.order[prog.pos])
             opt.zero_grad(set_to_none=True)
             loss.backward()
