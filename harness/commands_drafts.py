@@ -84,7 +84,7 @@ def resumed_kwargs(out: str, given: dict) -> dict:
 def check_init_from_exists(init_from: str | None, suites: Path) -> None:
     """Refuse, before any work, a ``train.init_from`` that holds no head yet (no config.json: the stage a two-stage
     recipe continues from has not been trained), naming the recipe in ``suites`` whose ``train.out`` writes it, as the
-    command to run first. Whether the head there fits is checked later (harness.train_draft.check_init_from)."""
+    command to run first. Whether the head there fits is checked later (harness.train_checks.check_init_from)."""
     if init_from is None or (Path(init_from) / "config.json").is_file():
         return
     from harness.train_checks import missing_init_from

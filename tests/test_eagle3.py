@@ -445,7 +445,7 @@ def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monke
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights
     from engine.speculative import eagle_worker as ew
-    from harness.train_draft import _dense_ctx
+    from harness.train_eagle import dense_ctx as _dense_ctx
     from harness.train_eagle3 import padded_rows, target_aux_features, ttt_forward, ttt_mask
     S = CHAIN["num_steps"]
     chains: dict[int, list] = {}           # rid -> per proposed chain: (tokens, root first; hidden of each depth)
