@@ -9,7 +9,7 @@ import typer
 
 from harness.cli_common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_out, check_writable, console, load,
                                 overrides, parse_sets, progress_bars, user_errors)
-from harness.config import HarnessConfigError, load_yaml, merge, suites_of
+from harness.config import HarnessConfigError, merge
 
 RecipeOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Training recipe (a [cyan]train:[/cyan] section): [cyan]suites/NAME.yaml[/cyan] or a path.")]
 
@@ -19,21 +19,29 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
                 data: Annotated[Optional[str], typer.Option(help="Training data (see the config).")] = None,
                 out: Annotated[Optional[str], typer.Option(help="Directory for the draft checkpoint.")] = None,
                 algorithm: Annotated[Optional[str], typer.Option(help="Head to train: [cyan]eagle[/cyan] (EAGLE-1/2) or [cyan]eagle3[/cyan] (EAGLE-3: three target layers, own draft vocabulary).")] = None,
+                resume: Annotated[Optional[str], typer.Option(help="Continue the run whose checkpoint is in this --out directory (its recipe; --time-budget, --checkpoint-every and --set train.* of those keys may change).")] = None,
+                time_budget: Annotated[Optional[float], typer.Option(help="Wall seconds of training in this call ([cyan]train.time_budget_s[/cyan]); then a checkpoint, exit 0.")] = None,
+                checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps ([cyan]train.checkpoint_every[/cyan]).")] = None,
                 set_: SetOpt = None, progress: ProgressOpt = True) -> None:
     """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
-        flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm).items() if v is not None}
-        cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}), kind="train")
+        flags = {k: v for k, v in dict(model=model, data=data, out=out, algorithm=algorithm, time_budget_s=time_budget,
+                                       checkpoint_every=checkpoint_every).items() if v is not None}
         try:
             from harness.train_draft import train_draft as _train
         except ImportError as e:
             raise HarnessConfigError(f"train-draft: harness.train_draft is not available ({e})") from None
-        kwargs = dict(cfg.train)
+        if resume is not None:
+            kwargs = resumed_kwargs(resume, merge(parse_sets(set_), {"train": flags}).get("train") or {})
+        else:
+            cfg = load(config, merge(parse_sets(set_), {"train": flags} if flags else {}), kind="train")
+            kwargs = dict(cfg.train)
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
         check_train_kwargs(_train, kwargs)
-        check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))
+        if resume is None:
+            check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))
         check_out(Path(kwargs["out"]), finished_ok=True)
         with progress_bars(progress) as cb:
             if cb:
@@ -62,22 +70,25 @@ def token_map(out: Annotated[Path, typer.Option(help="Map file to write: [cyan].
                    f"{summary['coverage_train']:.4f}, test answers {summary['coverage_test_answers']:.4f}")
 
 
+def resumed_kwargs(out: str, given: dict) -> dict:
+    """The ``train:`` arguments that continue the run checkpointed in ``out``: its recorded recipe, ``out`` and
+    ``resume``, with the call keys of ``given`` (time budget, step budget, checkpoint interval, device) applied; any
+    other key of ``given`` that differs from the recipe is refused (one line, harness.train_state.check_recipe)."""
+    from harness.train_state import check_recipe, load_state
+    recipe = load_state(out)["recipe"]
+    given = {k: v for k, v in given.items() if k not in ("out", "resume")}
+    check_recipe(recipe, {**recipe, **given})
+    return {**recipe, **given, "out": out, "resume": True}
+
+
 def check_init_from_exists(init_from: str | None, suites: Path) -> None:
     """Refuse, before any work, a ``train.init_from`` that holds no head yet (no config.json: the stage a two-stage
     recipe continues from has not been trained), naming the recipe in ``suites`` whose ``train.out`` writes it, as the
-    command to run first. Whether the head there fits is checked later (harness.train_draft.check_init_from)."""
+    command to run first. Whether the head there fits is checked later (harness.train_checks.check_init_from)."""
     if init_from is None or (Path(init_from) / "config.json").is_file():
         return
-    want = Path(init_from).resolve()
-    writers = []
-    for name in suites_of(suites, "train"):
-        out = (load_yaml(suites / f"{name}.yaml").get("train") or {}).get("out")
-        if out and Path(out).resolve() == want:
-            writers.append(name)
-    first = (f"run ppspec train-draft --config {writers[0]} first (its train.out)" if writers
-             else "train that head first (a train-draft run whose train.out is that directory)")
-    raise HarnessConfigError(f"train-draft: train.init_from {init_from} holds no trained head (no config.json): "
-                             f"{first}")
+    from harness.train_checks import missing_init_from
+    raise HarnessConfigError(missing_init_from(init_from, suites))
 
 
 def check_train_kwargs(fn, kwargs: dict) -> None:

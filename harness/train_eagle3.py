@@ -19,19 +19,16 @@ Draft vocabulary: the ``draft_vocab_size`` most frequent tokens of the training 
 from __future__ import annotations
 
 import math
-import random
-import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import set_context
-from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.speculative.eagle3 import Eagle3Draft, Eagle3Spec, check_aux_layers, default_aux_layers
-from engine.speculative.eagle3_checkpoint import save_eagle3
+from engine.speculative.eagle3 import Eagle3Draft
+
+VAL_STEPS = 3       # draft steps of the validation chain (the chain S=3 the GSM8K evaluation measures)
 
 
 def draft_vocab(seqs: list[list[int]], size: int, vocab_size: int) -> torch.Tensor:
@@ -214,124 +211,46 @@ def init_eagle3(draft: Eagle3Draft, target: LlamaForCausalLM, hot: torch.Tensor,
             draft.fc.bias.zero_()
 
 
-def _training_record(head) -> dict | None:
-    """The ``ppspec_training`` record of a saved head's config.json (None: no head or no record)."""
-    if head is None:
-        return None
-    import json
-    return json.loads((Path(head) / "config.json").read_text()).get("ppspec_training")
-
-
 def lr_factor(step: int, frac: float, warmup: int) -> float:
     """Learning-rate multiplier at optimiser step ``step`` (0-based) with training progress ``frac`` in [0, 1]:
     linear warm-up over the first ``warmup`` steps, then cosine decay to 0 at ``frac`` = 1."""
     return min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def train_eagle3(*, model: str, data: str | Path, out: str | Path, mc: ModelConfig, path, seqs, plens, device: str,
-                 dtype: str, epochs: int, lr: float, batch_tokens: int, max_len: int, unroll: int, seed: int,
-                 save_dtype: str, prompt_weight: float, cache_features: bool, aux_layers, draft_vocab_size: int,
-                 progress, log, t_gen: float, t0: float, helpers, time_budget_s: float | None = None,
-                 gen: dict | None = None, init_from: str | Path | None = None, init_spec=None) -> dict:
-    """The EAGLE-3 branch of :func:`harness.train_draft.train_draft` (same arguments, sequences already built);
-    ``helpers``: (iter_weights, dense_ctx, token_batches, row_weights) from that module.
-
-    Schedule: AdamW (betas 0.9 / 0.95, no weight decay), gradient norm clipped to 1, :func:`lr_factor` with a
-    warm-up of min(5 % of the planned steps, 50) and progress = max(step / (epochs x batches), elapsed /
-    ``time_budget_s``); training stops when progress reaches 1. Target features are computed once per batch and
-    kept (``cache_features``) while the device has more than 8 GiB free. ``gen``: the generation settings, recorded
-    in the checkpoint's ``ppspec_training``. ``init_from``: a saved EAGLE-3 head whose weights, draft vocabulary and
-    aux layers replace the warm start; ``init_spec``: its spec, as ``harness.train_draft.check_init_from`` returned it
-    (required with ``init_from``)."""
-    iter_weights, dense_ctx, token_batches, row_weights = helpers
-    if init_from is None:
-        aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
-                               mc.num_hidden_layers)
-    else:
-        spec = init_spec
-        aux = spec.aux_layers
-    tdt = getattr(torch, dtype)
-    target = LlamaForCausalLM(mc, tdt, max_len + 8)
-    target.load_weights(iter_weights(path, dtype=tdt))
-    target.to(device).eval()
-    target.aux_layers = aux
-    if init_from is not None:
-        from safetensors.torch import load_file
-        draft = Eagle3Draft(spec, torch.float32, max_len + unroll + 8)
-        with torch.no_grad():                           # the embedding is the target's (not stored in the head)
-            draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-        draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
-                                 for k, v in load_file(str(Path(init_from) / "model.safetensors")).items())
-        hot = draft.target_ids()
-    else:
-        hot = draft_vocab(seqs, draft_vocab_size, mc.vocab_size)
-        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "attention_bias": False})
-        draft = Eagle3Draft(Eagle3Spec(dcfg, aux, hot.numel(), False), torch.float32, max_len + unroll + 8)
-        init_eagle3(draft, target, hot, seed)
-    draft.to(device)
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches = token_batches(list(zip(seqs, plens)), batch_tokens)
-    weights = [row_weights([len(x) for x, _ in b], [p for _, p in b], prompt_weight) for b in batches]
-    total_steps = epochs * len(batches)
-    warmup = max(1, min(total_steps // 20, 50))
-    cuda = torch.device(device).type == "cuda"
-    cache: dict = {}
-    step, stats, history, frac = 0, {}, [], 0.0
-    t_train = time.perf_counter()
-    for _ in range(epochs):
-        order = list(range(len(batches)))
-        random.shuffle(order)
-        for bi in order:
-            frac = step / total_steps
-            if time_budget_s is not None:
-                frac = max(frac, (time.perf_counter() - t_train) / time_budget_s)
-            if frac >= 1.0:
-                break
-            for g in opt.param_groups:
-                g["lr"] = lr * lr_factor(step, frac, warmup)
-            b = [s for s, _ in batches[bi]]
-            fa = cache.get(bi)
-            if fa is None:
-                fa = target_aux_features(target, b, device, dense_ctx)
-                if cache_features and (not cuda or torch.cuda.mem_get_info()[0] > 8 * 2 ** 30):
-                    cache[bi] = fa
-            loss, stats = eagle3_loss(draft, target, b, fa[0], fa[1], unroll, weights[bi])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            history.append(float(loss.detach()))
-            if progress is not None:
-                progress(step, total_steps, {"loss": history[-1], **stats})
-            elif step % 50 == 0 or step == total_steps or step == 1:
-                log(f"step {step}/{total_steps} loss {history[-1]:.4f} " +
-                    " ".join(f"{k} {v:.3f}" for k, v in stats.items()) +
-                    f" ({time.perf_counter() - t_train:.1f} s)")
-        if frac >= 1.0:
-            break
-    train_s = time.perf_counter() - t_train
-    gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
-    extra = {"ppspec_training": {"algorithm": "eagle3", "base_model": str(model), "data": str(data),
-                                 "generation": gen, "init_from": None if init_from is None else str(init_from),
-                                 "init_from_training": _training_record(init_from),
-                                 "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-                                 "generated_tokens": gen_tokens, "epochs": epochs, "steps": step,
-                                 "epochs_done": step / max(1, len(batches)), "time_budget_s": time_budget_s,
-                                 "lr": lr, "unroll": unroll, "prompt_weight": prompt_weight,
-                                 "batch_tokens": batch_tokens, "device": str(device), "target_dtype": dtype,
-                                 "gen_seconds": round(t_gen, 1), "train_seconds": round(train_s, 1),
-                                 "first_loss": history[0] if history else None, "final": stats}}
-    save_eagle3(out, mc, draft, dtype=getattr(torch, save_dtype), extra=extra)
-    log(f"trained {step} steps ({step / max(1, len(batches)):.2f} epochs of {len(batches)} batches) in {train_s:.1f} s "
-        f"(target load and draft set-up before: {t_train - t0 - t_gen:.1f} s); saved {out}")
-    k = max(1, len(history) // 10)
-    return {"algorithm": "eagle3", "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-            "generated_tokens": gen_tokens, "steps": step, "epochs_done": step / max(1, len(batches)),
-            "gen_s": t_gen, "train_s": time.perf_counter() - t0 - t_gen, "train_loop_s": train_s,
-            "draft_vocab_size": int(hot.numel()), "aux_layers": list(aux),
-            "loss_first": sum(history[:k]) / k if history else None,
-            "loss_last": sum(history[-k:]) / k if history else None, **stats}
+@torch.no_grad()
+def val_accept_length(draft: Eagle3Draft, target: LlamaForCausalLM, batches, ctx_fn, device,
+                      steps: int = VAL_STEPS) -> dict:
+    """Teacher-forced chain accept length of ``draft`` on held-out sequences: for every continuation row t (rows of
+    weight 1, :func:`harness.train_data.row_weights`) the draft runs ``steps`` chained steps from the target's aux
+    features at t (:func:`ttt_forward`, each step on its own previous output, as a chain draft at inference) and
+    the round accepts 1 + the number of leading steps whose top-1 draft token (mapped to target ids) equals the
+    target's argmax at t+j+1 (a step past the sequence's end never matches). ``batches``: lists of (sequence,
+    prompt length). Returns {"accept_length": mean over the rows, "rows": their count, "top1_{j}": step j's
+    agreement given the earlier steps' tokens (teacher-forced)}."""
+    from harness.train_data import row_weights
+    hot = draft.target_ids()
+    acc_sum, rows, agree = 0.0, 0, torch.zeros(steps, dtype=torch.float64)
+    for b in batches:
+        seqs = [s for s, _ in b]
+        feat, aux = target_aux_features(target, seqs, device, ctx_fn)
+        w_rows = row_weights([len(s) for s in seqs], [p for _, p in b], 0.0)
+        tok, x, w, tgt = padded_rows(seqs, aux, w_rows, steps - 1)
+        B, N = x.shape[:2]
+        arg = target_targets(target, feat, tgt.reshape(-1), hot)[0].reshape(B, -1)
+        pos = torch.arange(N, device=x.device).expand(B, N)
+        sel = w[:, :N] > 0
+        alive = torch.ones(B, N, dtype=torch.bool, device=x.device)
+        length = torch.ones(B, N, device=x.device)
+        kv: list = []
+        for j in range(steps):
+            h = ttt_forward(draft, tok[:, j:j + N], x, pos + j, kv, ttt_mask(N, j, x.device))
+            match = hot[draft.logits(h).argmax(-1)] == arg[:, j:j + N]
+            agree[j] += float(match[sel].float().sum())
+            alive &= match
+            length += alive.float()
+            x = h
+        acc_sum += float(length[sel].sum())
+        rows += int(sel.sum())
+    out = {"accept_length": acc_sum / max(rows, 1), "rows": rows}
+    out.update({f"top1_{j + 1}": float(agree[j]) / max(rows, 1) for j in range(steps)})
+    return out

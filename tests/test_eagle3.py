@@ -445,7 +445,7 @@ def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monke
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights
     from engine.speculative import eagle_worker as ew
-    from harness.train_draft import _dense_ctx
+    from harness.train_eagle import dense_ctx as _dense_ctx
     from harness.train_eagle3 import padded_rows, target_aux_features, ttt_forward, ttt_mask
     S = CHAIN["num_steps"]
     chains: dict[int, list] = {}           # rid -> per proposed chain: (tokens, root first; hidden of each depth)
@@ -542,7 +542,7 @@ def test_train_eagle3_init_from(tiny_model_dir, tmp_path):
     assert cfg["ppspec_training"]["init_from_training"]["steps"] > 0
     missing = tmp_path / "none.jsonl"                 # never read: every refusal comes first
     for bad, msg in ((dict(aux_layers=[0, 1, 3]), "aux_layers"), (dict(draft_vocab_size=256), "draft_vocab_size"),
-                     (dict(init_from=tmp_path / "nothing"), "not found"), (dict(algorithm="eagle"), "eagle3")):
+                     (dict(init_from=tmp_path / "nothing"), "train.init_from .*nothing holds no trained head"), (dict(algorithm="eagle"), "eagle3")):
         args = {**kw, "init_from": tmp_path / "a", **bad}
         with pytest.raises(ConfigError, match=msg):
             train_draft(tiny_model_dir, missing, tmp_path / "c", **args)

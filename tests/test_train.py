@@ -9,7 +9,8 @@ from engine.dist import ParallelState, set_ps
 from engine.model.loader import iter_weights, load_model_config
 from engine.model.llama import LlamaForCausalLM
 from engine.speculative.eagle import EagleDraft
-from harness.train_draft import _init_from_target, _token_batches, draft_loss, row_weights, target_features
+from harness.train_data import row_weights, token_batches as _token_batches
+from harness.train_eagle import _init_from_target, draft_loss, target_features
 
 
 def test_row_weights_values():
@@ -63,7 +64,7 @@ def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
     import gzip
     import json
 
-    from harness.train_draft import read_jsonl
+    from harness.train_data import read_jsonl
     from harness.prompts import train_prompts
 
     from pathlib import Path
@@ -113,7 +114,7 @@ def test_shipped_test_contexts_are_lmeval_contexts():
 def test_build_sequences_time_budget_keeps_a_prefix(tiny_model_dir):
     """With a spent time budget generation stops after the first chunk (a prefix of the prompts); without one every
     prompt gets its continuation, and the first chunk's sequences are the same either way."""
-    from harness.train_draft import build_sequences
+    from harness.train_data import build_sequences
     rows = [{"prompt": f"Question: {i} plus {i} is\nAnswer:"} for i in range(6)]
     lines = []
     s1, p1 = build_sequences(tiny_model_dir, rows, "cpu", "float32", 8, 128, time_budget_s=1e-6, first_chunk=2,
@@ -129,7 +130,7 @@ def test_gsm8k_layout_rows_make_the_shipped_prompts():
     from pathlib import Path
 
     from harness.prompts import fewshot_prompts
-    from harness.train_draft import read_jsonl
+    from harness.train_data import read_jsonl
     root = Path(__file__).resolve().parents[1]
     rows = read_jsonl(root / "harness/data/gsm8k/train.jsonl")
     shipped = read_jsonl(root / "drafts/smollm2-eagle/train_prompts.jsonl.gz")
@@ -154,7 +155,7 @@ def test_shipped_train_recipes_pass_the_train_section_check():
 def test_trim_context_keeps_the_continuation_and_the_last_prompt_tokens():
     """context_tokens cuts only the prompt's far end: [last C prompt tokens] + the whole continuation; text rows
     (prompt length 0) and prompts already within C stay whole."""
-    from harness.train_draft import trim_context
+    from harness.train_data import trim_context
     seqs = [list(range(10)), [7, 8, 9], list(range(5))]
     plens = [6, 0, 2]
     s, p = trim_context(seqs, plens, 3)
@@ -202,11 +203,11 @@ def test_sequences_cache_keeps_whole_prompts(tiny_model_dir, tmp_path):
     kw = dict(algorithm="eagle3", aux_layers=[0, 2, 3], draft_vocab_size=256, batch_tokens=512, max_len=128,
               max_new_tokens=4, time_budget_s=1e-9, sequences_cache=cache, log=lambda *_: None)
     a = train_draft(tiny_model_dir, data, tmp_path / "a", context_tokens=3, **kw)
-    c = _json.loads(cache.read_text())
-    assert min(c["prompt_lens"]) > 3
-    gen = [len(s) - p for s, p in zip(c["seqs"], c["prompt_lens"])]
-    assert a["tokens"] == sum(3 + g for g in gen)
+    import torch as _torch
+    c = _torch.load(cache, weights_only=True)
+    gen = c["lens"].tolist()
+    assert c["done"] == 3 and a["tokens"] == sum(3 + g for g in gen)
     b = train_draft(tiny_model_dir, data, tmp_path / "b", context_tokens=5, **kw)     # read from the cache
     assert b["tokens"] == sum(5 + g for g in gen)
     w = train_draft(tiny_model_dir, data, tmp_path / "w", **kw)                        # whole prompts
-    assert w["tokens"] == sum(map(len, c["seqs"]))
+    assert w["tokens"] > b["tokens"] and w["generated_tokens"] == sum(gen)

@@ -1,0 +1,145 @@
+"""Split a file into pieces of at most ``max_bytes`` each and join them back, checked by sha256.
+
+A split file ``F`` becomes ``F.part000``, ``F.part001``, ... next to it plus the manifest ``F.pieces.json``
+(``{"name", "size", "sha256", "pieces": [{"name", "size", "sha256"}, ...]}``); the whole file is left in place unless
+``remove`` is set. Joining reads the manifest, checks every piece's size and sha256 and the joined file's, and writes
+``F`` atomically (a temporary name, then a rename). A missing or corrupt piece raises ConfigError (one line).
+
+Command line: ``python -m harness.pieces split PATH... [--max-mib 15] [--remove]`` (a directory: every file in it
+larger than the limit) and ``python -m harness.pieces join PATH...`` (PATH: the whole file's name or its manifest).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine.config import ConfigError
+
+MANIFEST = ".pieces.json"
+MAX_BYTES = 15 * 2 ** 20
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_of(path: str | Path) -> Path:
+    """The manifest path of the whole file ``path`` (``path`` itself when it already names a manifest)."""
+    p = Path(path)
+    return p if p.name.endswith(MANIFEST) else p.with_name(p.name + MANIFEST)
+
+
+def split_file(path: str | Path, max_bytes: int = MAX_BYTES, remove: bool = False) -> Path:
+    """Write ``path``'s pieces (each at most ``max_bytes`` bytes, at least one) and its manifest; returns the
+    manifest path. ``remove``: delete the whole file once the pieces are written."""
+    p = Path(path)
+    if max_bytes < 1:
+        raise ConfigError(f"pieces: max_bytes must be >= 1 (got {max_bytes})")
+    data = p.read_bytes()
+    pieces = []
+    for i, off in enumerate(range(0, max(len(data), 1), max_bytes)):
+        chunk = data[off:off + max_bytes]
+        name = f"{p.name}.part{i:03d}"
+        _atomic_write(p.with_name(name), chunk)
+        pieces.append({"name": name, "size": len(chunk), "sha256": _sha256(chunk)})
+    m = manifest_of(p)
+    _atomic_write(m, json.dumps({"name": p.name, "size": len(data), "sha256": _sha256(data),
+                                 "pieces": pieces}, indent=1).encode())
+    if remove:
+        p.unlink()
+    return m
+
+
+def join_file(path: str | Path) -> Path:
+    """Join the pieces listed in the manifest of ``path`` (the whole file's name or the manifest) into the whole file,
+    next to the manifest; returns its path. ConfigError (one line) for a missing manifest or piece, a piece of the
+    wrong size or hash, or a joined file whose hash differs from the manifest's."""
+    m = manifest_of(path)
+    if not m.is_file():
+        raise ConfigError(f"pieces: no manifest {m}")
+    try:
+        man = json.loads(m.read_text())
+        entries, name, want = man["pieces"], man["name"], man["sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"pieces: {m} is not a pieces manifest ({e})") from None
+    parts = []
+    for e in entries:
+        q = m.with_name(e["name"])
+        if not q.is_file():
+            raise ConfigError(f"pieces: {q} missing ({len(entries)} pieces listed in {m.name})")
+        b = q.read_bytes()
+        if len(b) != e["size"] or _sha256(b) != e["sha256"]:
+            raise ConfigError(f"pieces: {q} is corrupt (size {len(b)}, expected {e['size']}; sha256 mismatch)")
+        parts.append(b)
+    data = b"".join(parts)
+    if _sha256(data) != want:
+        raise ConfigError(f"pieces: joined {name} has sha256 {_sha256(data)[:16]}..., manifest says {want[:16]}...")
+    out = m.with_name(name)
+    _atomic_write(out, data)
+    return out
+
+
+def ensure_whole(path: str | Path) -> bool:
+    """Make ``path`` present: True when it exists or was joined from its pieces (its manifest beside it), False
+    when neither the file nor a manifest is there."""
+    p = Path(path)
+    if p.exists():
+        return True
+    if manifest_of(p).is_file():
+        join_file(p)
+        return True
+    return False
+
+
+def split_tree(path: str | Path, max_bytes: int = MAX_BYTES, remove: bool = False) -> list[Path]:
+    """:func:`split_file` on ``path``, or on every file directly in the directory ``path`` larger than ``max_bytes``
+    (pieces and manifests excluded); returns the manifests written."""
+    p = Path(path)
+    if not p.is_dir():
+        return [split_file(p, max_bytes, remove)]
+    big = [q for q in sorted(p.iterdir()) if q.is_file() and q.stat().st_size > max_bytes
+           and ".part" not in q.name and not q.name.endswith(MANIFEST)]
+    return [split_file(q, max_bytes, remove) for q in big]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    """``split PATH... [--max-mib N] [--remove]`` or ``join PATH...``; exit 2 with one line on bad input."""
+    if not argv or argv[0] not in ("split", "join"):
+        print("usage: python -m harness.pieces split PATH... [--max-mib 15] [--remove] | join PATH...",
+              file=sys.stderr)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    max_mib, remove = MAX_BYTES / 2 ** 20, "--remove" in args
+    args = [a for a in args if a != "--remove"]
+    if "--max-mib" in args:
+        i = args.index("--max-mib")
+        try:
+            max_mib = float(args[i + 1])
+        except (IndexError, ValueError):
+            print("Error: --max-mib needs a number", file=sys.stderr)
+            return 2
+        del args[i:i + 2]
+    try:
+        for a in args:
+            if cmd == "join":
+                print(join_file(a))
+            else:
+                for m in split_tree(a, int(max_mib * 2 ** 20), remove):
+                    print(m)
+    except (ConfigError, OSError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

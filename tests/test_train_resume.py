@@ -1,0 +1,164 @@
+"""Training that outlives a call: a run stopped by a step budget or a wall-clock budget and resumed from its
+checkpoint equals one uninterrupted run bit for bit (fp32, CPU, both recipes); the sequences cache is reused and
+keyed; files travel in checked pieces; a missing stage-1 head is named."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from harness import train_state
+from harness.pieces import ensure_whole, join_file, main as pieces_main, split_file
+from harness.train_draft import train_draft
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _data(tmp_path) -> Path:
+    from tiny import gsm8k_prompts
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps({"text": t}) for t in gsm8k_prompts(6, 0)))
+    return p
+
+
+def _kw(algorithm):
+    kw = dict(epochs=2, lr=5e-3, batch_tokens=128, max_len=128, save_dtype="float32", algorithm=algorithm,
+              log=lambda *_: None)
+    if algorithm == "eagle3":
+        kw.update(aux_layers=[0, 2, 3], draft_vocab_size=256, unroll=2, val_sequences=1)
+    return kw
+
+
+def _assert_same_checkpoint(a: Path, b: Path):
+    sa, sb = train_state.load_state(a), train_state.load_state(b)
+    assert sa["module"].keys() == sb["module"].keys()
+    for k in sa["module"]:
+        assert torch.equal(sa["module"][k], sb["module"][k]), k
+    pa, pb = sa["progress"], sb["progress"]
+    assert pa["step"] == pb["step"] and pa["history"] == pb["history"] and pa["val"] == pb["val"]
+    oa = torch.load(a / "checkpoint" / "optim.pt", weights_only=False)
+    ob = torch.load(b / "checkpoint" / "optim.pt", weights_only=False)
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            assert torch.equal(v, ob["state"][i][k]), (i, k)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_two_halves_equal_one_whole_run(algorithm, tiny_model_dir, tmp_path, monkeypatch):
+    """Stopped halfway by train.step_budget, and separately by train.time_budget_s (a clock that ticks one second
+    per reading), then resumed: weights, optimizer state, loss history and validation records equal the
+    uninterrupted run's exactly."""
+    data, kw = _data(tmp_path), _kw(algorithm)
+    whole = train_draft(tiny_model_dir, data, tmp_path / "whole", **kw)
+    total = whole["steps"]
+    assert whole["complete"] and total >= 4
+    half = train_draft(tiny_model_dir, data, tmp_path / "steps", step_budget=total // 2 + 1, **kw)
+    assert not half["complete"] and half["steps"] == total // 2 + 1
+    assert (tmp_path / "steps" / "model.safetensors").is_file()
+    rest = train_draft(tiny_model_dir, data, tmp_path / "steps", resume=True, **kw)
+    assert rest["complete"] and rest["steps"] == total
+    _assert_same_checkpoint(tmp_path / "whole", tmp_path / "steps")
+
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(train_state, "clock", lambda: float(next(ticks)))
+    cut = train_draft(tiny_model_dir, data, tmp_path / "clock", time_budget_s=float(total // 2), **kw)
+    assert not cut["complete"] and 0 < cut["steps"] < total
+    monkeypatch.setattr(train_state, "clock", lambda: 0.0)
+    rest = train_draft(tiny_model_dir, data, tmp_path / "clock", resume=True, checkpoint_every=1, **kw)
+    assert rest["complete"]
+    _assert_same_checkpoint(tmp_path / "whole", tmp_path / "clock")
+    if algorithm == "eagle3":
+        assert [v["epoch"] for v in rest["val"]] == [1, 2] and rest["val"] == whole["val"]
+        assert 1.0 <= rest["val"][-1]["accept_length"] <= 4.0
+
+
+def test_resume_refuses_another_recipe_and_a_missing_checkpoint(tiny_model_dir, tmp_path):
+    data, kw = _data(tmp_path), _kw("eagle")
+    with pytest.raises(ConfigError, match="--resume .*: no checkpoint"):
+        train_draft(tiny_model_dir, data, tmp_path / "none", resume=True, **kw)
+    train_draft(tiny_model_dir, data, tmp_path / "a", step_budget=1, **kw)
+    with pytest.raises(ConfigError, match=r"train.lr 0.001 differs from the checkpoint's 0.005"):
+        train_draft(tiny_model_dir, data, tmp_path / "a", resume=True, **{**kw, "lr": 1e-3})
+
+
+def test_checkpoint_travels_in_pieces(tiny_model_dir, tmp_path):
+    """The checkpoint's state.pt split into pieces (and optim.pt left behind) is joined on resume; the weights
+    continue from the exact checkpoint."""
+    data, kw = _data(tmp_path), _kw("eagle")
+    train_draft(tiny_model_dir, data, tmp_path / "a", step_budget=2, **kw)
+    ck = tmp_path / "a" / "checkpoint"
+    before = train_state.load_state(tmp_path / "a")["progress"]["history"]
+    split_file(ck / "state.pt", 4096, remove=True)
+    (ck / "optim.pt").unlink()
+    assert not (ck / "state.pt").exists() and len(list(ck.glob("state.pt.part*"))) > 2
+    lines = []
+    r = train_draft(tiny_model_dir, data, tmp_path / "a", resume=True, **{**kw, "log": lines.append})
+    assert r["complete"] and any("optimizer's moments restart" in x for x in lines)
+    after = train_state.load_state(tmp_path / "a")["progress"]["history"]
+    assert r["steps"] > 2 and len(before) == 2 and after[:2] == before and len(after) == r["steps"]
+
+
+def test_pieces_split_join_and_errors(tmp_path):
+    f = tmp_path / "ckpt.pt"
+    blob = torch.randint(0, 256, (10_000,), dtype=torch.uint8).numpy().tobytes()
+    f.write_bytes(blob)
+    m = split_file(f, 3000, remove=True)
+    parts = sorted(tmp_path.glob("ckpt.pt.part*"))
+    assert [p.name for p in parts] == [f"ckpt.pt.part{i:03d}" for i in range(4)]
+    assert all(p.stat().st_size <= 3000 for p in parts) and not f.exists()
+    assert ensure_whole(f) and f.read_bytes() == blob
+    f.unlink()
+    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"\x00")
+    with pytest.raises(ConfigError, match=r"ckpt.pt.part001 is corrupt"):
+        join_file(m)
+    parts[2].unlink()
+    with pytest.raises(ConfigError, match=r"ckpt.pt.part00[12] (is corrupt|missing)"):
+        join_file(f)
+    assert not f.exists()
+    assert pieces_main(["join", str(f)]) == 2
+    g = tmp_path / "x.bin"
+    g.write_bytes(blob)
+    assert pieces_main(["split", str(g), "--max-mib", "0.001"]) == 0 and pieces_main(["join", str(g)]) == 0
+    assert g.read_bytes() == blob
+
+
+def test_sequences_cache_is_reused_keyed_and_joined_from_pieces(tiny_model_dir, tmp_path, monkeypatch):
+    """Generated continuations are cached: a second call reads them (no generation), also from the cache's pieces;
+    a cache made with other settings is refused naming the field."""
+    import harness.train_data as td
+    rows = [{"prompt": f"Question: {i} plus {i} is\nAnswer:"} for i in range(3)]
+    cache = tmp_path / "seqs.pt"
+    s1, p1 = td.build_sequences(tiny_model_dir, rows, "cpu", "float32", 6, 128, cache=cache)
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated again")
+    monkeypatch.setattr(td, "_generate", no_generation)
+    assert td.build_sequences(tiny_model_dir, rows, "cpu", "float32", 6, 128, cache=cache) == (s1, p1)
+    split_file(cache, 64, remove=True)
+    assert td.build_sequences(tiny_model_dir, rows, "cpu", "float32", 6, 128, cache=cache) == (s1, p1)
+    with pytest.raises(ConfigError, match=r"was made with max_new_tokens 6, this run has 7"):
+        td.build_sequences(tiny_model_dir, rows, "cpu", "float32", 7, 128, cache=cache)
+    with pytest.raises(ConfigError, match=r"was made with dtype 'float32', this run has 'bfloat16'"):
+        td.build_sequences(tiny_model_dir, rows, "cpu", "bfloat16", 6, 128, cache=cache)
+
+
+def test_stage2_without_stage1_names_init_from(tmp_path, monkeypatch):
+    """Regression: stage 2 of the EAGLE-3 recipe run before stage 1 said "draft checkpoint not found:
+    .../config.json"; it now names train.init_from and the recipe to run first (also without the CLI)."""
+    import yaml
+    monkeypatch.chdir(ROOT)
+    rec = yaml.safe_load((ROOT / "suites/train_smollm2_eagle3_long.yaml").read_text())["train"]
+    rec["init_from"] = str(tmp_path / "stage1")
+    rec.pop("out")
+    with pytest.raises(ConfigError, match=r"train.init_from .*stage1 holds no trained head .*train that head first"):
+        train_draft(**rec, out=tmp_path / "o")
+    stage1 = yaml.safe_load((ROOT / "suites/train_smollm2_eagle3.yaml").read_text())["train"]["out"]
+    rec["init_from"] = stage1
+    with pytest.raises(ConfigError) as e:
+        train_draft(**rec, out=tmp_path / "o")
+    assert str(e.value) == (f"train-draft: train.init_from {stage1} holds no trained head (no config.json): run "
+                            "ppspec train-draft --config train_smollm2_eagle3 first (its train.out)")
