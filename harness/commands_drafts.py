@@ -21,7 +21,7 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
                 algorithm: Annotated[Optional[str], typer.Option(help="Head to train: [cyan]eagle[/cyan] (EAGLE-1/2) or [cyan]eagle3[/cyan] (EAGLE-3: three target layers, own draft vocabulary).")] = None,
                 resume: Annotated[Optional[str], typer.Option(help="Continue the run whose checkpoint is in this --out directory (its recipe; --time-budget, --checkpoint-every and --set train.* of those keys may change).")] = None,
                 time_budget: Annotated[Optional[float], typer.Option(help="Wall seconds of training in this call ([cyan]train.time_budget_s[/cyan]); then a checkpoint, exit 0.")] = None,
-                checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps ([cyan]train.checkpoint_every[/cyan]).")] = None,
+                checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps (recipe key: checkpoint_every under train).")] = None,
                 set_: SetOpt = None, progress: ProgressOpt = True) -> None:
     """Train an EAGLE draft head ([cyan]harness.train_draft.train_draft[/cyan]) from the config's [cyan]train:[/cyan] section."""
     with user_errors():
