@@ -110,7 +110,8 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
     prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing.
     With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate."""
-    from harness.bench import render, run_bench
+    from harness.bench import run_bench
+    from harness.bench_table import render
     from harness.openloop import parse_rate, parse_slo
     with user_errors():
         check_out(out)

@@ -534,7 +534,7 @@ def test_bad_inputs_refused_before_any_work(fake_engine, tmp_path):
 @pytest.mark.parametrize("suite", ["h200", "h200_llama3_8b", "h200_llama3_8b_spec", "tiny_cpu", "tp1pp2", "tp4pp2",
                                    "tp2pp4", "tp8", "tp2pp2_llama3_8b", "tp4pp2_llama3_8b", "tp8_llama3_8b"])
 def test_shipped_bench_cells_fit_the_context(suite):
-    from harness.bench import check_cells_fit
+    from harness.bench_cells import check_cells_fit
     from harness.config import resolve
     check_cells_fit(resolve(suite, {"device": "cpu", "dtype": "float32"}))     # the GPU suites, checked here
 

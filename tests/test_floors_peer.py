@@ -133,7 +133,7 @@ def test_h200_suites(name, cells, dummy):
 # ---------------------------------------------------------------------------------------------
 
 def test_vs_format():
-    from harness.bench import vs
+    from harness.bench_table import vs
     assert vs(0.004, 0.002) == "4.00 / 2.00 (2x)"
     assert vs(0.0123, 0.000456) == "12.3 / 0.456 (27x)"
     assert vs(250.0, 1000.0, "tps") == "250 / 1000 (0.25x)"
