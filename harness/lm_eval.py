@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     from harness.gsm8k import _quiet, materialize_task
     _quiet()
     import harness.lmeval_model  # noqa: F401  (registers "ppspec")
-    from harness.config import resolve
+    from harness.resolve import resolve
     from lm_eval.__main__ import cli_evaluate
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:

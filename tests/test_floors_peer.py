@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from engine.config import ModelConfig
 from harness import floors as F
 from harness.cli import app
-from harness.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer, load_yaml, resolve
+from harness.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer
+from harness.resolve import resolve
+from harness.suites import load_yaml
 
 runner = CliRunner()
 

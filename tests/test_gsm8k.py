@@ -11,7 +11,7 @@ import yaml
 lm_eval = pytest.importorskip("lm_eval")
 
 from harness import gsm8k  # noqa: E402
-from harness.config import resolve  # noqa: E402
+from harness.resolve import resolve  # noqa: E402
 from harness.lmeval_model import PPSpecLM, _cut  # noqa: E402
 
 GSM8K_YAML = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"

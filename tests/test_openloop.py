@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from harness import openloop, stats
 from harness.cli import app
-from harness.config import resolve
+from harness.resolve import resolve
 
 runner = CliRunner()
 

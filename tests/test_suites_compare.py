@@ -18,8 +18,9 @@ from engine.config import ConfigError, EngineConfig, resolve_device
 from harness.cli import app
 from harness.compare import comparison_table, load_entry, run_compare
 from harness.pairing import bootstrap_winner, mcnemar_winner
-from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, layers_device, load_yaml,
-                            resolve)
+from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer
+from harness.resolve import apply_devices, layers_device, resolve
+from harness.suites import load_yaml
 from harness.tables import fit_table, rich_table
 
 REPO = Path(__file__).resolve().parents[1]
