@@ -118,7 +118,7 @@ def suite_plan(config: str | None, overrides: dict | None = None):
     """
     from engine.config import ConfigError
     from engine.plan import resolve_plan
-    from .config import merge, resolve
+    from .resolve import merge, resolve
     try:
         cfg = resolve(config, overrides or {})
     except ConfigError as e:

@@ -306,12 +306,12 @@ def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
     included) and from the fixtures: within 80 columns, nothing cut to an ellipsis."""
     import json
 
-    from harness import bench_table, gsm8k
+    from harness import bench_table, gsm8k_table
     paths = sorted((REPO / "results").rglob("summary.json")) + sorted(FIXTURES.rglob("summary.json"))
     seen = 0
     for p in paths:
         s = json.loads(p.read_text())
-        render = {"bench": bench_table.render, "gsm8k": gsm8k.render}.get(s.get("kind"))
+        render = {"bench": bench_table.render, "gsm8k": gsm8k_table.render}.get(s.get("kind"))
         if render is None:
             continue
         rend, _ = render(s, f"{s['kind']} {p.parent.name}")
