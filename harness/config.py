@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, SpecConfig
+from engine.plan import resolve_plan
 
 
 class HarnessConfigError(ValueError):
@@ -157,7 +158,6 @@ class RunConfig:
         Raises:
             ConfigError: a PPSPEC_* knob is malformed.
         """
-        from engine.plan import resolve_plan
         d = self.to_dict()
         d.pop("sources"), d.pop("notes")
         d["plan"] = resolve_plan(self.engine).as_dict()

@@ -7,6 +7,7 @@ the summary.
 """
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -46,8 +47,6 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
     g = cfg.gsm8k
     check_shots(cfg)
     journal = Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
-    import functools
-
     import lm_eval
     import lm_eval.api.task
     from lm_eval.tasks import TaskManager

@@ -6,6 +6,7 @@ to cross-check lm-eval's per-question verdicts and to score where lm-eval is not
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -66,7 +67,6 @@ def quiet_lm_eval() -> None:
     """Offline Hugging Face hub and datasets, lm-eval / datasets logging at ERROR, no datasets progress bars."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import logging
     for name in ("lm_eval", "lm-eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

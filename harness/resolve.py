@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 from engine.config import EngineConfig, SpecConfig, resolve_device
+from engine.model.config import is_eagle3_config
 from harness.config import (META_KEYS, PACKAGE_ROOT, BenchConfig, GateConfig, GSM8KConfig, HarnessConfigError,
                             PathsConfig, RunConfig, check_layer)
 from harness.suites import find_config, find_toml, load_yaml, suite_kind, suites_of
@@ -160,7 +161,6 @@ def check_draft_head(algorithm: str, draft_dir: str, tp: int, model: str | None,
     Raises:
         HarnessConfigError: one line naming spec.algorithm / spec.draft / tp and what fits.
     """
-    from engine.model.config import is_eagle3_config
     path = Path(draft_dir) / "config.json"
     try:
         d = json.loads(path.read_text())

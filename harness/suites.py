@@ -7,12 +7,12 @@ from typing import Any
 
 import yaml
 
+from engine import knobs
 from harness.config import PACKAGE_ROOT, HarnessConfigError
 
 
 def find_toml(explicit: str | Path | None = None) -> Path | None:
     """ppspec.toml: explicit path > $PPSPEC_TOML > cwd and its parents > the package checkout."""
-    from engine import knobs
     env = knobs.current().toml
     if explicit or env:
         p = Path(explicit or env)
