@@ -77,7 +77,7 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_CPU_KV_TOKENS", "int", 0, _B, "KV pool tokens on CPU when max_num_tokens is unset (0: a share of "
          "the free host memory, engine.kv_cache.CPU_KV_SHARE)", "engine/kv_cache.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
-         "harness/config.py", "toml"),
+         "harness/suites.py", "toml"),
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),
     Knob("PPSPEC_KV_CHECK", "bool", False, _D, "full KV pool consistency check on every commit",
          "engine/kv_cache.py", "kv_check"),

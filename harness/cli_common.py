@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.config import ConfigError
-from harness.config import HarnessConfigError, RunConfig, merge, resolve
+from harness.config import HarnessConfigError, RunConfig
+from harness.resolve import merge, resolve
 from harness.sweep import dotted
 
 console = Console()
@@ -98,7 +99,7 @@ def overrides(model=None, draft=None, tp=None, pp=None, dtype=None, device=None,
 
 
 def load(config: str | None, ov: dict, kind: str = "run") -> RunConfig:
-    """Resolve (``kind``: ``run``, or ``train`` for a training recipe: :func:`harness.config.resolve`) and print any
+    """Resolve (``kind``: ``run``, or ``train`` for a training recipe: :func:`harness.resolve.resolve`) and print any
     resolution warnings to stderr."""
     cfg = resolve(config, ov, kind=kind)
     for n in cfg.notes:

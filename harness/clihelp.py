@@ -47,7 +47,8 @@ EXAMPLES = {
 @lru_cache(maxsize=1)
 def _root_and_toml() -> tuple[Path, dict]:
     from engine.config import ConfigError
-    from harness.config import PACKAGE_ROOT, find_toml
+    from harness.config import PACKAGE_ROOT
+    from harness.suites import find_toml
     try:
         toml = find_toml()
     except (FileNotFoundError, ConfigError):      # a malformed knob is the command's one-line error, not help's

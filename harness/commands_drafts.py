@@ -9,7 +9,8 @@ import typer
 
 from harness.cli_common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_out, check_writable, console, load,
                                 overrides, parse_sets, progress_bars, user_errors)
-from harness.config import HarnessConfigError, merge
+from harness.config import HarnessConfigError
+from harness.resolve import merge
 
 RecipeOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Training recipe (a [cyan]train:[/cyan] section): [cyan]suites/NAME.yaml[/cyan] or a path.")]
 

@@ -56,7 +56,9 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it.
     A request the engine fails (finish_reason "error"; the engine keeps serving the others) is scored as a wrong
     answer: the summary counts the failed requests per run with the first reason, and one warning line says so."""
-    from harness.gsm8k import RECORDS, failure_line, has_records, render, run_gsm8k
+    from harness.gsm8k import run_gsm8k
+    from harness.gsm8k_journal import RECORDS, has_records
+    from harness.gsm8k_table import failure_line, render
     with user_errors():
         if resume and out is None:
             raise HarnessConfigError("--resume needs --out: the directory of the run to finish")
@@ -110,7 +112,8 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
     prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing.
     With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate."""
-    from harness.bench import render, run_bench
+    from harness.bench import run_bench
+    from harness.bench_table import render
     from harness.openloop import parse_rate, parse_slo
     with user_errors():
         check_out(out)

@@ -208,7 +208,7 @@ def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) 
     import datetime as dt
     import json
 
-    from harness.config import resolve
+    from harness.resolve import resolve
     for x in dirs:
         if not Path(x).is_dir():
             raise FileNotFoundError(f"result directory {x} does not exist")

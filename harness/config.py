@@ -1,11 +1,8 @@
-"""Run configuration: ppspec.toml defaults < run YAML < CLI flags, resolved into one frozen RunConfig.
+"""Run configuration schema: the frozen RunConfig (engine config + workloads + paths) and the check of one layer.
 
-Every layer is checked on its own (unknown keys, wrong types) so an error names the file and the
-field in one line; the merged result is validated by the dataclasses (and by EngineConfig).
-
-A layer may hold a ``devices: {cpu: {...}, cuda: {...}}`` block: the entry for the device the layers select
-(the highest-precedence ``device``, ``auto`` resolved by engine.config.resolve_device) is merged right over
-its own layer, so a suite can size its CPU and CUDA cells apart and CLI flags still win over both.
+A layer (ppspec.toml, a run YAML, the CLI flags) is checked on its own (unknown keys, wrong types) so an error names
+the file and the field in one line; the merged result is validated by the dataclasses (and by EngineConfig). The
+layers are merged and resolved by harness/resolve.py; suite files are found by harness/suites.py.
 """
 from __future__ import annotations
 
@@ -15,16 +12,14 @@ import difflib
 import hashlib
 import json
 import math
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from engine.config import EngineConfig, SpecConfig, resolve_device
+from engine.config import EngineConfig, SpecConfig
+from engine.plan import resolve_plan
 
 
 class HarnessConfigError(ValueError):
@@ -163,7 +158,6 @@ class RunConfig:
         Raises:
             ConfigError: a PPSPEC_* knob is malformed.
         """
-        from engine.plan import resolve_plan
         d = self.to_dict()
         d.pop("sources"), d.pop("notes")
         d["plan"] = resolve_plan(self.engine).as_dict()
@@ -292,264 +286,3 @@ def _check_devices(val: Any, source: str) -> dict:
             raise HarnessConfigError(f"{source}: devices.{dev}: a device block cannot set device or devices")
         out[dev] = check_layer(block, f"{source}: devices.{dev}")
     return out
-
-
-def apply_devices(layer: dict, device: str) -> dict:
-    """``layer`` without its ``devices:`` block, with the block's entry for ``device`` (type ``cpu``/``cuda``,
-    ``cuda:N`` counts as cuda) merged over it."""
-    out = {k: v for k, v in layer.items() if k != "devices"}
-    block = (layer.get("devices") or {}).get(device.split(":")[0])
-    return merge(out, block) if block else out
-
-
-def layers_device(layers: list[dict]) -> str:
-    """The device the merged ``layers`` (lowest precedence first) select, ``auto`` resolved (:func:`resolve_device`);
-    ``cpu`` when none sets one."""
-    dev = next((layer["device"] for layer in reversed(layers) if layer.get("device")), "cpu")
-    return resolve_device(dev)
-
-
-def merge(base: dict, over: dict) -> dict:
-    """Deep merge: ``over`` wins; nested dicts merge key by key."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def find_toml(explicit: str | Path | None = None) -> Path | None:
-    """ppspec.toml: explicit path > $PPSPEC_TOML > cwd and its parents > the package checkout."""
-    from engine import knobs
-    env = knobs.current().toml
-    if explicit or env:
-        p = Path(explicit or env)
-        if not p.is_file():
-            raise FileNotFoundError(f"ppspec.toml not found at {p}")
-        return p.resolve()
-    for d in (Path.cwd(), *Path.cwd().parents, PACKAGE_ROOT):
-        if (d / "ppspec.toml").is_file():
-            return (d / "ppspec.toml").resolve()
-    return None
-
-
-def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; a syntax error becomes one line with the position."""
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        pos = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise HarnessConfigError(f"{path}:{pos} invalid YAML: {getattr(e, 'problem', None) or e}") from None
-
-
-def suite_kind(doc: Any) -> str:
-    """What a parsed suite file is: ``matrix`` (a sweep matrix: a mapping with ``cells`` or ``axes``), ``train`` (a
-    training recipe: a mapping with a ``train:`` section, for ``ppspec train-draft``) or ``run`` (a run config)."""
-    if isinstance(doc, dict) and {"cells", "axes"} & set(doc):
-        return "matrix"
-    return "train" if isinstance(doc, dict) and "train" in doc else "run"
-
-
-def _suite_kind(p: Path) -> str | None:
-    """:func:`suite_kind` of the suite file ``p``; None when it cannot be read."""
-    try:
-        return suite_kind(load_yaml(p))
-    except Exception:                         # noqa: BLE001 - a broken suite is listed as none
-        return None
-
-
-def suites_of(suites: Path, kind: str | None = None) -> list[str]:
-    """Names of the suites in the directory ``suites`` of ``kind`` (:func:`suite_kind`; None: all), sorted."""
-    return sorted(q.stem for q in Path(suites).glob("*.yaml") if kind is None or _suite_kind(q) == kind)
-
-
-def find_config(name: str | Path, root: Path, kind: str | None = None) -> Path:
-    """``--config NAME``: an existing path, else ``<root>/suites/NAME`` (with or without .yaml). When nothing is found
-    the error lists the suites of ``kind`` (``matrix``: sweep matrices, ``run``: run configs, ``train``: training
-    recipes, None: all)."""
-    p = Path(name)
-    if p.is_absolute():                       # an absolute NAME is looked for where it says only
-        cands = [p] + ([] if p.suffix in (".yaml", ".yml") else [p.with_name(p.name + ".yaml")])
-    else:
-        cands = [p, root / "suites" / p, root / "suites" / f"{p}.yaml", root / "suites" / f"{p}.yml"]
-    for c in cands:
-        if c.is_file():
-            return c.resolve()
-    if p.is_dir():
-        raise FileNotFoundError(f"config {str(name)!r} is a directory, not a YAML file")
-    avail = suites_of(root / "suites", kind)
-    label = {"matrix": "sweep matrices", "run": "run configs", "train": "training recipes"}.get(kind, "suites")
-    raise FileNotFoundError(f"config {str(name)!r} not found (looked for {', '.join(map(str, cands))})"
-                            + (f"; {label}: {', '.join(avail)}" if avail else ""))
-
-
-def _resolve_path(value: str, root: Path, extra: tuple[Path, ...] = ()) -> str | None:
-    """Absolute path if ``value`` exists relative to cwd, root or ``extra`` dirs; else None."""
-    p = Path(value).expanduser()
-    for base in (Path.cwd(), root, *extra):
-        c = p if p.is_absolute() else base / p
-        if c.exists():
-            return str(c.resolve())
-    return None
-
-
-def resolve(config: str | Path | None = None, overrides: dict | None = None,
-            toml: str | Path | None = None, kind: str = "run") -> RunConfig:
-    """Resolve ppspec.toml < YAML ``config`` < ``overrides`` (nested dict, CLI flags) into a RunConfig.
-
-    ``kind``: ``run`` (the run commands) refuses a ``config`` that is a training recipe (it has a ``train:`` section);
-    ``train`` (``ppspec train-draft``) accepts only one. A sweep matrix is refused either way.
-
-    Raises:
-        HarnessConfigError: unknown key, wrong type or bad value (one line naming the field).
-        engine.config.ConfigError: the engine rejects the combination.
-        FileNotFoundError: the config or toml file does not exist.
-    """
-    toml_path = find_toml(toml)
-    root = toml_path.parent if toml_path else PACKAGE_ROOT
-    layers: list[tuple[str, dict]] = []
-    if toml_path:
-        try:
-            raw = tomllib.loads(toml_path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise HarnessConfigError(f"{toml_path}: invalid TOML: {e}") from None
-        layers.append((str(toml_path), check_layer(raw, str(toml_path))))
-    yaml_dir: tuple[Path, ...] = ()
-    if config is not None:
-        path = find_config(config, root, kind=kind)
-        raw = load_yaml(path)
-        if suite_kind(raw) == "matrix":
-            raise HarnessConfigError(f"{path} is a sweep matrix, not a run config: run it with "
-                                     f"ppspec sweep --matrix {path.stem}")
-        if suite_kind(raw) == "train" and kind == "run":
-            raise HarnessConfigError(f"--config {config} is a training recipe (it has a train: section): use it with "
-                                     f"ppspec train-draft --config {config}")
-        if suite_kind(raw) == "run" and kind == "train":
-            recipes = suites_of(root / "suites", "train")
-            raise HarnessConfigError(f"--config {config} is a run config, not a training recipe (it has no train: "
-                                     f"section): use it with ppspec gsm8k / bench / gate / generate --config {config}"
-                                     + (f"; training recipes: {', '.join(recipes)}" if recipes else ""))
-        layers.append((str(path), check_layer(raw, str(path))))
-        yaml_dir = (path.parent,)
-    if overrides:
-        layers.append(("command line", check_layer(overrides, "command line")))
-    device = layers_device([layer for _, layer in layers])
-    layers = [(src, apply_devices(layer, device)) for src, layer in layers]   # devices.<device> over its own layer
-    merged: dict = {}
-    for _, layer in layers:
-        merged = merge(merged, layer)
-    if merged.get("device") == "auto":
-        merged["device"] = device
-
-    notes: list[str] = []
-    spec = dict(merged.pop("spec", {}))
-    if spec.get("algorithm"):
-        draft = spec.get("draft")
-        src = next((name for name, layer in reversed(layers) if "draft" in layer.get("spec", {})), None)
-        if src is not None and (draft is None or not str(draft).strip()):
-            raise HarnessConfigError(_empty_draft(src))
-        found = _resolve_path(draft, root, yaml_dir) if draft else None
-        why = "not found"
-        if found is not None and Path(found).is_file():
-            why, found = "is a file: a draft checkpoint directory (holding config.json) is expected", None
-        elif found is not None and not (Path(found) / "config.json").is_file():     # what the engine reads first
-            why, found = f"is not a draft checkpoint (no {Path(found) / 'config.json'})", None
-        if found is None and draft and src is not None and src != str(toml_path):
-            raise HarnessConfigError(f"{src}: spec.draft {draft!r} {why}")
-        if found is None:                 # only the project default may be absent (fresh checkout)
-            notes.append(f"warning: draft {draft!r} {why}; speculative decoding off")
-            spec["algorithm"] = None
-        else:
-            spec["draft"] = found
-            check_draft_head(spec["algorithm"], found, merged.get("tp", 1), merged.get("model"),
-                             src or "config", user_draft=src is not None and src != str(toml_path))
-            tmap = spec.get("token_map")
-            if tmap:                      # cwd / yaml dir / project root, then the draft's directory
-                hit = _resolve_path(tmap, root, yaml_dir + (Path(found),))
-                if hit is None:
-                    src = next((name for name, layer in reversed(layers) if "token_map" in layer.get("spec", {})), "config")
-                    raise HarnessConfigError(f"{src}: spec.token_map {tmap!r} not found")
-                spec["token_map"] = hit
-    if isinstance(merged.get("model"), str):
-        merged["model"] = _resolve_path(merged["model"], root, yaml_dir) or merged["model"]
-    paths = {k: str((root / v).resolve()) for k, v in merged.pop("paths", {}).items()}
-    sections = {k: merged.pop(k, {}) for k in ("gsm8k", "bench", "gate")}
-    meta = {k: merged.pop(k) for k in list(merged) if k in META_KEYS}
-    engine = EngineConfig(**merged, spec=SpecConfig(**spec)).with_fault_from_env()
-    default_name = Path(str(config)).stem if config is not None else "default"
-    return RunConfig(
-        name=meta.get("name") or default_name, engine=engine,
-        gsm8k=GSM8KConfig(**sections["gsm8k"]), bench=BenchConfig(**sections["bench"]),
-        gate=GateConfig(**sections["gate"]), paths=PathsConfig(**{**_default_paths(root), **paths}),
-        description=meta.get("description", ""), label=meta.get("label", ""), train=meta.get("train", {}),
-        sources=tuple(s for s, _ in layers), notes=tuple(notes))
-
-
-SHIPPED_EAGLE3 = "drafts/smollm2-eagle3"
-
-
-def check_draft_head(algorithm: str, draft_dir: str, tp: int, model: str | None, src: str, user_draft: bool) -> None:
-    """Check, from the draft's config.json alone (before any model is loaded), that the head in ``draft_dir`` suits
-    ``algorithm`` and ``tp``: an EAGLE-3 head for ``eagle3``, an EAGLE-1/2 head for ``eagle``, and for EAGLE-3 a
-    ``tp`` that shards its heads and MLP as they are (EAGLE-1/2 heads are padded; EAGLE-3 heads are not, so the
-    engine refuses such a ``tp`` after loading the model: this is the early twin of that check). A head field the
-    draft's config leaves out is the target's (``model``); when that cannot be read, the tp check is left to the
-    engine. ``src`` names where spec.draft was set; ``user_draft``: it was set by the user, not the project default.
-
-    Raises:
-        HarnessConfigError: one line naming spec.algorithm / spec.draft / tp and what fits.
-    """
-    from engine.model.config import is_eagle3_config
-    path = Path(draft_dir) / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise HarnessConfigError(f"{src}: spec.draft {path} cannot be read as JSON "
-                                 f"({getattr(e, 'msg', None) or e.__class__.__name__})") from None
-    if not isinstance(d, dict):
-        raise HarnessConfigError(f"{src}: spec.draft {path} is not a JSON object")
-    eagle3 = is_eagle3_config(d)
-    if algorithm == "eagle3" and not eagle3:
-        if not user_draft:
-            raise HarnessConfigError(f"spec.algorithm eagle3 needs an EAGLE-3 head in spec.draft (the shipped one: "
-                                     f"--set spec.draft={SHIPPED_EAGLE3}); the default draft {draft_dir} is an "
-                                     "EAGLE-1/2 head")
-        raise HarnessConfigError(f"{src}: spec.draft {draft_dir} is an EAGLE-1/2 head: spec.algorithm eagle3 needs an "
-                                 f"EAGLE-3 head (the shipped one: {SHIPPED_EAGLE3}), or use spec.algorithm=eagle "
-                                 "with this one")
-    if algorithm == "eagle" and eagle3:
-        raise HarnessConfigError(f"{src}: spec.draft {draft_dir} is an EAGLE-3 head: use spec.algorithm=eagle3 with it")
-    if algorithm != "eagle3" or not isinstance(tp, int) or tp <= 1:
-        return
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    shape = {k: d.get(k) for k in keys}
-    if any(not isinstance(v, int) for v in shape.values()):
-        try:                               # the engine fills these from the target's config
-            from engine.model.loader import load_model_config, resolve_model_path
-            target = load_model_config(resolve_model_path(model or "smollm2"))
-        except Exception:                  # noqa: BLE001 - the engine's own check reports it at start
-            return
-        shape = {k: v if isinstance(v, int) else getattr(target, k) for k, v in shape.items()}
-    from engine.model.tp_pad import tp_head_padding
-    head = types.SimpleNamespace(head_dim=1, **shape)
-    fits = [t for t in range(1, shape["num_attention_heads"] + 1) if tp_head_padding(head, t) is None]
-    if tp not in fits:
-        raise HarnessConfigError(
-            f"spec.algorithm eagle3: tp={tp} cannot shard the EAGLE-3 head {draft_dir} ({shape['num_attention_heads']}"
-            f" query / {shape['num_key_value_heads']} KV heads, intermediate size {shape['intermediate_size']}; "
-            f"EAGLE-3 heads are not padded): use tp {' or '.join(map(str, fits))}, or spec.algorithm=eagle with an "
-            "EAGLE-1/2 head (padded at any tp)")
-
-
-def _empty_draft(src: str) -> str:
-    """The one-line refusal of an empty ``spec.draft`` (``--draft ''``) while speculative decoding is on: an empty
-    path is a mistake, not a way to turn speculation off; the message names the way that is."""
-    if src == "command line":
-        return ("--draft / spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
-                "speculative decoding off with --no-spec (--set spec.algorithm=null)")
-    return (f"{src}: spec.draft is empty: give a draft checkpoint directory (e.g. drafts/smollm2-eagle), or turn "
-            "speculative decoding off with spec.algorithm: null (--no-spec)")
-
-
-def _default_paths(root: Path) -> dict:
-    return {f.name: str((root / f.default).resolve()) for f in dataclasses.fields(PathsConfig)}

@@ -12,7 +12,7 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     set) refuse it, then one line
     with the engine (topology, rank count and, on CPU, each rank's torch threads), the prompt source and the job's total of timed requests. Loads the model's config and
     tokenizer only."""
-    from harness.bench import check_cells_fit, check_prompt_set
+    from harness.bench_cells import check_cells_fit, check_prompt_set
     from harness.progress import bench_total
     b = cfg.bench
     e = cfg.engine
@@ -61,7 +61,7 @@ def _failure(cfg: RunConfig, *checks) -> str | None:
 
 def _open_loop_lines(cfg: RunConfig) -> tuple[list[str], int]:
     """``bench_cells`` for an open-loop run: one line per input length x request rate."""
-    from harness.bench import check_cells_fit
+    from harness.bench_cells import check_cells_fit
     from harness.openloop import DEFAULT_NUM_PROMPTS, check_open_loop, rate_label
     from harness.progress import bench_total
     b, e = cfg.bench, cfg.engine

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 
 from harness import stats
 from harness.config import HarnessConfigError, RunConfig
-from harness.gsm8k import FILTERS, run_gsm8k
+from harness.gsm8k import run_gsm8k
+from harness.gsm8k_task import FILTERS
 from harness.tables import both, fmt
 
 

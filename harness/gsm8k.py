@@ -1,15 +1,13 @@
-"""GSM8K scored exactly as lm-eval's ``gsm8k`` task, by running lm-eval's own task machinery.
+"""``ppspec gsm8k``: GSM8K scored exactly as lm-eval's ``gsm8k`` task, by running lm-eval's own task machinery.
 
-The bundled data (harness/data/gsm8k) is wired into lm-eval through a task YAML that includes
-lm-eval's gsm8k.yaml; our engine answers as the lm-eval model ``ppspec``. ``score_response`` is
-an independent re-implementation of the two filter pipelines + exact_match, used to cross-check
-lm-eval's per-question verdicts (``scorer_mismatches`` in the summary must be 0).
+Our engine answers as the lm-eval model ``ppspec`` (harness/lmeval_model.py) on the task of harness/gsm8k_task.py,
+whose independent scorer cross-checks lm-eval's per-question verdicts (``scorer_mismatches`` in the summary must be
+0). Records go to the run directory as questions finish (harness/gsm8k_journal.py); harness/gsm8k_table.py renders
+the summary.
 """
 from __future__ import annotations
 
-import json
-import os
-import re
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,75 +16,8 @@ import numpy as np
 
 from harness import stats
 from harness.config import HarnessConfigError, RunConfig
-from harness.tables import both, fmt
-
-TASK = "gsm8k_local"
-FILTERS = ("strict-match", "flexible-extract")
-INVALID = "[invalid]"
-_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-_FLEX = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
-_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
-
-
-def _extract(regex: re.Pattern, group_select: int, response: str) -> str:
-    found = regex.findall(response)
-    if not found:
-        return INVALID
-    m = found[group_select]
-    if isinstance(m, tuple):
-        m = next((g for g in m if g), INVALID)
-    return m.strip()
-
-
-def _normalize(s: str) -> str:
-    for pat in _IGNORE:
-        s = re.sub(pat, "", s)
-    return s.lower()
-
-
-def score_response(response: str, target: str) -> dict:
-    """Score one response like lm-eval's gsm8k: ``{filter: {"extracted": str, "exact_match": 0|1}}``.
-
-    strict-match: first ``#### N``; flexible-extract: last number-like token; both then compared
-    to the reference after deleting ``,`` ``$``, everything up to the last ``#### `` and one
-    trailing ``.``, case-insensitively. ``[invalid]`` (no match) never scores.
-    """
-    out = {}
-    for name, regex, sel in (("strict-match", _STRICT, 0), ("flexible-extract", _FLEX, -1)):
-        ext = _extract(regex, sel, response)
-        out[name] = {"extracted": ext, "exact_match": int(_normalize(ext) == _normalize(target))}
-    return out
-
-
-def materialize_task(out_dir: Path, data_dir: str | Path) -> Path:
-    """Write ``gsm8k_local.yaml`` into ``out_dir`` with absolute include and data paths."""
-    import lm_eval
-    data = Path(data_dir).resolve()
-    for split in ("train", "test"):
-        if not (data / f"{split}.jsonl").is_file():
-            raise FileNotFoundError(f"GSM8K {split}.jsonl not found in {data}")
-    template = (Path(__file__).parent / "tasks" / "gsm8k_local.yaml").read_text()
-    text = template.replace("{lm_eval_tasks}", str(Path(lm_eval.__file__).parent / "tasks"))
-    out = Path(out_dir) / f"{TASK}.yaml"
-    out.write_text(text.replace("{data_dir}", str(data)))
-    return out
-
-
-def _quiet() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import logging
-    for name in ("lm_eval", "lm-eval", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import datasets
-        datasets.disable_progress_bars()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-RECORDS = "records.jsonl"
-JOURNAL = "journal.jsonl"
+from harness.gsm8k_journal import Journal
+from harness.gsm8k_task import FILTERS, INVALID, TASK, materialize_task, quiet_lm_eval, score_response
 
 
 def check_shots(cfg: RunConfig) -> None:
@@ -112,12 +43,10 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
     run. Raises HarnessConfigError before any work when ``run_dir`` holds records and ``resume`` is off, or when
     resuming under another config than the one that wrote them.
     """
-    _quiet()
+    quiet_lm_eval()
     g = cfg.gsm8k
     check_shots(cfg)
-    journal = _Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
-    import functools
-
+    journal = Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
     import lm_eval
     import lm_eval.api.task
     from lm_eval.tasks import TaskManager
@@ -156,104 +85,6 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
         if journal is not None:
             journal.close()
     return _overall(cfg, runs, records, info), records
-
-
-def question_record(run: int, inst, response: str, metrics: dict) -> dict:
-    """One question's record, as records.jsonl holds it: run, doc_id, question, target (the reference answer after
-    ``#### ``), response, each filter's ``{"extracted", "exact_match"}`` (:func:`score_response`), then the
-    request's metrics (arrival_rank, prompt/output tokens, finish_reason, error, accept_lengths, ttft, tpot, e2e);
-    ``error`` is the engine's reason when it failed the request (``finish_reason == "error"``), else None."""
-    target = inst.doc["answer"].split("#### ")[-1].strip()
-    return {"run": run, "doc_id": inst.doc_id, "question": inst.doc["question"], "target": target,
-            "response": response, **score_response(response, "#### " + target), **metrics}
-
-
-def _read_records(path: Path) -> list[dict]:
-    """The complete records of a records.jsonl; a last line cut short (the process died while writing it) is
-    dropped from the file too, so appending continues after the last whole record."""
-    lines = path.read_text().splitlines(keepends=True)
-    out = []
-    for k, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if k != len(lines) - 1:
-                raise HarnessConfigError(f"--resume: {path} line {k + 1} is not a JSON record") from None
-            lines = lines[:k]
-            path.write_text("".join(lines))
-    if lines and not lines[-1].endswith("\n"):
-        with open(path, "a") as f:
-            f.write("\n")
-    return out
-
-
-def has_records(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds records of an earlier (interrupted) run: a non-empty records.jsonl."""
-    p = Path(run_dir) / RECORDS
-    return p.is_file() and p.stat().st_size > 0
-
-
-class _Journal:
-    """A run directory's records.jsonl (one record per finished question, appended and flushed batch by batch)
-    and journal.jsonl (``{"config_hash"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch). Both are
-    checked here, before any work: HarnessConfigError for records without ``resume``, for records without a
-    journal, or for a journal written under another config."""
-
-    def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool):
-        self.dir, self.hash = run_dir, cfg.config_hash()
-        self.records_path, self.journal_path = run_dir / RECORDS, run_dir / JOURNAL
-        self.prior: list[dict] = []
-        self.batches: list[dict] = []
-        has = has_records(run_dir)
-        if has and not resume:
-            raise HarnessConfigError(f"{run_dir} holds an unfinished run ({RECORDS}, no summary.json): add --resume "
-                                     "to finish it, or choose another directory")
-        if resume and has:
-            if not self.journal_path.is_file():
-                raise HarnessConfigError(f"--resume: {run_dir} has {RECORDS} but no {JOURNAL}: cannot tell which "
-                                         "config wrote it")
-            lines = [json.loads(x) for x in self.journal_path.read_text().splitlines() if x.strip()]
-            hashes = {x["config_hash"] for x in lines if "config_hash" in x}
-            if hashes != {self.hash}:
-                raise HarnessConfigError(f"--resume: {run_dir} was written under another config (hash "
-                                         f"{', '.join(sorted(hashes))}; this run's is {self.hash}): run the same "
-                                         "command, or choose another directory")
-            self.batches = [x for x in lines if "run" in x]
-            self.prior = _read_records(self.records_path)
-        self._records = self._journal = None
-        self._append = resume and has
-
-    def done(self, run: int) -> dict[tuple, dict]:
-        """Earlier records of ``run`` keyed as PPSpecLM's ``done``."""
-        return {(TASK, d["doc_id"]): d for d in self.prior if d["run"] == run}
-
-    def walls(self, run: int) -> list[float]:
-        """Wall-clock seconds of each engine batch of ``run``, earlier ones included."""
-        return [b["wall_time_s"] for b in self.batches if b["run"] == run]
-
-    def add(self, run: int, items, wall: float) -> None:
-        """Append one finished batch: its records, then its wall time; flushed."""
-        if self._records is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            mode = "a" if self._append else "w"
-            self._records = open(self.records_path, mode)
-            self._journal = open(self.journal_path, mode)
-            self._journal.write(json.dumps({"config_hash": self.hash}) + "\n")
-        for inst, response, metrics in items:
-            self._records.write(json.dumps(question_record(run, inst, response, metrics)) + "\n")
-        self._records.flush()
-        batch = {"run": run, "requests": len(items), "wall_time_s": wall}
-        self.batches.append(batch)
-        self._journal.write(json.dumps(batch) + "\n")
-        self._journal.flush()
-
-    def close(self) -> None:
-        for f in (self._records, self._journal):
-            if f is not None:
-                f.close()
-        self._records = self._journal = None
 
 
 def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = None) -> tuple[dict, list[dict]]:
@@ -332,68 +163,3 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
     })
     return {"kind": "gsm8k", "task": TASK, "num_fewshot": cfg.gsm8k.num_fewshot, "limit": cfg.gsm8k.limit,
             "engine_info": info, "runs": runs, "overall": overall}
-
-
-def failure_line(summary: dict) -> str | None:
-    """One line saying how many requests of a gsm8k summary the engine failed and why (the first reason), and that
-    they are scored as wrong answers; None when none failed."""
-    o = summary["overall"]
-    n = o.get("failed_requests") or 0
-    if not n:
-        return None
-    total = o["n_questions"] * o["runs"]
-    return (f"{n} of {total} requests failed inside the engine (first: {o.get('first_error')}); each is scored as "
-            "a wrong answer")
-
-
-def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
-    """Rich tables + markdown for a gsm8k summary. When the engine failed requests, the accuracy table gets a
-    ``failed`` column (per run, and the total) and its title and the notes say so (:func:`failure_line`)."""
-    o = summary["overall"]
-    any_failed = bool(o.get("failed_requests"))
-    headers = ["run", "strict-match %", "flexible-extract %", "invalid % s/f", "accept len", "tok/s"]
-    headers += ["failed"] if any_failed else []
-    rows = []
-    for r in summary["runs"]:
-        rows.append([str(r["run"]), _acc(r["accuracy"]["strict-match"], r["ci95"]["strict-match"]),
-                     _acc(r["accuracy"]["flexible-extract"], r["ci95"]["flexible-extract"]),
-                     _pair(r["invalid_rate"]["strict-match"], r["invalid_rate"]["flexible-extract"]),
-                     fmt(r["accept_length"]["mean"]), fmt(r["output_throughput"], "num")]
-                    + ([str(r.get("failed_requests", 0))] if any_failed else []))
-    rows.append(["all", _acc(o["strict-match"]["accuracy_mean"], o["strict-match"]["ci95"]),
-                 _acc(o["flexible-extract"]["accuracy_mean"], o["flexible-extract"]["ci95"]),
-                 _pair(o["strict-match"]["invalid_rate_mean"], o["flexible-extract"]["invalid_rate_mean"]),
-                 _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])]
-                + ([str(o["failed_requests"])] if any_failed else []))
-    failed_title = f", {o['failed_requests']} failed request(s) scored as wrong" if any_failed else ""
-    t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)"
-                   + failed_title, headers, rows)
-    hist = o["accept_length"]["hist"]
-    total = sum(hist.values()) or 1
-    t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
-                   [[str(k), str(v), fmt(v / total, "pct")] for k, v in hist.items()])
-    if o["accept_length"].get("per_position"):
-        md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: "
-                + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
-    agree = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
-             if o["runs"] > 1 and o.get("agreement") is not None else "")
-    notes = (f"{failure_line(summary)}; " if any_failed else "") + agree + (
-        f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
-        "interval over questions]' ('all': over the questions' mean score across runs)")
-    cached = [(r.get("cached_prompt_tokens"), r.get("prompt_tokens")) for r in summary["runs"]]
-    if cached and all(p for _, p in cached):
-        notes += "; prompt tokens served by the prefix cache per run: " + ", ".join(
-            fmt(c / p, "pct") for c, p in cached)
-    return [t1, t2, notes], f"{md1}\n{md2}\n{notes}\n"
-
-
-def _acc(x, ci) -> str:
-    return f"{x * 100:.1f} [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]" if x is not None else "-"
-
-
-def _pair(a, b) -> str:
-    return "-" if a is None or b is None else f"{a * 100:.1f} / {b * 100:.1f}"
-
-
-def _range(r) -> str:
-    return "-" if not r else (f"{r[0]:.2f}" if abs(r[1] - r[0]) < 5e-3 else f"{r[0]:.2f}–{r[1]:.2f}")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> None:
     """Run lm-eval's CLI with ``ppspec`` registered and ``gsm8k_local`` on the include path."""
-    from harness.gsm8k import _quiet, materialize_task
-    _quiet()
+    from harness.gsm8k_task import materialize_task, quiet_lm_eval
+    quiet_lm_eval()
     import harness.lmeval_model  # noqa: F401  (registers "ppspec")
-    from harness.config import resolve
+    from harness.resolve import resolve
     from lm_eval.__main__ import cli_evaluate
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:

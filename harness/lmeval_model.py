@@ -64,7 +64,7 @@ class PPSpecLM(LM):
         self._owns = llm is None
         if llm is None:
             from engine import LLM
-            from harness.config import resolve
+            from harness.resolve import resolve
             ov = overrides_from_args(overrides)
             if device is not None:
                 ov["device"] = device

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from harness import stats
+from harness.bench_cells import RANDOM_WEIGHTS, build_prompts, check_cells_fit, cold, load_texts
 from harness.config import HarnessConfigError, RunConfig
+from harness.tables import both, fmt, rich_table
 
 SLO_KEYS = ("ttft", "tpot")
 DEFAULT_NUM_PROMPTS = 16
@@ -167,12 +169,41 @@ def check_open_loop(cfg: RunConfig) -> None:
             raise HarnessConfigError(f"--request-rate (open loop) does not combine with {name}: run it closed-loop")
 
 
-def run_open_loop(cfg: RunConfig, llm, progress: Callable[[str, int, int], None] | None = None
+def run_open_loop(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None] | None = None
                   ) -> tuple[dict, list[dict]]:
+    """``ppspec bench`` with ``bench.request_rates``: (summary, per-request records). The summary has ``open_loop``
+    (one row per input length x rate, :func:`rate_runs`) and no ``cells``; ``llm`` None: an engine is built from
+    ``cfg.engine`` with the prefix cache off and shut down after.
+
+    Raises:
+        HarnessConfigError: :func:`check_open_loop` or a cell that does not fit the context.
+    """
+    check_open_loop(cfg)
+    check_cells_fit(cfg)
+    own = llm is None
+    if own:
+        from engine import LLM
+        llm = LLM(cold(cfg.engine))
+    try:
+        section, records = rate_runs(cfg, llm, progress)
+        info = dict(llm.info)
+        tok = getattr(llm, "tokenizer", None)
+    finally:
+        if own:
+            llm.shutdown()
+    b = cfg.bench
+    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+               "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": [],
+               "open_loop": section}
+    return summary, records
+
+
+def rate_runs(cfg: RunConfig, llm, progress: Callable[[str, int, int], None] | None = None
+              ) -> tuple[dict, list[dict]]:
     """Every (input length, request rate) of ``cfg.bench`` on ``llm``: (the summary's ``open_loop`` section,
     per-request records). Each input length gets ``warmup`` closed-loop generations of its first prompts first."""
     from engine import EngineError, SamplingParams
-    from harness.bench import build_prompts, load_texts
     b = cfg.bench
     n = b.num_prompts or DEFAULT_NUM_PROMPTS
     C = b.max_concurrency
@@ -213,7 +244,6 @@ def run_open_loop(cfg: RunConfig, llm, progress: Callable[[str, int, int], None]
 def render(summary: dict, title: str = "bench (open loop)") -> tuple[list, str]:
     """Rich table + markdown: one row per (input length, offered rate); latencies in ms, throughput in req/s and
     tok/s, goodput as share (rate)."""
-    from harness.tables import both, fmt
     ol = summary["open_loop"]
     slo = ol.get("slo_ms")
     headers = ["input", "rate req/s", "req/s", "out tok/s"]
@@ -245,7 +275,6 @@ def render(summary: dict, title: str = "bench (open loop)") -> tuple[list, str]:
             notes.append(f"accept length, input {r['input_len']} rate {r['request_rate']}: "
                          f"{stats.accept_detail(acc)}")
     _, md = both(title, headers, rows)
-    from harness.tables import rich_table
     cols = [f"in {r['input_len']} rate {r['request_rate']}" for r in ol["rows"]]
     trows = [[h, *(row[i] for row in rows)] for i, h in enumerate(headers) if i > 1]
     t = rich_table(title, ["metric", *cols], trows)

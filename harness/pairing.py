@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from harness import stats
-from harness.gsm8k import INVALID
+from harness.gsm8k_task import INVALID
 from harness.tables import fmt
 
 ALPHA = 0.05

@@ -21,8 +21,8 @@ def lmeval_contexts(data_dir: str | Path, limit: int, num_fewshot: int = 8) -> l
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
 
-    from harness.gsm8k import TASK, _quiet, materialize_task
-    _quiet()
+    from harness.gsm8k_task import TASK, materialize_task, quiet_lm_eval
+    quiet_lm_eval()
     seen: list = []
 
     class Recorder(LM):

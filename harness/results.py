@@ -114,11 +114,11 @@ def suite_plan(config: str | None, overrides: dict | None = None):
     resolved with device cpu and planned for cuda (the plan it would run on a GPU host).
 
     Raises:
-        HarnessConfigError, ConfigError: as harness.config.resolve.
+        HarnessConfigError, ConfigError: as harness.resolve.resolve.
     """
     from engine.config import ConfigError
     from engine.plan import resolve_plan
-    from .config import merge, resolve
+    from .resolve import merge, resolve
     try:
         cfg = resolve(config, overrides or {})
     except ConfigError as e:

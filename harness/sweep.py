@@ -6,7 +6,7 @@ Matrix file::
     base: tiny_cpu                   # run config every cell starts from (suite name or path)
     commands: [gsm8k, bench]         # what each cell runs
     set: {gsm8k: {runs: 2}}          # overrides for every cell (optional)
-    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/config.py): the entry
+    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/resolve.py): the entry
     # for the cell's device is applied over that layer, under the layers after it
     axes: {pp: [1, 2], spec.algorithm: [eagle, null]}   # cartesian product (optional)
     cells:                           # explicit cells (optional); a cell may run its own commands
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, find_config, find_toml,
-                            layers_device, load_yaml, merge, resolve, suite_kind)
+from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer
+from harness.resolve import apply_devices, layers_device, merge, resolve
+from harness.suites import find_config, find_toml, load_yaml, suite_kind
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.bench import load_texts
+from harness.bench_cells import load_texts
 
 
 def make_token_map(model: str, data_dir: str | Path, size: int, out: str | Path) -> dict:

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 import engine
 from harness.cli import app, parse_sets
-from harness.config import HarnessConfigError, resolve
+from harness.config import HarnessConfigError
+from harness.resolve import resolve
 
 runner = CliRunner()
 COMMANDS = ["gsm8k", "bench", "sweep", "compare", "gate", "generate", "train-draft"]
@@ -534,8 +535,8 @@ def test_bad_inputs_refused_before_any_work(fake_engine, tmp_path):
 @pytest.mark.parametrize("suite", ["h200", "h200_llama3_8b", "h200_llama3_8b_spec", "tiny_cpu", "tp1pp2", "tp4pp2",
                                    "tp2pp4", "tp8", "tp2pp2_llama3_8b", "tp4pp2_llama3_8b", "tp8_llama3_8b"])
 def test_shipped_bench_cells_fit_the_context(suite):
-    from harness.bench import check_cells_fit
-    from harness.config import resolve
+    from harness.bench_cells import check_cells_fit
+    from harness.resolve import resolve
     check_cells_fit(resolve(suite, {"device": "cpu", "dtype": "float32"}))     # the GPU suites, checked here
 
 
@@ -782,7 +783,8 @@ def test_help_breaks_no_word_and_no_sentence(command):
 @pytest.mark.parametrize("bad", ["nan", "inf", "-0.1"])
 def test_gate_refuses_a_non_finite_or_negative_margin(bad):
     """A nan margin failed every check and an inf one passed every check: both are refused up front, one line."""
-    from harness.config import HarnessConfigError, resolve
+    from harness.config import HarnessConfigError
+    from harness.resolve import resolve
     for key in ("accuracy_margin", "accept_length_margin"):
         with pytest.raises(HarnessConfigError, match=f"gate.{key} must be a finite number >= 0"):
             resolve("gate", parse_sets([f"gate.{key}={bad}"]))

@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from engine.config import ModelConfig
 from harness import floors as F
 from harness.cli import app
-from harness.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer, load_yaml, resolve
+from harness.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer
+from harness.resolve import resolve
+from harness.suites import load_yaml
 
 runner = CliRunner()
 
@@ -133,7 +135,7 @@ def test_h200_suites(name, cells, dummy):
 # ---------------------------------------------------------------------------------------------
 
 def test_vs_format():
-    from harness.bench import vs
+    from harness.bench_table import vs
     assert vs(0.004, 0.002) == "4.00 / 2.00 (2x)"
     assert vs(0.0123, 0.000456) == "12.3 / 0.456 (27x)"
     assert vs(250.0, 1000.0, "tps") == "250 / 1000 (0.25x)"

@@ -10,8 +10,8 @@ import yaml
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from harness import gsm8k  # noqa: E402
-from harness.config import resolve  # noqa: E402
+from harness import gsm8k, gsm8k_table, gsm8k_task  # noqa: E402
+from harness.resolve import resolve  # noqa: E402
 from harness.lmeval_model import PPSpecLM, _cut  # noqa: E402
 
 GSM8K_YAML = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
@@ -57,17 +57,17 @@ def _lm_eval_scores(response: str, target: str) -> dict:
 
 @pytest.mark.parametrize("response,target", FIXTURES)
 def test_score_response_equals_lm_eval(response, target):
-    assert gsm8k.score_response(response, target) == _lm_eval_scores(response, target)
+    assert gsm8k_task.score_response(response, target) == _lm_eval_scores(response, target)
 
 
 def test_score_response_known_verdicts():
-    s = gsm8k.score_response
+    s = gsm8k_task.score_response
     assert s("#### $1,000", "#### 1000")["strict-match"]["exact_match"] == 0       # strict group has no $
     assert s("costs $1,000", "#### 1000")["flexible-extract"] == {"extracted": "$1,000", "exact_match": 1}
     assert s("18.", "#### 18")["flexible-extract"] == {"extracted": "18.", "exact_match": 1}
     assert s("-3", "#### -3")["flexible-extract"]["exact_match"] == 1
     assert s("The answer is 72.", "#### 72")["flexible-extract"]["exact_match"] == 1
-    assert s("The answer is 72.", "#### 72")["strict-match"]["extracted"] == gsm8k.INVALID
+    assert s("The answer is 72.", "#### 72")["strict-match"]["extracted"] == gsm8k_task.INVALID
     none = s("no number", "#### 5")
     assert none["strict-match"]["extracted"] == none["flexible-extract"]["extracted"] == "[invalid]"
     assert s("18.00", "#### 18")["flexible-extract"]["exact_match"] == 0            # no numeric normalisation
@@ -76,11 +76,11 @@ def test_score_response_known_verdicts():
 def test_materialized_task_loads_bundled_data_with_lm_eval_prompt(tmp_path):
     from lm_eval.tasks import TaskManager
     data = resolve(None, {}).paths.data
-    path = gsm8k.materialize_task(tmp_path, data)
+    path = gsm8k_task.materialize_task(tmp_path, data)
     spec = yaml.safe_load(path.read_text())
     assert Path(spec["include"]).is_absolute() and Path(spec["include"]).is_file()
     assert spec["dataset_kwargs"]["data_files"]["test"] == str(Path(data) / "test.jsonl")
-    gsm8k._quiet()
+    gsm8k_task.quiet_lm_eval()
     task = TaskManager(include_path=str(tmp_path), include_defaults=False).load(["gsm8k_local"])["tasks"]["gsm8k_local"]
     task.set_config("num_fewshot", 8)
     task.set_fewshot_seed(1234)
@@ -94,7 +94,7 @@ def test_materialized_task_loads_bundled_data_with_lm_eval_prompt(tmp_path):
 
 def test_materialize_task_missing_data(tmp_path):
     with pytest.raises(FileNotFoundError):
-        gsm8k.materialize_task(tmp_path, tmp_path / "nowhere")
+        gsm8k_task.materialize_task(tmp_path, tmp_path / "nowhere")
 
 
 class EchoLLM:
@@ -171,7 +171,7 @@ def test_run_gsm8k_plumbing_with_fake_engine():
         r["strict-match"]["exact_match"] for r in records if r["run"] == 0) / 3)
     # the two runs used different arrival orders but the same prompts
     assert sorted(llm.calls[0][0]) == sorted(llm.calls[1][0])
-    tables, md = gsm8k.render(summary)
+    tables, md = gsm8k_table.render(summary)
     assert "strict-match" in md and "accept length" in md
 
 
@@ -181,7 +181,7 @@ def test_single_run_reports_no_run_to_run_agreement():
     from harness.compare import comparison_table
     summary, _ = gsm8k.run_gsm8k(resolve(None, {"gsm8k": {"limit": 2, "runs": 1}}), llm=AnswerLLM())
     assert summary["overall"]["runs"] == 1 and summary["overall"]["agreement"] is None
-    _, md = gsm8k.render(summary)
+    _, md = gsm8k_table.render(summary)
     assert "agreement" not in md and "scorer cross-check mismatches: 0" in md
     _, md = comparison_table([{"name": "a", "dir": "a", "gsm8k": summary}])
     assert [line for line in md.splitlines() if line.startswith("| run agreement")] == ["| run agreement | n/a (1 run) |  |"]

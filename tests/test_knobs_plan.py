@@ -172,7 +172,7 @@ def test_engine_runs_the_plan(tiny_model_dir):
 
 
 def test_plan_in_metadata_and_hash(monkeypatch):
-    from harness.config import resolve
+    from harness.resolve import resolve
     from harness.results import run_metadata
     cfg = resolve("tp1pp2", {})
     meta = run_metadata(cfg, "bench")

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from harness import openloop, stats
 from harness.cli import app
-from harness.config import resolve
+from harness.resolve import resolve
 
 runner = CliRunner()
 
@@ -55,7 +55,8 @@ def test_single_sample_shows_no_ci():
 @pytest.mark.parametrize("pp", [1, 2])
 def test_open_loop_bench_same_tokens_as_closed_loop(tiny_model_dir, pp):
     from engine import LLM, SamplingParams
-    from harness.bench import build_prompts, load_texts, run_bench
+    from harness.bench import run_bench
+    from harness.bench_cells import build_prompts, load_texts
     cfg = resolve("tiny_cpu", {"model": str(tiny_model_dir), "pp": pp, "spec": {"algorithm": None},
                                "bench": {"input_lens": [24], "output_len": 6, "num_prompts": 5, "runs": 1,
                                          "warmup": 0, "request_rates": [40.0, float("inf")],

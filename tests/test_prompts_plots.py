@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import engine
-from harness import plots, prompt_sets, stats
+from harness import plots, plots_latency, prompt_sets, stats
 from harness.cli import app
 
 runner = CliRunner()
@@ -114,7 +114,7 @@ def test_bench_plots_are_written_and_the_busy_plot_only_with_pp_metrics(tmp_path
     assert all(p.stat().st_size > 10_000 for p in paths)
     paths = plots.bench_plots(_bench_summary([0.9, 0.45]), tmp_path / "b")
     assert (tmp_path / "b" / "pp_stage_busy.png") in paths
-    assert plots.pareto([(250, 4), (1300, 6), (200, 5)]) == [(250, 4), (1300, 6)]
+    assert plots_latency.pareto([(250, 4), (1300, 6), (200, 5)]) == [(250, 4), (1300, 6)]
 
 
 def test_compare_of_gsm8k_only_results_writes_no_latency_plots(tmp_path):
@@ -192,7 +192,7 @@ def test_help_shows_effective_defaults_suites_and_an_example(tmp_path, monkeypat
 
 
 def test_progress_totals_and_the_sweep_reporter():
-    from harness.config import resolve
+    from harness.resolve import resolve
     from harness.progress import SweepReporter, bench_total
     cfg = resolve(None, {"bench": {"batch_sizes": [1, 4], "runs": 3}, "spec": {"algorithm": None}})
     assert bench_total(cfg) == (1 + 4) * 3

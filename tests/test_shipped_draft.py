@@ -24,7 +24,7 @@ def default_config():
     """ppspec.toml's defaults in float32: ``dtype: auto`` resolves bfloat16 on AMX CPUs, where greedy spec and plain
     decoding may part at bf16 near-ties (verify and decode batches round differently); lossless means equal tokens in
     float32."""
-    from harness.config import resolve
+    from harness.resolve import resolve
     return resolve(None).engine.replace(dtype="float32")
 
 

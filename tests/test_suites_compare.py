@@ -18,8 +18,9 @@ from engine.config import ConfigError, EngineConfig, resolve_device
 from harness.cli import app
 from harness.compare import comparison_table, load_entry, run_compare
 from harness.pairing import bootstrap_winner, mcnemar_winner
-from harness.config import (PACKAGE_ROOT, HarnessConfigError, apply_devices, check_layer, layers_device, load_yaml,
-                            resolve)
+from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer
+from harness.resolve import apply_devices, layers_device, resolve
+from harness.suites import load_yaml
 from harness.tables import fit_table, rich_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,12 +306,12 @@ def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
     included) and from the fixtures: within 80 columns, nothing cut to an ellipsis."""
     import json
 
-    from harness import bench, gsm8k
+    from harness import bench_table, gsm8k_table
     paths = sorted((REPO / "results").rglob("summary.json")) + sorted(FIXTURES.rglob("summary.json"))
     seen = 0
     for p in paths:
         s = json.loads(p.read_text())
-        render = {"bench": bench.render, "gsm8k": gsm8k.render}.get(s.get("kind"))
+        render = {"bench": bench_table.render, "gsm8k": gsm8k_table.render}.get(s.get("kind"))
         if render is None:
             continue
         rend, _ = render(s, f"{s['kind']} {p.parent.name}")

@@ -181,7 +181,8 @@ def test_token_map_config_errors(tiny_model_dir, tiny_draft_dir, tmp_path):
 
 
 def test_harness_resolves_token_map_next_to_the_draft(tiny_draft_dir, tmp_path):
-    from harness.config import HarnessConfigError, resolve
+    from harness.config import HarnessConfigError
+    from harness.resolve import resolve
     from pathlib import Path
     write_map(Path(tiny_draft_dir) / "hot_test.json", [1, 2, 3])
     cfg = resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "hot_test.json"}})

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from engine import LLM, SamplingParams
-    from harness.config import resolve
+    from harness.resolve import resolve
     from harness.prompts import lmeval_contexts
 
     over = {"device": a.device} | ({"dtype": a.dtype} if a.dtype else {})

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import engine.llm as llm_mod
     from engine import LLM, SamplingParams
     from harness.cli import overrides
-    from harness.config import resolve
+    from harness.resolve import resolve
     from tools.tiny import cached_tiny
 
     model, draft = cached_tiny()

