@@ -36,9 +36,9 @@ def test_parse_defaults_and_values():
     kn = knobs.read({})
     assert kn.gemv is None and kn.skinny is None and kn.pdl and kn.fused
     assert kn.gemv_min_w == 1 << 22 and kn.dev_attn_decode_max_bs == 8 and kn.non_default() == {}
-    kn = knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_RELAY_CODEC": "Torch", "PPSPEC_FAULT": "drop_tree",
+    kn = knobs.read({"PPSPEC_GEMV": "0", "PPSPEC_RELAY_SHM": "1", "PPSPEC_FAULT": "drop_tree",
                      "TRITON_INTERPRET": "1", "PPSPEC_SKINNY_MAX_W": " 12 "})
-    assert kn.gemv is False and kn.relay_codec == "torch"
+    assert kn.gemv is False and kn.relay_shm is True
     assert kn.triton_interpret and kn.skinny_max_w == 12 and kn.fault == "drop_tree"
     assert kn.non_default()["PPSPEC_GEMV"] == "0" and "TRITON_INTERPRET" not in kn.non_default()
 
@@ -48,7 +48,7 @@ def test_parse_defaults_and_values():
     ("PPSPEC_PDL", "on", "PPSPEC_PDL must be 0 or 1"),
     ("PPSPEC_DEV_ATTN_DECODE_MAX_BS", "-1", "PPSPEC_DEV_ATTN_DECODE_MAX_BS must be an integer >= 0"),
     ("PPSPEC_CPU_KV_TOKENS", "lots", "PPSPEC_CPU_KV_TOKENS must be an integer >= 0"),
-    ("PPSPEC_RELAY_CODEC", "json", "PPSPEC_RELAY_CODEC must be one of packed, torch"),
+    ("PPSPEC_RELAY_SHM", "maybe", "PPSPEC_RELAY_SHM must be 0 or 1"),
 ])
 def test_invalid_value_is_one_line_config_error(name, value, msg):
     with pytest.raises(ConfigError, match=msg) as e:
