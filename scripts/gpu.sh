@@ -20,6 +20,11 @@
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 pp=1 spec and plain, and the pp=2 spec cell; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
+#   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
+#                        of training; the first call also generates the sequences. With E3 (results/raw/e3_bundle)
+#                        carried it joins that bundle and resumes (--resume) instead. OUTDIR gets the new bundle:
+#                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
+#                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -206,7 +211,22 @@ figures-of-record)
           --no-progress --out "$RUNS/${name}_$tag"
     done
   done ;;
+train-eagle3)
+  need gguf
+  W=/tmp/e3 E3=${E3:-results/raw/e3_bundle}
+  mkdir -p $W
+  if [ -f "$E3/bundle.tar.pieces.json" ]; then
+    python3 -m harness.pieces join "$E3/bundle.tar" && tar -C $W -xf "$E3/bundle.tar" || die "bad bundle in $E3"
+    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-430}" --no-progress
+  else
+    run train 560 python3 -m harness train-draft --config train_smollm2_eagle3 --out $W/head \
+        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress
+  fi
+  [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
+  rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
+    && python3 -m harness.pieces split $W/bundle.tar --max-mib 15 && cp $W/bundle.tar.part* $W/bundle.tar.pieces.json "$out/" \
+    && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
 *)
-  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record)" ;;
+  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, train-eagle3)" ;;
 esac
 say "gpu.sh $mode: done in $(($(date +%s) - T0)) s; $out/$mode.tgz"
