@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.plan import cpu_threads
 from harness.config import RunConfig
 
 
@@ -27,10 +28,9 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
         n = b.num_prompts or B
         lines.append(f"in={L} bs={B}: {n} prompt(s) x {b.runs} run(s) after {b.warmup} warmup, {b.output_len} output "
                      f"tokens each" + (f"  [would fail: {why}]" if why else ""))
-    spec = (f"eagle S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}" if e.spec.enabled else "no spec")
+    spec = (f"{e.spec.algorithm} S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}" if e.spec.enabled else "no spec")
     base = ", plus the same cells without speculation (--baseline nospec)" if b.baseline == "nospec" else ""
-    import os
-    ranks = (f"{e.world_size} rank(s)" + (f", {max(1, (os.cpu_count() or 1) // e.world_size)} thread(s) each"
+    ranks = (f"{e.world_size} rank(s)" + (f", {cpu_threads(e.world_size)['per_rank']} thread(s) each"
                                           if e.device == "cpu" else ""))
     lines.append(f"engine {e.model} TP{e.tp} x PP{e.pp} ({ranks}) {spec} {e.dtype} on {e.device}; prompts "
                  f"{b.prompts}{base}; {bench_total(cfg)} timed requests in all")

@@ -154,7 +154,8 @@ def test_topology_suites_run_the_bundled_model_with_the_head(name):
 
 def test_bench_dry_run_tp4pp2_shows_8_ranks_and_spec(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    threads = max(1, (os.cpu_count() or 1) // 8)
+    from engine.plan import cpu_threads
+    threads = cpu_threads(8)["per_rank"]            # the cores free of load, shared by 8 ranks (1 on a small host)
     for config in ("tp4pp2", "tp4pp2.yaml", str(REPO / "suites" / "tp4pp2.yaml")):
         r = runner.invoke(app, ["bench", "--config", config, "--dry-run", "--device", "cpu"])
         assert r.exit_code == 0, r.output
