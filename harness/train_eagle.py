@@ -156,10 +156,7 @@ def train_eagle(*, model, data, out, mc, path, seqs, plens, device, dtype, epoch
     draft = EagleDraft(dcfg, torch.float32, max_len + 8)
     _init_from_target(draft, target, mc)
     draft.to(device)
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    params, opt = train_state.trainable_adamw(draft, lr)
     batches = token_batches(list(zip(seqs, plens)), batch_tokens)
     feats: dict[int, torch.Tensor] = {}
     weights = [row_weights([len(x) for x, _ in b], [p for _, p in b], prompt_weight) for b in batches]

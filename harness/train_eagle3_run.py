@@ -78,10 +78,7 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                                       init_spec=init_spec, state=state)
     target.aux_layers = tuple(spec_fields["aux_layers"])
     draft.to(device)
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    params, opt = train_state.trainable_adamw(draft, lr)
     batches = token_batches(list(zip(seqs, plens)), batch_tokens)
     weights = [row_weights([len(x) for x, _ in b], [p for _, p in b], prompt_weight) for b in batches]
     total_steps = epochs * len(batches)

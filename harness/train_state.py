@@ -74,6 +74,15 @@ def trainable_state(module: torch.nn.Module) -> dict:
             if not k.startswith("embed_tokens")}
 
 
+def trainable_adamw(draft: torch.nn.Module, lr: float) -> tuple[list, torch.optim.Optimizer]:
+    """The draft head's trained parameters (all but the shared ``embed_tokens``, set to require grad) and their
+    AdamW (no weight decay, betas 0.9 / 0.95), as both EAGLE recipes train them."""
+    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens")]
+    for p in params:
+        p.requires_grad_(True)
+    return params, torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
 def save_checkpoint(out, recipe: dict, module, opt, prog: Progress, extra: dict | None = None) -> Path:
     d = checkpoint_dir(out)
     d.mkdir(parents=True, exist_ok=True)
