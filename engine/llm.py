@@ -74,7 +74,7 @@ class LLM:
         self._procs = []
         self._busy = False                   # ranks starting up or running a generate: they read no stop message
         self.last_peak_memory = 0
-        self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
+        self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.transport.StageStats)
         if config.world_size == 1:
             if self.plan.threads:
                 torch.set_num_threads(self.plan.threads["per_rank"])

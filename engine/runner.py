@@ -7,7 +7,8 @@ import torch
 
 from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
-from .config import ConfigError, EngineConfig, check_topology, model_source, rank_fault
+from .config import ConfigError, EngineConfig, check_topology, model_source
+from .knobs import rank_fault
 from .dist import all_reduce_min_int, ps
 from .kernels.argmax import argmax_rows
 from .kv_cache import KVPool, rank_kv_tokens
@@ -16,7 +17,7 @@ from .model.loader import dummy_weights, iter_weights, load_tokenizer
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
 from .model.tp_pad import tp_head_padding
-from .prefix_cache import PREFIX_BLOCK
+from .kv_manager import PREFIX_BLOCK
 from .requests import Req
 from .scheduler import ScheduledBatch, Scheduler
 

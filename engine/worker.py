@@ -24,14 +24,14 @@ from collections import deque
 import torch
 
 from .attention.backend import d2h, h2d
-from .config import fail_token_fault, rank_fault
+from .knobs import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
 from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor, few_threads
 from .messages import RelayError, StepResult
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
-from .stage_stats import StageStats
+from .transport import StageStats
 from .speculative.tree_host import tree_input_hash
 from . import transport
 
@@ -90,7 +90,7 @@ class Worker:
         self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
         transport.open_for_plan(self.runner.plan, config.dist_timeout_s)
-        self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)
+        self.stats: StageStats | None = None  # the counters of the run in progress (engine.transport.StageStats)
         self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()
 

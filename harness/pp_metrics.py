@@ -1,5 +1,5 @@
 """PP metrics of a bench: where the pipeline spends its time, per stage (from the engine's per-rank counters,
-``engine.stage_stats``; pure Python, no torch import).
+``engine.transport.StageStats``; pure Python, no torch import).
 
 Per stage (tp_rank 0 of each pp_rank), over a cell's timed runs:
   busy_fraction     device busy seconds / wall seconds of the runs, in [0, 1] (1 - busy_fraction: the bubble)
