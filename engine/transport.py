@@ -106,13 +106,6 @@ def close_shm_frames() -> None:
     SHM.out_peer = SHM.in_peer = -1
 
 
-def open_for_plan(plan, timeout_s: float) -> None:
-    """Open the channels the plan names (collective: every rank of the engine, once, before its first message):
-    shared-memory frames (``plan.frames == "shm"``)."""
-    if plan.frames == "shm":
-        open_shm_frames(timeout_s)
-
-
 def send_msg(obj: dict, dst: int) -> None:
     """Send ``obj`` to global rank ``dst``: its frame (:func:`_send_frame`: the shared-memory ring or the CPU group),
     then the device payload over the device group (stream-ordered)."""
