@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .attention.backend import D2H_COPIES
+from .messages import D2H_COPIES
 from .dist import ps
 from .shm_ring import ShmRing
 from .relay_codec import _HEAD, decode, encode, encode_reference, field_bytes  # noqa: F401 (re-exported)

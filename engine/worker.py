@@ -22,15 +22,13 @@ from collections import deque
 
 import torch
 
-from .attention.backend import d2h, h2d
 from .knobs import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
 from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor, few_threads
-from .messages import RelayError, StepResult
+from .messages import RelayError, StepResult, d2h, h2d
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
-from .transport import StageStats
 from .speculative.tree_host import tree_input_hash
 from . import transport
 
@@ -85,7 +83,7 @@ class Worker:
         self._fail_token = fail_token_fault(config.fault)
         if self.runner.plan.frames == "shm":             # collective: every rank, before its first message
             transport.open_shm_frames(config.dist_timeout_s)
-        self.stats: StageStats | None = None  # the counters of the run in progress (engine.transport.StageStats)
+        self.stats: transport.StageStats | None = None  # the counters of the run in progress
         self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()
 
@@ -185,7 +183,7 @@ class Worker:
         """The event loop (module docstring) until every request has finished and the ring is drained."""
         s, sched, ex = ps(), self.sched, self.executor
         P, p = s.pp_size, s.pp_rank
-        stats = self.stats = StageStats(p, s.tp_rank, self.runner.device, ex.name, self.runner.graph_replays)
+        stats = self.stats = transport.StageStats(p, s.tp_rank, self.runner.device, ex.name, self.runner.graph_replays)
         clock = time.perf_counter
 
         def chain(prev):
