@@ -1,8 +1,5 @@
-"""Frozen engine configuration: model shape, parallel layout, KV cache and speculative decoding; fault injection
-values; the checks a model's shape puts on a configuration.
-
-Every field is validated once in ``__post_init__``; derived runtime values (KV pool size after
-profiling, stage layer ranges) live on the runner, never written back here.
+"""Frozen engine configuration (model, parallel layout, KV cache, speculative decoding), validated once in
+``__post_init__``, and the checks a model's shape puts on it. Derived runtime values live on the runner.
 """
 from __future__ import annotations
 
@@ -11,51 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import knobs
-from .knobs import ConfigError
+from .knobs import ConfigError, check_fault
 from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: F401  (re-exported)
-
-FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
-
-
-def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
-    """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault (a batch holding token ID fails in its forward on
-    pp stage STAGE, default 0), or None for any other value."""
-    if not fault or not fault.startswith("fail_token:"):
-        return None
-    parts = fault.split(":")[1:]
-    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
-        return None
-    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
-
-
-def rank_fault(fault: str | None, kind: str) -> int | None:
-    """The target of a ``KIND:N`` fault of this ``kind``, else None: ``fail_rank`` (that rank's ``Worker.run``
-    raises), ``exit_rank`` (that rank's process exits silently at start), ``drop_aux`` (EAGLE-3: that pp stage leaves
-    its auxiliary features out of the hidden-state handoff, which the next stage must refuse)."""
-    if not fault or not fault.startswith(kind + ":"):
-        return None
-    rank = fault[len(kind) + 1:]
-    return int(rank) if rank.isdigit() else None
-
-
-def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
-    """Raise ConfigError (one line) unless ``fault`` is None, ``drop_tree`` (the relay carries degenerate draft
-    trees: outputs stay correct, acceptance collapses) or one of :data:`FAULTS` whose rank (below ``world_size``) or
-    pp stage (below ``pp``) exists: a fault aimed at a rank the engine does not have would never fire."""
-    if fault is None or fault == "drop_tree":
-        return
-    tok = fail_token_fault(fault)
-    targets = [(tok[1], pp, "pp stage")] if tok is not None else [
-        (t, limit, what) for kind, limit, what in (("fail_rank", world_size, "rank"), ("exit_rank", world_size, "rank"),
-                                                   ("drop_aux", pp, "pp stage"))
-        if (t := rank_fault(fault, kind)) is not None]
-    if not targets:
-        raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
-    target, limit, what = targets[0]
-    if limit is not None and target >= limit:
-        raise ConfigError(f"fault: {fault!r} names {what} {target}, but this engine has {limit} "
-                          f"({what}s 0-{limit - 1}): it would never fire")
-
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
     """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
@@ -199,7 +153,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048        # chunked-prefill token budget per step
     prefix_cache: bool = True             # keep finished prompts' KV (blocks of 16 tokens, LRU-evicted) and skip the
-                                          # prefill of a later prompt's cached prefix (engine.prefix_cache)
+                                          # prefill of a later prompt's cached prefix (engine.kv_manager)
     max_model_len: int | None = None      # context length (None: the model's)
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
@@ -224,11 +178,7 @@ class EngineConfig:
     seed: int = 0
     dist_timeout_s: float = 300.0
     debug_hash_rebuild: bool = False
-    fault: str | None = None              # fault injection: "drop_tree" (degenerate relayed trees),
-                                          # "fail_token:ID[:STAGE]" (that stage's forward raises on a batch
-                                          # holding a request whose prompt contains token ID; stage 0 default),
-                                          # "fail_rank:RANK" (that rank's run raises), "exit_rank:RANK" (that
-                                          # rank's process exits at start without a word)
+    fault: str | None = None              # fault injection (engine.knobs.FAULTS, check_fault)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

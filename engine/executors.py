@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.backend import h2d
 from .dist import ps
 from .kv_cache import KVCacheError
-from .messages import DraftTree, RelayError, StepResult
+from .messages import DraftTree, RelayError, StepResult, h2d
 from .scheduler import Req, ScheduledBatch
 from .transport import ring_exchange
 

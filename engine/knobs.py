@@ -1,5 +1,6 @@
 """Every ``PPSPEC_*`` environment variable the engine, harness and tools read: one typed registry, read and
-validated once into a frozen :class:`Knobs`.
+validated once into a frozen :class:`Knobs`; the fault-injection grammar (``PPSPEC_FAULT``,
+``EngineConfig.fault``).
 
 :func:`current` parses the environment on first use and caches the result; :func:`reload` re-reads it (tests:
 ``monkeypatch.setenv`` then ``reload``; tools that set a knob between measurements). A malformed value raises a
@@ -21,6 +22,50 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field (or the variable) in one line."""
+
+
+# ------------------------------------------------------------------------------------ fault injection
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
+
+
+def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
+    """(token id, pp stage) of a ``fail_token:ID[:STAGE]`` fault (a batch holding token ID fails in its forward on
+    pp stage STAGE, default 0), or None for any other value."""
+    if not fault or not fault.startswith("fail_token:"):
+        return None
+    parts = fault.split(":")[1:]
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def rank_fault(fault: str | None, kind: str) -> int | None:
+    """The target of a ``KIND:N`` fault of this ``kind``, else None: ``fail_rank`` (that rank's ``Worker.run``
+    raises), ``exit_rank`` (that rank's process exits silently at start), ``drop_aux`` (EAGLE-3: that pp stage leaves
+    its auxiliary features out of the hidden-state handoff, which the next stage must refuse)."""
+    if not fault or not fault.startswith(kind + ":"):
+        return None
+    rank = fault[len(kind) + 1:]
+    return int(rank) if rank.isdigit() else None
+
+
+def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
+    """Raise ConfigError (one line) unless ``fault`` is None, ``drop_tree`` (the relay carries degenerate draft
+    trees: outputs stay correct, acceptance collapses) or one of :data:`FAULTS` whose rank (below ``world_size``) or
+    pp stage (below ``pp``) exists: a fault aimed at a rank the engine does not have would never fire."""
+    if fault is None or fault == "drop_tree":
+        return
+    tok = fail_token_fault(fault)
+    targets = [(tok[1], pp, "pp stage")] if tok is not None else [
+        (t, limit, what) for kind, limit, what in (("fail_rank", world_size, "rank"), ("exit_rank", world_size, "rank"),
+                                                   ("drop_aux", pp, "pp stage"))
+        if (t := rank_fault(fault, kind)) is not None]
+    if not targets:
+        raise ConfigError(f"fault: {fault!r} (supported: {FAULTS})")
+    target, limit, what = targets[0]
+    if limit is not None and target >= limit:
+        raise ConfigError(f"fault: {fault!r} names {what} {target}, but this engine has {limit} "
+                          f"({what}s 0-{limit - 1}): it would never fire")
 
 
 @dataclass(frozen=True)

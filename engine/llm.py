@@ -1,7 +1,5 @@
-"""User-facing engine: ``LLM(config).generate(prompts, SamplingParams)``.
-
-One rank runs in-process; tp*pp > 1 spawns one process per rank (gloo on CPU, NCCL across GPUs)
-connected over loopback. Multi-node runs go through ``torchrun -m engine.launch`` (engine/launch.py).
+"""User-facing engine: ``LLM(config).generate(prompts, SamplingParams)``. One rank runs in-process; tp*pp > 1
+spawns one process per rank (gloo on CPU, NCCL across GPUs); multi-node runs use ``torchrun -m engine.launch``.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from .model.loader import load_tokenizer
 from .model.tp_pad import tp_head_padding
 from .worker import Worker, thaw_startup_objects
 from .requests import EngineError, Req, RequestOutput, length_clamp_notice, make_requests
-from .ranks import (collect_failures, collect_run, death, free_port, peak_memory, rank_info,
-                    rank_main, reap)
+from .ranks import collect_failures, collect_run, death, free_port, peak_memory, rank_info, rank_main, reap
 
 
 log = logging.getLogger("ppspec")
@@ -74,7 +71,7 @@ class LLM:
         self._procs = []
         self._busy = False                   # ranks starting up or running a generate: they read no stop message
         self.last_peak_memory = 0
-        self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.stage_stats)
+        self.last_stage_stats: list[dict] = []   # per-rank counters of the last generate (engine.transport.StageStats)
         if config.world_size == 1:
             if self.plan.threads:
                 torch.set_num_threads(self.plan.threads["per_rank"])
@@ -135,14 +132,11 @@ class LLM:
             return msg
 
     def _fail(self, first) -> None:
-        """Stop the group and raise one line naming what went wrong, the root cause first.
-
-        ``first`` is the error message that arrived (``("error", rank, "Type: text", traceback)``), or None when a
-        rank was found dead. A rank that dies (a signal, a crash) reports nothing, and the ranks it talked to then
-        fail with connection errors, often before its death is seen here; so after an error the group gets up to
-        ``FAIL_GRACE_S`` to show a dead rank, and a rank dead without reporting is named before the errors.
-        Raises ConfigError when the root cause is a rank's ConfigError, else EngineError, e.g.
-        ``rank 0 died (killed by SIGKILL); rank 1 failed: RuntimeError: ... Connection reset by peer``.
+        """Stop the group and raise one line, the root cause first. ``first``: the error message that arrived
+        (``("error", rank, "Type: text", traceback)``), or None when a rank was found dead. A rank that dies
+        reports nothing and its peers then fail with connection errors, so after an error the group gets
+        ``FAIL_GRACE_S`` to show a dead rank, named before the errors. Raises ConfigError when the root cause is a
+        rank's ConfigError, else EngineError (``rank 0 died (killed by SIGKILL); rank 1 failed: ...``).
         """
         errors, dead = collect_failures(self._res_q, self._procs, first,
                                         self.FAIL_GRACE_S if first is not None else 0.0)
@@ -182,26 +176,18 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  max_concurrency: int | None = None, progress=None,
                  arrival_times: list[float] | None = None, stream=None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids). Outputs come back in input order.
+        """Generate for every prompt (text or token ids); outputs in input order.
 
-        ``stream(updates)``, when given, is called in this process as tokens are committed (stage 0 reports them
-        after every step that emitted any): ``updates`` is a list of ``(prompt index, new token ids)``, each token
-        reported once and in order, so their concatenation per prompt is that output's ``token_ids``.
-        ``progress(done, total)`` is called as requests finish.
+        ``stream(updates)``: called in this process as tokens are committed, ``updates`` a list of ``(prompt index,
+        new token ids)``, each token once and in order. ``progress(done, total)``: called as requests finish.
+        ``arrival_times`` (open loop): per prompt, seconds after the call's start at which the request arrives
+        (its ``arrival_time``, the origin of TTFT and E2E, on ``time.perf_counter``); None: all at the start.
 
-        ``arrival_times`` (open-loop load): per prompt, seconds after this call starts at which the request arrives;
-        stage 0's scheduler admits a request only once its arrival time has passed (every stage admits it at the
-        same point of the schedule), and its ``arrival_time`` (the origin of TTFT and E2E) is that instant, on
-        ``time.perf_counter`` (system-wide monotonic on Linux, so the front end's clock and stage 0's agree).
-        None or all zeros: every request arrives at the call's start (closed loop), the same schedule as before.
-
-        Every request is checked here, before any rank sees the call, so a call runs all its requests or none:
-        text must be valid Unicode (encodable as UTF-8); token ids must be integers in [0, vocab_size); the
-        prompt must be non-empty, leave room in the context, and (prompt + max_new_tokens + the per-request
-        reserve) must fit the KV pool. A request whose prompt + max_new_tokens passes the context is served with
-        max_new_tokens clamped to the context less its prompt (finish_reason "length" there), and the call logs one
-        warning naming how many were clamped (``length_clamp_notice``). A request that still fails inside the
-        engine comes back alone with ``finish_reason`` "error" and its ``error``; the others are served.
+        Every request is checked before any rank sees the call (valid UTF-8 text; token ids in [0, vocab_size);
+        a non-empty prompt that leaves room in the context; prompt + max_new_tokens + reserve within the KV pool),
+        so a call runs all its requests or none. max_new_tokens past the context is clamped (finish_reason
+        "length", one warning per call). A request that fails inside the engine comes back alone with
+        finish_reason "error" and its ``error``.
 
         Raises:
             ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.

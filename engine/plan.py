@@ -1,11 +1,7 @@
-"""The execution plan: every code-path decision of an engine, resolved once from EngineConfig x topology (tp, pp)
-x device x :mod:`engine.knobs` before the first forward.
-
-The runner and the worker read their choices (event loop, draft-tree placement, KV reservation, attention backend,
-captured graphs) from :func:`resolve_plan`, so the printed plan is the one that runs. Kernel choices that also
-depend on a batch's rows (skinny for at most 16 rows, GEMV for one row) are stated as the policy.
-Resolution needs no CUDA device: ``resolve_plan(config, device="cuda")`` on a CPU host prints the CUDA plan
-(library availability is then checked by import lookup only).
+"""The execution plan: every code-path decision of an engine, resolved once from EngineConfig x topology x device x
+:mod:`engine.knobs` before the first forward; the runner and the worker read their choices from it, so the printed
+plan is the one that runs. Needs no CUDA device: ``resolve_plan(config, device="cuda")`` on a CPU host gives the
+CUDA plan (libraries then checked by import lookup only).
 """
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ import platform
 from dataclasses import dataclass
 
 from . import knobs as _knobs
-from .config import EngineConfig
-from .config import ConfigError
+from .config import ConfigError, EngineConfig
 from . import shm_ring
 
 HALF = ("bfloat16", "float16")
@@ -29,23 +24,20 @@ SKINNY_MAX_M = 16                 # engine.kernels.skinny.MAX_ROWS (not imported
 class ExecutionPlan:
     """Resolved decisions (all JSON-able values).
 
-    loop: the executor of the worker's event loop (``engine.executors``): ``lookahead`` (plain greedy decode on one
-    stage, step t+1 launched before step t is read), ``spec_rounds`` (EAGLE rounds on the device, pp=1 tp=1),
-    ``ring`` (a PP stage, pp > 1) or ``plain`` (the ring executor on one stage). relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group``
-    (NCCL, one GPU per rank; or gloo on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks: every tensor is a host
-    tensor). frames: how the CPU part of every PP message travels: None (pp = 1), ``gloo`` or ``shm`` (a shared-memory
-    ring per ring edge, :mod:`engine.shm_ring`; auto when the ranks share one GPU on an x86-64 host,
-    PPSPEC_RELAY_SHM=1 forces it, also on CPU ranks of one host). ``staged`` (the field): the ranks share one GPU. tree: None (no spec), ``host`` or ``device``. round:
-    where a greedy verify round runs: None (no spec), ``host`` (host-planned attention, the walk read back before the
-    draft), ``stage`` (every stage's verify on the device, the last stage's walk, commit, draft extend and tail draft in
-    the same launch: :mod:`engine.speculative.stage_round`; pp > 1 or tp > 1) or ``device`` (the overlapped whole
-    round of pp=1, tp=1: loop ``spec_rounds``).
-    reserve: KV slots per request past seq_len.
-    attention: backend name and the kernel per phase (prefill / decode / verify). graphs: captured graph kinds.
-    linear: the GEMV / skinny / unfused policy with its thresholds. kernels: fused ops, rope_store, pdl, argmax,
-    tree kernels on or off. threads (CPU only): torch threads per rank (``per_rank``) chosen by
-    :func:`cpu_threads` from the cores this process may use and the load on them. knobs: the set ``PPSPEC_*`` variables (name -> raw value). libraries: whether flashinfer
-    and triton are importable (``assumed`` True when a CUDA plan is resolved on a host without CUDA).
+    loop: the worker's executor (``engine.executors``): ``lookahead`` (plain greedy decode on one stage, step t+1
+    launched before step t is read), ``spec_rounds`` (EAGLE rounds on the device, pp=1 tp=1), ``ring`` (pp > 1) or
+    ``plain`` (the ring executor on one stage).
+    relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group`` (NCCL; gloo
+    on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks).
+    frames: the CPU part of PP messages: None (pp = 1), ``gloo`` or ``shm`` (:mod:`engine.shm_ring`; auto when the
+    ranks share one GPU on an x86-64 host, PPSPEC_RELAY_SHM=1 forces it). staged: the ranks share one GPU.
+    tree: None (no spec), ``host`` or ``device``. round: where a greedy verify round runs: None (no spec), ``host``,
+    ``stage`` (every stage's verify on the device, :mod:`engine.speculative.stage_round`; pp > 1 or tp > 1) or
+    ``device`` (the whole round of pp=1 tp=1, loop ``spec_rounds``). reserve: KV slots per request past seq_len.
+    attention: backend and kernel per phase (prefill / decode / verify). graphs: captured graph kinds. linear: the
+    GEMV / skinny / unfused policy. kernels: fused ops, rope_store, pdl, argmax, tree kernels on or off. threads (CPU
+    only): torch threads per rank (:func:`cpu_threads`). knobs: the set ``PPSPEC_*`` variables (name -> raw value).
+    libraries: whether flashinfer and triton import (``assumed`` True for a CUDA plan resolved without CUDA).
     """
 
     device: str

@@ -15,7 +15,8 @@ import traceback
 
 import torch
 
-from .config import EngineConfig, rank_fault
+from .config import EngineConfig
+from .knobs import rank_fault
 from . import knobs
 from .shm_ring import remove_files_of
 from .dist import init_distributed

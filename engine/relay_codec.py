@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import torch
 
-from .attention.backend import d2h
+from .messages import d2h
 
 _ALIGN = 16                     # byte alignment of each tensor in a packed buffer (any dtype's view is legal)
 

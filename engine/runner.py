@@ -1,13 +1,13 @@
-"""Per-rank model runner: builds this rank's stage (and the draft on the last stage), owns the KV
-pools, turns a scheduled batch into tensors, runs the forward and, on the last stage, samples.
-"""
+"""Per-rank model runner: builds this rank's stage (and the draft on the last stage), owns the KV pools, turns a
+scheduled batch into tensors, runs the forward and, on the last stage, samples."""
 from __future__ import annotations
 
 import torch
 
 from .attention.backend import ForwardContext, TorchBackend, get_backend, h2d, set_backend, set_context
 from .attention.ragged import RaggedTorchBackend
-from .config import ConfigError, EngineConfig, check_topology, model_source, rank_fault
+from .config import ConfigError, EngineConfig, check_topology, model_source
+from .knobs import rank_fault
 from .dist import all_reduce_min_int, ps
 from .kernels.argmax import argmax_rows
 from .kv_cache import KVPool, rank_kv_tokens
@@ -16,7 +16,7 @@ from .model.loader import dummy_weights, iter_weights, load_tokenizer
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
 from .model.tp_pad import tp_head_padding
-from .prefix_cache import PREFIX_BLOCK
+from .kv_manager import PREFIX_BLOCK
 from .requests import Req
 from .scheduler import ScheduledBatch, Scheduler
 
@@ -53,7 +53,6 @@ class Sampler:
         return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids) + ahead, count)
 
 
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, record_times: bool = False):
         s = ps()
@@ -80,13 +79,11 @@ class ModelRunner:
         self.model = LlamaForCausalLM(mc, self.dtype, max_pos)
         self.draft = None
         start, end = stage_layer_range(mc.num_hidden_layers, s.pp_size, s.pp_rank)
-        # EAGLE-3: every stage reads the draft's config for the aux layers; this stage captures the ones it owns
-        self.eagle3 = None
+        self.eagle3 = None                    # EAGLE-3: the draft's aux layers; this stage captures the ones it owns
         if self.spec and spec.is_eagle3:
             from .speculative.eagle3 import eagle3_config
             self.eagle3 = eagle3_config(self.checkpoint_config, self.spec.draft)
             self.model.aux_layers = tuple(i for i in self.eagle3.aux_layers if start <= i < end)
-        # fault drop_aux on this stage: its own aux slots are left out of every proxy and draft feature (drop_own_aux)
         self.drop_aux = self.eagle3 is not None and rank_fault(config.fault, "drop_aux") == s.pp_rank
         if config.load_format == "dummy":
             weights = dummy_weights(self.checkpoint_config, seed=config.seed, dtype=self.dtype,
@@ -119,8 +116,7 @@ class ModelRunner:
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times,
                                PREFIX_BLOCK if config.prefix_cache else 0)
-        # every stage rebuilds verify trees: on the device (device_tree: from relayed device or host rows), else on the
-        # host from host relay data
+        # every stage rebuilds verify trees: on the device (plan.device_tree), else on the host
         self.tree_ops = None
         if self.spec:
             from .speculative.tree_ops import DeviceTreeOps, HostTreeOps
@@ -136,8 +132,7 @@ class ModelRunner:
         if self.eagle is not None:
             self.eagle.draft_graphs = self.draft_graphs
         self.round_runner = self.stage_rounds = None    # plan round "device" (pp=1 tp=1) or "stage"
-        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests) if self.device.type == "cuda" \
-            else config.max_running_requests
+        max_bs = min(config.cuda_graph_max_bs if self.device.type == "cuda" else 1 << 30, config.max_running_requests)
         if self.spec_overlap and self.draft is not None:
             from .speculative.device_round import SpecRoundRunner
             self.round_runner = SpecRoundRunner(self, max_bs, use_graphs="spec_rounds" in self.plan.graphs)
@@ -155,10 +150,8 @@ class ModelRunner:
                 raise ConfigError("attention_backend=flashinfer needs device=cuda")
             from .attention.flashinfer import FlashInferBackend
             set_backend(FlashInferBackend(self.device, self.dtype))
-        elif self.plan.backend == "ragged":
-            set_backend(RaggedTorchBackend())
         else:
-            set_backend(TorchBackend())
+            set_backend(RaggedTorchBackend() if self.plan.backend == "ragged" else TorchBackend())
 
     def _init_kv(self) -> None:
         mc, s = self.model_config, ps()
@@ -264,10 +257,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None, aux: list | None = None):
-        """Run this stage on one batch: a captured graph when one fits, else eagerly. Returns (hidden, residual)
-        [T, H] (residual None on the last stage); off the last stage graph outputs are copies (proxies outlive the
-        next replay). ``aux`` (EAGLE-3, :meth:`aux_slots`): the incoming slots, moved to this stage's device and
-        dtype in place, then this stage's aux layer outputs [T, H] appended (removed under ``drop_aux``)."""
+        """This stage on one batch, from a captured graph when one fits: (hidden, residual) [T, H] (residual None on
+        the last stage; copies of graph outputs off it). ``aux`` (EAGLE-3, :meth:`aux_slots`): moved to this stage's
+        device and dtype in place, then this stage's aux layer outputs [T, H] appended (none under ``drop_aux``)."""
         n = 0
         if aux is not None:
             aux[:] = [a.to(self.device, self.dtype) for a in aux]

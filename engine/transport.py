@@ -1,29 +1,23 @@
-"""PP point-to-point messages and the parity-ordered ring exchange (the codec: :mod:`engine.relay_codec`).
+"""PP point-to-point messages, the parity-ordered ring exchange (the codec: :mod:`engine.relay_codec`) and the
+per-stage counters of a run (:class:`StageStats`).
 
-Device tensors of a message travel one of three ways (the plan's ``relay``):
-
-- **device group** (one GPU per rank, NCCL): the frame goes over the CPU (gloo) group and the device tensors follow
-  as one byte buffer over the device group, stream-ordered: the sender's host does not wait for the forward that
-  produced them and nothing is staged through host memory. On CPU ranks the same path runs over a second gloo
-  group (``ParallelState.p2p_group``, ``PPSPEC_RELAY_P2P=1``), every tensor counting as "device", so its pairing
-  logic is tested without accelerators;
-- **staged**: copied into the frame in ONE device->host copy per message.
-
-The frame itself goes over the CPU (gloo) group, or, when the plan's ``frames`` is ``shm`` (ranks of one host),
-through a shared-memory ring per ring edge (:mod:`engine.shm_ring`; frames larger than its slot still go over
-gloo, in order).
-
-The frame is one CPU-group send when it fits ``_FRAME`` bytes (the receiver posts a buffer of that size and reads
-the true length from the frame's head), two otherwise.
+Device tensors of a message travel one of two ways (the plan's ``relay``): **device group** (NCCL; on CPU ranks a
+second gloo group, ``PPSPEC_RELAY_P2P=1``): the frame goes over the CPU group and the device tensors follow as one
+byte buffer over the device group, stream-ordered; **staged**: copied into the frame in one device->host copy per
+message. The frame goes over the CPU (gloo) group, or, when the plan's ``frames`` is ``shm``, through a
+shared-memory ring per ring edge (:mod:`engine.shm_ring`; a frame larger than its slot still goes over gloo, in
+order): one CPU-group send up to ``_FRAME`` bytes, two above.
 """
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 
 import torch
 import torch.distributed as dist
 
+from .messages import D2H_COPIES
 from .dist import ps
 from .shm_ring import ShmRing
 from .relay_codec import _HEAD, decode, encode, encode_reference, field_bytes  # noqa: F401 (re-exported)
@@ -112,13 +106,6 @@ def close_shm_frames() -> None:
     SHM.out_peer = SHM.in_peer = -1
 
 
-def open_for_plan(plan, timeout_s: float) -> None:
-    """Open the channels the plan names (collective: every rank of the engine, once, before its first message):
-    shared-memory frames (``plan.frames == "shm"``)."""
-    if plan.frames == "shm":
-        open_shm_frames(timeout_s)
-
-
 def send_msg(obj: dict, dst: int) -> None:
     """Send ``obj`` to global rank ``dst``: its frame (:func:`_send_frame`: the shared-memory ring or the CPU group),
     then the device payload over the device group (stream-ordered)."""
@@ -201,3 +188,79 @@ def ring_exchange(obj: dict) -> dict:
     got = recv_msg(pred)
     send_msg(obj, succ)
     return got
+
+
+# ------------------------------------------------------------------------------------ per-stage counters
+# Phases of a tick of engine.worker.Worker.run: process (apply the collected result), schedule (admission and the
+# scheduler), forward (host time to build the inputs and launch the stage's steps, syncs inside included), send
+# and recv (the ring exchange). Context switches: getrusage of the process. Busy time: device events around each
+# batch's forward (CUDA, read at the end of the run) or the host clock on CPU. Definitions: docs/metrics.md.
+PHASES = ("process", "schedule", "forward", "send", "recv")
+
+
+class StageStats:
+    """Counters of one rank over one run; :meth:`finish` returns them as a JSON-able dict (summarised per stage by
+    ``harness.pp_metrics``)."""
+
+    def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str = "ring", replays=None):
+        """``replays``: a callable returning the rank's cumulative graph replay counts (name -> int,
+        :meth:`engine.runner.ModelRunner.graph_replays`); the run's share is reported as ``graph_replays``."""
+        self.pp_rank, self.tp_rank, self.loop = pp_rank, tp_rank, loop     # loop: the executor's name
+        self._replays = replays
+        self._replays0 = replays() if replays is not None else {}
+        self.cuda = device.type == "cuda"
+        self.ticks = self.batches = 0
+        self.device_rounds = 0                # verify batches run as device stage rounds (engine.speculative.stage_round)
+        self.host = dict.fromkeys(PHASES, 0.0)
+        self.busy_s = 0.0
+        self._events: list = []
+        self._t_fwd = 0.0
+        reset_wire_stats()
+        self._d2h0 = D2H_COPIES[0]
+        self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        self.t0 = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.host[phase] += seconds
+
+    def forward_begin(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append([ev, None])
+        self._t_fwd = time.perf_counter()
+
+    def forward_end(self, ran: bool = True) -> None:
+        """End of a launch begun by :meth:`forward_begin`; ``ran`` False: nothing was launched (not counted)."""
+        if not ran:
+            if self.cuda:
+                self._events.pop()
+            return
+        self.batches += 1
+        dt = time.perf_counter() - self._t_fwd
+        self.host["forward"] += dt
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events[-1][1] = ev
+        else:
+            self.busy_s += dt
+
+    def finish(self) -> dict:
+        """The run's counters (synchronizes the device once to read the events)."""
+        wall = time.perf_counter() - self.t0
+        if self.cuda and self._events:
+            torch.cuda.synchronize()
+            self.busy_s = sum(a.elapsed_time(b) for a, b in self._events if b is not None) / 1e3
+        w, ru = WIRE, resource.getrusage(resource.RUSAGE_SELF)
+        self.host["send"], self.host["recv"] = w.send_s, w.recv_s
+        return {"pp_rank": self.pp_rank, "tp_rank": self.tp_rank, "loop": self.loop, "ticks": self.ticks,
+                "batches": self.batches, "device_rounds": self.device_rounds,
+"wall_s": wall, "busy_s": self.busy_s,
+                "host_s": dict(self.host), "messages": w.messages, "bytes": dict(w.bytes),
+                "d2h": D2H_COPIES[0] - self._d2h0,
+                "graph_replays": ({k: v - self._replays0.get(k, 0) for k, v in self._replays().items()}
+                                  if self._replays is not None else {}),
+                "ctx_switches": {"voluntary": ru.ru_nvcsw - self._ru0.ru_nvcsw,
+                                 "involuntary": ru.ru_nivcsw - self._ru0.ru_nivcsw}}
+

@@ -7,13 +7,12 @@
   3. collect the oldest step in flight (``collect``; under PP the ring exchange) and apply its result
      (``Scheduler.process_output``); once the run's steps are all read back it resumes (``chain``) or ends.
 
-Under PP (P = pp_size micro-batch slots) tick t on stage p serves slot (t - p) mod P: stage p schedules the batch
-stage 0 scheduled p ticks earlier (its replica has processed the same results and admissions: stage 0 decides the
-admission count from its clock, later stages apply the count relayed with the proxy), runs its layers (proxy from
-stage p-1; the last stage samples, verifies and tail-drafts, producing the batch's ``StepResult``) and exchanges in
-parity order: stage p sends {relay it processed, admission count, proxy, batch identity} to p+1, the last stage
-sends its new result to stage 0. Stage 0 processes a slot's result just before scheduling that slot again; every stage
-forwards it round the ring. All stages run the same number of ticks.
+Under PP (P = pp_size slots) tick t on stage p serves slot (t - p) mod P: stage p schedules the batch stage 0
+scheduled p ticks earlier (every replica processed the same results and admissions; stage 0 decides the admission
+count, later stages apply the relayed count), runs its layers (the last stage samples, verifies and tail-drafts,
+producing the batch's ``StepResult``) and exchanges in parity order: stage p sends {relay it processed, admission
+count, proxy, batch identity} to p+1, the last stage sends its new result to stage 0. All stages run the same
+number of ticks.
 """
 from __future__ import annotations
 
@@ -23,15 +22,13 @@ from collections import deque
 
 import torch
 
-from .attention.backend import d2h, h2d
-from .config import fail_token_fault, rank_fault
+from .knobs import fail_token_fault, rank_fault
 from .dist import ps, tp_min_int
 from .kv_cache import KVCacheError
 from .executors import FATAL, LookaheadExecutor, RingExecutor, SpecRoundExecutor, few_threads
-from .messages import RelayError, StepResult
+from .messages import RelayError, StepResult, d2h, h2d
 from .runner import ModelRunner
 from .scheduler import Req, ScheduledBatch
-from .stage_stats import StageStats
 from .speculative.tree_host import tree_input_hash
 from . import transport
 
@@ -52,18 +49,13 @@ def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return sampled
 
 
-
-
 _FROZEN_ENGINES = 0                       # in-process engines holding the startup freeze (freeze_startup_objects)
 
 
 def freeze_startup_objects() -> int:
-    """Move every object alive after startup (modules, weights' wrappers, tokenizer, captured graphs) to the garbage
-    collector's permanent generation, so automatic collections while serving scan only objects made since (SGLang and
-    vLLM freeze after startup for the same reason): a full collection of the startup heap otherwise stalls one
-    inter-token gap early in serving.
-    Counted per engine: ``thaw_startup_objects`` unfreezes when the last in-process engine that froze is shut down
-    (a dead engine's cycles must become collectable; a live one's freeze must stay). Returns the number frozen."""
+    """Move every object alive after startup to the collector's permanent generation, so collections while serving
+    scan only newer objects (as SGLang and vLLM do: a full collection of the startup heap stalls one inter-token
+    gap). Counted per in-process engine (see ``thaw_startup_objects``). Returns the number frozen."""
     global _FROZEN_ENGINES
     gc.collect()
     gc.freeze()
@@ -72,8 +64,8 @@ def freeze_startup_objects() -> int:
 
 
 def thaw_startup_objects() -> None:
-    """One engine's share of ``freeze_startup_objects`` undone; the last one out unfreezes (back to the oldest
-    generation, collectable again). Call once per freeze."""
+    """One engine's share of ``freeze_startup_objects`` undone; the last engine out unfreezes (a dead engine's
+    cycles must become collectable, a live one's freeze must stay). Call once per freeze."""
     global _FROZEN_ENGINES
     _FROZEN_ENGINES = max(0, _FROZEN_ENGINES - 1)
     if _FROZEN_ENGINES == 0:
@@ -89,8 +81,9 @@ class Worker:
         executor = EXECUTORS.get(self.runner.plan.loop, RingExecutor)
         self.executor = executor(self.runner, self.forward_or_fail, config.fault)
         self._fail_token = fail_token_fault(config.fault)
-        transport.open_for_plan(self.runner.plan, config.dist_timeout_s)
-        self.stats: StageStats | None = None  # the counters of the run in progress (engine.stage_stats)
+        if self.runner.plan.frames == "shm":             # collective: every rank, before its first message
+            transport.open_shm_frames(config.dist_timeout_s)
+        self.stats: transport.StageStats | None = None  # the counters of the run in progress
         self.last_stats: dict = {}            # ... of the last finished run (StageStats.finish)
         freeze_startup_objects()
 
@@ -166,17 +159,13 @@ class Worker:
 
     # ------------------------------------------------------------------------------------ event loop
     def run(self, reqs: list[Req], max_concurrency: int | None = None, progress=None, stream=None) -> list[Req]:
-        """Serve ``reqs`` to completion; returns them (with outputs) in input order.
+        """Serve ``reqs`` to completion; returns them (with outputs) in input order. ``progress(done, total)``:
+        called when the count of finished requests changes; ``stream(updates)``: after every applied step that
+        committed tokens, ``updates`` a list of ``(index into reqs, new token ids)``, each token reported once.
 
-        ``progress(done, total)`` is called when the count of finished requests changes; ``stream(updates)`` after
-        every applied step that committed tokens, with ``updates`` a list of ``(index into reqs, new token ids)``
-        (each token reported once, in order; none for a request's placeholder chunk tokens).
-
-        All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError naming the first that cannot
-        be served). A batch whose forward raises fails only the request that fails alone (``Scheduler.fail``:
-        finish_reason "error"). Any other exception leaves the scheduler empty (no request or KV slot of the
-        failed call survives it) and propagates: KVCacheError when nothing can run (the pool is too small),
-        RelayError when the stages' schedules or a relayed message disagree.
+        All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError). A batch whose forward raises
+        fails only its requests (finish_reason "error"). Any other exception leaves the scheduler empty and
+        propagates: KVCacheError when nothing can run, RelayError when the stages' schedules or messages disagree.
         """
         sched = self.sched
         if rank_fault(self.config.fault, "fail_rank") == ps().rank:
@@ -194,7 +183,7 @@ class Worker:
         """The event loop (module docstring) until every request has finished and the ring is drained."""
         s, sched, ex = ps(), self.sched, self.executor
         P, p = s.pp_size, s.pp_rank
-        stats = self.stats = StageStats(p, s.tp_rank, self.runner.device, ex.name, self.runner.graph_replays)
+        stats = self.stats = transport.StageStats(p, s.tp_rank, self.runner.device, ex.name, self.runner.graph_replays)
         clock = time.perf_counter
 
         def chain(prev):
@@ -277,11 +266,9 @@ class Worker:
         return failed
 
     def admit(self, inbox: dict | None = None) -> int | None:
-        """Open-loop arrivals: release the deferred requests whose arrival time has passed into the waiting queue,
-        before this tick's schedule. Stage 0 decides from its clock (its TP ranks agree on the minimum count);
-        every later stage applies the count its predecessor relayed (``inbox["arrived"]``), which is stage 0's
-        decision at the tick whose schedule this stage replays, so every replica admits the same requests.
-        Returns the count applied (relayed onwards), or None when nothing is pending."""
+        """Open-loop arrivals whose time has passed move to the waiting queue before this tick's schedule: stage 0
+        decides the count from its clock (its TP ranks agree on the minimum), later stages apply the count relayed
+        in ``inbox["arrived"]``, so every replica admits the same requests. Returns the count, None if none pend."""
         sched = self.sched
         if not sched.pending:
             return None

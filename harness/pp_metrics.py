@@ -1,5 +1,5 @@
 """PP metrics of a bench: where the pipeline spends its time, per stage (from the engine's per-rank counters,
-``engine.stage_stats``; pure Python, no torch import).
+``engine.transport.StageStats``; pure Python, no torch import).
 
 Per stage (tp_rank 0 of each pp_rank), over a cell's timed runs:
   busy_fraction     device busy seconds / wall seconds of the runs, in [0, 1] (1 - busy_fraction: the bubble)
@@ -8,13 +8,11 @@ Per stage (tp_rank 0 of each pp_rank), over a cell's timed runs:
                     the whole CPU-group frame)
   d2h_per_batch     device->host copies per batch it ran (the relay's staging copy, the verify result's, ...)
   ctx_switches_per_tick  the rank process's context switches (voluntary + involuntary) per tick
-  device_rounds     verify batches run as device stage rounds; ahead_rounds: those of them launched before the
-                    previous round of their micro-batch was applied (plan loop ring_rounds)
+  device_rounds     verify batches run as device stage rounds
 """
 from __future__ import annotations
 
 PHASES = ("process", "schedule", "forward", "send", "recv")
-ROUNDS = ("device_rounds", "ahead_rounds")
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
@@ -40,7 +38,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                        "d2h_per_batch": sum(x["d2h"] for x in xs) / max(batches, 1),
                        "ctx_switches_per_tick": sum(sum(x.get("ctx_switches", {}).values()) for x in xs)
                        / max(ticks, 1),
-                       **{k: sum(x.get(k, 0) for x in xs) for k in ROUNDS}})
+                       "device_rounds": sum(x.get("device_rounds", 0) for x in xs)})
     return stages
 
 
@@ -71,7 +69,7 @@ def run_metrics(cells: list[dict]) -> dict:
                     "d2h_per_batch": sum(x["d2h_per_batch"] * x["batches"] for x in xs) / max(batches, 1),
                     "ctx_switches_per_tick": sum(x["ctx_switches_per_tick"] * x["ticks"] for x in xs)
                     / max(ticks, 1),
-                    **{k: sum(x.get(k, 0) for x in xs) for k in ROUNDS}})
+                    "device_rounds": sum(x.get("device_rounds", 0) for x in xs)})
     return {"stages": out}
 
 
@@ -92,6 +90,6 @@ def notes(summary: dict) -> list[str]:
                        + f" ({st['ticks']} ticks, {st['batches']} batches); sent per batch: {sent or '-'}; "
                        f"device->host copies per batch {st['d2h_per_batch']:.2f}; context switches per tick "
                        f"{st['ctx_switches_per_tick']:.1f}"
-                       + (f"; stage rounds {st['device_rounds']} ({st['ahead_rounds']} launched ahead)"
+                       + (f"; stage rounds {st['device_rounds']}"
                           if st.get("device_rounds") else ""))
     return out

@@ -25,12 +25,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.kernels",),
     ("engine.attention",),
     ("engine.graphs",),                                       # the capture sequence, batch-size ladder, stage graphs
-    ("engine.kv_cache", "engine.prefix_cache"),               # the KV pool
+    ("engine.kv_cache",),                                      # the KV pool
     ("engine.model",),
     ("engine.speculative",),
     ("engine.requests", "engine.kv_manager", "engine.scheduler", "engine.plan",
-     "engine.shm_ring", "engine.relay_codec", "engine.transport",
-     "engine.stage_stats"),
+     "engine.shm_ring", "engine.relay_codec", "engine.transport"),
     ("engine.runner",),
     ("engine.executors",),
     ("engine.worker",),

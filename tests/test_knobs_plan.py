@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import ConfigError, knobs
-from engine.config import EngineConfig, SpecConfig, check_fault, rank_fault
+from engine.config import EngineConfig, SpecConfig
+from engine.knobs import check_fault, rank_fault
 from engine.plan import resolve_plan
 
 REPO = Path(__file__).resolve().parents[1]

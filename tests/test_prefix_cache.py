@@ -1,4 +1,4 @@
-"""Prompt-prefix KV cache (engine.prefix_cache): the block cache on its own, and engines with the cache on against
+"""Prompt-prefix KV cache (engine.kv_manager.PrefixCache): the block cache on its own, and engines with the cache on against
 the same engines with it off (the reference twin) over calls whose prompts share prefixes."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
 from engine.kv_cache import SlotAllocator
-from engine.prefix_cache import PrefixCache
+from engine.kv_manager import PrefixCache
 
 P = SamplingParams(max_new_tokens=20, ignore_eos=True)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)

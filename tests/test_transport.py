@@ -157,18 +157,17 @@ def test_pp2_metrics_and_transports(tiny_model_dir, tiny_draft_dir, tiny_prompts
         assert [o.accept_lengths for o in other] == [o.accept_lengths for o in outs], env
 
 
-def test_pp_metrics_count_stage_rounds_and_rounds_ahead():
-    """merge sums each stage's device stage rounds and rounds launched ahead over runs; the bench note names them
-    (and says nothing of rounds for a stage that ran none)."""
-    def rank(p, dr, ar):
+def test_pp_metrics_count_stage_rounds():
+    """merge sums each stage's device stage rounds over runs; the bench note names them (and says nothing of rounds
+    for a stage that ran none)."""
+    def rank(p, dr):
         return {"pp_rank": p, "tp_rank": 0, "ticks": 10, "batches": 5, "wall_s": 1.0, "busy_s": 0.5,
-                "host_s": dict.fromkeys(pp_metrics.PHASES, 0.01), "bytes": {}, "d2h": 5,
-                "device_rounds": dr, "ahead_rounds": ar}
-    stages = pp_metrics.merge([[rank(0, 4, 3), rank(1, 4, 3)], [rank(0, 2, 1), rank(1, 2, 1)]])
-    assert [(s["device_rounds"], s["ahead_rounds"]) for s in stages] == [(6, 4), (6, 4)]
+                "host_s": dict.fromkeys(pp_metrics.PHASES, 0.01), "bytes": {}, "d2h": 5, "device_rounds": dr}
+    stages = pp_metrics.merge([[rank(0, 4), rank(1, 4)], [rank(0, 2), rank(1, 2)]])
+    assert [s["device_rounds"] for s in stages] == [6, 6]
     lines = pp_metrics.notes({"cells": [{"input_len": 8, "batch_size": 1, "pp": {"stages": stages}}]})
-    assert all(line.endswith("; stage rounds 6 (4 launched ahead)") for line in lines) and len(lines) == 2
-    plain = pp_metrics.merge([[rank(0, 0, 0), rank(1, 0, 0)]])
+    assert all(line.endswith("; stage rounds 6") for line in lines) and len(lines) == 2
+    plain = pp_metrics.merge([[rank(0, 0), rank(1, 0)]])
     assert not any("stage rounds" in line for line in
                    pp_metrics.notes({"cells": [{"input_len": 8, "batch_size": 1, "pp": {"stages": plain}}]}))
-    assert pp_metrics.run_metrics([{"pp": {"stages": stages}}])["stages"][0]["ahead_rounds"] == 4
+    assert pp_metrics.run_metrics([{"pp": {"stages": stages}}])["stages"][0]["device_rounds"] == 6
