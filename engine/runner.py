@@ -48,9 +48,9 @@ class Sampler:
         coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
         return sample_from_probs(probs, coins.to(probs.device))
 
-    def coins(self, r: Req, count: int, ahead: int = 0) -> torch.Tensor:
-        """``count`` sampling coins [count] float32 for ``r``'s output position ``ahead`` tokens past its next one."""
-        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids) + ahead, count)
+    def coins(self, r: Req, count: int) -> torch.Tensor:
+        """``count`` sampling coins [count] float32 for ``r``'s next output position."""
+        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids), count)
 
 
 class ModelRunner:

@@ -158,8 +158,7 @@ class SpecRoundRunner:
 
     def _capture(self, st: RoundState):
         """Capture :meth:`round` for ``st`` (its buffers are the graph's inputs and outputs). The state is
-        saved first and restored afterwards (``out`` too: a sampled round reads the previous round's accept length
-        there): warm-up and capture runs advance it like real rounds."""
+        saved first and restored afterwards (``out`` too): warm-up and capture runs advance it like real rounds."""
         saved = [t.clone() for t in (st.rt, st.seq_lens, st.tokens, st.parents, st.tsi, st.out)]   # rt: row copies
         splits = self._splits(st.bs)
         g, _, self.pool = capture(lambda: self.round(st, splits), self.r.device, self.pool,

@@ -6,7 +6,7 @@ by :class:`engine.speculative.device_round.SpecRoundRunner` (the whole round on 
     seq_lens [bs] int64 (committed tokens, the next root excluded), the next tree: tokens [bs, n] (column 0 =
     root), parents [bs, k(S-1)+1], tsi [bs, n-1].
   round (:func:`spec_round`): 1. build the tree, verify forward over ``rt[b, L:L+n]`` with the tree mask;
-    2. greedy walk (sampled requests on the stage round: exact tree rejection sampling, :func:`verify_sampled`);
+    2. greedy walk;
     3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``commit_order_device``),
     ``seq_lens += accept_length``; 4. draft extend over W = min(S+1, n) rows (EAGLE-3: the aux-layer features
     [bs*n, 3H]) and the tail draft -> the next tree; 5. the result row [accept_nodes (S+1) | accept_length |
@@ -18,9 +18,7 @@ import torch
 
 from ..attention.backend import ForwardContext, set_context
 from ..attention.device import DeviceLayout
-from ..model.sampling import target_probs
 from .eagle_worker import draft_beam_search
-from .tree import verify_tree_sampling
 from .tree_kernels import build_tree_any, commit_order_device, verify_tree_greedy_any
 
 
@@ -45,7 +43,6 @@ class RoundState:
         self.tsi = torch.zeros(bs, n - 1, **i64)
         self.out = torch.zeros(bs, 2 * (S + 1) + 2, **i64)
         self.live = torch.zeros(bs, **i64)              # 1: a request, 0: padding (its seq_len stays 0)
-        self.sampling = None                            # sampled verification (stage round): see verify_sampled
 
 
 def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
@@ -94,19 +91,6 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
     return tree, out, res
 
 
-def verify_sampled(runner, st: RoundState, tree, feature: torch.Tensor):
-    """Exact tree rejection sampling of the round (:func:`engine.speculative.tree.verify_tree_sampling`, as the host
-    round's ``EagleWorker.verify`` for a batch with sampled requests) from ``st.sampling``: ``temperature`` /
-    ``top_k`` / ``top_p`` [bs*n] (each row's request repeated per node; temperature 0: greedy, one-hot) and
-    ``coins`` [bs, S+2, n+1] float32, where ``coins[b, j]`` are request b's coins for its output position j tokens
-    past the one the host knew at launch; j is the accept length of the state's previous round (``st.out``, zero
-    after a load: that round was applied already). No host sync."""
-    sp, S, n = st.sampling, runner.spec.num_steps, runner.spec.num_draft_tokens
-    probs = target_probs(runner.model.compute_logits(feature), sp["temperature"], sp["top_k"], sp["top_p"])
-    coins = sp["coins"][st.rows, st.out[:, S + 1].clamp(0, S + 1)]                         # [bs, n+1]
-    return verify_tree_sampling(tree, probs.view(st.bs, n, -1), S, coins[:, :n], coins[:, n])
-
-
 def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
                draft_feature: torch.Tensor | None = None) -> None:
     """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit
@@ -118,10 +102,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     B, L, ar = st.bs, st.seq_lens, st.ar
     vpos = L.view(B, 1) + ar[:n]
     seg = st.rt.gather(1, vpos)
-    if st.sampling is None:
-        res = verify_tree_greedy_any(tree, model.greedy_tokens(feature).view(B, n), S)
-    else:
-        res = verify_sampled(runner, st, tree, feature)
+    res = verify_tree_greedy_any(tree, model.greedy_tokens(feature).view(B, n), S)
     alen = res.accept_length
     seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n, ar))
     st.rt.scatter_(1, vpos, seg_new)                                      # commit: an index rewrite

@@ -20,7 +20,6 @@ from ..dist import ps
 from ..messages import DraftTree, StepResult
 from .device_round import SpecRoundRunner
 from .round_steps import RoundState, round_draft_feature, round_tail, verify_forward
-from .tree_kernels import commit_order_device
 
 _TREE_KEPT = ("candidates", "positions", "tree_mask", "next_token", "next_sibling")
 
@@ -60,45 +59,31 @@ def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, la
 
 
 class StageRoundRunner(SpecRoundRunner):
-    """Per captured batch size (and per micro-batch slot when rounds are launched ahead: ``slots`` > 1; and per
-    greedy / sampled batch when ``sampled``): a :class:`RoundState` with this stage's proxy buffers and, on CUDA
-    with graphs, the captured :func:`stage_round` (sampled states' graphs captured at their first use).
-    ``can_run`` decides (identically on every stage: from the batch alone) whether a verify batch takes this path;
-    ``run`` executes it. ``sampled``: batches with sampled requests run here too (exact tree rejection sampling on
-    the last stage, :func:`engine.speculative.round_steps.verify_sampled`), as the rounds launched ahead need."""
+    """Per captured batch size: a :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the
+    captured :func:`stage_round`. ``can_run`` decides (identically on every stage: from the batch alone) whether a
+    verify batch takes this path; ``run`` executes it."""
 
-    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False, slots: int = 1,
-                 sampled: bool = False):
+    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False):
         super().__init__(runner, max_bs, use_graphs)
-        self.slots, self.sampled = slots, sampled
         s = ps()
         self.first, self.last = s.is_first_stage, s.is_last_stage
         self.keep_tree = keep_tree
         self.drop_tree = runner.config.fault == "drop_tree"
 
     def can_run(self, batch) -> bool:
-        """A verify batch of at most ``max_bs`` requests whose trees were relayed, all greedy unless ``sampled``."""
+        """A greedy verify batch of at most ``max_bs`` requests whose trees were relayed."""
         return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
-                and all((self.sampled or r.params.greedy) and r.tree is not None for r in batch.reqs))
+                and all(r.params.greedy and r.tree is not None for r in batch.reqs))
 
-    def state(self, bs: int, slot: int = 0, sampled: bool = False) -> RoundState:
-        """The state of micro-batch ``slot`` at batch size ``bs`` (one per (slot, bs): a slot's state outlives its
-        round when the next round is launched ahead, :meth:`advance`): :meth:`SpecRoundRunner.new_state` plus the
-        proxy buffers [bs*n, H] (in: not on the first stage; out: not on the last), EAGLE-3's aux slot buffers
-        (``a_in``: one [bs*n, H] per aux layer below this stage's first layer; ``a_out``, not on the last stage:
-        those plus one per aux layer of this stage, none of this stage's under the ``drop_aux`` fault; both None
-        without EAGLE-3), the kept verify input (``keep_tree``) and, for a ``sampled`` state on the last stage, the
-        sampling tensors :func:`engine.speculative.round_steps.verify_sampled` reads (``st.sampling``)."""
-        key = (slot if self.slots > 1 else 0, bs) + (("sampled",) if sampled else ())
-        st = self.states.get(key)
+    def state(self, bs: int) -> RoundState:
+        """The state at batch size ``bs``: :meth:`SpecRoundRunner.new_state` plus the proxy buffers [bs*n, H] (in:
+        not on the first stage; out: not on the last), EAGLE-3's aux slot buffers (``a_in``: one [bs*n, H] per aux
+        layer below this stage's first layer; ``a_out``, not on the last stage: those plus one per aux layer of this
+        stage, none of this stage's under the ``drop_aux`` fault; both None without EAGLE-3) and the kept verify
+        input (``keep_tree``)."""
+        st = self.states.get(bs)
         if st is None:
-            st = self.states[key] = self.new_state(bs, key)
-            if sampled and self.last:
-                d, T = self.r.device, bs * self.n
-                st.sampling = {"temperature": torch.zeros(T, device=d), "top_k": torch.zeros(T, dtype=torch.int64,
-                                                                                          device=d),
-                               "top_p": torch.ones(T, device=d), "coins": torch.zeros(bs, self.S + 2, self.n + 1,
-                                                                                      device=d)}
+            st = self.states[bs] = self.new_state(bs, bs)
             r, T = self.r, bs * self.n
             H = r.model_config.hidden_size
             z = dict(dtype=r.dtype, device=r.device)
@@ -123,9 +108,9 @@ class StageRoundRunner(SpecRoundRunner):
 
     @torch.inference_mode()
     def run(self, batch, proxy=None):
-        """Run ``batch`` (``can_run``) on this stage. ``proxy``: (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots
-        [B*n, H] in layer order. A batch launched ahead runs on its slot's state of the previous round, advanced by
-        :meth:`advance`; any other is loaded from the scheduler (``load``).
+        """Run ``batch`` (``can_run``) on this stage, its rows loaded from the scheduler (``load``). ``proxy``:
+        (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots [B*n, H] in layer
+        order.
 
         Returns (non-last stage) the proxies [B*n, H] as owned device tensors (with the aux slots as a third element
         under EAGLE-3), or (last stage) the batch's :class:`StepResult` with device tensors (owned copies), and the
@@ -133,9 +118,8 @@ class StageRoundRunner(SpecRoundRunner):
         wrong number of aux slots (``ModelRunner.aux_slots``)."""
         reqs, B, n = batch.reqs, len(batch.reqs), self.n
         slots = None if self.first else self.r.aux_slots(proxy)     # EAGLE-3: checked before anything runs
-        st = self.state(self.pick(B), batch.slot, not all(r.params.greedy for r in reqs))
+        st = self.state(self.pick(B))
         self.load(reqs, self.r.sched.req_to_token, st)
-        self.load_sampling(st, reqs, (0,), params=True)
         if not self.first:
             st.h_in[:B * n].copy_(proxy[0])
             st.r_in[:B * n].copy_(proxy[1])
@@ -160,57 +144,6 @@ class StageRoundRunner(SpecRoundRunner):
                 DraftTree(st.tokens[:B], st.parents[:B], st.tsi[:B]).to_host(to_host=False))
         return StepResult("verify", batch.slot, batch.rids, out[:, c + 1:2 * c + 1], accept_nodes=out[:, :c],
                           accept_lens=out[:, c], next_tree=tree), kept
-
-    def all_states(self) -> list[RoundState]:
-        """Every slot's states, largest batch size first (what ``capture_all`` captures)."""
-        return [self.state(bs, slot) for slot in range(self.slots) for bs in reversed(self.bs_list)]
-
-    def load_sampling(self, st: RoundState, reqs, offsets, params: bool = False) -> None:
-        """A sampled state on the last stage: with ``params`` the requests' temperature / top_k / top_p (per tree
-        node; padding rows greedy), and their coins for the output positions ``offsets`` tokens past the one the
-        host knows (``Sampler.coins``): (0,) at a load, 1..S+1 for a round launched ahead (the previous round's
-        accept length picks one on the device). Other states: nothing."""
-        sp = st.sampling
-        if sp is None:
-            return
-        B, n, dev = len(reqs), self.n, self.r.device
-        if params:
-            t, k, p = self.r.sampler.sampling_tensors(reqs, n)
-            for name, v, pad in (("temperature", t, 0.0), ("top_k", k, 0), ("top_p", p, 1.0)):
-                sp[name][:B * n].copy_(v)
-                sp[name][B * n:].fill_(pad)
-        coins = torch.stack([torch.stack([self.r.sampler.coins(r, n + 1, j) for j in offsets]) for r in reqs])
-        sp["coins"][:B, offsets[0]:offsets[-1] + 1].copy_(coins.to(dev, non_blocking=True))
-
-    def advance(self, st: RoundState, ahead) -> None:
-        """Bring a slot's state from round r to round r+1 before round r's relayed result is applied on the host.
-
-        ``ahead.prev``: round r's :class:`StepResult` (B rows = the state's first B rows; host or device tensors).
-        A stage that is not the last applies it as the last stage's :func:`round_tail` did in round r's launch:
-        the commit permutation of ``rt[b, L:L+n]``, ``seq_lens += accept_length`` (live rows) and the next trees;
-        the last stage's state holds all of that already (under the ``drop_tree`` fault it takes the relayed
-        degenerate trees). Then the rows ``ahead.dead`` become padding (``retire``) and the KV slots reserved
-        ahead, ``ahead.new`` = (row, first position, slots), are appended (``append_slots``). Stream-ordered, no
-        host sync."""
-        prev, dev = ahead.prev, self.r.device
-        B, c, n = len(prev.rids), self.S + 1, self.n
-        if not self.last:
-            packed = torch.cat([prev.accept_nodes.long().view(B, c), prev.accept_lens.long().view(B, 1)], 1)
-            packed = packed.to(dev, non_blocking=True)
-            alen, ar, L = packed[:, c], st.ar, st.seq_lens[:B]
-            vpos = L.view(B, 1) + ar[:n]
-            seg = st.rt[:B].gather(1, vpos)
-            st.rt[:B] = st.rt[:B].scatter(1, vpos, seg.gather(1, commit_order_device(packed[:, :c], alen, n, ar)))
-            st.seq_lens[:B] += alen * st.live[:B]
-        if not self.last or self.drop_tree:
-            t = prev.next_tree
-            st.tokens[:B].copy_(t.tokens, non_blocking=True)
-            if not st.chain:
-                st.parents[:B].copy_(t.parent_list, non_blocking=True)
-                st.tsi[:B].copy_(t.top_scores_index, non_blocking=True)
-        if ahead.dead:
-            self.retire(st, ahead.dead)
-        self.append_slots(st, ahead.new)
 
     def round(self, st: RoundState, splits: tuple[int, int]) -> None:
         """The round this runner captures and runs: :func:`stage_round` of this stage."""
