@@ -62,22 +62,6 @@ class RelayError(RuntimeError):
     """A relayed message does not match the receiving stage's schema or batch."""
 
 
-def chain_fallback(bonus: torch.Tensor, num_steps: int, topk: int, num_draft_tokens: int):
-    """Degenerate row for a request not drafted for yet.
-
-    Returns ``(tokens [B,n] int64 = [bonus, 0, 0, ...], parent_list [B, k(S-1)+1] =
-    arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``; ``build_tree`` on
-    ``(tokens[:,0], parent_list, top_scores_index, tokens[:,1:])`` always gives a valid tree.
-    """
-    B, dev, n = bonus.shape[0], bonus.device, num_draft_tokens
-    tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
-    tokens[:, 0] = bonus.long()
-    P = topk * (num_steps - 1) + 1
-    parent_list = torch.arange(-1, P - 1, device=dev).expand(B, P).contiguous()
-    top_scores_index = torch.arange(n - 1, device=dev).expand(B, n - 1).contiguous()
-    return tokens, parent_list, top_scores_index
-
-
 @dataclass(frozen=True)
 class DraftTree:
     """Draft trees of B requests, int64, all on one device (host or accelerator):
