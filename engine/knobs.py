@@ -70,7 +70,7 @@ def check_fault(fault: str | None, world_size: int | None = None, pp: int | None
 
 @dataclass(frozen=True)
 class Knob:
-    """One environment variable: ``kind`` is bool / int / str / choice; ``default`` None means "auto" (the
+    """One environment variable: ``kind`` is bool / int / str; ``default`` None means "auto" (the
     code path decides from the device, see ``meaning``); ``field`` names the :class:`Knobs` attribute."""
 
     name: str
@@ -80,7 +80,6 @@ class Knob:
     meaning: str
     file: str
     field: str
-    choices: tuple = ()
     minimum: int | None = None
 
 
@@ -148,12 +147,6 @@ def _parse(k: Knob, env) -> Any:
             floor = f" >= {k.minimum}" if k.minimum is not None else ""
             raise ConfigError(f"{k.name} must be an integer{floor}, got {raw!r}")
         return v
-    if k.kind == "choice":
-        raw = raw.lower()
-        if raw not in k.choices:
-            raise ConfigError(f"{k.name} must be one of {', '.join(c for c in k.choices if c)} (or unset), "
-                              f"got {raw!r}")
-        return raw
     return raw
 
 
