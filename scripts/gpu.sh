@@ -18,7 +18,7 @@
 #                        EAGLE-3 chain S3 n4 and tree S4 k4 n12 (drafts/smollm2-eagle3).
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
-#   figures-of-record    bench --config h200 pp=1 spec and plain, and the pp=2 spec cell; with .gpu/before.tgz
+#   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
 #   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
 #                        of training; the first call also generates the sequences. With E3 (results/raw/e3_bundle)
@@ -202,7 +202,8 @@ figures-of-record)
     trees=(/tmp/before "$ROOT")
     say "before: $(cat .gpu/before.rev 2>/dev/null || echo '(revision not recorded)')"
   fi
-  for cell in "spec 120" "plain 100 --no-spec" "pp2_spec 150 --no-floors --set pp=2 --set spec.pp_spec=true $B18 --set bench.runs=2"; do
+  R="--no-floors $B18 --set bench.runs=2 --set bench.warmup=1"
+  for cell in "spec 90 $R" "plain 75 --no-spec $R" "pp2_spec 120 --set pp=2 --set spec.pp_spec=true $R"; do
     set -- $cell
     name=$1 t=$2; shift 2
     for tree in "${trees[@]}"; do
