@@ -12,9 +12,7 @@ from .knobs import ConfigError, check_fault
 from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: F401  (re-exported)
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise ConfigError when the model cannot be split as asked. Any ``tp`` up to the query head count splits
-    the heads (heads that do not divide are padded exactly, engine.model.tp_pad); a larger ``tp`` would leave
-    ranks holding padding heads only; ``pp`` may not exceed the layer count."""
+    """Raise ConfigError unless ``tp`` <= the query head count and ``pp`` <= the layer count."""
     if pp > cfg.num_hidden_layers:
         raise ConfigError(f"pp={pp} is larger than the number of layers ({cfg.num_hidden_layers})")
     if tp > cfg.num_attention_heads:
@@ -24,8 +22,7 @@ def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
 
 def check_spec_fits(cfg: ModelConfig, spec: "SpecConfig") -> None:
     """Raise ConfigError when an EAGLE shape cannot run on this model: ``topk`` above the vocabulary, or a
-    per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions. No-op when spec
-    is off."""
+    per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions."""
     if not spec.enabled:
         return
     if spec.topk > cfg.vocab_size:
@@ -66,8 +63,7 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``dtype`` with ``auto`` resolved for ``device`` (resolved already): bfloat16 on CUDA and on CPUs whose
-    matrix units compute bfloat16 (AMX tiles: torch's oneDNN GEMMs run 4-5x faster than float32 there), else
+    """``dtype`` with ``auto`` resolved for ``device``: bfloat16 on CUDA and on CPUs with AMX bfloat16 tiles, else
     float32; any other value is returned unchanged."""
     if dtype != "auto":
         return dtype
@@ -158,21 +154,16 @@ class EngineConfig:
     cuda_graph: bool = True               # capture decode/verify forwards (CUDA + flashinfer only)
     cuda_graph_max_bs: int = 32           # largest captured batch (requests)
     cuda_graph_prefill_max_tokens: int = 2048   # capture one-request prefills from position 0 padded to token
-                                          # buckets up to this many tokens (engine.prefill_graphs.PrefillGraphRunner;
-                                          # capped at max_prefill_tokens); 0: prefill always eager
+                                          # buckets up to this many (capped at max_prefill_tokens); 0: always eager
     # The options below: None (auto) = on for device cuda, off on CPU; true / false force them.
     cuda_graph_draft_extend: bool | None = None  # EAGLE: capture the draft extend with the tail draft (one graph
                                           # per round)
     overlap_schedule: bool | None = None  # the host one step ahead: plain greedy decoding on one stage launches step
                                           # t+1 before reading step t (auto: on for CUDA)
     spec_device_tree: bool | None = None  # EAGLE (every topology): the draft tree stays on the device (Triton tree
-                                          # build / verify walk / mask packing on CUDA, torch reference elsewhere);
-                                          # under PP every stage rebuilds it there from the relayed tensors
+                                          # build / verify walk / mask packing on CUDA, torch reference elsewhere)
     spec_overlap: bool | None = None      # EAGLE, greedy rounds on the device; implies the device tree. pp=1, tp=1:
-                                          # the whole round (engine.speculative.device_round), round t+1 launched
-                                          # before round t is read back; otherwise every stage's verify round
-                                          # (engine.speculative.stage_round), results relayed as device tensors
-                                          # (chains and trees; the CUDA default)
+                                          # the whole round (device_round); otherwise every stage's verify round
     cpu_decode_threads: int | None = None  # CPU: torch intra-op threads while a decode / verify batch runs (its draft
                                           # steps included; prefill keeps torch's setting); None: torch's setting
     seed: int = 0

@@ -62,9 +62,8 @@ def set_ps(state: ParallelState) -> None:
 
 def init_distributed(rank: int, world_size: int, tp: int, pp: int, device: torch.device,
                      init_method: str, timeout_s: float, relay_p2p: bool | None = None) -> ParallelState:
-    """Create the process groups. ``relay_p2p``: PP relay tensors over a device group (None: where NCCL runs, i.e.
-    one GPU per rank; True on CPU ranks: a second gloo group, the same code path). Raises RuntimeError on a
-    collective timeout."""
+    """Create the process groups. ``relay_p2p``: PP relay tensors over a device group (None: where NCCL runs; True
+    on CPU ranks: a second gloo group). Raises RuntimeError on a collective timeout."""
     timeout = datetime.timedelta(seconds=timeout_s)
     n_gpu = torch.cuda.device_count() if device.type == "cuda" else 0
     use_nccl = device.type == "cuda" and n_gpu >= world_size

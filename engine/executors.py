@@ -1,8 +1,6 @@
-"""Executors of the worker's event loop (``engine.worker``): ``launch(batch, arrived)`` queues a scheduled batch and
-returns its handle; ``chain(prev)`` launches the step after ``prev`` for its requests that keep running, without the
-scheduler, or returns None; ``collect(h)`` reads a step back as the ``StepResult`` the scheduler applies. At most
-``depth`` steps are in flight. Executors keep no request state and take every KV slot from the scheduler, so tokens
-and accept lengths do not depend on the executor.
+"""Executors of the worker's event loop (``engine.worker``): ``launch(batch, arrived)`` queues a batch and returns
+its handle; ``chain(prev)`` launches the next step of ``prev``'s running requests or returns None; ``collect(h)``
+reads a step back as a ``StepResult``. At most ``depth`` steps are in flight; executors keep no request state.
 """
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a re
 
 @contextlib.contextmanager
 def few_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op.
-    Decode and verify batches on CPU are many small ops (per-request attention, few-row linears): OpenMP's
-    fork/join per op costs more than a second thread saves there, and far more on a loaded machine."""
+    """torch's intra-op thread count lowered to ``n`` inside the block (restored after); None or not lower: no-op."""
     prev = torch.get_num_threads()
     if n is None or n >= prev:
         yield
@@ -38,10 +34,8 @@ def few_threads(n: int | None) -> Iterator[None]:
 
 
 class RingExecutor:
-    """A PP stage (plan loops ``ring`` and ``plain``; the protocol: ``engine.worker``), and the eager fallback of the
-    executors below. It launches every tick, with or without a batch (``forward``: ``Worker.forward_or_fail``, proxy
-    from ``inbox``), building the message for stage p+1. ``collect`` is the ring exchange (pp = 1: the message
-    itself); the relay it brings, checked against the schema, is the tick's result."""
+    """A PP stage (plan loops ``ring`` and ``plain``), and the eager fallback of the executors below. It launches
+    every tick, with or without a batch; ``collect`` is the ring exchange, whose checked relay is the tick's result."""
 
     name, depth = "ring", 1
     num_lookahead = 0           # decode steps launched before the previous one was read back (cumulative)
@@ -72,8 +66,7 @@ class RingExecutor:
     @staticmethod
     def failing(slot: int, rids: list[int], launch):
         """``launch()``, or when it raises (an engine invariant, :data:`FATAL`, excepted) the failure of the batch
-        ``rids`` as a handle :meth:`collect` relays: the scheduler fails or isolates its requests
-        (``Scheduler.fail``), as a failed ring batch's (``Worker.forward_or_fail``)."""
+        ``rids`` as a handle :meth:`collect` relays (``Scheduler.fail``)."""
         try:
             return launch()
         except FATAL:
@@ -97,9 +90,8 @@ class RingExecutor:
 
 @dataclass
 class Step:
-    """A step launched before its result is read back: its requests, the host buffer its result is copied to
-    (pinned, asynchronously) and the copy's CUDA event (None on CPU); the sampled tokens on the device (decode) or
-    the segment (spec rounds); ``read`` once collected."""
+    """A step launched before its result is read back: its requests, the pinned host buffer of its result and the
+    copy's CUDA event (None on CPU), the device tokens (decode) or segment (spec rounds); ``read`` once collected."""
 
     reqs: list[Req]
     host: torch.Tensor
@@ -117,10 +109,8 @@ class Step:
 
 class LookaheadExecutor(RingExecutor):
     """One-stage greedy decoding with the host one step ahead (SGLang's overlap scheduler, simplified): while step
-    t runs, step t+1 of its requests that keep running (``Scheduler.reserve_lookahead``: position seq_len + 1, a
-    second reserved slot) is launched with step t's tokens still on the device; a request found finished at step t
-    wastes its step-t+1 row. Prefill and sampled batches, and every batch under fault injection, run eagerly; a step
-    that raises fails its batch (``failing``)."""
+    t runs, step t+1 of its requests that keep running (``Scheduler.reserve_lookahead``) is launched with step t's
+    tokens still on the device. Prefill and sampled batches, and every batch under fault injection, run eagerly."""
 
     name, depth = "lookahead", 2
 
@@ -182,10 +172,8 @@ class Segment:
 class SpecRoundExecutor(RingExecutor):
     """One-stage EAGLE at tp = 1 with overlapped rounds (``engine.speculative.device_round``): a greedy verify batch
     of trees (no fault injection) within the captured sizes, with ``Scheduler.reserve_ahead`` slots, becomes a
-    segment whose rounds run on the device, round t+1 launched before round t is read back. A finished request
-    stays as a padding row (``SpecRoundRunner.retire``) until a smaller captured size would do; then, or when a
-    waiting request could be admitted (``Scheduler.can_admit``: under the limit and placeable now), the segment
-    closes and its running requests get their next trees (device rows). Other batches run eagerly."""
+    segment whose rounds run on the device. A finished request stays as a padding row until a smaller captured size
+    would do; then, or when a waiting request could be admitted, the segment closes. Other batches run eagerly."""
 
     name, depth = "spec_rounds", 2
 
@@ -217,8 +205,7 @@ class SpecRoundExecutor(RingExecutor):
             rr.retire(g.st, dead)                       # stream-ordered after the rounds already launched
             self.num_retired_rows += len(dead)
             g.live = [b for b in g.live if g.reqs[b].status == "running"]
-        # KV for one more round with g.inflight in flight (a round advances a request by at most S+1 positions;
-        # tokens past max_new_tokens are dropped by the scheduler), the new slots mirrored to the device rows
+        # KV for one more round (at most S+1 positions) with g.inflight in flight, mirrored to the device rows
         new = None
         if g.live and rr.pick(len(g.live)) == g.st.bs:
             new = self.sched.reserve_ahead([g.reqs[b] for b in g.live], (rr.S + 1) * (g.inflight + 1))

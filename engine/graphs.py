@@ -1,19 +1,14 @@
 """CUDA graphs of a stage's forwards (the SGLang / vLLM "cuda graph runner"), and the capture sequence and
-batch-size ladder every graph runner of the engine uses (:func:`capture`, :func:`ladder`, :func:`pick`).
+batch-size ladder every graph runner uses (:func:`capture`, :func:`ladder`, :func:`pick`).
 
-:class:`CudaGraphRunner`: a forward of ``bs`` requests with a fixed number of new tokens per request (1 for decode,
-n = num_draft_tokens for EAGLE verify) is captured once per batch size of the ladder. A batch of B requests replays
-the smallest captured ``bs >= B``: its inputs are copied into stable buffers, rows B..bs are padding (token 0,
-position 0, KV written to the padding slot 0, attending to slot 0 only), and the graph-mode attention of that size
-is re-planned on the host (:class:`~engine.attention.flashinfer_graphs.StageGraphAttention`) before the replay.
-Decode graphs of at most ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` requests attend with :mod:`engine.attention.device`
-instead (slot matrix and lengths copied per replay, no host plan).
-:class:`PrefillGraphRunner`: one-request prefills from position 0 over token buckets, padded at the end (under the
-causal mask no real row attends to padding, so rows ``[:T]`` are exactly the unpadded forward's).
+:class:`CudaGraphRunner`: a forward of ``bs`` requests with a fixed q_len (1 for decode, n for EAGLE verify),
+captured per ladder size; B requests replay the smallest ``bs >= B`` with rows B..bs as padding (token 0,
+position 0, KV slot 0). Decode graphs of at most ``PPSPEC_DEV_ATTN_DECODE_MAX_BS`` requests use
+:mod:`engine.attention.device`. :class:`PrefillGraphRunner`: one-request prefills from position 0 over token
+buckets, padded at the end (rows ``[:T]`` equal the unpadded forward's).
 
-Outputs are views of the graph's stable output buffers, valid until the next replay of the same graph. EAGLE-3
-(the runner's ``eagle3`` set): the stage's aux-layer outputs are further static outputs, appended (real rows) to the
-caller's aux list. Only the FlashInfer backend is captured; graphs are off when TP > 1 goes through gloo.
+Outputs are views of the graph's output buffers, valid until its next replay; EAGLE-3 aux-layer outputs are
+appended to the caller's aux list. Only the FlashInfer backend is captured; graphs are off when TP > 1 uses gloo.
 """
 from __future__ import annotations
 
@@ -49,9 +44,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 @contextlib.contextmanager
 def capturing(g: "torch.cuda.CUDAGraph", pool):
-    """``torch.cuda.graph`` with the garbage collector held off (a collection during capture can finalise an earlier
-    CUDA graph, invalidating this capture; vLLM does the same) and thread-local capture errors. The collector's
-    previous state is restored on exit, also after an error."""
+    """``torch.cuda.graph`` with the garbage collector held off (as vLLM) and thread-local capture errors."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -64,10 +57,9 @@ def capturing(g: "torch.cuda.CUDAGraph", pool):
 
 
 def capture(body: Callable[[], object], dev, pool, reset: Callable[[], None] | None = None):
-    """Capture ``body()`` as one CUDA graph on device ``dev``: two warm-up calls on a side stream (lazy init and
-    autotuning stay outside the graph), then the capture into the memory pool ``pool`` (None: the graph's own,
-    returned for the next capture to share). ``reset`` (optional) runs before each warm-up and before the capture.
-    Returns (graph, the captured call's output, pool). Errors of ``body`` or of the capture propagate."""
+    """Capture ``body()`` as one CUDA graph on device ``dev`` after two warm-up calls on a side stream, into the
+    memory pool ``pool`` (None: the graph's own). ``reset`` (optional) runs before each warm-up and the capture.
+    Returns (graph, the captured call's output, pool)."""
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(stream):
@@ -107,8 +99,8 @@ def capture_forward(obj, ctx: ForwardContext, T: int):
 
 class _StageBuffers:
     """Stable device inputs of a captured stage forward (``ids``, ``pos``, ``loc`` [max T] int64; ``hidden`` /
-    ``residual`` [max T, H] on later PP stages, else None) and the capture bookkeeping (graphs and outputs by key,
-    the graph pool, the replay count). ``with_aux``: the forwards also output the EAGLE-3 aux-layer features."""
+    ``residual`` [max T, H] on later PP stages, else None), graphs and outputs by key, the graph pool, the replay
+    count. ``with_aux``: the forwards also output the EAGLE-3 aux-layer features."""
 
     with_aux = False
 
@@ -157,9 +149,8 @@ class _StageBuffers:
 class CudaGraphRunner(_StageBuffers):
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
 
-    Args: runner (the ModelRunner: model, KV pool, device, dtype, max_model_len, reserve), max_bs (largest captured
-    batch), verify_n (tokens per request of a verify forward, or None: no verify graphs), decode (capture decode
-    graphs). Raises RuntimeError if the attention backend is not FlashInfer.
+    Args: runner (the ModelRunner), max_bs (largest captured batch), verify_n (tokens per request of a verify
+    forward, or None), decode (capture decode graphs). Raises RuntimeError if the backend is not FlashInfer.
     """
 
     def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True):
@@ -251,11 +242,8 @@ class CudaGraphRunner(_StageBuffers):
 class PrefillGraphRunner(_StageBuffers):
     """Captured one-request prefill forwards of one stage over token buckets (:func:`prefill_buckets`).
 
-    Runs a forward of ONE request whose new tokens start at position 0 (a fresh prompt or its first chunk; no KV
-    prefix, no custom mask), ``T <= max bucket``, padded at the end to the smallest bucket ``Tb >= T`` (padding rows:
-    token 0, position 0, KV slot 0). The bucket's graph-mode wrapper is re-planned per replay (only the page table
-    changes). Everything else runs eagerly. Args: runner (ModelRunner), max_tokens (largest bucket). Raises
-    RuntimeError if the attention backend is not FlashInfer.
+    ONE request from position 0, ``T <= max bucket``, padded to the smallest bucket ``Tb >= T``. Args: runner
+    (ModelRunner), max_tokens (largest bucket). Raises RuntimeError if the attention backend is not FlashInfer.
     """
 
     def __init__(self, runner, max_tokens: int):

@@ -1,13 +1,8 @@
-"""Every ``PPSPEC_*`` environment variable the engine, harness and tools read: one typed registry, read and
-validated once into a frozen :class:`Knobs`; the fault-injection grammar (``PPSPEC_FAULT``,
-``EngineConfig.fault``).
+"""Every ``PPSPEC_*`` environment variable the engine, harness and tools read, validated once into a frozen
+:class:`Knobs`; and the fault-injection grammar (``PPSPEC_FAULT``, ``EngineConfig.fault``).
 
-:func:`current` parses the environment on first use and caches the result; :func:`reload` re-reads it (tests:
-``monkeypatch.setenv`` then ``reload``; tools that set a knob between measurements). A malformed value raises a
-one-line :class:`~engine.config.ConfigError` naming the variable, at the first :func:`current` after it was set.
-Kernel gates read ``current()`` fields, never ``os.environ``. ``TRITON_INTERPRET`` (Triton's CPU interpreter) is
-not a ppspec knob but is read here too, so that the interpreter rules of the gates need no environment access.
-
+:func:`current` parses the environment on first use and caches it; :func:`reload` re-reads it. A malformed value
+raises a one-line :class:`~engine.config.ConfigError` naming the variable. ``TRITON_INTERPRET`` is read here too.
 ``python -m engine.knobs --markdown`` prints the table of docs/gpu.md.
 """
 from __future__ import annotations
@@ -41,8 +36,8 @@ def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
 
 def rank_fault(fault: str | None, kind: str) -> int | None:
     """The target of a ``KIND:N`` fault of this ``kind``, else None: ``fail_rank`` (that rank's ``Worker.run``
-    raises), ``exit_rank`` (that rank's process exits silently at start), ``drop_aux`` (EAGLE-3: that pp stage leaves
-    its auxiliary features out of the hidden-state handoff, which the next stage must refuse)."""
+    raises), ``exit_rank`` (that rank's process exits silently at start), ``drop_aux`` (EAGLE-3: that pp stage drops
+    its aux features from the handoff)."""
     if not fault or not fault.startswith(kind + ":"):
         return None
     rank = fault[len(kind) + 1:]
@@ -51,8 +46,7 @@ def rank_fault(fault: str | None, kind: str) -> int | None:
 
 def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
     """Raise ConfigError (one line) unless ``fault`` is None, ``drop_tree`` (the relay carries degenerate draft
-    trees: outputs stay correct, acceptance collapses) or one of :data:`FAULTS` whose rank (below ``world_size``) or
-    pp stage (below ``pp``) exists: a fault aimed at a rank the engine does not have would never fire."""
+    trees) or one of :data:`FAULTS` whose rank (below ``world_size``) or pp stage (below ``pp``) exists."""
     if fault is None or fault == "drop_tree":
         return
     tok = fail_token_fault(fault)

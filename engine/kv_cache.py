@@ -18,9 +18,8 @@ class KVCacheError(RuntimeError):
 
 
 class KVPool:
-    """K/V of one stage's layers. ``kv_cache[layer]`` is ``[num_slots, 2, Hk, D]`` (a slot's K then its V,
-    FlashInfer's single-tensor NHD layout at page_size 1), so a token's K and V are stored by one indexed
-    copy (:meth:`store`); ``k_cache[layer]`` / ``v_cache[layer]`` are ``[num_slots, Hk, D]`` views of it."""
+    """K/V of one stage's layers. ``kv_cache[layer]`` is ``[num_slots, 2, Hk, D]`` (FlashInfer's NHD layout at
+    page_size 1); ``k_cache[layer]`` / ``v_cache[layer]`` are ``[num_slots, Hk, D]`` views of it."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
         shape = (num_slots, 2, num_kv_heads, head_dim)
@@ -29,9 +28,7 @@ class KVPool:
         self.v_cache = [kv[:, 1] for kv in self.kv_cache]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k/v ``[T, Hk, D]`` at slots ``loc [T]`` int64: one indexed copy when v directly follows k in
-        memory (both views of a fused QKV projection's output, as after in-place RoPE), else k and v are
-        stacked first."""
+        """Write k/v ``[T, Hk, D]`` at slots ``loc [T]`` int64 (one indexed copy when v directly follows k)."""
         self.kv_cache[layer][loc] = kv_pair(k, v)
 
     @staticmethod
@@ -83,8 +80,7 @@ def rank_kv_tokens(per_tok: int, device: torch.device, mem_fraction: float, max_
     """KV slots this rank asks for (the runner takes the minimum over all ranks): ``max_num_tokens`` when set; on
     CUDA ``mem_fraction`` of the device's free memory (shared by all ``ranks`` when ``staged``: every rank on one
     GPU); on CPU the ``cpu_kv_tokens`` knob, else ``CPU_KV_SHARE`` of ``mem_fraction`` of the host's available
-    memory split among the ``ranks`` of the run (pages are written only as the pool fills), at least
-    ``CPU_KV_MIN_TOKENS``. ``per_tok``: bytes of one slot on this rank (every layer's K and V)."""
+    memory split among ``ranks``, at least ``CPU_KV_MIN_TOKENS``. ``per_tok``: bytes of one slot on this rank."""
     if max_num_tokens:
         return max_num_tokens
     if device.type == "cuda":
@@ -147,11 +143,8 @@ class SlotAllocator:
     def check(self, full: bool | None = None) -> None:
         """Invariant: every slot is either free or owned, never both; no duplicates in the free list.
 
-        Runs at the end of every ``generate``. The ownership count is a numpy view (about 1 ms for 5M slots);
-        the free-list scan (``full``) reads the deque into numpy (0.08-0.1 s per call on the H200 pools of
-        5M slots, inside bench's timed region), so by default it runs for pools up to ``FULL_CHECK_MAX_SLOTS``
-        (every CPU test) or with ``PPSPEC_KV_CHECK=1``. ``alloc``/``free`` already refuse a slot handed out
-        twice or freed unowned, so the free list cannot gain a duplicate through them.
+        The free-list scan (``full``) runs by default for pools up to ``FULL_CHECK_MAX_SLOTS`` or with
+        ``PPSPEC_KV_CHECK=1``.
 
         Raises:
             KVCacheError: the free list and the ownership map disagree, or (full) a slot is free twice.

@@ -1,13 +1,9 @@
 """The scheduler's KV side: the slot allocator, the ``req_to_token`` page table and the prompt-prefix cache, and
-every operation that moves slots between them (admission, growth, release, the idle check). Policy stays in
-:mod:`engine.scheduler`. Deterministic: every rank's replica ends in the same state after the same calls.
+every operation that moves slots between them. Deterministic: every rank's replica ends in the same state.
 
-Prefix cache: finished prompts keep their KV, later prompts that start with the same tokens skip that part of
-their prefill. Block-hashed like vLLM's automatic prefix caching (blocks of ``block_size`` tokens, each keyed by
-its parent's key and its own tokens); eviction is LRU over unreferenced blocks, leaves first (as SGLang's radix
-cache). The target and draft pools share slot ids, so one block holds both models' K/V of its positions. EAGLE's
-draft K/V at position ``i`` depends on the token at ``i + 1``, so a block is keyed by its tokens and the token after
-it (``Block.tokens`` holds ``block_size + 1`` tokens) and is only cut from a prompt where that token is known.
+Prefix cache: block-hashed like vLLM's automatic prefix caching (each block keyed by its parent's key and its
+tokens), LRU eviction of unreferenced leaves (as SGLang's radix cache). Target and draft pools share slot ids.
+EAGLE's draft K/V at ``i`` depends on the token at ``i + 1``, so ``Block.tokens`` holds ``block_size + 1`` tokens.
 """
 from __future__ import annotations
 
@@ -39,10 +35,8 @@ class Block:
 class PrefixCache:
     """Cached prompt blocks owning KV slots of a :class:`engine.kv_cache.SlotAllocator`.
 
-    A request's prefix lookup (:meth:`match`) returns the blocks its prompt starts with; :meth:`acquire` pins them
-    while the request runs and :meth:`release` unpins them. When a request leaves, :meth:`insert` takes over the
-    slots of its prompt's full blocks that are not cached yet (the caller frees the rest). :meth:`evict` gives
-    unpinned blocks' slots back to the allocator, least recently used first.
+    :meth:`match` finds the blocks a prompt starts with, :meth:`acquire` / :meth:`release` pin and unpin them,
+    :meth:`insert` takes over a leaving request's uncached full blocks, :meth:`evict` frees unpinned blocks (LRU).
     """
 
     def __init__(self, allocator, block_size: int = 16):
@@ -99,9 +93,8 @@ class PrefixCache:
     def insert(self, tokens: list[int], slots: list[int], matched: list[Block], upto: int) -> set[int]:
         """Cache the full blocks of ``tokens[:upto]`` after ``matched`` (the request's pinned blocks, its first
         positions), their K/V at ``slots`` (position -> slot). A block needs the token after it, so blocks end at
-        most at ``min(upto, len(tokens) - 1)``. Returns the positions whose slots the cache took over (the caller
-        frees the others). Call it before :meth:`release` of ``matched``, which then become more recent than the
-        blocks cut here."""
+        most at ``min(upto, len(tokens) - 1)``. Returns the positions whose slots the cache took over. Call it before
+        :meth:`release` of ``matched``."""
         P = self.block_size
         parent = matched[-1] if matched else None
         taken: set[int] = set()
@@ -194,9 +187,8 @@ class KVManager:
         return need <= self.allocator.num_free
 
     def _placement(self, r: Req, reserve: int):
-        """(matched prefix-cache blocks, cached positions, slots to allocate) of admitting ``r`` now, or None when it
-        cannot be placed: no free row, or the free slots plus the unpinned cache blocks it would not reuse fall
-        short of its fill past the cached prefix plus ``reserve``. Takes and touches nothing."""
+        """(matched prefix-cache blocks, cached positions, slots to allocate) of admitting ``r`` now, or None when no
+        row is free or the pool (counting evictable blocks) is short. Takes and touches nothing."""
         if not self.rows.free_rows:
             return None
         matched = self.cache.match(r.fill_ids) if self.cache is not None else []
@@ -211,10 +203,8 @@ class KVManager:
 
     def admit(self, r: Req, reserve: int) -> bool:
         """Give ``r`` a row and every slot its prefill needs (``fill_ids`` plus ``reserve``). The positions the
-        prefix cache holds map to its slots (pinned until :meth:`release`) and ``r.prefilled`` / ``r.seq_len``
-        start after them; unpinned cache blocks are evicted (least recently used first) only for a request that
-        fits. False (nothing taken, evicted, pinned or counted) when no row is free or the pool is short even
-        counting the evictable cache."""
+        prefix cache holds map to its slots (pinned until :meth:`release`). False (nothing taken) when no row is
+        free or the pool is short even counting the evictable cache."""
         placement = self._placement(r, reserve)
         if placement is None:
             return False
@@ -232,8 +222,7 @@ class KVManager:
 
     def grow(self, reqs: list[Req], need: list[int]) -> list[tuple[int, int, list[int]]] | None:
         """``need[i]`` more slots for each ``reqs[i]``, appended to their rows: all or none (None when the pool is
-        short after evicting the cache). Returns (index in ``reqs``, first new position, slots) per request that
-        got any."""
+        short). Returns (index in ``reqs``, first new position, slots) per request that got any."""
         if not self.make_room(sum(need)):
             return None
         new = []

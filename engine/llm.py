@@ -46,8 +46,7 @@ def shutdown_all() -> int:
 class LLM:
     """The engine front end. Raises ConfigError (one line) on bad config, model path or topology.
 
-    A context manager: leaving the ``with`` block, normally or by an exception (KeyboardInterrupt included), shuts
-    the ranks down and reaps them (:meth:`shutdown`).
+    A context manager: leaving the ``with`` block calls :meth:`shutdown`.
     """
 
     FAIL_GRACE_S = 1.5          # after a rank's error, how long the group may take to show a rank that died
@@ -97,9 +96,7 @@ class LLM:
         port = free_port()
         self._busy = True
         _ENGINES.add(self)
-        # the ranks start with SIGINT blocked (rank_main then ignores it): a terminal's ^C reaches the whole process
-        # group, and a rank still importing would print a traceback; the front end decides. A ^C that arrives
-        # meanwhile is delivered to the front end when the mask is restored.
+        # ranks start with SIGINT blocked (rank_main then ignores it): the front end handles a terminal's ^C
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for rank in range(W):
@@ -133,10 +130,8 @@ class LLM:
 
     def _fail(self, first) -> None:
         """Stop the group and raise one line, the root cause first. ``first``: the error message that arrived
-        (``("error", rank, "Type: text", traceback)``), or None when a rank was found dead. A rank that dies
-        reports nothing and its peers then fail with connection errors, so after an error the group gets
-        ``FAIL_GRACE_S`` to show a dead rank, named before the errors. Raises ConfigError when the root cause is a
-        rank's ConfigError, else EngineError (``rank 0 died (killed by SIGKILL); rank 1 failed: ...``).
+        (``("error", rank, "Type: text", traceback)``), or None when a rank was found dead; a dead rank is named
+        first. Raises ConfigError when the root cause is a rank's ConfigError, else EngineError.
         """
         errors, dead = collect_failures(self._res_q, self._procs, first,
                                         self.FAIL_GRACE_S if first is not None else 0.0)
@@ -180,14 +175,11 @@ class LLM:
 
         ``stream(updates)``: called in this process as tokens are committed, ``updates`` a list of ``(prompt index,
         new token ids)``, each token once and in order. ``progress(done, total)``: called as requests finish.
-        ``arrival_times`` (open loop): per prompt, seconds after the call's start at which the request arrives
-        (its ``arrival_time``, the origin of TTFT and E2E, on ``time.perf_counter``); None: all at the start.
+        ``arrival_times`` (open loop): per prompt, seconds after the call's start (None: all at the start).
 
-        Every request is checked before any rank sees the call (valid UTF-8 text; token ids in [0, vocab_size);
-        a non-empty prompt that leaves room in the context; prompt + max_new_tokens + reserve within the KV pool),
-        so a call runs all its requests or none. max_new_tokens past the context is clamped (finish_reason
-        "length", one warning per call). A request that fails inside the engine comes back alone with
-        finish_reason "error" and its ``error``.
+        Every request is checked before any rank sees the call, so a call runs all its requests or none.
+        max_new_tokens past the context is clamped (finish_reason "length"). A request that fails inside the
+        engine comes back alone with finish_reason "error".
 
         Raises:
             ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.
@@ -232,17 +224,10 @@ class LLM:
                              r.error, r.num_cached_tokens)
 
     def shutdown(self) -> None:
-        """Stop and reap every rank, then release the queues. Idempotent; safe from ``__del__``, from a ``finally``
-        or ``with`` exit while an exception (KeyboardInterrupt, a signal's) unwinds, and after a rank failed.
-
-        Idle ranks get a stop message and up to 2 s to leave; ranks that are starting up or running a generate
-        (they read no message until it ends) are terminated (SIGTERM) at once. Ranks still alive 2 s after their
-        SIGTERM are killed (SIGKILL). Bounded: about 4 s at worst, plus up to 1 s per queue with unsent data.
-        """
+        """Stop and reap every rank (:func:`engine.ranks.reap`), then release the queues. Idempotent."""
         procs = list(self._procs)
         graceful = not getattr(self, "_busy", False)
-        # stop only live ranks, and never let a queue's feeder thread hold up interpreter exit (a front end
-        # whose ranks never started, e.g. a script without a __main__ guard re-run by spawn, must just exit)
+        # stop only live ranks; never let a queue's feeder thread hold up interpreter exit
         for q, p in zip(getattr(self, "_cmd_qs", []), procs):
             try:
                 if graceful and p.is_alive():
@@ -260,9 +245,8 @@ class LLM:
         self._release_queues()
 
     def _release_queues(self) -> None:
-        """Close the rank queues and drop them now, so their named semaphores are unlinked and unregistered from
-        multiprocessing's resource tracker while the interpreter is whole (left to teardown, the tracker can warn of
-        leaked semaphores). Feeder threads get a bounded join: a rank that died unread must not hold up the exit."""
+        """Close and drop the rank queues now (their semaphores unlinked while the interpreter is whole); feeder
+        threads get a bounded join."""
         res_q = getattr(self, "_res_q", None)
         for q in [*getattr(self, "_cmd_qs", []), *([res_q] if res_q is not None else [])]:
             try:

@@ -1,10 +1,5 @@
-"""Typed messages between the draft, the last stage and every stage's scheduler.
-
-``DraftTree``: one batch's next EAGLE verify trees (or one request's row of them). ``StepResult``: the one message
-the last stage relays round the PP ring for each batch it ran (prefill, decode, verify) or that failed (error);
-every stage's scheduler applies it identically (``Scheduler.process_output``). Both pickle as plain dataclasses of
-tensors over the gloo object path (``engine.dist``). Also the host/device copy helpers every layer uses (:func:`h2d`,
-:func:`d2h`, :func:`pinned`) and the degenerate tree rows (:func:`chain_fallback`).
+"""Typed messages between the draft, the last stage and every stage's scheduler (``DraftTree``, ``StepResult``),
+plus the host/device copy helpers (:func:`h2d`, :func:`d2h`, :func:`pinned`).
 """
 from __future__ import annotations
 
@@ -17,14 +12,12 @@ _TREE_FIELDS = ("tokens", "parent_list", "top_scores_index")
 
 
 def pinned(t: torch.Tensor, dev) -> torch.Tensor:
-    """``t`` in pinned memory when it is a host tensor bound for a CUDA ``dev`` (so a ``non_blocking``
-    copy is truly asynchronous); ``t`` itself otherwise."""
+    """``t`` in pinned memory when it is a host tensor bound for a CUDA ``dev``; ``t`` itself otherwise."""
     return t.pin_memory() if torch.device(dev).type == "cuda" and t.device.type == "cpu" else t
 
 
 def h2d(t: torch.Tensor, dev) -> torch.Tensor:
-    """Host tensor -> ``dev`` without a stream sync: on CUDA the copy goes from pinned memory with
-    ``non_blocking`` (a blocking copy from pageable memory waits for every queued kernel first)."""
+    """Host tensor -> ``dev`` without a stream sync (pinned, ``non_blocking`` on CUDA)."""
     if torch.device(dev).type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
     return pinned(t, dev).to(dev, non_blocking=True)
@@ -34,8 +27,7 @@ D2H_COPIES = [0]                           # device->host copies made through d2
 
 
 def d2h(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host; an accelerator tensor is copied (blocking: it waits for the work producing ``t``) and
-    counted in ``D2H_COPIES``."""
+    """``t`` on the host; an accelerator tensor is copied (blocking) and counted in ``D2H_COPIES``."""
     if t.device.type == "cpu":
         return t
     D2H_COPIES[0] += 1
@@ -43,12 +35,8 @@ def d2h(t: torch.Tensor) -> torch.Tensor:
 
 
 def chain_fallback(bonus: Tensor, num_steps: int, topk: int, num_draft_tokens: int):
-    """Degenerate row for a request not drafted for yet.
-
-    Returns ``(tokens [B,n] int64 = [bonus, 0, 0, ...], parent_list [B, k(S-1)+1] =
-    arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``; ``build_tree`` on
-    ``(tokens[:,0], parent_list, top_scores_index, tokens[:,1:])`` always gives a valid tree.
-    """
+    """Degenerate rows for requests not drafted for yet: ``(tokens [B,n] int64 = [bonus, 0, 0, ...],
+    parent_list [B, k(S-1)+1] = arange(-1, k(S-1)), top_scores_index [B, n-1] = arange(n-1))``, a valid tree."""
     B, dev, n = bonus.shape[0], bonus.device, num_draft_tokens
     tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
     tokens[:, 0] = bonus.long()
@@ -65,10 +53,8 @@ class RelayError(RuntimeError):
 @dataclass(frozen=True)
 class DraftTree:
     """Draft trees of B requests, int64, all on one device (host or accelerator):
-
     ``tokens`` [B, n] (column 0 = the root, the last emitted token), ``parent_list`` [B, k(S-1)+1],
-    ``top_scores_index`` [B, n-1] (n = num_draft_tokens, k = topk, S = num_steps). A single request's row
-    (:meth:`rows`) has the same fields without the batch dimension.
+    ``top_scores_index`` [B, n-1] (n = num_draft_tokens, k = topk, S = num_steps); a row drops the batch dim.
     """
 
     tokens: torch.Tensor
@@ -81,8 +67,7 @@ class DraftTree:
 
     def to_host(self, to_host: bool = True) -> DraftTree:
         """Column views of one fresh int64 [B, n + P + n-1] tensor: on the host in ONE device->host copy, or
-        (``to_host=False``) an owned copy on the same device (a captured graph's output buffers are overwritten
-        by its next replay)."""
+        (``to_host=False``) an owned copy on the same device."""
         parts = (self.tokens, self.parent_list, self.top_scores_index)
         widths = [int(x.shape[1]) for x in parts]
         packed = torch.cat([x.long() for x in parts], 1)
@@ -95,9 +80,7 @@ class DraftTree:
 
     @staticmethod
     def stack(rows: list[DraftTree], device=None) -> DraftTree:
-        """[B, ...] trees from per-request rows. ``device`` None: ``torch.stack`` where the rows are. Otherwise on
-        ``device``: host rows are stacked and moved in one pinned copy per field, device rows stacked in place,
-        each row landing at its index."""
+        """[B, ...] trees from per-request rows, on ``device`` (None: where the rows are)."""
         if device is None:
             return DraftTree(*(torch.stack([getattr(r, f) for r in rows]) for f in _TREE_FIELDS))
         host = [i for i, r in enumerate(rows) if r.tokens.device.type == "cpu"]
@@ -105,9 +88,7 @@ class DraftTree:
 
     @staticmethod
     def degenerate(root: torch.Tensor, spec) -> DraftTree:
-        """Degenerate chain trees for requests not drafted for (root [B] int64; ``spec``: num_steps, topk,
-        num_draft_tokens): tokens = [root, 0, ...], parent_list = arange(-1, k(S-1)), top_scores_index =
-        arange(n-1), fresh tensors on root's device; building and verifying them always gives a valid tree."""
+        """:func:`chain_fallback` trees for ``root`` [B] int64 (``spec``: num_steps, topk, num_draft_tokens)."""
         return DraftTree(*chain_fallback(root, spec.num_steps, spec.topk, spec.num_draft_tokens))
 
     def with_rows(self, idx: list[int], other: DraftTree) -> DraftTree:
@@ -120,8 +101,7 @@ class DraftTree:
 
 
 def stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
-    """[B, w] int64 on ``dev`` from per-request rows [w]; ``host``: indices of the rows that are host tensors
-    (stacked and copied in one pinned copy; the device rows are stacked on the device)."""
+    """[B, w] int64 on ``dev`` from per-request rows [w]; ``host``: indices of the rows that are host tensors."""
     if len(host) == len(rows):
         return h2d(torch.stack(rows), dev)
     if not host:
@@ -137,7 +117,6 @@ def stack_rows(rows: list[torch.Tensor], host: list[int], dev) -> torch.Tensor:
 @dataclass
 class StepResult:
     """What the last stage relays for one batch; applied identically by every stage's scheduler.
-
     kind: prefill | decode | verify | error; slot: the micro-batch slot; rids: request ids, one per row.
     tokens [B, w] int64 on the host: prefill/decode the sampled token in column 0 (-1: a middle chunk's
     placeholder), verify the emitted tokens (accepted drafts then the bonus, -1 padded, w = S+1); error: [0, 1].
@@ -165,8 +144,7 @@ class StepResult:
         return StepResult("error", slot, rids, torch.zeros(0, 1, dtype=torch.int64), error=f"{type(e).__name__}: {msg}")
 
     def on_host(self) -> StepResult:
-        """This result with ``tokens``, ``accept_nodes`` and ``accept_lens`` on the host, read back in ONE
-        device->host copy when any is on a device (the trees stay where they are); self when all are host."""
+        """This result with ``tokens``, ``accept_nodes`` and ``accept_lens`` on the host (ONE device->host copy)."""
         parts = [t for t in (self.tokens, self.accept_nodes, self.accept_lens) if t is not None]
         if all(t.device.type == "cpu" for t in parts):
             return self
@@ -186,14 +164,10 @@ class StepResult:
         return self.next_tree.tokens.shape[1] if self.next_tree is not None else self.num_draft_tokens
 
     def validate(self, spec) -> None:
-        """One schema for prefill, decode and verify results (``spec``: the EAGLE config or None).
-
-        Checks what is known without reading a device tensor's values (no host sync): the kind, the request ids
-        (distinct ints), the prefill chunks (one per row), integer tensors and their shapes.
+        """Check kind, rids, chunks, dtypes and shapes without a host sync (``spec``: EAGLE config or None).
 
         Raises:
-            RelayError: one line naming the first mismatch (kind, rids, missing fields, row counts, tensor dtypes
-            and shapes).
+            RelayError: one line naming the first mismatch.
         """
         kinds = ("prefill", "decode", "verify", "error") if spec is not None else ("prefill", "decode", "error")
         if self.kind not in kinds:

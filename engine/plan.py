@@ -1,7 +1,6 @@
 """The execution plan: every code-path decision of an engine, resolved once from EngineConfig x topology x device x
-:mod:`engine.knobs` before the first forward; the runner and the worker read their choices from it, so the printed
-plan is the one that runs. Needs no CUDA device: ``resolve_plan(config, device="cuda")`` on a CPU host gives the
-CUDA plan (libraries then checked by import lookup only).
+:mod:`engine.knobs` before the first forward. ``resolve_plan(config, device="cuda")`` works on a CPU host
+(libraries then checked by import lookup only).
 """
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ class ExecutionPlan:
     ``plain`` (the ring executor on one stage).
     relay: how PP messages carry device tensors (``engine.transport``): None (pp = 1), ``device group`` (NCCL; gloo
     on CPU ranks with PPSPEC_RELAY_P2P=1), ``staged`` (CUDA tensors through host memory) or ``gloo`` (CPU ranks).
-    frames: the CPU part of PP messages: None (pp = 1), ``gloo`` or ``shm`` (:mod:`engine.shm_ring`; auto when the
-    ranks share one GPU on an x86-64 host, PPSPEC_RELAY_SHM=1 forces it). staged: the ranks share one GPU.
+    frames: the CPU part of PP messages: None (pp = 1), ``gloo`` or ``shm`` (:mod:`engine.shm_ring`).
+    staged: the ranks share one GPU.
     tree: None (no spec), ``host`` or ``device``. round: where a greedy verify round runs: None (no spec), ``host``,
     ``stage`` (every stage's verify on the device, :mod:`engine.speculative.stage_round`; pp > 1 or tp > 1) or
     ``device`` (the whole round of pp=1 tp=1, loop ``spec_rounds``). reserve: KV slots per request past seq_len.
@@ -111,8 +110,8 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
                  kn=None) -> ExecutionPlan:
     """The plan of ``config`` (``device`` overrides ``config.device``'s type: ``cpu`` or ``cuda``).
 
-    ``staged``: the ranks share a GPU and talk through gloo (default: fewer visible GPUs than ranks; a CPU host
-    resolving a CUDA plan assumes one GPU per rank). ``kn``: the knobs (default :func:`engine.knobs.current`).
+    ``staged``: the ranks share a GPU (default: fewer visible GPUs than ranks). ``kn``: the knobs (default
+    :func:`engine.knobs.current`).
 
     Raises:
         ConfigError: a knob is malformed (from :func:`engine.knobs.current`), or PPSPEC_RELAY_SHM=1 on a host
@@ -162,9 +161,8 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
 
 def cpu_threads(world_size: int, cores: int | None = None, load: float | None = None) -> dict:
     """Torch threads per rank on CPU: the cores this process may run on (``os.sched_getaffinity``) less the
-    1-minute load average (``os.getloadavg``), shared by the ``world_size`` ranks, at least 1 each. On a loaded
-    machine intra-op threads that wait for a busy core slow every op down (a barrier per op), so a contended
-    machine gets fewer threads, down to 1. ``cores`` / ``load`` override the measured values (tests).
+    1-minute load average (``os.getloadavg``), shared by the ``world_size`` ranks, at least 1 each. ``cores`` /
+    ``load`` override the measured values.
     Returns ``{"per_rank", "cores", "load", "contended"}``."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -188,9 +186,8 @@ def _visible_gpus(world: int) -> int:
 
 
 def _graphs(config: EngineConfig, cuda: bool, backend: str, staged: bool, spec, round_: str | None) -> tuple:
-    """Captured graph kinds: decode / verify / prefill / draft / draft_extend (``ModelRunner._init_cuda_graphs``),
-    spec_rounds (whole EAGLE rounds, ``SpecRoundRunner``) and stage_rounds (a stage's verify round,
-    ``StageRoundRunner``)."""
+    """Captured graph kinds: decode / verify / prefill / draft / draft_extend, spec_rounds (``SpecRoundRunner``) and
+    stage_rounds (``StageRoundRunner``)."""
     fi = cuda and backend == "flashinfer"          # every captured graph reads FlashInfer's attention plans
     out = []
     if config.cuda_graph and fi and round_ == "device":

@@ -1,6 +1,6 @@
 """Rank processes of a multi-rank engine: the spawned rank's main loop, its reports to the front end
 (``("ready", rank, info)``, ``("progress", done, total)``, ``("result", reqs, peak_bytes)``,
-``("error", rank, one_line, traceback)``), how a rank that reported nothing ended,.
+``("error", rank, one_line, traceback)``), and how a rank that reported nothing ended.
 """
 from __future__ import annotations
 
@@ -93,8 +93,7 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        # leave without interpreter finalization, once the result queue is flushed: finalizing a rank that imported
-        # Triton prints nanobind "leaked instances" lines to stderr
+        # leave without interpreter finalization once the result queue is flushed (Triton's nanobind noise)
         try:
             res_q.close()
             res_q.join_thread()
@@ -129,8 +128,8 @@ def profile_run(worker, reqs, max_conc, prog, out_dir: str, rank: int, stream=No
 
 def collect_run(get, world_size: int, progress, stream=None) -> tuple[list, int, list[dict]]:
     """Wait for the end of a multi-rank generate: (rank 0's requests with outputs, its peak memory, every rank's
-    ``Worker.last_stats`` by rank), calling ``progress(done, total)`` and ``stream(updates)`` (``Worker.run``) as
-    rank 0 reports. ``get``: the next message from the ranks (raises on a rank's failure)."""
+    ``Worker.last_stats`` by rank), calling ``progress`` and ``stream`` as rank 0 reports. ``get``: the next message
+    from the ranks (raises on a rank's failure)."""
     stats, done, peak = {}, None, 0
     while done is None or len(stats) < world_size:
         msg = get()
@@ -153,9 +152,8 @@ def join_all(procs, timeout: float) -> None:
 
 
 def reap(procs, graceful: bool) -> None:
-    """End rank processes: ``graceful`` (sent a stop message) ones get 2 s to leave; then the live ones get SIGTERM
-    and 2 s, then SIGKILL and 2 s. The shared-memory ring files of those that exited are removed after
-    (``shm_ring.remove_files_of``: a rank killed during the ring set-up leaves its file)."""
+    """End rank processes: ``graceful`` ones get 2 s to leave, then SIGTERM and 2 s, then SIGKILL and 2 s; then
+    remove the shared-memory ring files of those that exited."""
     if graceful:
         join_all(procs, 2.0)
     for p in procs:
@@ -192,9 +190,7 @@ def collect_failures(res_q, procs, first, grace_s: float) -> tuple[dict, list[tu
     """The group's failure as reported: ``(errors, dead)``, ``errors`` mapping rank -> its ``("error", rank,
     one_line, traceback)`` message in arrival order (``first``, the message that arrived, or None when a rank was
     found dead), ``dead`` the ranks gone without a report (:func:`dead_unreported`).
-
-    A rank that dies reports nothing and its peers then fail with connection errors, often before its death shows;
-    so the group gets up to ``grace_s`` seconds to show a dead rank, and every error already sent is read."""
+    Waits up to ``grace_s`` seconds for a dead rank to show."""
     errors = {} if first is None else {first[1]: first}
     deadline = time.monotonic() + grace_s
     while True:

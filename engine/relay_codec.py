@@ -25,10 +25,9 @@ _HEAD = struct.Struct("<QQQQB")   # total, pickle, host-tensor, device-payload b
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a message with each tensor reduced to a reference into the frame (``reducer_override``: called for
-    non-builtin objects only, so ints, strings and containers cost no Python callback): host tensors by (numpy
-    dtype, shape, offset) into the host bytes (bf16 and fp8 through an integer view), device tensors by (dtype,
-    shape, offset, nbytes) into the device payload."""
+    """Pickles a message with each tensor reduced to a reference: host tensors by (numpy dtype, shape, offset) into
+    the host bytes (bf16 and fp8 through an integer view), device tensors by (dtype, shape, offset, nbytes) into
+    the device payload."""
 
     def __init__(self, f, dev_type: str | None):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)

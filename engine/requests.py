@@ -66,9 +66,7 @@ def kv_need(prompt_len: int, max_new_tokens: int, max_model_len: int, reserve: i
 
 def length_clamp_notice(prompt_lens: list[int], max_new_tokens: list[int], context_len: int) -> str | None:
     """One line naming the requests of a call (by prompt index) whose prompt + ``max_new_tokens`` passes the context
-    of ``context_len`` tokens, or None when none does. Such a request is served, not refused: it generates at most
-    ``context_len - prompt_len`` tokens and then finishes with finish_reason "length" (``kv_need`` and the
-    scheduler's length check both stop at the context)."""
+    of ``context_len`` tokens, or None. Such a request is served and finishes with finish_reason "length"."""
     over = [i for i, (p, m) in enumerate(zip(prompt_lens, max_new_tokens)) if p + m > context_len]
     if not over:
         return None
@@ -164,10 +162,8 @@ class RequestOutput:
 
 
 def stop_string_hit(r: Req, detok) -> bool:
-    """Whether a stop string of ``r`` ends in its output text (``detok``: token ids -> text). Decodes the shortest
-    suffix of output tokens whose text is longer than the longest stop string (tokens that decode to nothing, such
-    as skipped special tokens, only widen it), plus two tokens of margin for text that a token boundary changes; a
-    stop string seen in the suffix is therefore seen whatever its length in tokens."""
+    """Whether a stop string of ``r`` ends in its output text (``detok``: token ids -> text), decoding only the
+    shortest output suffix longer than the longest stop string, plus two tokens of margin."""
     longest = max(len(s) for s in r.params.stop)
     out, n = r.output_ids, min(len(r.output_ids), longest + 2)
     while True:
@@ -198,8 +194,8 @@ def finish_reason(r: Req, eos_ids, detok, max_model_len: int) -> str | None:
 class Arrivals:
     """Deferred requests that have not arrived yet (open-loop load), in order of (arrival_time, rid).
 
-    Stage 0 alone reads its clock (:meth:`arrived`); every stage then takes the same count (:meth:`pop`), so all
-    replicas admit the same requests at the same point of their schedule. Truthy while any request waits here."""
+    Stage 0 alone reads its clock (:meth:`arrived`); every stage takes the same count (:meth:`pop`). Truthy while
+    any request waits here."""
 
     def __init__(self):
         self.reqs: list[Req] = []
@@ -246,10 +242,9 @@ def arrival_offsets(arrival_times, n: int) -> list[float]:
 
 def make_requests(prompts, params, arrival_times, first_rid: int, vocab_size: int, encode, context_len: int,
                   reserve: int, pool_tokens: int) -> list[Req]:
-    """The requests of one ``LLM.generate`` call, every one checked before any is made (a call runs all its
-    requests or none): ``prompts`` a list of text or token-id prompts, ``params`` one SamplingParams or one per
-    prompt (None: defaults), ``arrival_times`` per-prompt offsets in seconds (:func:`arrival_offsets`). Request
-    ids run from ``first_rid``; arrival times are ``time.perf_counter`` seconds.
+    """The requests of one ``LLM.generate`` call, all checked before any is made: ``params`` one SamplingParams or
+    one per prompt (None: defaults), ``arrival_times`` per-prompt offsets in seconds. Request ids run from
+    ``first_rid``.
 
     Raises:
         ConfigError: one line naming the first bad request (``prompt I: ...``) or bad params.

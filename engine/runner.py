@@ -22,9 +22,8 @@ from .scheduler import ScheduledBatch, Scheduler
 
 
 class Sampler:
-    """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded sampling after
-    temperature / top-k / top-p with per-request coins (``seed``: the engine seed, mixed into every request's), so
-    every rank draws the same tokens (:mod:`engine.model.sampling` holds the kernels and the coin derivation)."""
+    """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded top-k / top-p
+    sampling with per-request coins (:mod:`engine.model.sampling`), so every rank draws the same tokens."""
 
     def __init__(self, device: torch.device, seed: int):
         self.device, self.seed = device, seed
@@ -258,8 +257,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, ids, pos, ctx, hidden=None, residual=None, aux: list | None = None):
         """This stage on one batch, from a captured graph when one fits: (hidden, residual) [T, H] (residual None on
-        the last stage; copies of graph outputs off it). ``aux`` (EAGLE-3, :meth:`aux_slots`): moved to this stage's
-        device and dtype in place, then this stage's aux layer outputs [T, H] appended (none under ``drop_aux``)."""
+        the last stage). ``aux`` (EAGLE-3): moved to this stage's device and dtype, then its aux outputs appended."""
         n = 0
         if aux is not None:
             aux[:] = [a.to(self.device, self.dtype) for a in aux]

@@ -1,8 +1,6 @@
-"""Continuous-batching scheduler, replicated identically on every rank.
-
-Every stage runs the same scheduler over the same request stream and the same relayed results, so
-admission, chunked prefill, KV allocation, retraction and finish decisions agree on all stages
-(SGLang's PP design). Requests stay in one micro-batch slot from admission to finish.
+"""Continuous-batching scheduler, replicated identically on every rank (SGLang's PP design): the same requests and
+relayed results give the same admission, chunking, KV allocation, retraction and finish decisions on all stages.
+A request stays in one micro-batch slot from admission to finish.
 """
 from __future__ import annotations
 
@@ -122,9 +120,7 @@ class Scheduler:
 
     def _schedule_prefill(self, slot: int) -> ScheduledBatch | None:
         """Admit waiting requests into ``slot`` and give its prefilling requests their next chunks, within the
-        chunk budget. Admission takes every KV slot the request's prefill needs (the whole fill plus the
-        reserve) at once, so a request that has started prefilling never waits for memory: partial prefills
-        in different micro-batch slots cannot fill the pool between them and stall each other."""
+        chunk budget. Admission takes every KV slot the prefill needs (fill plus reserve) at once."""
         budget = self.max_prefill_tokens
         reqs, chunks = [], []
         cands = [r for r in self.reqs.values() if r.status == "prefilling" and r.slot == slot]
@@ -188,8 +184,8 @@ class Scheduler:
     def reserve_ahead(self, reqs: list[Req], ahead: int) -> list[tuple[int, int, list[int]]] | None:
         """KV slots for ``reqs`` to advance ``ahead`` more positions before their results are read back (the
         overlapped rounds), plus the reserve; None (nothing allocated) when a request is not running or would pass
-        the context, a request waits to be admitted or prefills, or the pool is short. Returns the new slots as (index in ``reqs``, first position, slots),
-        already appended to the requests' rows."""
+        the context, a request waits to be admitted or prefills, or the pool is short. Returns the appended slots as
+        (index in ``reqs``, first position, slots)."""
         if self.can_admit():
             return None
         if any(r.status == "prefilling" for r in self.reqs.values()):
@@ -202,9 +198,7 @@ class Scheduler:
 
     def _retract(self, r: Req, preempted: bool = True) -> None:
         """Preempt by recompute: free everything and requeue at the front. The new fill is the prompt and every
-        output token but the last; that one is the root again when the re-prefill completes (its KV is written
-        by the next decode or verify step, as before), so a re-prefill emits no token and the request's outputs,
-        accept lengths and sampling coins are those it would have had without the retraction."""
+        output token but the last (the root again), so outputs, accept lengths and sampling coins are unchanged."""
         self.kv.release(r)
         r.status, r.slot, r.prefilled, r.tree = "waiting", -1, 0, None
         r.fill_ids = r.prompt_ids + r.output_ids[:-1]
@@ -213,8 +207,7 @@ class Scheduler:
 
     def fail(self, rids: list[int], error: str) -> None:
         """Apply a batch that failed inside the engine (identically on every stage). A request that ran alone
-        (or already ran isolated) finishes with ``finish_reason`` "error" and ``error``; the others of a
-        shared batch are retracted and run alone from then on, so only the request that fails alone fails."""
+        finishes with ``finish_reason`` "error"; the others of a shared batch are retracted and run alone."""
         reqs = [self.reqs[rid] for rid in rids if self.reqs[rid].status != "finished"]
         alone = len(reqs) == 1
         for r in reversed(reqs):                       # requeued at the front in request order
@@ -245,8 +238,7 @@ class Scheduler:
             perm = commit_order(out.accept_nodes, out.accept_lens, n)     # all rows at once (numpy)
             alens = out.accept_lens.tolist()
             rt = self._rt_np
-        # one unbind per tensor instead of 3 index ops per request; rows are not copied: every producer hands
-        # over fresh tensors it no longer writes (for device-resident trees a copy would be 3 launches per row)
+        # row views, not copies: every producer hands over fresh tensors it no longer writes
         trees = out.next_tree.rows() if self.spec and out.next_tree is not None else None
         for i, rid in enumerate(out.rids):
             r = self.reqs[rid]
@@ -275,8 +267,7 @@ class Scheduler:
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:
         """Append a step's tokens to ``r`` until a stop or the length limit. ``accept_length`` (None for the
-        prefill token) is recorded as the number of tokens actually output: drafts accepted after an EOS, a stop
-        or the length limit are verified but never emitted, and do not count."""
+        prefill token) is recorded as the number of tokens actually output."""
         now = time.perf_counter() if self.record_times else 0.0
         reason, n = None, 0
         for t in toks:

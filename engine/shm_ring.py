@@ -1,10 +1,5 @@
-"""Same-host PP frames through shared memory: a single-producer single-consumer ring per directed ring edge.
-
-When PP ranks share a host (always so when they share one GPU), the CPU part of every PP message (the frame of
-:mod:`engine.transport`) goes through a memory-mapped file in ``/dev/shm`` instead of a gloo send over loopback
-TCP. A gloo message wakes the receiving process through the kernel and gloo's I/O thread several times (about
-140 us a message on the H200 host, ``tools/ring_probe``); a write into shared memory is seen by a polling reader
-within microseconds.
+"""Same-host PP frames through shared memory: a single-producer single-consumer ring per directed ring edge,
+a memory-mapped file in ``/dev/shm`` carrying the CPU part of every PP message (the frame of :mod:`engine.transport`).
 
 Layout of one ring (``n_slots`` slots of ``slot_bytes``)::
 
@@ -12,15 +7,10 @@ Layout of one ring (``n_slots`` slots of ``slot_bytes``)::
     [64:72]  read_seq   int64  messages released by the reader (its own cache line)
     [128:]   slots; slot i = [length int64][payload], message ``seq`` in slot ``seq % n_slots``
 
-The writer waits until ``write_seq - read_seq < n_slots``, writes the payload and its length, then publishes
-``write_seq + 1``; the reader waits until ``write_seq > read_seq``, copies the payload out and publishes
-``read_seq + 1``. Each counter has one writer. Correctness relies on stores becoming visible in program order
-(x86-64's TSO), so the ring is selected automatically only on x86-64 hosts. A frame longer than a slot is sent
-over gloo instead; its slot carries the marker length ``-total`` so the receiver knows to take it from there, in
-order.
-
-Waiting polls: a tight loop first, then ``sched_yield``, then 50 us sleeps, so an idle engine does not hold a core;
-past ``timeout_s`` the wait raises ``RuntimeError`` naming the peer (a dead peer never publishes).
+Each counter has one writer; correctness relies on x86-64's TSO store ordering, so the ring is selected
+automatically only on x86-64 hosts. A frame longer than a slot goes over gloo; its slot carries the marker length
+``-total``. Waiting polls (spin, ``sched_yield``, then 50 us sleeps); past ``timeout_s`` it raises
+``RuntimeError`` naming the peer.
 """
 from __future__ import annotations
 
@@ -49,9 +39,8 @@ def _shm_dir() -> str:
 
 
 def remove_files_of(pids) -> int:
-    """Unlink the ring files created by the processes ``pids`` (named ``ppspec-<pid>-*``): what a rank killed
-    during the ring set-up (SIGTERM / SIGKILL: no ``finally`` runs) leaves behind. Returns how many were removed.
-    Call only once those processes have exited."""
+    """Unlink the ring files created by the exited processes ``pids`` (named ``ppspec-<pid>-*``). Returns how many
+    were removed."""
     import glob
     n = 0
     for pid in pids:

@@ -1,12 +1,10 @@
 """PP point-to-point messages, the parity-ordered ring exchange (the codec: :mod:`engine.relay_codec`) and the
 per-stage counters of a run (:class:`StageStats`).
 
-Device tensors of a message travel one of two ways (the plan's ``relay``): **device group** (NCCL; on CPU ranks a
-second gloo group, ``PPSPEC_RELAY_P2P=1``): the frame goes over the CPU group and the device tensors follow as one
-byte buffer over the device group, stream-ordered; **staged**: copied into the frame in one device->host copy per
-message. The frame goes over the CPU (gloo) group, or, when the plan's ``frames`` is ``shm``, through a
-shared-memory ring per ring edge (:mod:`engine.shm_ring`; a frame larger than its slot still goes over gloo, in
-order): one CPU-group send up to ``_FRAME`` bytes, two above.
+Device tensors travel by the plan's ``relay``: **device group** (NCCL; gloo on CPU with ``PPSPEC_RELAY_P2P=1``),
+one byte buffer after the frame, stream-ordered; or **staged** into the frame in one device->host copy. The frame
+goes over gloo or, with ``frames: shm``, through :mod:`engine.shm_ring`: one CPU-group send up to ``_FRAME`` bytes,
+two above.
 """
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class WireStats:
     """What this rank sent and received through :func:`send_msg` / :func:`recv_msg` since the last reset.
 
     messages: messages sent; bytes: bytes sent per top-level field (``relay.<field>`` for a relayed StepResult's
-    fields, ``frame`` for the whole CPU-group frame: pickle, host tensors and staged bytes); send_s / recv_s: host
-    seconds inside send (packing and the staging copy included) and receive (waiting and unpacking included)."""
+    fields, ``frame`` for the whole CPU-group frame); send_s / recv_s: host seconds inside send and receive."""
 
     messages: int = 0
     bytes: dict = dataclasses.field(default_factory=dict)
@@ -67,10 +64,8 @@ SHM = _Shm()
 
 
 def open_shm_frames(timeout_s: float, n_slots: int = 4, slot_bytes: int = 1 << 20) -> bool:
-    """Route this rank's PP frames to and from its ring neighbours through shared-memory rings. Collective over
-    the CPU group: every rank calls it once, at the same point, before its first message. An edge whose reader
-    cannot map the writer's file (another host), or whose writer cannot create one (shared memory full), keeps gloo;
-    returns whether both of this rank's edges use the ring."""
+    """Route this rank's PP frames through shared-memory rings (collective, before the first message); an edge
+    that cannot map or create its file keeps gloo. Returns whether both of this rank's edges use the ring."""
     import socket
     s = ps()
     close_shm_frames()
@@ -123,9 +118,8 @@ def send_msg(obj: dict, dst: int) -> None:
 
 
 def _send_frame(frame: torch.Tensor, dst: int, s) -> None:
-    """The frame to ``dst``: into the shared-memory ring toward it when there is one and the frame fits a slot (else
-    the ring carries the marker and the frame follows here), over the CPU group in one send up to ``_FRAME`` bytes,
-    two above."""
+    """The frame to ``dst``: into the shared-memory ring when there is one and the frame fits a slot, else over the
+    CPU group (one send up to ``_FRAME`` bytes, two above)."""
     if SHM.out is not None and dst == SHM.out_peer and SHM.out.put(frame.numpy(), frame.numel(), SHM.timeout_s):
         return
     if frame.numel() <= _FRAME:
@@ -173,10 +167,8 @@ def recv_msg(src: int) -> dict:
 def ring_exchange(obj: dict) -> dict:
     """Send ``obj`` to the next stage and receive from the previous one, round the PP ring.
 
-    Adjacent stages pair by pp_rank parity: even ranks send then receive, odd ranks receive then send. With
-    blocking sends every edge has one side that receives first, so no cycle of blocked sends can close, also for an
-    odd ring (the wrap edge P-1 -> 0 joins two even ranks, and the cycle breaks at rank 1). The device payload
-    follows the same order on the device group. Source: SGLang #30775 (``needs_pairing`` with the spec relay).
+    Adjacent stages pair by pp_rank parity (even ranks send then receive, odd ranks receive then send), so no cycle
+    of blocked sends can close, odd rings included. Source: SGLang #30775 (``needs_pairing`` with the spec relay).
     """
     s = ps()
     if s.pp_size == 1:
@@ -191,10 +183,7 @@ def ring_exchange(obj: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ per-stage counters
-# Phases of a tick of engine.worker.Worker.run: process (apply the collected result), schedule (admission and the
-# scheduler), forward (host time to build the inputs and launch the stage's steps, syncs inside included), send
-# and recv (the ring exchange). Context switches: getrusage of the process. Busy time: device events around each
-# batch's forward (CUDA, read at the end of the run) or the host clock on CPU. Definitions: docs/metrics.md.
+# Phases of a tick of engine.worker.Worker.run: process, schedule, forward, send, recv (docs/metrics.md).
 PHASES = ("process", "schedule", "forward", "send", "recv")
 
 

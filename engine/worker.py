@@ -1,16 +1,9 @@
-"""The per-rank event loop (``Worker.run``), one for every plan and topology. A tick:
+"""The per-rank event loop (``Worker.run``), one for every plan and topology. A tick: admit arrivals and, with no
+run in flight, schedule and ``launch`` the slot's next batch; ``chain`` further steps (at most ``depth`` in
+flight); ``collect`` the oldest step (under PP the ring exchange) and apply it (``Scheduler.process_output``).
 
-  1. admit the open-loop arrivals (``Worker.admit``); with no run in flight, schedule the slot's next batch on this
-     rank's scheduler replica and launch it (``launch``, engine.executors: the plan's loop);
-  2. while the executor allows (``chain``, at most ``depth`` steps in flight), launch the next step of the
-     same requests before the previous one is read back;
-  3. collect the oldest step in flight (``collect``; under PP the ring exchange) and apply its result
-     (``Scheduler.process_output``); once the run's steps are all read back it resumes (``chain``) or ends.
-
-Under PP (P = pp_size slots) tick t on stage p serves slot (t - p) mod P: stage p schedules the batch stage 0
-scheduled p ticks earlier (every replica processed the same results and admissions; stage 0 decides the admission
-count, later stages apply the relayed count), runs its layers (the last stage samples, verifies and tail-drafts,
-producing the batch's ``StepResult``) and exchanges in parity order: stage p sends {relay it processed, admission
+Under PP (P = pp_size slots) tick t on stage p serves slot (t - p) mod P; stage 0 decides the admission count,
+later stages apply the relayed count. Exchanges go in parity order: stage p sends {relay it processed, admission
 count, proxy, batch identity} to p+1, the last stage sends its new result to stage 0. All stages run the same
 number of ticks.
 """
@@ -37,9 +30,8 @@ EXECUTORS = {"lookahead": LookaheadExecutor, "spec_rounds": SpecRoundExecutor}  
 
 
 def _keep_roots(sampled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """``sampled`` [R] with the rows of re-prefilled requests (retracted: outputs already emitted) set to their
-    last output token: the re-prefill ran up to the token before it, so that token is the root again
-    (``Scheduler._retract``), whatever this sampling step drew."""
+    """``sampled`` [R] with the rows of re-prefilled (retracted) requests set to their last output token, the root
+    again (``Scheduler._retract``)."""
     again = [(i, r.output_ids[-1]) for i, r in enumerate(reqs) if r.output_ids]
     if not again:
         return sampled
@@ -53,9 +45,8 @@ _FROZEN_ENGINES = 0                       # in-process engines holding the start
 
 
 def freeze_startup_objects() -> int:
-    """Move every object alive after startup to the collector's permanent generation, so collections while serving
-    scan only newer objects (as SGLang and vLLM do: a full collection of the startup heap stalls one inter-token
-    gap). Counted per in-process engine (see ``thaw_startup_objects``). Returns the number frozen."""
+    """Move every object alive after startup to the collector's permanent generation (as SGLang and vLLM do).
+    Counted per in-process engine (see ``thaw_startup_objects``). Returns the number frozen."""
     global _FROZEN_ENGINES
     gc.collect()
     gc.freeze()
@@ -163,9 +154,8 @@ class Worker:
         called when the count of finished requests changes; ``stream(updates)``: after every applied step that
         committed tokens, ``updates`` a list of ``(index into reqs, new token ids)``, each token reported once.
 
-        All of ``reqs`` are queued or none (``Scheduler.add_all`` raises ConfigError). A batch whose forward raises
-        fails only its requests (finish_reason "error"). Any other exception leaves the scheduler empty and
-        propagates: KVCacheError when nothing can run, RelayError when the stages' schedules or messages disagree.
+        A batch whose forward raises fails only its requests (finish_reason "error"). Raises ConfigError (from
+        ``Scheduler.add_all``), KVCacheError when nothing can run, RelayError when the stages disagree.
         """
         sched = self.sched
         if rank_fault(self.config.fault, "fail_rank") == ps().rank:
@@ -266,9 +256,8 @@ class Worker:
         return failed
 
     def admit(self, inbox: dict | None = None) -> int | None:
-        """Open-loop arrivals whose time has passed move to the waiting queue before this tick's schedule: stage 0
-        decides the count from its clock (its TP ranks agree on the minimum), later stages apply the count relayed
-        in ``inbox["arrived"]``, so every replica admits the same requests. Returns the count, None if none pend."""
+        """Move arrived open-loop requests to the waiting queue (stage 0 decides the count, later stages apply
+        ``inbox["arrived"]``). Returns the count, None if none pend."""
         sched = self.sched
         if not sched.pending:
             return None

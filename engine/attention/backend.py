@@ -1,7 +1,5 @@
-"""Forward context and attention backends.
-
-A forward pass reads its batch layout from the module-level :class:`ForwardContext` (mini-sglang's
-pattern), so ``model.forward`` takes only ``(input_ids, positions)``.
+"""Forward context and attention backends. A forward reads its batch layout from the module-level
+:class:`ForwardContext` (mini-sglang's pattern), so ``model.forward`` takes only ``(input_ids, positions)``.
 
 Layout of one forward (B requests, T new tokens in total):
   * ``qo_indptr``   [B+1] python ints: request i's new tokens are rows qo_indptr[i]:qo_indptr[i+1].
@@ -9,13 +7,11 @@ Layout of one forward (B requests, T new tokens in total):
                     including the slots of its new tokens (written before attention).
   * ``custom_mask`` list of B bool tensors [q_len, kv_len] or None (None = causal, aligned to the end).
   * ``out_cache_loc`` [T] int64: the slot each new token's K/V is written to.
-  * ``device_layout`` (optional): a :class:`engine.attention.device.DeviceLayout` (page table, lengths, tail
-                    slots and masks as device tensors, nothing planned on the host); :func:`attend` then runs
-                    ``engine.attention.device`` instead of the backend (``kv_indices`` and ``qo_indptr`` unused).
+  * ``device_layout`` (optional): a :class:`engine.attention.device.DeviceLayout`; :func:`attend` then runs
+                    ``engine.attention.device`` (``kv_indices`` and ``qo_indptr`` unused).
   * ``tree_mask`` [B, n, n] bool (where the tree is: host, or device with ``spec_device_tree``) +
                     ``prefix_lens`` (B host ints): a verify forward; request i's mask is then
-                    ``[n, prefix_lens[i] + n]`` = all committed tokens, then its tree block
-                    (see :func:`request_masks`). ``custom_mask`` is None in that case.
+                    ``[n, prefix_lens[i] + n]`` (:func:`request_masks`); ``custom_mask`` is None then.
 With ``pool=None`` (training / reference) each request attends causally to its own new tokens only.
 """
 from __future__ import annotations
@@ -72,8 +68,7 @@ def get_context() -> ForwardContext:
 class TorchBackend:
     """Reference attention: one padded SDPA over K/V gathered from the slot pool (CPU, tests, GPU fallback).
 
-    ``prepare`` builds, once per forward, the padded layout [B, max_q] x [B, max_kv] and the boolean
-    mask (causal or the request's custom tree mask); each layer then does one gather and one SDPA.
+    ``prepare`` builds the padded layout [B, max_q] x [B, max_kv] and the boolean mask once per forward.
     """
 
     name = "torch"
@@ -142,8 +137,7 @@ _BACKEND = TorchBackend()
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int, scale: float) -> torch.Tensor:
     """Attention of one layer for the current context: q [T, Hq, D], k/v [T, Hk, D] or None (already stored)
-    -> [T, Hq, D]. With ``ctx.device_layout`` the new K/V are stored at ``out_cache_loc`` and
-    :func:`engine.attention.device.attention` runs over the device layout; otherwise the backend's ``forward``."""
+    -> [T, Hq, D]: :func:`engine.attention.device.attention` with ``ctx.device_layout``, else the backend's."""
     ctx = get_context()
     if ctx.device_layout is None:
         return _BACKEND.forward(q, k, v, layer, scale)

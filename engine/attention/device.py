@@ -1,5 +1,4 @@
-"""Paged attention planned on the device (Triton): the whole batch layout lives in device tensors, so one call can
-be captured in a CUDA graph and replayed with new lengths without host-side planning.
+"""Paged attention planned on the device (Triton): the batch layout lives in device tensors (capturable).
 
 Layout (:class:`DeviceLayout`, B lanes of Q query rows each):
   * ``req_to_token`` [R, max_len] int64: the KV slot of (row, position), as in SGLang's req_to_token pool.
@@ -11,14 +10,11 @@ Layout (:class:`DeviceLayout`, B lanes of Q query rows each):
 
   attention(q [B*Q, Hq, D], kv_cache [num_slots, 2, Hk, D], layout, scale, out=None) -> [B*Q, Hq, D]
 
-Query rows of lane b are rows b*Q .. b*Q+Q-1 of q; query head hq uses KV head hq // (Hq // Hk) (GQA). Result:
-softmax(scale * q.k) . v over the visible keys in float32, in q's dtype; zeros for a row that sees no key.
+Query rows of lane b are rows b*Q .. b*Q+Q-1 of q; query head hq uses KV head hq // (Hq // Hk) (GQA).
 
-Algorithm: split-KV decoding (Dao et al. 2023, "Flash-Decoding") with FlashAttention-2's online softmax per part;
-SGLang's Triton decode backend applies it to req_to_token addressing; the code is ours. Launch 1, grid (B, Hk,
-num_splits + 1): program s < num_splits walks one chunk of lane b's prefix, s == num_splits the masked tail; all
-M = Q*G query rows of a KV head form one tile; it writes partial o [B, Hk, S+1, M, D] and base-2 lse (-inf when
-empty), float32. Launch 2, grid (B*Q, Hq): merge the S+1 partials by their lse.
+Algorithm: split-KV decoding (Dao et al. 2023, "Flash-Decoding") with FlashAttention-2's online softmax per part,
+over req_to_token addressing as SGLang's Triton decode backend. Launch 1, grid (B, Hk, num_splits + 1): prefix
+chunks and the masked tail, partial o and base-2 lse in float32; launch 2, grid (B*Q, Hq): merge by lse.
 Used when :func:`enabled`; otherwise :func:`attention_ref` (plain torch, the CPU path and the reference twin).
 """
 from __future__ import annotations
@@ -62,9 +58,8 @@ def enabled(x: torch.Tensor) -> bool:
 def default_splits(batch_lanes: int, num_kv_heads: int, max_len: int, num_sms: int = 132,
                    block_n: int = BLOCK_N, max_splits: int = 64, waves: int = 4) -> int:
     """A static ``num_splits`` for B = ``batch_lanes`` lanes, ``num_kv_heads`` KV heads and prefixes of at most
-    ``max_len`` tokens: enough prefix programs (B * Hk * splits) for about ``waves`` x ``num_sms`` (several small
-    programs share an SM), at most one split per ``block_n`` block of ``max_len`` and at most ``max_splits`` (which
-    bounds the merge), at least 1."""
+    ``max_len`` tokens: about ``waves`` x ``num_sms`` prefix programs, at most one split per ``block_n`` block and
+    at most ``max_splits``, at least 1."""
     per_split = max(1, batch_lanes * num_kv_heads)
     splits = -(-waves * num_sms // per_split)
     return max(1, min(splits, -(-max(0, max_len) // block_n), max_splits))
@@ -108,9 +103,8 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout,
 
 
 def attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, scale: float) -> torch.Tensor:
-    """Plain-torch :func:`attention` (same shapes and result; the CPU path): one gather of the prefix slots padded to
-    the longest prefix (read on the host: not capturable), then the tail slots; a float32 softmax. q may have any
-    strides. Raises ValueError as :func:`check_layout`."""
+    """Plain-torch :func:`attention` (same shapes and result; not capturable). q may have any strides. Raises
+    ValueError as :func:`check_layout`."""
     B, Q, Qt, Hq, Hk, D = check_layout(q, kv_cache, layout)
     G = Hq // Hk
     lay = layout
@@ -244,7 +238,7 @@ if triton is not None:
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, scale: float,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged attention over a :class:`DeviceLayout` (module docstring): split-KV + online softmax, no host reads.
+    """Paged attention over a :class:`DeviceLayout` (module docstring), no host reads.
 
     Args:
         q: [B*Q, Hq, D] bf16/fp16 on CUDA (float32 under the interpreter); row stride free, ``q.stride(2) == 1``
@@ -257,9 +251,8 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: DeviceLayout, sca
         [B*Q, Hq, D] in q's dtype: softmax(scale * q.k) . v over each row's visible keys (float32 softmax),
         zeros for a row that sees no key. Without :func:`enabled` the result of :func:`attention_ref`.
     Raises:
-        ValueError: inconsistent shapes (q rows != B*Q, Hq % Hk != 0, head dims or layout shapes disagree,
-            num_splits < 1, a wrong ``out``), or for the kernels: non-unit inner strides, a non-contiguous
-            kv_cache, D not a power of two >= 16.
+        ValueError: inconsistent shapes or ``out``, num_splits < 1, or (kernels) non-unit inner strides, a
+            non-contiguous kv_cache, D not a power of two >= 16.
     """
     B, Q, Qt, Hq, Hk, D = check_layout(q, kv_cache, layout, out)
     if not enabled(q):

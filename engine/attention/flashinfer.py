@@ -1,23 +1,15 @@
 """FlashInfer attention backend (GPU): the semantics of :class:`engine.attention.backend.TorchBackend`, run by
-FlashInfer's paged kernels over the slot pool (page_size 1, NHD: the pool's ``[slots, 2, Hk, D]`` tensor
-viewed as FlashInfer's single-tensor layout ``[slots, 2, 1, Hk, D]``).
+FlashInfer's paged kernels over the slot pool (page_size 1, NHD: ``[slots, 2, Hk, D]`` viewed as
+``[slots, 2, 1, Hk, D]``).
 
-Per forward (``prepare``): the page table of the batch is flattened once (``kv_indptr`` from the
-lengths of ``ctx.kv_indices``, ``indices`` = their concatenation, ``last_page_len`` all ones) and one
-wrapper is planned:
-  * decode  (every request has q_len 1, no custom mask): ``BatchDecodeWithPagedKVCacheWrapper``
-            (tensor cores when the GQA group size has no CUDA-core kernel, i.e. not 1/2/3/4);
-  * extend  (no custom mask): ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``
-            (FlashInfer's causal mask is aligned to the end of the KV, as TorchBackend's);
-  * verify  (any custom mask): the prefill wrapper with ``custom_mask`` = the flattened per-request
-            masks (requests without a mask get the end-aligned causal mask explicitly).
-Per layer (``forward``): write the new K/V at ``ctx.out_cache_loc`` (one indexed copy when they are adjacent
-views of the QKV output), then ``wrapper.run`` (no host sync).
-
-``plan`` needs the number of query heads and the softmax scale, which a ForwardContext does not carry:
-the backend learns them per KV pool at that pool's first forward (planning lazily in layer 0 then) and
-plans in ``prepare`` from then on. Dense mode (``ctx.pool is None``: training / reference) is handed to
-TorchBackend. Supported dtypes: bfloat16 and float16 (FlashInfer has no float32 kernels: ConfigError).
+``prepare`` flattens the batch's page table and plans one wrapper:
+  * decode  (q_len 1, no custom mask): ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when the GQA group
+            size is not 1/2/3/4);
+  * extend  (no custom mask): ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (end-aligned);
+  * verify  (any custom mask): the prefill wrapper with the flattened per-request masks.
+``forward`` writes the new K/V at ``ctx.out_cache_loc`` then runs the wrapper (no host sync). The head counts and
+scale are learned per KV pool at its first forward (planned lazily in layer 0 then). Dense mode (``ctx.pool is
+None``) goes to TorchBackend. Dtypes: bfloat16 and float16 (float32 raises ConfigError).
 """
 from __future__ import annotations
 
@@ -35,9 +27,8 @@ _CUDA_CORE_GROUPS = (1, 2, 3, 4)          # GQA group sizes FlashInfer's CUDA-co
 
 
 def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
-    """Whether a decode wrapper uses tensor cores (FlashInfer's prefill kernels run with q_len 1): always for
-    GQA group sizes its CUDA-core decode kernel does not dispatch (only 1/2/3/4 are), and for groups of at least
-    ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (0: never), where one tensor-core tile serves all query heads of a KV head."""
+    """Whether a decode wrapper uses tensor cores: for GQA group sizes other than 1/2/3/4, and for groups of at
+    least ``PPSPEC_FI_DECODE_TC_MIN_GROUP`` (0: never)."""
     group = num_qo_heads // num_kv_heads
     knob = knobs.current().fi_decode_tc_min_group
     return group not in _CUDA_CORE_GROUPS or (knob > 0 and group >= knob)
@@ -45,8 +36,7 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
 
 def page_table(kvs: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-request KV slot lists (page_size 1) into FlashInfer's page table:
-    (kv_indptr int32 [B+1] on the host, indices int32 [sum len] on ``dev``). Host lists are
-    concatenated first, so the table costs one (pinned, asynchronous) host->device copy."""
+    (kv_indptr int32 [B+1] on the host, indices int32 [sum len] on ``dev``)."""
     kv_indptr = torch.zeros(len(kvs) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.tensor([int(k.numel()) for k in kvs], dtype=torch.int64).cumsum(0).to(torch.int32)
     if all(k.device.type == "cpu" for k in kvs):
@@ -165,8 +155,7 @@ class FlashInferBackend:
             w.plan(p["qo_indptr"], p["kv_indptr"], p["indices"], p["last_page_len"], hq, hk, d, 1,
                    causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         else:
-            # FlashInfer packs the bool mask on the device (segment_packbits), so its indptrs go there
-            # too; plan() then reads them back: one host sync per verify forward, here in prepare.
+            # FlashInfer packs the bool mask on the device; plan() reads the indptrs back (one host sync)
             dev = p["indices"].device
             w, slot = self._wrapper("verify", False)
             w.plan(p["qo_indptr"].to(dev), p["kv_indptr"].to(dev), p["indices"], p["last_page_len"].to(dev),

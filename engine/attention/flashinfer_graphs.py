@@ -1,14 +1,12 @@
 """Graph-mode FlashInfer attention for captured forwards: stable page-table buffers, one graph-mode wrapper per
-(kind, size), and the host re-plan before each replay (a captured forward reads all attention metadata from the
-buffers its wrapper was built over, so a re-planned graph stays valid).
+(kind, size), re-planned on the host before each replay.
 
   * :class:`StageGraphAttention`   decode / verify forwards of a stage over a batch-size ladder;
   * :class:`PrefillGraphAttention` one-request causal prefills over token buckets (a workspace of its own);
   * :class:`DraftGraphAttention`   the EAGLE draft steps (a decode wrapper per step) and the causal draft extend.
 
-``capture_*`` create the wrapper of one size and plan it for a dummy batch; ``bind*`` point a
-:class:`~engine.attention.backend.ForwardContext` at it (so the backend plans nothing inside the graph); ``plan*``
-re-plan it for the next replay. Plan key: (Hq, Hk, D, softmax scale, dtype) (:func:`plan_key`). Page size 1, NHD.
+``capture_*`` create and plan a wrapper for a dummy batch; ``bind*`` point a ForwardContext at it; ``plan*``
+re-plan it. Plan key: (Hq, Hk, D, softmax scale, dtype) (:func:`plan_key`). Page size 1, NHD.
 """
 from __future__ import annotations
 
@@ -44,9 +42,7 @@ class _GraphPlans:
         self.plan_events: dict = {}
 
     def _wait_plan(self, key) -> None:
-        """Before re-planning wrapper ``key``: plan() stages its metadata in the wrapper's pinned buffer and copies
-        it asynchronously, and (overlap schedule) the previous plan's copy may still be queued behind the step in
-        flight."""
+        """Before re-planning wrapper ``key``: wait for its previous plan's asynchronous copy from the pinned buffer."""
         ev = self.plan_events.get(key)
         if ev is not None:
             ev.synchronize()
@@ -68,7 +64,6 @@ class _GraphPlans:
 
 class StageGraphAttention(_GraphPlans):
     """Decode / verify attention of a stage's captured forwards, batch sizes up to ``max_bs``.
-
     Args: backend (FlashInferBackend), key (plan key), dev, max_bs (requests), q_len ({"decode": 1,
     "verify": n}: query rows per request of each kind captured), max_kv (KV slots per request, at most).
     Buffers (int32 on ``dev``): kv_indptr [max_bs+1], kv_indices [max_bs*max_kv], last_page [max_bs], qo_indptr
@@ -111,9 +106,8 @@ class StageGraphAttention(_GraphPlans):
 
     def plan(self, kind: str, bs: int, kvs: list[torch.Tensor], masks: list[torch.Tensor] | None,
              packed: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
-        """Plan the graph wrapper of (kind, bs) for the per-request KV slot lists ``kvs`` (``bs`` of
-        them, padding included); verify: ``masks`` (CPU bool [q_len, kv_len] per request, packed here)
-        or ``packed`` = (bit-packed masks already on the device, byte indptr [bs+1] int32 numpy)."""
+        """Plan the graph wrapper of (kind, bs) for the ``bs`` per-request KV slot lists ``kvs``; verify: ``masks``
+        (CPU bool [q_len, kv_len] per request) or ``packed`` = (device packed masks, byte indptr [bs+1] int32)."""
         w = self.wrappers[(kind, bs)]
         hq, hk, D, scale, dtype = self.key
         self._wait_plan((kind, bs))
@@ -132,15 +126,13 @@ class StageGraphAttention(_GraphPlans):
             packed_dev, byte_indptr = packed
         w.plan(qo, indptr, indices, last, hq, hk, D, 1, packed_custom_mask=packed_dev, q_data_type=dtype,
                kv_data_type=dtype, sm_scale=scale)
-        # FlashInfer's kernel offsets the packed mask by mask_indptr in *bytes* (per-request padded
-        # segments); plan() derives a bit-count indptr when handed a packed mask, so set ours.
+        # the kernel offsets the packed mask by mask_indptr in bytes; plan() would derive a bit count
         self.mask_indptr[:bs + 1].copy_(torch.from_numpy(byte_indptr), non_blocking=True)
         self._record_plan((kind, bs))
 
     def plan_for_replay(self, ctx: ForwardContext, bs: int) -> None:
         """Re-plan wrapper (ctx.mode, bs) for the B requests of ``ctx`` (q_len new tokens each; verify: its
-        ``tree_mask`` [B, n, n] and ``prefix_lens``); requests B..bs are padding: q slots at slot 0, prefix 0 and
-        an all-ones tree block."""
+        ``tree_mask`` [B, n, n] and ``prefix_lens``); requests B..bs are padding at slot 0."""
         kind = ctx.mode
         q = self.q_len[kind]
         pad = bs - (len(ctx.qo_indptr) - 1)
@@ -185,8 +177,7 @@ class PrefillGraphAttention(_GraphPlans):
         self._wait_plan(Tb)
         hq, hk, D, scale, dtype = self.key
         indptr = torch.tensor([0, Tb], dtype=torch.int32)
-        # no split-KV: one request of Tb queries fills the SMs with query tiles, and a graph-mode plan with split-KV
-        # sizes its merge buffers for the largest grid (at the 8B shape, 2048 tokens: more than the workspace)
+        # no split-KV: a graph-mode split-KV plan sizes its merge buffers for the largest grid (past the workspace)
         w.plan(indptr, indptr, loc.to(torch.int32), torch.ones(1, dtype=torch.int32), hq, hk, D, 1,
                causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, disable_split_kv=True)
         self._record_plan(Tb)
@@ -195,7 +186,7 @@ class PrefillGraphAttention(_GraphPlans):
 class DraftGraphAttention(_GraphPlans):
     """Attention of the captured EAGLE draft: draft steps ``s = 1 .. num_steps-1`` (a decode wrapper and page
     table per step and batch size, up to ``max_lanes`` lanes) and, with ``extend_bs`` > 0, the causal draft
-    extend of up to ``extend_bs`` requests. Per-request KV lists hold at most ``max_kv`` slots.
+    extend of up to ``extend_bs`` requests, at most ``max_kv`` slots each.
     Buffers (int32 on ``dev``): ``steps[s]`` = kv_indptr [max_lanes+1], kv_indices [max_lanes*max_kv], last_page
     [max_lanes]; extend: e_qo, e_kv_indptr [extend_bs+1], e_kv_indices [extend_bs*max_kv], e_last_page [extend_bs].
     """

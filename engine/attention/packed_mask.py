@@ -1,13 +1,10 @@
 """FlashInfer's bit-packed custom-mask format, and the packing of EAGLE verify masks into it.
 
-Layout: each request's bool mask ``[q_len, kv_len]`` is flattened row-major and packed in little bit order
-(element i of a request is bit ``i % 8`` of its byte ``i // 8``), each request padded to whole bytes; a byte indptr
-int32 ``[B+1]`` gives where request b starts. FlashInfer's graph-mode prefill wrapper reads the mask from the
-byte offsets of this indptr.
+Each request's bool mask ``[q_len, kv_len]`` is flattened row-major, packed little-endian by bit (element i is bit
+``i % 8`` of byte ``i // 8``) and padded to whole bytes; a byte indptr int32 ``[B+1]`` gives each request's start.
 
-:func:`pack_masks` packs arbitrary host masks (numpy); :func:`pack_verify_mask` packs verify masks (all
-committed tokens visible, then a tree block) where the tree is: one Triton launch for CUDA tensors when
-:func:`triton_enabled`, numpy for host tensors, plain torch otherwise.
+:func:`pack_masks` packs host masks (numpy); :func:`pack_verify_mask` packs verify masks (committed tokens, then
+the tree block): Triton for CUDA tensors when :func:`triton_enabled`, numpy for host tensors, torch otherwise.
 """
 from __future__ import annotations
 
@@ -82,9 +79,8 @@ def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tens
                      out: Tensor | None = None) -> tuple[Tensor, np.ndarray]:
     """Bit-pack the verify attention masks on ``tree_mask``'s device, without a host copy.
 
-    Request b's mask is ``[n, L_b + n]``: every query sees its L_b committed tokens, then the
-    ``tree_mask [B, n, n]`` bool block; rows are packed row-major, little bit order, each request
-    padded to whole bytes (the layout of :func:`pack_masks` and FlashInfer).
+    Request b's mask is ``[n, L_b + n]``: its L_b committed tokens, then the ``tree_mask [B, n, n]`` bool block,
+    in the module's packed layout.
     ``prefix_lens``: the L_b (host ints); ``prefix_dev``: the same as int64 on the device (copied if
     None); ``out``: optional uint8 buffer to fill (its first ``indptr[-1]`` bytes).
     Returns (packed uint8 [indptr[-1]] on the device, byte indptr int32 [B+1] numpy).

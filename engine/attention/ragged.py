@@ -21,16 +21,9 @@ def _head_run(slots: torch.Tensor) -> int:
 
 class RaggedTorchBackend(TorchBackend):
     """Per-request attention over the slot pool (the CPU default); :class:`TorchBackend` is its reference twin.
-
-    Same inputs and semantics as :class:`TorchBackend` (causal aligned to the end, or the request's custom / tree
-    mask), but nothing is padded and no B x max_q x max_kv mask is built: each request runs alone.
-
-    * Many new tokens (prefill, more than ``RAGGED_VIEW_MAX_Q``): one SDPA per request (``is_causal`` when the
-      request's new tokens are its whole context, the end-aligned mask otherwise), K/V read as a view of the pool
-      when the request's slots are one run of consecutive ids, else gathered; GQA without repeating heads.
-    * Few new tokens (decode, verify): the leading run of consecutive slots (the prompt, allocated at admission) is
-      read in place as a view and only the rest is gathered; scores of both parts are concatenated, masked,
-      softmaxed once and applied to each part (exact, no K/V copy of the prompt).
+    Same inputs and semantics as :class:`TorchBackend`, without padding: each request runs alone (one SDPA per
+    request above ``RAGGED_VIEW_MAX_Q`` new tokens; below it the leading run of consecutive slots is read as a view
+    of the pool and only the rest gathered).
     """
 
     name = "ragged"

@@ -1,15 +1,10 @@
-"""Greedy token selection (Triton): row-wise argmax over the vocabulary in two small launches.
-
-torch's argmax over a few rows of a large vocabulary (e.g. [1-4, 49,152]) runs on few thread blocks, and it runs
-once per decode step and once per speculative verify / draft step. Here pass 1 (grid rows x blocks) takes the max and its first index of each ``BLOCK`` slice;
-pass 2 (grid rows) picks the largest value and, among equal values, the smallest index. The logits are read in
-their own dtype (argmax of bf16 equals argmax of its float32 cast), so the float32 copy is skipped too.
+"""Greedy token selection (Triton): row-wise argmax over the vocabulary in two launches (pass 1: max and first
+index per ``BLOCK`` slice; pass 2: the largest value, ties to the smallest index), in the logits' own dtype.
 
   argmax_rows(x [R, V] float (row stride free, inner contiguous)) -> [R] int64
 
-Semantics = ``torch.argmax(x, -1)`` for finite and -inf values: the first index of the maximum (a row of -inf
-gives 0). NaN is not ordered (torch returns a NaN's index; logits are never NaN here). Used when :func:`enabled`
-(CUDA + Triton, or Triton's CPU interpreter ``TRITON_INTERPRET=1``); otherwise ``torch.argmax``.
+Semantics = ``torch.argmax(x, -1)`` for finite and -inf values (a row of -inf gives 0; NaN is not ordered).
+Used when :func:`enabled` (CUDA + Triton, or ``TRITON_INTERPRET=1``); otherwise ``torch.argmax``.
 """
 from __future__ import annotations
 
@@ -63,8 +58,7 @@ if triton is not None:
 
 def argmax_rows(x: torch.Tensor, index_map: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for ``x [R, V]`` (see the module doc): [R] int64 on x's device, no host sync.
-    ``index_map`` [V] int64 (optional): return ``index_map[argmax]`` instead, looked up inside the final launch
-    (a draft vocabulary's hot ids, :mod:`engine.speculative.token_map`)."""
+    ``index_map`` [V] int64 (optional): return ``index_map[argmax]`` instead (looked up in the final launch)."""
     if not enabled(x) or x.dim() != 2:
         best = x.argmax(-1)
         return best if index_map is None else index_map[best]

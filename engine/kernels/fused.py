@@ -1,26 +1,22 @@
 """Fused GPU kernels with torch reference fallbacks: RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE.
 
-On CUDA tensors of dtype bfloat16/float16, outside autograd, these dispatch to FlashInfer's fused
-kernels (``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``, ``flashinfer.activation.silu_and_mul``,
-``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``: one launch each instead of 5-12 eager torch
-ops); everywhere else (CPU, float32, training) the torch reference code runs. ``PPSPEC_FUSED=0``
-forces the reference path (used by tests to compare the two on the GPU).
+On CUDA bfloat16/float16 tensors outside autograd these dispatch to FlashInfer (``flashinfer.norm.rmsnorm`` /
+``fused_add_rmsnorm``, ``flashinfer.activation.silu_and_mul``,
+``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``); elsewhere, or with ``PPSPEC_FUSED=0``, the torch
+reference runs.
 
-Also the programmatic dependent launch (PDL) gate of the engine's own Triton kernels (:func:`launch_kwargs`):
-a kernel launched with PDL starts while its predecessor drains. Contract of every such kernel (``USE_PDL``
-constexpr): each program calls ``gdc_wait()`` before it reads any activation or writes any output, reads only
-never-written tensors (weights) before the wait, and calls ``gdc_launch_dependents()`` right after the wait (so
-only the next kernel launches early; completion stays transitive along the stream). On for CUDA devices of compute
-capability >= 9, Triton with ``gdc_wait``, not under the interpreter, ``PPSPEC_PDL`` not 0. Mechanism: CUDA's
-"Programmatic Dependent Launch and Synchronization".
+:func:`launch_kwargs` gates programmatic dependent launch (PDL) of the engine's Triton kernels. Contract of every
+``USE_PDL`` kernel: each program calls ``gdc_wait()`` before reading any activation or writing any output, reads
+only weights before it, and calls ``gdc_launch_dependents()`` right after. On for CUDA compute capability >= 9,
+Triton with ``gdc_wait``, no interpreter, ``PPSPEC_PDL`` not 0.
 
 Semantics (both paths):
   * ``rmsnorm(x [T, H], w [H], eps) -> [T, H]``: x / sqrt(mean(x^2) + eps) * w, statistics in float32.
   * ``add_rmsnorm(x, residual, w, eps) -> (normed, residual + x)``: the FlashInfer path updates
-    ``x`` and ``residual`` in place (both must be owned by the caller: fresh activations).
+    ``x`` and ``residual`` in place (both must be owned by the caller).
   * ``silu_and_mul(x [T, 2I]) -> [T, I]``: silu(x[:, :I]) * x[:, I:].
   * ``rope(positions [T] int64, q [T, Hq, D], k [T, Hk, D], cos_sin [P, D] float32)``: Neox-style
-    (rotate-half) rotation; the FlashInfer path rotates q and k in place (views are fine).
+    (rotate-half) rotation; the FlashInfer path rotates q and k in place.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for one-row decode at large hidden sizes.
-
-Each program owns BLOCK_N weight rows, streams them once over K in [BLOCK_N, BLOCK_K] tiles and multiplies by the
-activation vector on the CUDA cores (no tensor cores, no split-K reduce); with ``prefetch`` two weight tiles are in
-flight, and under PDL (:func:`engine.kernels.fused.launch_kwargs`) the first tile loads before the wait. The layout
-is the classic batch-1 decode GEMV (FasterTransformer / TensorRT-LLM, gpt-fast's int8 decode); the code is ours.
+"""Batch-1 GEMV kernels (Triton) with fused add-RMSNorm / SiLU-and-mul, for one-row decode (the classic batch-1
+decode GEMV of FasterTransformer / gpt-fast; each program streams BLOCK_N weight rows once over K).
 
   * ``linear(x, W, bias)``: y = x W^T (+ bias).
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (rounded to x's dtype), y = rmsnorm(h) W^T
@@ -11,9 +7,8 @@ is the classic batch-1 decode GEMV (FasterTransformer / TensorRT-LLM, gpt-fast's
   * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u (W [2I, K]: gate rows
     then up rows); returns (y [1, I], h).
 
-The norm is folded: rmsnorm(h) W^T = rstd * ((h * gamma) W^T), sum(h^2) accumulated in the weight loop, so the
-normalised activation is not rounded to bf16 as in the unfused path: results agree within bf16 rounding. Program 0
-writes h, bit-exact with x + residual rounded to x's dtype.
+The norm is folded (rmsnorm(h) W^T = rstd * ((h * gamma) W^T)), so results agree with the unfused path within bf16
+rounding; h is bit-exact.
 
 Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K], W [N, K] contiguous of x's dtype,
 bias [N] or None. Outputs are fresh [1, N] / [1, K] tensors of x's dtype; float32 accumulation.

@@ -1,7 +1,5 @@
-"""Fused RoPE + KV store (Triton): one launch per layer rotates q in place and writes the rotated k and
-v straight into the KV pool, where the GPU path otherwise runs FlashInfer's RoPE kernel and then an
-indexed copy (fewer kernels per decode step; SGLang fuses the same pair in its
-``apply_rope_with_cos_sin_cache_inplace`` + ``set_kv_buffer`` path for some backends).
+"""Fused RoPE + KV store (Triton): one launch per layer rotates q in place and writes the rotated k and v into the
+KV pool (SGLang fuses the same pair in ``apply_rope_with_cos_sin_cache_inplace`` + ``set_kv_buffer``).
 
 Semantics (= ``kernels.rope_ref`` then ``KVPool.store``): Neox-style rotation in float32,
 ``x * cos + rotate_half(x) * sin``, cast back to the pool dtype.
@@ -10,8 +8,7 @@ Semantics (= ``kernels.rope_ref`` then ``KVPool.store``): Neox-style rotation in
              contiguous), cos_sin [P, D] float32 (cos half, then sin half), kv_cache [slots, 2, Hk, D],
              loc [T] int64, Hq, Hk, D) -> None
 
-Used when :func:`enabled` (CUDA bf16/fp16, Triton importable, ``PPSPEC_ROPE_STORE`` unset or 1; =0 gives the
-two-kernel path). On by default: one launch per layer instead of two. Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+Used when :func:`enabled` (CUDA bf16/fp16, Triton importable, ``PPSPEC_ROPE_STORE`` unset or 1).
 """
 from __future__ import annotations
 

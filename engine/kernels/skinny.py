@@ -1,21 +1,14 @@
-"""Skinny GEMMs with fused prologues (Triton): the decode-time linears of a Llama layer, few rows each.
-
-The element-wise step is folded into the GEMM that consumes it, so a layer runs 6 launches instead of 9 (the idea
-of gpt-fast's compiled decode and TensorRT-LLM's GEMV plugins; the code is ours):
+"""Skinny GEMMs with fused prologues (Triton): the decode-time linears of a Llama layer, few rows each (the idea of
+gpt-fast's compiled decode and TensorRT-LLM's GEMV plugins).
 
   * ``norm_linear(x, residual, gamma, eps, W, bias)``: h = x + residual (bf16 round), y = rmsnorm(h) W^T (+ bias);
     returns (y, h). Without a residual: h = x.
   * ``norm_gate_up(x, residual, gamma, eps, W)``: [g | u] = rmsnorm(h) W^T, y = silu(g) * u, one launch.
-  * ``linear(x, W)``: y = x W^T, no prologue (o_proj, down_proj): no cuBLAS split-K reduce kernel.
-
-The norm prologue makes a statistics pass over the activation row first, then normalises each K tile before its
-product; SiLU-and-mul runs in gate_up's epilogue. Each program owns BLOCK_N output columns for BLOCK_M = 16 rows
-(one ``tl.dot`` tile) and streams its weight strip once.
+  * ``linear(x, W)``: y = x W^T, no prologue (o_proj, down_proj).
 
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K] contiguous,
 bias [N] or None; outputs [M, N] / [M, K] are fresh tensors of x's dtype (the residual is never updated in place).
-Float32 accumulation and statistics; the normalised activation is rounded to the input dtype before the product,
-as the unfused path (FlashInfer's norm, then cuBLAS) does.
+Float32 accumulation and statistics; the normalised activation is rounded to the input dtype before the product.
 Dispatch (:func:`use`): CUDA bf16/fp16, ``PPSPEC_SKINNY`` not 0, at most :data:`MAX_ROWS` rows, weights of at most
 ``PPSPEC_SKINNY_MAX_W`` elements; under Triton's interpreter only with ``PPSPEC_SKINNY=1``. Raises ValueError for
 layouts the kernels do not take.

@@ -47,8 +47,7 @@ class _Routed(nn.Module):
 
 class NormLinear(_Routed):
     """add-RMSNorm then a column-parallel linear (QKV): (hidden [T, K], residual [T, K] or None) ->
-    (linear(rmsnorm(hidden + residual)) [T, N], hidden + residual [T, K]; hidden when residual is None).
-    ``norm`` None (EAGLE's draft layer): the norm is the identity and the unfused path runs."""
+    (linear(rmsnorm(hidden + residual)) [T, N], hidden + residual [T, K]). ``norm`` None: identity norm."""
 
     def __init__(self, norm: nn.Module | None, linear: nn.Module, op: str = "qkv"):
         super().__init__(linear, op)

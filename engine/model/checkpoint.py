@@ -14,9 +14,7 @@ import torch
 
 from .config import ModelConfig
 
-# End-of-turn markers of common chat templates. One of them counts as an EOS id when the model's
-# chat template uses it and the vocabulary has it: GGUF/HF metadata often names only one EOS
-# (the base model's document end, or the template's), and generation must stop at both.
+# End-of-turn markers of common chat templates: an EOS id when the chat template uses it and the vocabulary has it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -30,9 +28,7 @@ def dedup_ids(ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-# ---------------------------------------------------------------------------------------------
-# HF directory metadata
-# ---------------------------------------------------------------------------------------------
+# -------------------- HF directory metadata
 
 def layer_of(name: str) -> int | None:
     m = _LAYER_RE.match(name)
@@ -80,11 +76,8 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.fl
                   layers_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Random HF-named weights for ``--load-format dummy``: normal(0, 0.02), norm weights 1.
 
-    Each tensor is drawn from its own generator seeded by ``(seed, name)``, so a tensor's values do
-    not depend on which other tensors are generated: a PP stage that asks only for its layers gets
-    exactly the values the whole model would have. ``device``: where to draw them (default CPU); a
-    CUDA device draws with its own generator (other values than CPU's, same on every rank) in a
-    fraction of the time: the CPU's single-threaded draw of a Llama-3-8B shape took ~60 s.
+    Each tensor is drawn from its own generator seeded by ``(seed, name)``, so a PP stage gets exactly the
+    whole model's values. ``device``: where to draw them (default CPU; CUDA values differ from CPU's).
     ``layers_only``: decoder-layer tensors only (no embedding, final norm or LM head).
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -101,11 +94,8 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.fl
 def save_hf_checkpoint(directory: str | Path, cfg: ModelConfig,
                        state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        tokenizer=None) -> Path:
-    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (+ tokenizer files).
-
-    ``lm_head.weight`` is dropped when the config ties embeddings; tensors sharing storage are
-    copied so safetensors accepts them. Returns the directory.
-    """
+    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (+ tokenizer files); ``lm_head.weight``
+    is dropped when the config ties embeddings. Returns the directory."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

@@ -26,9 +26,7 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 
-# ---------------------------------------------------------------------------------------------
-# GGUF metadata
-# ---------------------------------------------------------------------------------------------
+# -------------------- GGUF metadata
 
 @functools.lru_cache(maxsize=4)
 def _gguf_reader(path: str):
@@ -145,9 +143,7 @@ def gguf_to_hf_name(name: str) -> str:
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's rotary row permutation of a q/k projection (weight or bias).
 
-    llama.cpp stores each head's rows as interleaved (real, imag) rotary pairs; Hugging Face keeps
-    the two halves of the head contiguous. Per head the GGUF row order is
-    ``[x0, x_{d/2}, x1, x_{d/2+1}, ...]``; this restores ``[x0, x1, ..., x_{d/2}, ...]``.
+    Per head the GGUF row order is ``[x0, x_{d/2}, x1, x_{d/2+1}, ...]``; this restores ``[x0, x1, ..., x_{d/2}, ...]``.
     """
     rows = w.shape[0]
     if rows % (2 * n_head):

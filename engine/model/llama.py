@@ -82,10 +82,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer; ``input_norm`` False (EAGLE's draft layer): no input RMSNorm.
-
-    Its linears run through engine/model/blocks.py, which picks the GEMV / skinny / unfused kernels per weight
-    (add-RMSNorm folded into QKV and gate_up, SiLU-and-mul into gate_up's epilogue on the fused paths)."""
+    """One decoder layer (linears through engine/model/blocks.py); ``input_norm`` False (EAGLE's draft layer): no
+    input RMSNorm."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype, input_norm: bool = True):
         super().__init__()
@@ -142,8 +140,7 @@ class LlamaForCausalLM(nn.Module):
       -> non-last stage: (hidden, residual) proxies [T, H];
          last stage: (feature [T, H], None) where feature = final-norm output (the EAGLE feature).
     ``aux`` (EAGLE-3): a list of [T, H] tensors (the slots received from earlier stages, in layer order) or None;
-    when a list, the output (hidden + residual) of every layer of this stage listed in ``aux_layers`` (global ids,
-    ascending) is appended to it, so the list stays in global layer order. None: nothing is captured.
+    the output (hidden + residual) of every layer of this stage in ``aux_layers`` (global ids) is appended to it.
     ``compute_logits(feature [R, H]) -> [R, V]`` on the last stage.
     """
 

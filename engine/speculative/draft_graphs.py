@@ -1,9 +1,7 @@
-"""CUDA graphs of the EAGLE draft: the tail-draft beam search, and optionally the draft extend after a verify
-followed by the beam search, captured as one graph per batch size of the ladder (:func:`engine.graphs.ladder`),
-so a round's drafting is one replay with no host sync. Attention: graph-mode FlashInfer wrappers
-(:class:`engine.attention.flashinfer_graphs.DraftGraphAttention`), re-planned on the host before each replay.
-EAGLE-1/2 and EAGLE-3 drafts alike: the beam search feeds the draft its own hidden [*, H]; the draft extend reads
-the target feature of the draft's ``feature_size`` (H for EAGLE-1/2, the 3H aux features for EAGLE-3).
+"""CUDA graphs of the EAGLE draft: the tail-draft beam search, optionally preceded by the draft extend after a
+verify, one graph per batch size of :func:`engine.graphs.ladder`, attention through
+:class:`engine.attention.flashinfer_graphs.DraftGraphAttention`. The draft extend reads a feature of the draft's
+``feature_size`` (H for EAGLE-1/2, 3H for EAGLE-3).
 """
 from __future__ import annotations
 
@@ -17,15 +15,10 @@ from .eagle_worker import draft_beam_search, scratch_slots
 
 
 class DraftGraphRunner:
-    """The EAGLE tail-draft beam search (``eagle_worker.draft_beam_search``: step-0 top-k, S-1 draft
-    decode steps over B*k lanes, beam selection, ``organize_draft_results``) captured as ONE CUDA graph
-    per batch size of the ladder.
-
-    Each draft step s has its own graph-mode FlashInfer decode wrapper (own plan) and page-table buffers. Before
-    a replay the host plans every step from what it knows: lane (b, j) at step s attends to
-    ``rows[b][:L_new[b]]`` followed by s slots of its beam ancestry; the ancestry depends on the beam choices, so
-    the graph itself writes it (``hist``) into the page table at host-computed positions (``hist_pos``) before
-    that step's attention. Padding requests (B..bs) attend to slot 0.
+    """``eagle_worker.draft_beam_search`` captured as ONE CUDA graph per batch size of the ladder.
+    Lane (b, j) at step s attends to ``rows[b][:L_new[b]]`` then s slots of its beam ancestry, which the graph
+    writes (``hist``) into the page table at host-computed positions (``hist_pos``). Padding requests attend to
+    slot 0.
 
     Args: runner (ModelRunner with ``draft``, ``draft_pool``, ``spec``), max_bs (largest captured batch),
     extend (also capture draft extend + beam search per batch size, :meth:`run_round`).
@@ -73,9 +66,8 @@ class DraftGraphRunner:
 
     # ------------------------------------------------------------------------------------ plan
     def _host_layout(self, bs: int, rows: list[torch.Tensor], L_new: list[int]):
-        """Per step s: (kv_indptr [lanes+1] int32, kv_indices [sum] int32 with zeros where the graph writes
-        the ancestry, hist_pos [lanes*s] int64, positions [lanes] int64), host numpy; scratch [bs,k,S-1].
-        Raises RuntimeError when a page table exceeds the captured buffer (lanes * max_kv slots)."""
+        """Per step s: (kv_indptr [lanes+1] int32, kv_indices [sum] int32, hist_pos [lanes*s] int64, positions
+        [lanes] int64), host numpy. Raises RuntimeError when a page table exceeds the captured buffer."""
         k, S, B = self.k, self.S, len(rows)
         lanes = bs * k
         pad = (bs - B) * k
@@ -154,13 +146,11 @@ class DraftGraphRunner:
         self.outputs[key] = out
 
     # ------------------------------------------------------------------------------------ replay
-    # Replays run under inference mode like the capture: FlashInfer's wrappers were built there, and their
-    # plan() writes in place into buffers they own (an inference tensor may not be updated outside it).
+    # replays run under inference mode like the capture (plan() writes into inference tensors)
     @torch.inference_mode()
     def run(self, last_hidden: torch.Tensor, rows: list[torch.Tensor], L_new: list[int]):
         """Replay for B = len(rows) requests (``last_hidden`` [B, H] on the device, ``rows`` host int64 slot rows,
-        ``L_new`` committed lengths); returns views (draft_tokens [B, n-1], parent_list [B, P], top_scores_index
-        [B, n-1]) of the graph's outputs, valid until its next replay."""
+        ``L_new`` committed lengths); returns views (draft_tokens, parent_list, top_scores_index) of its outputs."""
         B = len(rows)
         bs = pick(self.bs_list, B)
         self.last_h[:B].copy_(last_hidden)
@@ -176,8 +166,7 @@ class DraftGraphRunner:
                   locs: torch.Tensor, kv: list[torch.Tensor], last: torch.Tensor, rows: list[torch.Tensor],
                   L_new: list[int]):
         """Replay draft extend + beam search after a verify (``extend=True``). Host inputs, W rows per request:
-        ``fidx`` [B*W] rows of ``feature`` (what the draft reads per verify node, device, [B*n, draft.feature_size]:
-        the verify hidden states, or EAGLE-3's aux features), ``ids``/``pos``/``locs`` [B*W]
+        ``fidx`` [B*W] rows of ``feature`` (device, [B*n, draft.feature_size]), ``ids``/``pos``/``locs`` [B*W]
         int64, ``kv`` per-request KV lists (``L + W`` slots), ``last`` [B] the row of each request's last
         accepted token; ``rows``/``L_new`` as for :meth:`run`. Returns views (draft_tokens [B, n-1],
         parent_list [B, P], top_scores_index [B, n-1])."""

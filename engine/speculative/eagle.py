@@ -1,16 +1,10 @@
 """EAGLE-1/2 draft module (Li et al., "EAGLE", ICML 2024; layout of SGLang's LlamaForCausalLMEagle).
 
-u = fc([embed(x_{p+1}) ; f_p]) (2H -> H, with bias); one Llama decoder layer whose input norm is the
-identity; output = hidden + residual with no final norm; logits = the target's LM head (shared).
-The feature f_p is the target's final-norm output (what feeds its LM head).
+u = fc([embed(x_{p+1}) ; f_p]) (2H -> H, with bias; f_p: the target's final-norm output); one Llama decoder layer
+whose input norm is the identity; output = hidden + residual, no final norm; logits = the target's LM head.
 
-Checkpoint format (published EAGLE layout): ``config.json`` (the target's shape, one layer,
-``architectures: ["LlamaForCausalLMEagle"]``) and ``model.safetensors`` with keys ``fc.weight``,
-``fc.bias`` and ``layers.0.*`` (HF decoder-layer names). ``embed_tokens`` is not stored: the draft
-takes a copy of the target's embedding.
-
-:func:`build_draft` builds the last stage's draft module from ``spec.draft``: an EAGLE-1/2 head (its layer
-TP-padded like the target's) or an EAGLE-3 head (:class:`~engine.speculative.eagle3.Eagle3Draft`).
+Checkpoint: ``config.json`` (the target's shape, one layer, ``architectures: ["LlamaForCausalLMEagle"]``) and
+``model.safetensors`` with ``fc.weight``, ``fc.bias`` and ``layers.0.*``; ``embed_tokens`` is the target's.
 """
 from __future__ import annotations
 
@@ -103,9 +97,8 @@ def has_draft_weights(draft_dir: str | Path) -> bool:
 
 
 def dummy_draft_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device=None):
-    """Random EAGLE weights for a config-only draft under ``load_format=dummy`` (speed runs of shapes
-    without a trained head; such a draft accepts almost nothing): ``fc`` normal(0, 0.02) with zero bias,
-    layer 0 as :func:`engine.model.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
+    """Random EAGLE weights for a config-only draft under ``load_format=dummy``: ``fc`` normal(0, 0.02) with zero
+    bias, layer 0 as :func:`engine.model.loader.dummy_weights`. Yields (name, tensor) in the published layout."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     H = cfg.hidden_size
     g = torch.Generator(device=dev).manual_seed(int(seed) * 1_000_003 + 7)
@@ -174,8 +167,8 @@ def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtyp
                 *, seed: int, dummy: bool, tp_size: int) -> nn.Module:
     """The draft of ``spec`` for a target of config ``target``: an :class:`Eagle3Draft` when ``eagle3`` (the draft's
     :class:`~engine.speculative.eagle3.Eagle3Spec`) is given, else an :class:`EagleDraft`; rotary tables for
-    ``max_pos`` positions, weights from ``spec.draft`` in ``dtype``, or random ones (``seed``) when ``dummy`` (a
-    random target) and the draft directory holds only a config. The embedding is left for :func:`copy_embedding`.
+    ``max_pos`` positions, weights from ``spec.draft`` in ``dtype``, or random ones (``seed``) when ``dummy`` and
+    the draft directory holds only a config.
 
     Raises:
         ConfigError: ``spec.draft`` is empty, the draft's config or weights are unusable, or ``tp_size`` does not
@@ -202,9 +195,8 @@ def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtyp
 
 
 def copy_embedding(draft: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The target's (name, tensor) weights passed on unchanged; ``model.embed_tokens.weight`` is also loaded into
-    the draft's own embedding as it passes (the draft keeps a copy: it runs on the last stage, which may not hold
-    the target's embedding)."""
+    """The target's (name, tensor) weights passed on unchanged; ``model.embed_tokens.weight`` is also copied into
+    the draft's own embedding."""
     for name, t in weights:
         if name == "model.embed_tokens.weight":
             draft.embed_tokens.load(t)

@@ -1,28 +1,23 @@
 """EAGLE-3 draft module (Li et al., "EAGLE-3", 2025; the checkpoint layout of SafeAILab's ``cnets.py`` and SGLang's
 ``LlamaForCausalLMEagle3``).
 
-Target side: three residual-stream states of the target, the outputs of layers ``aux_layers`` = (low, mid, high)
-(default ``(1, L//2 - 1, L - 4)`` for an L-layer target, SGLang's choice; a checkpoint's
-``eagle_config.eagle_aux_hidden_state_layer_ids`` overrides it), concatenated in ascending layer order into a feature
-[T, 3H]. Under PP each stage appends the outputs of the aux layers it owns to the proxy it hands on
-(:func:`engine.model.llama.LlamaForCausalLM.forward`'s ``aux``); the last stage concatenates them
-(:func:`assemble_features`). Nothing of this travels on the relay back to stage 0.
+Target side: the outputs of layers ``aux_layers`` = (low, mid, high) (default ``(1, L//2 - 1, L - 4)``, SGLang's
+choice; ``eagle_config.eagle_aux_hidden_state_layer_ids`` overrides it), concatenated in ascending layer order into
+a feature [T, 3H]; under PP each stage appends its aux outputs to the proxy, the last concatenates them
+(:func:`assemble_features`).
 
 Draft forward at position p (token x_{p+1}, feature f_p):
 
-  x = fc(f_p)                  when f_p is the target's 3H feature; f_p itself (the draft's own pre-norm output,
-                               width H) at later draft steps
+  x = fc(f_p)                  when f_p is the target's 3H feature; f_p itself (width H) at later draft steps
   a = o_proj(attention(qkv_proj([input_layernorm(embed(x_{p+1})) ; hidden_norm(x)])))     (qkv over 2H)
   h = a + x;  out = mlp(post_attention_layernorm(h)) + h        (out: pre-norm hidden, fed to the next step)
   draft logits = lm_head(norm(out))   over the draft vocabulary [V_d]; target id = draft id + d2t[draft id]
 
-The embedding is the target's (a copy on the last stage). Checkpoint: ``config.json`` (``architectures:
-["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``, target ``vocab_size``, optional ``eagle_config``) and
-``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight`` [H, 3H] (``fc.bias`` when ``bias``),
-``midlayer.*`` (HF decoder-layer names plus ``hidden_norm``), ``norm.weight``, ``lm_head.weight`` [V_d, H],
-``d2t`` [V_d] int64 and ``t2d`` [V] bool. A ``model.`` prefix and a stored ``embed_tokens.weight`` are accepted
-(the embedding is taken from the target regardless). Writing checkpoints and random weights:
-:mod:`engine.speculative.eagle3_checkpoint`.
+Checkpoint: ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``, target
+``vocab_size``, optional ``eagle_config``) and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight``
+[H, 3H] (``fc.bias`` when ``bias``), ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` [V_d, H], ``d2t`` [V_d]
+int64 and ``t2d`` [V] bool; a ``model.`` prefix and a stored ``embed_tokens.weight`` are accepted (the embedding
+is always the target's).
 """
 from __future__ import annotations
 
@@ -128,9 +123,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """forward(input_ids [T] int64, features [T, 3H] (target aux) or [T, H] (own pre-norm hidden), positions [T]
-    int64) -> pre-norm hidden [T, H] (the draft's own feature for the next step; :class:`Eagle3Head` scores it).
-
-    ``aux_layers``: the target layers whose outputs make the 3H feature (ascending). ``d2t`` [V_d] int64 buffer:
+    int64) -> pre-norm hidden [T, H] (:class:`Eagle3Head` scores it). ``aux_layers``: the target layers whose
+    outputs make the 3H feature (ascending). ``d2t`` [V_d] int64 buffer:
     target id = draft id + d2t[draft id]."""
 
     is_eagle3 = True
@@ -220,8 +214,7 @@ class Eagle3Draft(nn.Module):
 
 class Eagle3Head:
     """The EAGLE-3 draft's scoring head in the interface of :class:`engine.speculative.token_map.HotHead`: final
-    norm, ``lm_head`` over the draft vocabulary, winners mapped to target ids through ``d2t`` at once (the tree, the
-    relay and verification see target ids only). Holds references to the draft's modules (no copy)."""
+    norm, ``lm_head`` over the draft vocabulary, winners mapped to target ids through ``d2t``."""
 
     def __init__(self, draft: Eagle3Draft):
         self.draft = draft
@@ -245,8 +238,7 @@ class Eagle3Head:
 # ------------------------------------------------------------------------------------------ aux features under PP
 def assemble_features(aux: list[torch.Tensor] | None, layers: tuple[int, ...], stage: int) -> torch.Tensor:
     """The draft's input feature [T, 3H] from the aux slots the last stage holds (one [T, H] per aux layer, in layer
-    order). RelayError (one line) when a slot is missing: a stage dropped its features, which would otherwise leave the
-    draft guessing from a wrong feature (accept length ~1 with no error)."""
+    order). RelayError (one line) when a slot is missing."""
     if aux is None or len(aux) != len(layers):
         raise RelayError(f"stage {stage}: EAGLE-3 needs {len(layers)} auxiliary features (layers {list(layers)}), "
                          f"the proxy carried {0 if aux is None else len(aux)}")

@@ -60,9 +60,8 @@ def save_eagle3(out_dir: str | Path, target: ModelConfig, draft: Eagle3Draft, dt
 
 
 def dummy_eagle3_weights(spec: Eagle3Spec, seed: int = 0, dtype=torch.float32, device=None):
-    """Random EAGLE-3 weights for a config-only draft under ``load_format=dummy`` (shapes and speed only; accepts
-    almost nothing): matrices normal(0, 0.02), norms 1, ``d2t`` mapping draft id i to target id i. Yields (name,
-    tensor) in the published layout."""
+    """Random EAGLE-3 weights for a config-only draft under ``load_format=dummy``: matrices normal(0, 0.02), norms
+    1, ``d2t`` mapping draft id i to target id i. Yields (name, tensor) in the published layout."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     c = spec.cfg
     H, I, Vd = c.hidden_size, c.intermediate_size, spec.draft_vocab_size

@@ -1,10 +1,6 @@
-"""EAGLE on the last stage: verify -> commit -> draft extend -> tail draft (one flow for every topology).
-
-Tail drafting (SGLang #30775): the tree for round r+1 is drafted at the end of round r (and right
-after prefill), so every stage can rebuild and verify it as soon as the relay arrives.
-KV: the committed row segment is the verify segment permuted so the accepted nodes come first in
-path order (page_size 1: an index rewrite). The permutation is applied to ``req_to_token`` by every
-stage's scheduler when it processes the relay; here it is computed locally for the draft's KV slots.
+"""EAGLE on the last stage: verify -> commit -> draft extend -> tail draft (SGLang #30775: round r+1's tree
+is drafted at the end of round r). The committed row segment is the verify segment permuted so the accepted
+nodes come first in path order; every stage's scheduler applies it to ``req_to_token`` from the relay.
 """
 from __future__ import annotations
 
@@ -21,12 +17,10 @@ def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor,
 
     last_hidden [B, H] (draft output of the last extend row), scratch [B, k, S-1] int64 on the same
     device: the KV slot of lane j's token at step s is ``scratch[b, j, s-1]``. Beam lanes keep their own
-    ancestry of scratch slots (``hist``, gathered by parent beam on the device), so attention is exact
-    for trees too. ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)``
-    lays out step s's attention (eagerly from host page tables, or from a captured graph's buffers).
+    ancestry of scratch slots (``hist``).
+    ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)`` lays out step s's attention.
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
-    ``drafter``: an :class:`EagleWorker`, or an object holding one as ``eagle`` (the model runner that the graph
-    runners pass). Captured as one CUDA graph by :class:`engine.graphs.DraftGraphRunner`.
+    ``drafter``: an :class:`EagleWorker`, or an object holding one as ``eagle``.
     """
     w = getattr(drafter, "eagle", drafter)
     if w.spec.is_chain:
@@ -59,13 +53,12 @@ def _beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_input
 
 
 def chain_constants(B: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parent_list [B, S] = -1, 0, ..., S-2; top_scores_index [B, S] = 0, ..., S-1), int64: the tree layout of every
-    chain (k = 1, n = S + 1) row, as views of cached 1-D constants (expanded: read them, never write them)."""
+    """(parent_list [B, S] = -1, 0, ..., S-2; top_scores_index [B, S] = 0, ..., S-1), int64: a chain's tree layout,
+    read-only expanded views of cached constants."""
     key = (S, str(torch.device(device)))
     c = _CHAIN_CONSTANTS.get(key)
     if c is None:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # made inside a capture, their values would exist only after a replay: ModelRunner builds them first
             raise RuntimeError("chain_constants: first use inside a CUDA-graph capture (build them before capturing)")
         c = _CHAIN_CONSTANTS[key] = (torch.arange(-1, S - 1, device=device), torch.arange(S, device=device))
     return c[0].expand(B, S), c[1].expand(B, S)
@@ -75,11 +68,8 @@ _CHAIN_CONSTANTS: dict = {}
 
 
 def _chain_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
-    """:func:`draft_beam_search` for a chain (k = 1, n = S + 1): S greedy draft tokens, one per step. The beam
-    bookkeeping of the general search is the identity here (one lane, parent 0, every candidate kept in step order,
-    probabilities never compared), so it is skipped: the same tokens, parent_list and top_scores_index
-    (:func:`chain_constants`) with about 12 fewer device launches per step (each small launch costs
-    microseconds of device time)."""
+    """:func:`draft_beam_search` for a chain (k = 1, n = S + 1): S greedy draft tokens, one per step; the
+    identity beam bookkeeping is skipped (same outputs as :func:`_beam_search`)."""
     S = w.spec.num_steps
     B = last_hidden.shape[0]
     tok = w.draft_greedy(last_hidden)
@@ -104,13 +94,11 @@ def scratch_slots(rows: list[torch.Tensor], L_new: list[int], k: int, S: int) ->
 
 class EagleWorker:
     """The EAGLE draft side of the last stage, built from explicit collaborators:
-
     spec (SpecConfig), draft (the EAGLE draft model: ``draft(ids, features, pos) -> hidden``), draft_pool (its KV
     pool), target (the target model: ``compute_logits(hidden)``, ``greedy_tokens(hidden)``), req_to_token (the
     scheduler's page table [rows, width] int64, host), tree_ops (:class:`HostTreeOps` or :class:`DeviceTreeOps`),
     device, hot_head (FR-Spec draft vocabulary head or None), probs (``(logits, reqs, repeat) -> probs``),
     coins (``(req, count) -> coins [count] float32``), drop_tree (relay degenerate trees: harness fault).
-    ``draft_graphs`` (a DraftGraphRunner or None) is attached once captured.
     """
 
     def __init__(self, spec, draft, draft_pool, target, req_to_token: torch.Tensor, tree_ops, device,
@@ -123,8 +111,7 @@ class EagleWorker:
     # ------------------------------------------------------------------------------------ draft model
     @torch.inference_mode()
     def draft_forward(self, ids, features, pos, ctx, planned: bool = False) -> torch.Tensor:
-        """One draft forward over ``ctx`` (KV in the draft pool) -> hidden [T, H]; ``planned``: ``ctx`` already
-        carries a planned attention layout (a captured graph's), so the backend's ``prepare`` is skipped."""
+        """One draft forward over ``ctx`` (KV in the draft pool) -> hidden [T, H]; ``planned``: skip ``prepare``."""
         if not planned:
             ctx.pool = self.draft_pool
             get_backend().prepare(ctx)
@@ -136,9 +123,8 @@ class EagleWorker:
 
     def draft_topk(self, hidden: torch.Tensor):
         """(top-k probabilities [R, k] float32, their token ids [R, k] int64) of the draft's next-token
-        distribution: top-k of the logits, then ``exp(logit - logsumexp)`` (no [R, V] probability tensor). A chain
-        (k = 1) keeps every candidate whatever the scores, so it returns ones and the argmax only. With a draft
-        vocabulary map (``hot_head``) the scores cover the hot subset and the ids are mapped to target ids."""
+        distribution (a chain, k = 1: ones and the argmax). With ``hot_head`` the scores cover the hot subset and the
+        ids are mapped to target ids."""
         if self.spec.is_chain:
             idx = self.draft_greedy(hidden).view(-1, 1)
             return torch.ones(idx.shape, dtype=torch.float32, device=idx.device), idx
@@ -160,9 +146,8 @@ class EagleWorker:
 
     def tail_draft(self, rows: list[torch.Tensor], L_new: list[int], root: torch.Tensor,
                    last_hidden: torch.Tensor) -> DraftTree:
-        """Draft the next tree of each request (EAGLE-2 beam search). rows: committed req_to_token rows (host;
-        slots valid up to L_new + k*(S-1)); root [B] int64 (the bonus token); last_hidden [B, H]. Returns the
-        trees on the drafts' device (one graph replay on CUDA with graphs)."""
+        """Draft the next tree of each request. rows: committed req_to_token rows (host; slots valid up to
+        L_new + k*(S-1)); root [B] int64 (the bonus token); last_hidden [B, H]. Returns trees on the drafts' device."""
         S, k, dev = self.spec.num_steps, self.spec.topk, self.device
         B = last_hidden.shape[0]
         graphs = self.draft_graphs
@@ -191,10 +176,9 @@ class EagleWorker:
         """Draft extend over every prefill chunk, then tail-draft the first tree of prompts that completed.
 
         done: batch indices of the requests whose prompt completed in this batch; sampled [len(done)] int64: the
-        tokens sampled at their ends, still on the target's device (None when ``done`` is empty). Nothing is read
-        back before the draft is launched: the sampled token enters the draft's inputs on the device (the last row
-        of a completed chunk). A middle chunk's shifted input ends with the next real prompt token (SGLang
-        #26329), never a placeholder. Returns host trees [B, ...] (degenerate rows for requests not done).
+        tokens sampled at their ends, on the target's device (None when ``done`` is empty). A middle chunk's
+        shifted input ends with the next real prompt token (SGLang #26329). Returns host trees [B, ...]
+        (degenerate rows for requests not done).
         """
         rt, dev = self.req_to_token, self.device
         ids, kv, locs, pos = [], [], [], []
@@ -224,8 +208,8 @@ class EagleWorker:
     def verify(self, batch, feature: torch.Tensor, tree, qo: list[int],
                draft_feature: torch.Tensor | None = None) -> StepResult:
         """Verify the batch's trees (``tree``: their TreeInfo), draft-extend the accepted path and tail-draft the
-        next trees; feature [B*n, H] is the target's last hidden state per tree node (scored by the target's head);
-        draft_feature [B*n, F] what the draft reads per node (default ``feature``; EAGLE-3: the aux features, 3H)."""
+        next trees; feature [B*n, H]: the target's last hidden state per tree node; draft_feature [B*n, F]: what the
+        draft reads per node (default ``feature``; EAGLE-3: the aux features, 3H)."""
         dfeat = feature if draft_feature is None else draft_feature
         spec, reqs = self.spec, batch.reqs
         S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
@@ -237,17 +221,13 @@ class EagleWorker:
             probs = self.probs(logits, reqs, repeat=n).view(B, n, -1)
             c = h2d(torch.stack([self.coins(r, n + 1) for r in reqs]), logits.device)
             res = verify_tree_sampling(dev_tree, probs, S, c[:, :n], c[:, n])
-        # one device->host copy of the result (a no-op when the walk ran on the host)
         c = S + 1
         host = torch.cat([res.accept_nodes, res.accept_length.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1)
         host = d2h(host)
         accept_nodes, alen, emitted, bonus = host[:, :c], host[:, c], host[:, c + 1:2 * c + 1], host[:, 2 * c + 1]
-        # Draft extend over W = min(S+1, n) rows per request (the a accepted tokens + bonus, then padding): one
-        # fixed-size causal forward. Padding rows write draft KV at committed positions >= L + a (tail-draft
-        # scratch that the draft steps overwrite before reading); their hidden states are never used.
+        # draft extend over W rows per request (accepted + bonus, then padding rows whose KV lands in scratch)
         W = min(S + 1, n)
-        # committed rows: [0, L) unchanged, the verify segment permuted (accepted nodes first, as every
-        # stage's scheduler will apply it), then the rest of the reserve (tail-draft scratch)
+        # committed rows: [0, L), the verify segment permuted (accepted first), then the reserve (scratch)
         perm = commit_order(accept_nodes, alen, n)
         rt_np = self.req_to_token.numpy()
         rows, kv, locs, L_new = [], [], [], []

@@ -1,16 +1,11 @@
-"""The steps of the device-resident EAGLE round (one stage, greedy) and the device state they read and update, shared
-by :class:`engine.speculative.device_round.SpecRoundRunner` (the whole round on one stage) and
-:mod:`engine.speculative.stage_round` (:func:`verify_forward` on every PP stage, :func:`round_tail` on the last).
+"""The steps of the device-resident EAGLE round (one stage, greedy) and the device state they read and update,
+shared by :class:`engine.speculative.device_round.SpecRoundRunner` and :mod:`engine.speculative.stage_round`.
 
-  state (per request b, device tensors): rt [bs, max_len] int64 (a segment-local copy of its req_to_token row),
-    seq_lens [bs] int64 (committed tokens, the next root excluded), the next tree: tokens [bs, n] (column 0 =
-    root), parents [bs, k(S-1)+1], tsi [bs, n-1].
-  round (:func:`spec_round`): 1. build the tree, verify forward over ``rt[b, L:L+n]`` with the tree mask;
-    2. greedy walk;
-    3. commit: permute ``rt[b, L:L+n]`` so the accepted nodes come first (``commit_order_device``),
-    ``seq_lens += accept_length``; 4. draft extend over W = min(S+1, n) rows (EAGLE-3: the aux-layer features
-    [bs*n, 3H]) and the tail draft -> the next tree; 5. the result row [accept_nodes (S+1) | accept_length |
-    emitted (S+1) | bonus] to ``out``. No step syncs with the host.
+  state (per request b): rt [bs, max_len] int64 (a copy of its req_to_token row), seq_lens [bs] int64 (the next
+    root excluded), the next tree: tokens [bs, n] (column 0 = root), parents [bs, k(S-1)+1], tsi [bs, n-1].
+  round (:func:`spec_round`): build the tree and verify over ``rt[b, L:L+n]``; greedy walk; commit
+    (``commit_order_device``, ``seq_lens += accept_length``); draft extend over W = min(S+1, n) rows and tail
+    draft; write [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``. No host sync.
 """
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ class RoundState:
     def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1, chain: bool = False):
         i64 = dict(dtype=torch.int64, device=device)
         W = min(S + 1, n)
-        # constants of the round (built here, not inside the captured graph, where each would be a launch per
-        # round): an arange to slice, the draft extend's causal block, the draft steps' all-true tail masks
+        # constants of the round, built outside the captured graph
         self.ar = torch.arange(max(n, S + 1, bs * k, k * max(S - 1, 0), 1), **i64)   # S+1: commit_order_device
         self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
         self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
@@ -50,8 +44,7 @@ def spec_round(runner, st: RoundState, splits: tuple[int, int]) -> None:
 
     ``runner``: the ModelRunner (model, draft, pools, spec); ``splits``: (verify / extend split-KV count,
     draft-step split-KV count) of :mod:`engine.attention.device`. Reads and updates ``st`` in place; the round's
-    result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync (captured as one graph by
-    :class:`engine.speculative.device_round.SpecRoundRunner`).
+    result is ``st.out`` [bs, 2(S+1)+2] int64. No host sync.
     """
     aux = [] if runner.eagle3 is not None else None
     tree, feature, _ = verify_forward(runner, st, splits[0], aux=aux)
@@ -62,7 +55,7 @@ def round_draft_feature(runner, aux: list | None, n_in: int):
     """The draft extend's input feature on the last stage: None without EAGLE-3 (the extend reads the verify
     output), else the aux slots concatenated [T, 3H] (``runner.draft_features``) after the ``drop_aux`` fault
     removed this stage's own slots (``aux[n_in:]``; ``n_in``: the slots received). RelayError when fewer than
-    the aux layers' count remain (raised while the round is traced: eagerly, or at a graph's warm-up)."""
+    the aux layers' count remain."""
     if aux is None:
         return None
     runner.drop_own_aux(aux, n_in)
@@ -73,8 +66,7 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
     """Steps 1 of the round on this stage: build the verify trees of ``st`` and run this stage's layers over
     ``rt[b, L:L+n]`` with the tree mask (attention from device tensors; ``splits``: its split-KV count).
     ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage). ``aux``
-    (EAGLE-3): the slots [bs*n, H] received from earlier stages (layer order; ``[]`` on the first stage), to which
-    the outputs of this stage's aux layers are appended (:meth:`LlamaForCausalLM.forward`); None: no capture.
+    (EAGLE-3): the slots [bs*n, H] received, appended to as :meth:`LlamaForCausalLM.forward` does; None: no capture.
     Returns (TreeInfo, this stage's output [bs*n, H] (the EAGLE feature on the last stage), residual or None)."""
     k, n = runner.spec.topk, runner.spec.num_draft_tokens
     B, L = st.bs, st.seq_lens
@@ -93,10 +85,9 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
 
 def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
                draft_feature: torch.Tensor | None = None) -> None:
-    """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit
-    (``st.rt`` permuted, ``st.seq_lens`` advanced), draft extend, tail draft into ``st.tokens`` / ``st.parents`` /
-    ``st.tsi``, the result row into ``st.out``. ``draft_feature`` [bs*n, F]: what the draft extend reads per tree
-    node (default ``feature``; EAGLE-3: the aux features, F = 3H, :func:`round_draft_feature`). No host sync."""
+    """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit,
+    draft extend, tail draft into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row into ``st.out``.
+    ``draft_feature`` [bs*n, F]: the draft extend's input (default ``feature``; EAGLE-3: F = 3H). No host sync."""
     spec, model = runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, L, ar = st.bs, st.seq_lens, st.ar
@@ -107,8 +98,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     seg_new = seg.gather(1, commit_order_device(res.accept_nodes, alen, n, ar))
     st.rt.scatter_(1, vpos, seg_new)                                      # commit: an index rewrite
     L_new = L + alen * st.live
-    # draft extend over W rows per request (accepted tokens + bonus, then padding rows whose KV lands in
-    # scratch slots the draft steps overwrite before reading), causal within the W rows
+    # draft extend over W rows per request (accepted + bonus, then padding rows whose KV lands in scratch)
     W = min(S + 1, n)
     ids = res.emitted[:, :W].clamp(min=0).reshape(-1)
     fidx = (ar[:B].view(B, 1) * n + res.accept_nodes[:, :W].clamp(min=0)).reshape(-1)

@@ -1,16 +1,11 @@
 """The EAGLE verify round of one PP stage on the device (the plan's ``round: stage``): the device round of
 :mod:`engine.speculative.device_round` cut at the stage boundary.
 
-Every stage, for a greedy verify batch of B requests (padded to a captured size bs): load the requests'
-req_to_token rows, seq_lens and relayed trees into its :class:`RoundState`; :func:`stage_round` builds the verify
-trees with the device tree kernels (every stage rebuilds the identical input) and runs this stage's layers over
-``rt[b, L:L+n]`` with device-planned attention; the last stage goes on in the same launch with
-:func:`engine.speculative.round_steps.round_tail`. EAGLE-3: the proxy is (hidden, residual, aux slots); a stage
-hands on the slots it received plus its own aux outputs, the last concatenates them for the draft extend; a wrong
-slot count raises RelayError. Nothing is read back here: the last stage returns a :class:`StepResult` of device
-tensors; the host applies the commit permutation one round behind when it processes the relayed result.
-Sampled requests, batches past the largest captured size and trees not relayed take the host round
-(``EagleWorker.verify``); both give the same tokens and accept lengths.
+Every stage loads the batch's req_to_token rows, seq_lens and relayed trees into its :class:`RoundState`,
+rebuilds the verify trees with the device tree kernels and runs its layers over ``rt[b, L:L+n]``; the last stage
+goes on with :func:`engine.speculative.round_steps.round_tail`. EAGLE-3: the proxy is (hidden, residual, aux
+slots); a wrong slot count raises RelayError. Sampled requests, batches past the largest captured size and trees
+not relayed take the host round (``EagleWorker.verify``), with the same tokens and accept lengths.
 """
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, la
 
     Reads ``st.h_in`` / ``st.r_in`` [bs*n, H] (the previous stage's proxies) unless ``first``; writes
     ``st.h_out`` / ``st.r_out`` unless ``last``; on the last stage runs :func:`round_tail` (``st.out``, the next
-    trees in ``st.tokens`` / ``st.parents`` / ``st.tsi``). With ``st.kept`` (debug_hash_rebuild) the rebuilt
-    verify input is copied there. EAGLE-3 (``st.a_in`` not None): the received slots ``st.a_in`` plus this stage's
-    aux-layer outputs go to ``st.a_out`` (not the last stage) or, concatenated, to the draft extend (the last)."""
+    trees in ``st.tokens`` / ``st.parents`` / ``st.tsi``). With ``st.kept`` the rebuilt verify input is copied
+    there. EAGLE-3: ``st.a_in`` plus this stage's aux outputs go to ``st.a_out`` or (last stage) the draft extend."""
     aux = None if st.a_in is None else list(st.a_in)
     tree, out, res = verify_forward(runner, st, splits[0], None if first else st.h_in, None if first else st.r_in,
                                     aux=aux)
@@ -60,8 +54,7 @@ def stage_round(runner, st: RoundState, splits: tuple[int, int], first: bool, la
 
 class StageRoundRunner(SpecRoundRunner):
     """Per captured batch size: a :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the
-    captured :func:`stage_round`. ``can_run`` decides (identically on every stage: from the batch alone) whether a
-    verify batch takes this path; ``run`` executes it."""
+    captured :func:`stage_round`. ``can_run`` decides (from the batch alone) whether a verify batch takes this path."""
 
     def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False):
         super().__init__(runner, max_bs, use_graphs)
@@ -77,10 +70,8 @@ class StageRoundRunner(SpecRoundRunner):
 
     def state(self, bs: int) -> RoundState:
         """The state at batch size ``bs``: :meth:`SpecRoundRunner.new_state` plus the proxy buffers [bs*n, H] (in:
-        not on the first stage; out: not on the last), EAGLE-3's aux slot buffers (``a_in``: one [bs*n, H] per aux
-        layer below this stage's first layer; ``a_out``, not on the last stage: those plus one per aux layer of this
-        stage, none of this stage's under the ``drop_aux`` fault; both None without EAGLE-3) and the kept verify
-        input (``keep_tree``)."""
+        not on the first stage; out: not on the last), EAGLE-3's aux slot buffers ``a_in`` / ``a_out`` (one
+        [bs*n, H] per aux layer received / handed on; None without EAGLE-3) and the kept verify input."""
         st = self.states.get(bs)
         if st is None:
             st = self.states[bs] = self.new_state(bs, bs)
@@ -112,10 +103,9 @@ class StageRoundRunner(SpecRoundRunner):
         (hidden, residual) [B*n, H] from the previous stage, plus (EAGLE-3) a tuple of aux slots [B*n, H] in layer
         order.
 
-        Returns (non-last stage) the proxies [B*n, H] as owned device tensors (with the aux slots as a third element
-        under EAGLE-3), or (last stage) the batch's :class:`StepResult` with device tensors (owned copies), and the
-        kept verify input (or None) as a second value in both cases. Raises RelayError when the proxy carries the
-        wrong number of aux slots (``ModelRunner.aux_slots``)."""
+        Returns (the proxies [B*n, H] (+ aux slots under EAGLE-3), owned device tensors, or on the last stage the
+        batch's :class:`StepResult` of device tensors; the kept verify input or None). Raises RelayError when the
+        proxy carries the wrong number of aux slots."""
         reqs, B, n = batch.reqs, len(batch.reqs), self.n
         slots = None if self.first else self.r.aux_slots(proxy)     # EAGLE-3: checked before anything runs
         st = self.state(self.pick(B))

@@ -1,14 +1,8 @@
-"""Frequency-ranked draft vocabulary (FR-Spec: Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models
-via Frequency-Ranked Speculative Sampling", 2025; SGLang's ``--speculative-token-map``).
+"""Frequency-ranked draft vocabulary (FR-Spec: Zhao et al., 2025; SGLang's ``--speculative-token-map``).
 
-An EAGLE-1/2 head scores its next token with the target's LM head, a [V, H] matrix read once per draft step: on
-SmolLM2 (V = 49,152, H = 576) 56.6 MB, 16.7 us per step on the H200; on a Llama-3-8B shape (V = 128,256, H = 4,096)
-1.05 GB, ~250 us. The draft only needs to propose likely tokens, so it scores a "hot" subset of V' frequent tokens
-instead: its LM head is the subset's rows of the target's (a [V', H] copy, no retraining) and the winning indices
-are mapped back to target ids at once, so the tree, the relay (PP) and verification see target ids only. The target
-still verifies with its full head, so the output is exactly what it would be without the map (lossless); only the
-accept length can change: it drops where the draft's full-vocabulary choice lies outside the subset, and it can rise
-where that choice was wrong and the best hot token is right.
+An EAGLE-1/2 head scores a "hot" subset of V' frequent tokens with the subset's rows of the target's LM head, and
+maps the winners back to target ids at once, so the tree, the relay and verification see target ids only. The
+target verifies with its full head, so output is unchanged (lossless); only the accept length can change.
 
   token map file (``spec.token_map``): ``.json`` (a list of token ids, or {"hot_token_ids": [...]}) or ``.pt``
   (a 1-D integer tensor, SGLang's format, read with ``weights_only=True``); ids unique and in [0, V).
@@ -98,9 +92,7 @@ def coverage(token_lists, hot: list[int] | torch.Tensor) -> float:
 
 class HotHead:
     """The draft's LM head over a hot subset: ``weight`` [V', H] (rows ``ids`` of the target's LM head, the
-    target's dtype and device) and ``ids`` [V'] int64. Built once after the target's weights are loaded; under TP
-    the full head is gathered once (``tp_all_gather``), so draft steps need no collective.
-    """
+    target's dtype and device) and ``ids`` [V'] int64; under TP the full head is gathered once."""
 
     def __init__(self, ids: torch.Tensor, weight: torch.Tensor):
         self.ids = ids.to(weight.device)

@@ -1,7 +1,5 @@
-"""EAGLE-2 draft-tree bookkeeping: beam selection, flattening, tree build and verification.
-
-Pure tensor functions, batched over ``B`` requests, device-agnostic (CPU and CUDA) and free of
-host syncs (the numpy twins and ``tree_input_hash`` are in :mod:`engine.speculative.tree_host`).
+"""EAGLE-2 draft-tree bookkeeping: beam selection, flattening, tree build and verification; pure tensor
+functions batched over ``B`` requests, free of host syncs (numpy twins: :mod:`engine.speculative.tree_host`).
 Notation: ``S`` = num_steps (tree depth), ``k`` = topk, ``n`` = num_draft_tokens (tree nodes per request,
 root included), ``P = k(S-1)+1``.
 
@@ -30,13 +28,11 @@ def _desc_order(x: Tensor) -> Tensor:
 def draft_step_select(step: int, topk: int, beam_scores: Tensor | None, step_probs: Tensor,
                       step_tokens: Tensor):
     """One EAGLE-2 beam step (SGLang ``select_top_k_tokens``).
-
     step 0: ``step_probs``/``step_tokens`` are ``[B,1,k]`` (top-k of the draft-extend row);
     step s>=1: ``[B,k,k]`` (row j = top-k of beam j's draft output), ``beam_scores`` ``[B,k]``.
     Returns ``(new_beam_scores [B,k] float, new_beam_tokens [B,k] int64, parent_beam [B,k] int64,
     scores_rec [B,w] float, tokens_rec [B,w] int64, parents_rec [B,k+1 | k] int64)`` with
-    ``w = k`` at step 0 and ``k*k`` later. Cumulative scores are path-probability products; the
-    top-k is taken descending with ties broken by the lower flat index ``j*k+m``.
+    ``w = k`` at step 0 and ``k*k`` later; ties break to the lower flat index ``j*k+m``.
     """
     k = topk
     B = step_probs.shape[0]
@@ -57,7 +53,6 @@ def draft_step_select(step: int, topk: int, beam_scores: Tensor | None, step_pro
 def organize_draft_results(scores: list[Tensor], tokens: list[Tensor], parents: list[Tensor],
                            num_draft_tokens: int):
     """Flatten the recorded beam steps (SGLang ``organize_draft_results``).
-
     ``scores[s]``/``tokens[s]``: ``[B, w_s]`` (or ``[B, a, b]``, flattened), ``parents[s]`` as
     returned by ``draft_step_select``. Returns ``(parent_list [B, k(S-1)+1] int64,
     top_scores_index [B, n-1] int64 ascending, draft_tokens [B, n-1] int64)``. The top ``n-1``
@@ -80,8 +75,7 @@ def organize_draft_results(scores: list[Tensor], tokens: list[Tensor], parents: 
 @dataclass
 class TreeInfo:
     """Per-request verify tree; all tensors ``[B, n]`` int64 unless noted, node 0 = root.
-
-    ``candidates``: tokens (col 0 = verified_id). ``positions`` = seq_len + depth.
+    ``candidates: tokens (col 0 = verified_id). ``positions`` = seq_len + depth.
     ``tree_mask`` ``[B,n,n]`` bool, QLEN_ONLY draft block (row = query, col = key).
     ``parent_node`` (-1: root/dropped), ``depth``, ``next_token`` (first child or -1),
     ``next_sibling`` (-1 if last), ``retrive_index`` = i*n + r, ``valid`` bool (False = dropped).
@@ -101,7 +95,6 @@ class TreeInfo:
 def build_tree(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tensor,
                draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
     """Build tree topology, mask and positions (SGLang ``build_tree_kernel_efficient``).
-
     Inputs: ``verified_id [B]``, ``parent_list [B,P]``, ``top_scores_index [B,n-1]`` (ascending),
     ``draft_tokens [B,n-1]``, ``seq_lens [B]`` (all int64). Node ``r >= 1`` is candidate
     ``top_scores_index[r-1]``; children are linked in increasing node index. Invalid trees:
@@ -185,12 +178,10 @@ def verify_result(tree: TreeInfo, accept_nodes: Tensor, num: Tensor, bonus: Tens
 
 def verify_tree_greedy(tree: TreeInfo, target_predict: Tensor, num_steps: int) -> VerifyResult:
     """Greedy tree verification (SGLang ``verify_tree_greedy``).
-
     ``target_predict [B,n]`` int64 is the target's argmax after each node. From the root, up to
     ``S`` times: go to the first child, follow siblings until a candidate equals the prediction
     at the last accepted node; stop at -1. Bonus = prediction at the last accepted node.
-    Loops: ``S`` outer, ``n`` inner (bounded; links pointing out of range or at dropped nodes
-    are treated as -1 / mismatch).
+    Links out of range or at dropped nodes count as -1 / mismatch.
     """
     B, n = tree.candidates.shape
     dev = tree.candidates.device
@@ -216,8 +207,7 @@ def verify_tree_greedy(tree: TreeInfo, target_predict: Tensor, num_steps: int) -
 
 def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, coins: Tensor,
                          final_coins: Tensor) -> VerifyResult:
-    """Exact tree rejection sampling, thresholds 1.0 (SGLang
-    ``tree_speculative_sampling_target_only``).
+    """Exact tree rejection sampling, thresholds 1.0 (SGLang ``tree_speculative_sampling_target_only``).
 
     ``target_probs [B,n,V]`` float: processed, normalised target distribution after each node;
     ``coins [B,n]`` uniform [0,1) (coin of node r decides among r's children); ``final_coins [B]``.
@@ -226,14 +216,7 @@ def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, c
     siblings add nothing); ``t_i`` is accepted iff ``u < acc``; otherwise ``q[cur][t_i] := p`` is
     recorded by zeroing ``resid[t_i]``. The final token is drawn by inverse CDF from
     ``normalise(max(p_last - q_last, 0))`` (plain ``p_last`` if all ``S`` levels were accepted).
-
-    Why exact: the children partition [0,1) into intervals of length ``p(t_i)``, so one uniform
-    accepts ``t_i`` with probability exactly ``p(t_i)``; if none is accepted (probability
-    ``1 - sum p(t_i)``) the residual draw gives ``x`` with probability ``p(x) / (1 - sum p(t_i))``.
-    Each emitted token is therefore distributed as ``p(.|prefix)``, and the next level uses a
-    fresh coin with the child's own distribution, so by induction the whole emitted sequence
-    follows the target. Strict ``<`` equals ``<=`` in probability but never accepts a token of
-    probability 0 when ``u = 0``.
+    Strict ``<`` never accepts a token of probability 0 when ``u = 0``.
     """
     B, n, V = target_probs.shape
     dev = target_probs.device

@@ -21,16 +21,11 @@ def _host(x) -> np.ndarray:
 
 def build_tree_host(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tensor,
                     draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
-    """Host (numpy) twin of ``build_tree``; identical results (source SGLang
-    ``build_tree_kernel_efficient``).
+    """Host (numpy) twin of ``build_tree`` (SGLang ``build_tree_kernel_efficient``).
 
     Inputs: CPU tensors or numpy arrays, ``verified_id [B]``, ``parent_list [B,P]``,
     ``top_scores_index [B,n-1]``, ``draft_tokens [B,n-1]``, ``seq_lens [B]`` (any int dtype).
-    Returns a ``TreeInfo`` of CPU tensors (``torch.from_numpy``) with the same dtypes, shapes and
-    values as ``build_tree``, invalid trees included (same drop rules). Vectorised over ``B`` and
-    the nodes: each node's parent is the first earlier node holding its parent id (one stable
-    sort of ``[ids | parent ids]`` per row); validity, depth and mask come from walking all nodes
-    to the root at once (max depth steps, at most ``n``); links from one sort by (parent, index).
+    Returns a ``TreeInfo`` of CPU tensors equal to ``build_tree``'s, invalid trees included.
     """
     sel = _host(top_scores_index).astype(np.int64, copy=False)
     pl = _host(parent_list).astype(np.int64, copy=False)
@@ -114,16 +109,11 @@ def _host_width(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def verify_tree_greedy_host(tree: TreeInfo, target_predict: Tensor, num_steps: int) -> VerifyResult:
-    """Host (numpy) twin of ``verify_tree_greedy``; identical results (source SGLang
-    ``verify_tree_greedy``).
+    """Host (numpy) twin of ``verify_tree_greedy`` (SGLang ``verify_tree_greedy``).
 
     ``tree``: ``TreeInfo`` of CPU tensors (reads ``candidates``, ``next_token``, ``next_sibling``
     ``[B,n]`` int and ``valid [B,n]`` bool); ``target_predict [B,n]`` int CPU tensor or numpy
-    array. Returns a ``VerifyResult`` of CPU tensors with the same dtypes, shapes and values as
-    ``verify_tree_greedy``: same walk and bounds (``S`` outer, ``n`` inner steps; out-of-range
-    links are -1, dropped nodes mismatch), vectorised over ``B``. Links are pre-normalised with
-    ``n`` standing for -1, a node's match against the prediction is computed once per step for all
-    nodes, and both loops stop as soon as nothing can change any more.
+    array. Returns a ``VerifyResult`` of CPU tensors equal to ``verify_tree_greedy``'s.
     """
     cand = _host(tree.candidates)
     B, n = cand.shape
@@ -176,9 +166,8 @@ def commit_order(accept_nodes, accept_length, n: int) -> np.ndarray:
 
     accept_nodes [B, S+1] (node ids in path order, -1 padding), accept_length [B] (torch or numpy ints).
     Returns perm [B, n] int64: the accepted nodes ``accept_nodes[b, :accept_length[b]]`` first, then the
-    rejected ones in node order, so ``seg[b][perm[b]]`` is request b's committed segment (page_size 1:
-    the commit is this index rewrite of ``req_to_token``, no KV moves). Source: SGLang's EAGLE
-    ``assign_req_to_token_pool`` after verify (accepted slots become the committed prefix).
+    rejected ones in node order, so ``seg[b][perm[b]]`` is request b's committed segment. Source: SGLang's
+    EAGLE ``assign_req_to_token_pool`` after verify.
     """
     nodes = np.asarray(accept_nodes, dtype=np.int64)
     alen = np.asarray(accept_length, dtype=np.int64).reshape(-1)

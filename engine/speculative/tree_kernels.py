@@ -1,21 +1,12 @@
-"""Triton kernels for the device-side spec loop: tree build and greedy verify walk (the verify-mask packing is
-:func:`engine.attention.packed_mask.pack_verify_mask`).
+"""Triton kernels for the device-side spec loop: tree build and greedy verify walk, one launch per forward (one
+program per request); SGLang's sgl-kernel ``build_tree_kernel_efficient`` and ``verify_tree_greedy`` do the same.
 
-Each is ONE launch per forward (one program per request) where the torch reference in
-:mod:`engine.speculative.tree` issues ~15 tiny kernels per tree node (``build_tree``) or ~8 per walk step
-(``verify_tree_greedy``); they keep the EAGLE tree on the device for a single-stage engine, so a
-round copies device->host only once (SGLang does the same work in its sgl-kernel CUDA
-kernels ``build_tree_kernel_efficient`` and ``verify_tree_greedy``).
+Semantics are exactly those of the torch references in :mod:`engine.speculative.tree` (bit for bit, invalid trees
+included). Dispatch: :func:`build_tree_any` and :func:`verify_tree_greedy_any` use Triton for CUDA tensors when
+:func:`engine.attention.packed_mask.triton_enabled`; otherwise the torch code runs.
 
-Semantics are exactly those of the torch references (same outputs bit for bit, invalid trees
-included); the tests run both on random and corrupted trees, on CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``). Dispatch: :func:`build_tree_any` and :func:`verify_tree_greedy_any` use Triton
-for CUDA tensors when :func:`engine.attention.packed_mask.triton_enabled` (Triton importable, ``PPSPEC_TRITON``
-not ``0``); otherwise the torch code runs (CPU, tests, no Triton).
-
-Per program (request ``b``) the state lives in registers: node vectors of width ``NP2`` (the next
-power of two >= n) and, for ``build_tree``, the ``[NP2, NP2]`` ancestor mask; scalars are read out
-of vectors with a masked sum, so no program reads back its own global stores.
+Per program the state lives in registers: node vectors of width ``NP2`` (next power of two >= n) and, for
+``build_tree``, the ``[NP2, NP2]`` ancestor mask; scalars are read out of vectors with a masked sum.
 """
 from __future__ import annotations
 
@@ -183,11 +174,8 @@ def commit_order_device(accept_nodes: torch.Tensor, accept_length: torch.Tensor,
 
     accept_nodes [B, S+1] int64 (node ids in path order, -1 padding), accept_length [B] int64.
     Returns perm [B, n] int64: the accepted nodes first (path order), then the rejected ones in node order.
-    Keys: node j gets S+1+j, an accepted node at path index p gets p (``scatter_reduce`` amin, so padding
-    entries, clamped to node 0, cannot overwrite the root's key 0); the keys are distinct and their ranks give
-    the order (the same as a stable argsort, without a sort launch).
-    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device (a cached constant: no launch).
-    Source: SGLang's EAGLE ``assign_req_to_token_pool`` (accepted slots become the committed prefix).
+    ``ar``: optional int64 ``arange`` of at least max(n, S+1) on the same device. Source: SGLang's EAGLE
+    ``assign_req_to_token_pool``.
     """
     B, W = accept_nodes.shape
     if ar is None:

@@ -1,13 +1,8 @@
-"""Where each stage builds and the last stage walks verify trees: a strategy chosen once per engine (the plan's
-``tree``).
+"""Where each stage builds and the last stage walks verify trees (the plan's ``tree``).
 
-``HostTreeOps``: the trees are host data; they are built and greedily walked with the numpy twins
-(:mod:`engine.speculative.tree_host`) and the next trees are relayed as one host copy. ``DeviceTreeOps``
-(``spec_device_tree``): the trees stay on the accelerator; every stage builds them there (from the relayed rows,
-device tensors over a device group or host rows staged through gloo, joined in one pinned copy per field), the
-last stage walks them with the Triton twins (:mod:`engine.speculative.tree_kernels`, torch reference off CUDA) and
-relays the next trees as device tensors (the transport stages them only when it must). Both give the torch
-reference's (:mod:`engine.speculative.tree`) exact outputs.
+``HostTreeOps``: host trees, built and walked with the numpy twins (:mod:`engine.speculative.tree_host`).
+``DeviceTreeOps`` (``spec_device_tree``): trees stay on the accelerator, walked with the Triton twins
+(:mod:`engine.speculative.tree_kernels`). Both give the torch reference's (:mod:`engine.speculative.tree`) outputs.
 """
 from __future__ import annotations
 
