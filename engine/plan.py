@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from . import knobs as _knobs
 from .config import ConfigError, EngineConfig
-from . import shm_ring
+
+
+def shm_frames_supported() -> bool:
+    """Whether shared-memory PP frames (:mod:`engine.shm_ring`) may be chosen on this host: x86-64 only, where
+    stores are seen in order by another core."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
 
 HALF = ("bfloat16", "float16")
 SKINNY_MAX_M = 16                 # engine.kernels.skinny.MAX_ROWS (not imported: the plan needs no torch)
@@ -134,10 +140,10 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"
     relay = frames = None
     if not pp1:
-        if kn.relay_shm and not shm_ring.supported():
+        if kn.relay_shm and not shm_frames_supported():
             raise ConfigError(f"PPSPEC_RELAY_SHM=1 needs an x86-64 host (the shared-memory ring relies on its store "
                               f"order); this host is {platform.machine() or 'unknown'}")
-        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_ring.supported())
+        shm = kn.relay_shm if kn.relay_shm is not None else bool(cuda and staged and shm_frames_supported())
         frames = "shm" if shm else "gloo"
         p2p = kn.relay_p2p if kn.relay_p2p is not None else cuda and not staged
         relay = "device group" if p2p else "staged" if cuda else "gloo"

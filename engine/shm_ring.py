@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import time
 import uuid
 
@@ -26,11 +25,6 @@ import torch
 _CTL = 128                      # bytes of the control block (two counters on separate cache lines)
 _SPIN = 2000                    # tight polls before yielding
 _YIELD_S = 0.002                # then sched_yield until this long, then short sleeps
-
-
-def supported() -> bool:
-    """Whether shared-memory frames may be selected automatically on this host (x86-64: stores are seen in order)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _shm_dir() -> str:

@@ -147,8 +147,8 @@ def test_plan_tp1pp2_cpu_and_spec_variants(monkeypatch):
 def test_plan_frames(monkeypatch):
     """PP frames: gloo on CPU ranks and with one GPU per rank, shared memory when the ranks share one GPU (x86-64),
     PPSPEC_RELAY_SHM forces either way; pp = 1 has none."""
-    from engine import shm_ring
-    monkeypatch.setattr(shm_ring, "supported", lambda: True)
+    from engine import plan
+    monkeypatch.setattr(plan, "shm_frames_supported", lambda: True)
     assert resolve_plan(EngineConfig()).frames is None
     assert resolve_plan(EngineConfig(pp=2)).frames == "gloo"
     assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=False).frames == "gloo"
@@ -157,7 +157,7 @@ def test_plan_frames(monkeypatch):
     assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=True,
                         kn=knobs.read({"PPSPEC_RELAY_SHM": "0"})).frames == "gloo"
     assert resolve_plan(EngineConfig(pp=2), kn=knobs.read({"PPSPEC_RELAY_SHM": "1"})).frames == "shm"
-    monkeypatch.setattr(shm_ring, "supported", lambda: False)
+    monkeypatch.setattr(plan, "shm_frames_supported", lambda: False)
     assert resolve_plan(EngineConfig(pp=2), device="cuda", staged=True).frames == "gloo"
     from engine.config import ConfigError          # forced on a host whose stores may be seen out of order: refused
     with pytest.raises(ConfigError, match="PPSPEC_RELAY_SHM=1 needs an x86-64 host"):
