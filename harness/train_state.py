@@ -92,14 +92,35 @@ def save_checkpoint(out, recipe: dict, module, opt, prog: Progress, extra: dict 
     return d
 
 
+STATE_KEYS = ("recipe", "module", "progress", "rng")     # what save_checkpoint writes in state.pt (and "extra")
+
+
+def _read(path: Path, what: str, hint: str = "", **kw):
+    """``torch.load`` of the checkpoint file ``path``; ConfigError (one line: ``path`` is not a readable ``what``,
+    why (empty, or the first sentence of the unpickler's or zip reader's error), then ``hint``) when it cannot be
+    read."""
+    try:
+        if path.is_file() and path.stat().st_size == 0:
+            raise EOFError("empty file, 0 bytes")
+        return torch.load(path, weights_only=False, **kw)
+    except Exception as e:  # noqa: BLE001 - torch.load raises EOFError, UnpicklingError, RuntimeError, OSError ...
+        why = (str(e).strip().splitlines() or [""])[0].split(". ")[0] or type(e).__name__
+        raise ConfigError(f"train-draft: {path} is not a readable {what} ({why}){hint}") from None
+
+
 def load_state(out) -> dict:
     """The ``state.pt`` of ``OUT/checkpoint`` (joined from its pieces when only those are there); ConfigError (one
-    line) when there is none."""
+    line) when there is none, or when it is not a readable checkpoint (empty, corrupt, or not a dict holding
+    :data:`STATE_KEYS`)."""
     from harness.pieces import ensure_whole
     p = checkpoint_dir(out) / STATE
     if not ensure_whole(p):
         raise ConfigError(f"train-draft: --resume {out}: no checkpoint ({p} or its pieces)")
-    return torch.load(p, weights_only=False)
+    state = _read(p, "checkpoint")
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    if missing:
+        raise ConfigError(f"train-draft: {p} is not a readable checkpoint (no {', '.join(missing)})")
+    return state
 
 
 def check_recipe(saved: dict, given: dict) -> None:
@@ -122,7 +143,8 @@ def restore(state: dict, module, opt, out, log=print) -> Progress:
     from harness.pieces import ensure_whole
     op = checkpoint_dir(out) / OPTIM
     if ensure_whole(op):
-        opt.load_state_dict(torch.load(op, map_location=dev, weights_only=False))
+        opt.load_state_dict(_read(op, "optimizer state", ": delete it to resume with fresh moments",
+                                map_location=dev))
     prog = Progress(**state["progress"])
     if not ensure_whole(op):
         log(f"resume: no {op}: the optimizer's moments restart (the weights are the checkpoint's; the learning "

@@ -162,3 +162,43 @@ def test_stage2_without_stage1_names_init_from(tmp_path, monkeypatch):
         train_draft(**rec, out=tmp_path / "o")
     assert str(e.value) == (f"train-draft: train.init_from {stage1} holds no trained head (no config.json): run "
                             "ppspec train-draft --config train_smollm2_eagle3 first (its train.out)")
+
+
+@pytest.mark.parametrize("content,why", [
+    (b"", "empty file, 0 bytes"),
+    (bytes(range(7, 200, 3)), "invalid load key"),
+    (b"PK\x03\x04not a zip", "PytorchStreamReader failed reading zip archive"),
+    (None, "no recipe, module, progress, rng"),
+])
+def test_resume_from_an_unreadable_checkpoint_is_one_line(content, why, tmp_path):
+    """Regression: ``train-draft --resume DIR`` with an empty or corrupt DIR/checkpoint/state.pt ended in an
+    EOFError ("Abort") or UnpicklingError traceback; it is one line naming the file, exit 2."""
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    p = tmp_path / "run" / "checkpoint" / "state.pt"
+    p.parent.mkdir(parents=True)
+    if content is None:
+        torch.save([1, 2], p)                          # readable, but not a train-draft checkpoint
+    else:
+        p.write_bytes(content)
+    r = CliRunner().invoke(app, ["train-draft", "--resume", str(tmp_path / "run"), "--no-progress"])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: train-draft: {p} is not a readable checkpoint ("), r.output
+    assert why in lines[0]
+
+
+def test_resume_with_a_corrupt_optimizer_state_names_it(tiny_model_dir, tmp_path):
+    """A corrupt optim.pt beside a good state.pt is one ConfigError naming it and the way out (delete it: the
+    moments restart); deleted, the run resumes."""
+    data, kw = _data(tmp_path), _kw("eagle")
+    train_draft(tiny_model_dir, data, tmp_path / "a", step_budget=1, **kw)
+    op = tmp_path / "a" / "checkpoint" / "optim.pt"
+    op.write_bytes(b"\x80\x04garbage")
+    with pytest.raises(ConfigError) as e:
+        train_draft(tiny_model_dir, data, tmp_path / "a", resume=True, step_budget=1, **kw)
+    assert str(e.value).startswith(f"train-draft: {op} is not a readable optimizer state (")
+    assert str(e.value).endswith("): delete it to resume with fresh moments")
+    op.unlink()
+    assert train_draft(tiny_model_dir, data, tmp_path / "a", resume=True, step_budget=1, **kw)["steps"] == 2
