@@ -57,7 +57,7 @@ def _root_and_toml() -> tuple[Path, dict]:
         return PACKAGE_ROOT, {}
     try:
         return toml.parent, tomllib.loads(toml.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):   # the command says what is wrong with it
         return toml.parent, {}
 
 
@@ -111,7 +111,7 @@ def suites(kind: str = "run") -> list[str]:
     for p in sorted(d.glob("*.yaml")):
         try:
             doc = yaml.safe_load(p.read_text())
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
         is_matrix = isinstance(doc, dict) and ("axes" in doc or "cells" in doc and "commands" in doc)
         is_train = not is_matrix and isinstance(doc, dict) and "train" in doc

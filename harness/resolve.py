@@ -19,7 +19,7 @@ from engine.config import EngineConfig, SpecConfig, resolve_device
 from engine.model.config import is_eagle3_config
 from harness.config import (META_KEYS, PACKAGE_ROOT, BenchConfig, GateConfig, GSM8KConfig, HarnessConfigError,
                             PathsConfig, RunConfig, check_layer)
-from harness.suites import find_config, find_toml, load_yaml, suite_kind, suites_of
+from harness.suites import find_config, find_toml, load_yaml, read_text, suite_kind, suites_of
 
 
 def apply_devices(layer: dict, device: str) -> dict:
@@ -72,7 +72,7 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
     layers: list[tuple[str, dict]] = []
     if toml_path:
         try:
-            raw = tomllib.loads(toml_path.read_text())
+            raw = tomllib.loads(read_text(toml_path, "TOML"))
         except tomllib.TOMLDecodeError as e:
             raise HarnessConfigError(f"{toml_path}: invalid TOML: {e}") from None
         layers.append((str(toml_path), check_layer(raw, str(toml_path))))

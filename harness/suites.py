@@ -25,10 +25,21 @@ def find_toml(explicit: str | Path | None = None) -> Path | None:
     return None
 
 
-def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; a syntax error becomes one line with the position."""
+def read_text(path: Path, kind: str) -> str:
+    """The UTF-8 text of the config file ``path``; HarnessConfigError (one line naming it, ``kind`` and the first
+    byte that does not decode) when it is not UTF-8."""
     try:
-        return yaml.safe_load(path.read_text())
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HarnessConfigError(f"{path}: not a UTF-8 {kind} file (byte 0x{e.object[e.start]:02x} at offset "
+                                 f"{e.start})") from None
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file; a syntax error, or bytes that are not UTF-8, become one line (with the position)."""
+    text = read_text(path, "YAML")
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         pos = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -53,7 +53,7 @@ def recipes_writing(head: str | Path, suites: str | Path = SUITES) -> list[str]:
     for p in sorted(Path(suites).glob("*.yaml")):
         try:
             out = ((yaml.safe_load(p.read_text()) or {}).get("train") or {}).get("out")
-        except (yaml.YAMLError, AttributeError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
             continue
         if out and Path(out).resolve() == want:
             names.append(p.stem)

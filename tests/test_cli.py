@@ -155,6 +155,25 @@ def test_bad_yaml_field_is_one_clear_line(tmp_path, body, needle):
         assert "bad.yaml" in err_lines[0]
 
 
+def test_config_that_is_not_utf8_is_one_line(tmp_path, monkeypatch):
+    """Regression: a --config, --matrix or ppspec.toml whose bytes are not UTF-8 ended in a UnicodeDecodeError
+    traceback; it is one line naming the file and the first bad byte, exit 2."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    want = [f"Error: {bad}: not a UTF-8 YAML file (byte 0xff at offset 0)"]
+    for args in (["bench", "--config", str(bad)], ["gsm8k", "--config", str(bad)], ["plan", "--config", str(bad)],
+                 ["sweep", "--matrix", str(bad)], ["train-draft", "--config", str(bad), "--no-progress"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and r.output.strip().splitlines() == want, (args, r.output)
+    toml = tmp_path / "ppspec.toml"
+    raw = b"tp = 1\n# caf\xe9\n"
+    toml.write_bytes(raw)
+    monkeypatch.setenv("PPSPEC_TOML", str(toml))
+    r = runner.invoke(app, ["plan"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        f"Error: {toml}: not a UTF-8 TOML file (byte 0xe9 at offset {raw.index(0xe9)})"], r.output
+
+
 def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     r = runner.invoke(app, ["bench", "--config", "no_such_suite"])
     assert r.exit_code == 2 and r.output.startswith("Error: config 'no_such_suite' not found")
