@@ -18,22 +18,22 @@ from harness.textstream import TextStream
 
 
 def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
+    """``"1, 8,32"`` -> ``(1, 8, 32)``; HarnessConfigError (one line naming the option ``name``) for an item that is
+    not an integer or is empty (``1,,2``, a trailing comma)."""
     if s is None:
         return None
     try:
-        return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+        return tuple(int(x) for x in s.replace(" ", "").split(","))
     except ValueError:
         raise HarnessConfigError(f"{name}: expected comma-separated integers, got {s!r}") from None
 
 
 def _cells(s: str | None) -> list[list[int]] | None:
-    """``"8192x1,128x32"`` -> ``[[8192, 1], [128, 32]]`` (input_len x batch_size)."""
+    """``"8192x1,128x32"`` -> ``[[8192, 1], [128, 32]]`` (input_len x batch_size); an empty item is refused."""
     if s is None:
         return None
     out = []
     for part in s.replace(" ", "").split(","):
-        if not part:
-            continue
         a, x, b = part.lower().partition("x")
         if not x or not a.isdigit() or not b.isdigit():
             raise HarnessConfigError(f"--cells: expected INPUTxBATCH[,INPUTxBATCH...] (e.g. 8192x1,128x32), got {s!r}")

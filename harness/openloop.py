@@ -43,19 +43,17 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
     """``"ttft=2000,tpot=200"`` -> ``{"ttft": 2000.0, "tpot": 200.0}`` (milliseconds, each > 0); None for None.
 
     Raises:
-        HarnessConfigError: a part without ``=``, an unknown key, a repeated key or a value that is not a positive
+        HarnessConfigError: a part without ``=`` (an empty one too: ``ttft=1,,tpot=2``), an unknown key, a repeated key or a value that is not a positive
             number (one line).
     """
     if text is None:
         return None
     out: dict[str, float] = {}
     for part in str(text).replace(" ", "").split(","):
-        if not part:
-            continue
         key, eq, val = part.partition("=")
         if not eq:
             raise HarnessConfigError(f"--slo: expected KEY=MS[,KEY=MS] with KEY in {', '.join(SLO_KEYS)}, "
-                                     f"got {part!r}")
+                                     f"got {(part or text)!r}")
         if key not in SLO_KEYS:
             raise HarnessConfigError(f"--slo: unknown key {key!r} (allowed: {', '.join(SLO_KEYS)})")
         if key in out:
@@ -67,8 +65,6 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
         if not (v > 0 and math.isfinite(v)):
             raise HarnessConfigError(f"--slo {key}: expected milliseconds > 0, got {val!r}")
         out[key] = v
-    if not out:
-        raise HarnessConfigError(f"--slo: expected KEY=MS[,KEY=MS] with KEY in {', '.join(SLO_KEYS)}, got {text!r}")
     return out
 
 

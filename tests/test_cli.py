@@ -199,6 +199,23 @@ def test_missing_config_and_engine_config_errors(tmp_path, draft_dir):
     assert r.exit_code == 2 and "d.yaml: spec.draft 'nowhere/at/all' not found" in r.output
 
 
+@pytest.mark.parametrize("option,value", [
+    ("--batch-sizes", "1,,2"), ("--batch-sizes", "1,2,"), ("--batch-sizes", ",1"), ("--batch-sizes", ""),
+    ("--input-lens", "16,,32"), ("--cells", "8x1,,8x2"), ("--cells", "8x1,"),
+])
+def test_comma_lists_refuse_an_empty_item(fake_engine, tmp_path, option, value):
+    """Regression: ``bench --batch-sizes 1,,2`` (also --input-lens, --cells; a trailing comma) skipped the empty item
+    and ran; it is refused like ``1,x``: one line, exit 2, no engine built."""
+    r = runner.invoke(app, ["bench", option, value, "--out", str(tmp_path / "o"), "--no-progress"])
+    assert r.exit_code == 2, r.output
+    want = ("--cells: expected INPUTxBATCH[,INPUTxBATCH...] (e.g. 8192x1,128x32)" if option == "--cells"
+            else f"{option}: expected comma-separated integers")
+    assert r.output.strip().splitlines() == [f"Error: {want}, got {value!r}"], r.output
+    assert fake_engine.instances == [] and not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["bench", option, value.replace(",,", ",").strip(",") or "1", "--dry-run"])
+    assert r.exit_code == 0, r.output                          # the same list without the empty item runs
+
+
 def test_overrides_from_flags():
     from harness.cli import overrides
     assert overrides(tp=2, spec=False, draft="d", sets=["tp=4", "spec.num_steps=2"], gsm8k={"limit": 3, "runs": None}) == {

@@ -112,6 +112,9 @@ def no_engine(monkeypatch):
     (["--request-rate", "1", "--slo", "ttft=abc"], "--slo ttft: expected milliseconds > 0"),
     (["--request-rate", "1", "--slo", "ttft=100,e2el=5"], "--slo: unknown key 'e2el'"),
     (["--request-rate", "1", "--slo", "ttft"], "--slo: expected KEY=MS"),
+    (["--request-rate", "1", "--slo", "ttft=100,,tpot=5"], "--slo: expected KEY=MS[,KEY=MS] with KEY in ttft, tpot, "
+                                                           "got 'ttft=100,,tpot=5'"),
+    (["--request-rate", "1", "--slo", "ttft=100,"], "--slo: expected KEY=MS"),
     (["--nope"], "No such option: --nope"),
     (["--runs", "abc"], "Invalid value for '--runs'"),
 ])
