@@ -3,7 +3,9 @@
 A split file ``F`` becomes ``F.part000``, ``F.part001``, ... next to it plus the manifest ``F.pieces.json``
 (``{"name", "size", "sha256", "pieces": [{"name", "size", "sha256"}, ...]}``); the whole file is left in place unless
 ``remove`` is set. Joining reads the manifest, checks every piece's size and sha256 and the joined file's, and writes
-``F`` atomically (a temporary name, then a rename). A missing or corrupt piece raises ConfigError (one line).
+``F`` atomically (a temporary name, then a rename). A manifest that is not one split wrote (not JSON, a key
+missing, a piece named other than ``F.partNNN``: :func:`manifest_error`), or a missing or corrupt piece, raises
+ConfigError (one line).
 
 Command line: ``python -m harness.pieces split PATH... [--max-mib 15] [--remove]`` (a directory: every file in it
 larger than the limit) and ``python -m harness.pieces join PATH...`` (PATH: the whole file's name or its manifest).
@@ -55,16 +57,20 @@ def split_file(path: str | Path, max_bytes: int = MAX_BYTES, remove: bool = Fals
 
 def join_file(path: str | Path) -> Path:
     """Join the pieces listed in the manifest of ``path`` (the whole file's name or the manifest) into the whole file,
-    next to the manifest; returns its path. ConfigError (one line) for a missing manifest or piece, a piece of the
-    wrong size or hash, or a joined file whose hash differs from the manifest's."""
+    next to the manifest; returns its path. ConfigError (one line) for a missing manifest or piece, a manifest split
+    did not write (:func:`manifest_error`), a piece of the wrong size or hash, or a joined file whose size or hash
+    differs from the manifest's."""
     m = manifest_of(path)
     if not m.is_file():
         raise ConfigError(f"pieces: no manifest {m}")
     try:
         man = json.loads(m.read_text())
-        entries, name, want = man["pieces"], man["name"], man["sha256"]
-    except (ValueError, KeyError, TypeError) as e:
+    except ValueError as e:                           # not UTF-8 or not JSON
         raise ConfigError(f"pieces: {m} is not a pieces manifest ({e})") from None
+    why = manifest_error(man, m.name[:-len(MANIFEST)])
+    if why:
+        raise ConfigError(f"pieces: {m} is not a pieces manifest ({why})")
+    entries, name, want = man["pieces"], man["name"], man["sha256"]
     parts = []
     for e in entries:
         q = m.with_name(e["name"])
@@ -75,11 +81,51 @@ def join_file(path: str | Path) -> Path:
             raise ConfigError(f"pieces: {q} is corrupt (size {len(b)}, expected {e['size']}; sha256 mismatch)")
         parts.append(b)
     data = b"".join(parts)
+    if len(data) != man["size"]:
+        raise ConfigError(f"pieces: joined {name} is {len(data)} bytes, manifest says {man['size']}")
     if _sha256(data) != want:
         raise ConfigError(f"pieces: joined {name} has sha256 {_sha256(data)[:16]}..., manifest says {want[:16]}...")
     out = m.with_name(name)
     _atomic_write(out, data)
     return out
+
+
+def manifest_error(man, name: str) -> str | None:
+    """Why the parsed manifest ``man`` of the whole file ``name`` is not one :func:`split_file` writes, or None: it
+    must be an object with the ``name`` (equal to ``name``: the manifest's own file name without
+    ``.pieces.json``), ``size`` (bytes, an int >= 0) and ``sha256`` (64 hex digits) of the whole file and a
+    non-empty list ``pieces`` whose entry ``i`` has ``name`` ``<name>.part<i:03d>`` (so no piece is read from
+    outside the manifest's directory), ``size`` and ``sha256``."""
+    def bad_value(where: str, e: dict) -> str | None:
+        size, sha = e["size"], e["sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"{where}size {size!r} is not a byte count"
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            return f"{where}sha256 {sha!r} is not 64 hex digits"
+        return None
+
+    if not isinstance(man, dict):
+        return f"a JSON {type(man).__name__}, not an object"
+    missing = [k for k in ("name", "size", "sha256", "pieces") if k not in man]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    if man["name"] != name:
+        return f"name {man['name']!r} is not {name!r}, the file this manifest is named for"
+    if bad_value("", man):
+        return bad_value("", man)
+    if not isinstance(man["pieces"], list) or not man["pieces"]:
+        return f"pieces {man['pieces']!r} is not a non-empty list"
+    for i, e in enumerate(man["pieces"]):
+        if not isinstance(e, dict):
+            return f"pieces[{i}] is a JSON {type(e).__name__}, not an object"
+        missing = [k for k in ("name", "size", "sha256") if k not in e]
+        if missing:
+            return f"pieces[{i}] has no {', '.join(map(repr, missing))}"
+        if e["name"] != f"{name}.part{i:03d}":
+            return f"pieces[{i}] name {e['name']!r} is not {name + f'.part{i:03d}'!r}"
+        if bad_value(f"pieces[{i}] ", e):
+            return bad_value(f"pieces[{i}] ", e)
+    return None
 
 
 def ensure_whole(path: str | Path) -> bool:

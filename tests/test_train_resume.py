@@ -202,3 +202,52 @@ def test_resume_with_a_corrupt_optimizer_state_names_it(tiny_model_dir, tmp_path
     assert str(e.value).endswith("): delete it to resume with fresh moments")
     op.unlink()
     assert train_draft(tiny_model_dir, data, tmp_path / "a", resume=True, step_budget=1, **kw)["steps"] == 2
+
+
+def _split_manifest(tmp_path):
+    f = tmp_path / "ckpt.pt"
+    f.write_bytes(bytes(range(256)) * 40)
+    m = split_file(f, 3000, remove=True)
+    return f, m, json.loads(m.read_text())
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda man: man["pieces"][0].update(name="../x"), "pieces[0] name '../x' is not 'ckpt.pt.part000'"),
+    (lambda man: man["pieces"][1].update(name="/etc/passwd"), "pieces[1] name '/etc/passwd' is not 'ckpt.pt.part001'"),
+    (lambda man: man["pieces"][2].update(name="ckpt.pt.part9"), "pieces[2] name 'ckpt.pt.part9' is not 'ckpt.pt.part002'"),
+    (lambda man: man.update(name="../ckpt.pt"), "name '../ckpt.pt' is not 'ckpt.pt', the file this manifest is named for"),
+    (lambda man: man["pieces"][0].pop("size"), "pieces[0] has no 'size'"),
+    (lambda man: man["pieces"][3].pop("sha256"), "pieces[3] has no 'sha256'"),
+    (lambda man: man.pop("sha256"), "no 'sha256'"),
+    (lambda man: man["pieces"][0].update(size="3000"), "pieces[0] size '3000' is not a byte count"),
+    (lambda man: man["pieces"][0].update(sha256="beef"), "pieces[0] sha256 'beef' is not 64 hex digits"),
+    (lambda man: man.update(pieces=[]), "pieces [] is not a non-empty list"),
+    (lambda man: man["pieces"].__setitem__(0, "ckpt.pt.part000"), "pieces[0] is a JSON str, not an object"),
+    (lambda man: man.update(size=1), None),
+])
+def test_pieces_join_refuses_a_bad_manifest_in_one_line(tmp_path, capsys, edit, why):
+    """Regression: ``python -m harness.pieces join`` on a manifest with a piece named ``../x`` (ValueError), a piece
+    without size or sha256 (KeyError) or pieces that are not a list of objects (TypeError) ended in a traceback; it
+    is one ``Error: pieces: ...`` line, exit 2, and nothing is read outside the manifest's directory or written."""
+    f, m, man = _split_manifest(tmp_path)
+    edit(man)
+    m.write_text(json.dumps(man))
+    capsys.readouterr()
+    assert pieces_main(["join", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = f"Error: pieces: {m} is not a pieces manifest ({why})" if why else \
+        "Error: pieces: joined ckpt.pt is 10240 bytes, manifest says 1"
+    assert err == [want]
+    assert not f.exists() and not (tmp_path.parent / "x").exists()
+    with pytest.raises(ConfigError, match=r"^pieces: "):
+        join_file(m)
+
+
+def test_pieces_join_of_a_manifest_that_is_not_json(tmp_path, capsys):
+    _, m, _ = _split_manifest(tmp_path)
+    for raw in (b"{not json", b"\xff\xfe\x00bad", b"[1, 2]"):
+        m.write_bytes(raw)
+        assert pieces_main(["join", str(m)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"Error: pieces: {m} is not a pieces manifest ("), err
+
