@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -142,8 +143,10 @@ def ensure_whole(path: str | Path) -> bool:
 
 def split_tree(path: str | Path, max_bytes: int = MAX_BYTES, remove: bool = False) -> list[Path]:
     """:func:`split_file` on ``path``, or on every file directly in the directory ``path`` larger than ``max_bytes``
-    (pieces and manifests excluded); returns the manifests written."""
+    (pieces and manifests excluded); returns the manifests written. ConfigError when ``path`` does not exist."""
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"pieces: no file {p}")
     if not p.is_dir():
         return [split_file(p, max_bytes, remove)]
     big = [q for q in sorted(p.iterdir()) if q.is_file() and q.stat().st_size > max_bytes
@@ -166,23 +169,35 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     max_mib, remove = MAX_BYTES / 2 ** 20, "--remove" in args
     args = [a for a in args if a != "--remove"]
-    if "--max-mib" in args:
-        i = args.index("--max-mib")
-        try:
-            max_mib = float(args[i + 1])
-        except (IndexError, ValueError):
-            print("Error: --max-mib needs a number", file=sys.stderr)
-            return 2
-        del args[i:i + 2]
     try:
+        if "--max-mib" in args:
+            i = args.index("--max-mib")
+            given = args[i + 1] if i + 1 < len(args) else None
+            try:
+                max_mib = float(given)
+            except (TypeError, ValueError):
+                raise ConfigError("pieces: --max-mib needs a number of MiB"
+                                  + (f", got {given!r}" if given is not None else "")) from None
+            if not max_mib > 0:                       # NaN too
+                raise ConfigError(f"pieces: --max-mib must be > 0, got {given}")
+            if not math.isfinite(max_mib):
+                raise ConfigError(f"pieces: --max-mib must be a finite number of MiB, got {given}")
+            if max_mib * 2 ** 20 < 1:
+                raise ConfigError(f"pieces: --max-mib must be at least one byte ({1 / 2 ** 20:.3g} MiB), got {given}")
+            del args[i:i + 2]
+        if not args:
+            raise ConfigError(f"pieces: {cmd} needs a PATH")
         for a in args:
             if cmd == "join":
                 print(join_file(a))
             else:
                 for m in split_tree(a, int(max_mib * 2 ** 20), remove):
                     print(m)
-    except (ConfigError, OSError) as e:
+    except ConfigError as e:
         print(f"Error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"Error: pieces: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 2
     return 0
 

@@ -251,3 +251,31 @@ def test_pieces_join_of_a_manifest_that_is_not_json(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"Error: pieces: {m} is not a pieces manifest ("), err
 
+
+@pytest.mark.parametrize("args,line", [
+    (["--max-mib", "-1"], "pieces: --max-mib must be > 0, got -1"),
+    (["--max-mib", "0"], "pieces: --max-mib must be > 0, got 0"),
+    (["--max-mib", "nan"], "pieces: --max-mib must be > 0, got nan"),
+    (["--max-mib", "inf"], "pieces: --max-mib must be a finite number of MiB, got inf"),
+    (["--max-mib", "1e-9"], "pieces: --max-mib must be at least one byte (9.54e-07 MiB), got 1e-9"),
+    (["--max-mib", "x"], "pieces: --max-mib needs a number of MiB, got 'x'"),
+    (["--max-mib"], "pieces: --max-mib needs a number of MiB"),
+])
+def test_pieces_split_bad_max_mib_talks_in_mib(tmp_path, capsys, args, line):
+    """Regression: ``split FILE --max-mib -1`` said "max_bytes must be >= 1 (got -1048576)"; the limit is named as
+    given, in MiB, and nothing is written."""
+    g = tmp_path / "x.bin"
+    g.write_bytes(b"abc")
+    assert pieces_main(["split", str(g), *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"Error: {line}"]
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+def test_pieces_errors_all_carry_the_prefix(tmp_path, capsys):
+    """Regression: ``split`` of a missing file printed "Error: [Errno 2] No such file or directory: ..." without the
+    ``pieces:`` prefix of the command's other errors."""
+    for argv, line in ((["split", str(tmp_path / "nothing")], f"pieces: no file {tmp_path / 'nothing'}"),
+                       (["split"], "pieces: split needs a PATH"), (["join"], "pieces: join needs a PATH"),
+                       (["join", str(tmp_path / "nothing")], f"pieces: no manifest {tmp_path / 'nothing.pieces.json'}")):
+        assert pieces_main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"Error: {line}"], argv
