@@ -203,15 +203,33 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
     return summary, [t1, Text(WINNER_LEGEND)] + ([t2] if tests else []), md
 
 
+def check_dirs(dirs: list[str]) -> None:
+    """Refuse, before anything is written, result directories that do not exist (FileNotFoundError), fewer than
+    two, or one directory given twice (the same path after resolving ``.``, ``..`` and links: a run compared with
+    itself): HarnessConfigError, one line."""
+    from harness.config import HarnessConfigError
+    seen: dict[Path, str] = {}
+    for x in dirs:
+        if not Path(x).is_dir():
+            raise FileNotFoundError(f"result directory {x} does not exist")
+        r = Path(x).resolve()
+        if r in seen:
+            also = "" if seen[r] == x else f" (as {seen[r]} and {x})"
+            raise HarnessConfigError(f"result directory {seen[r]} is given twice{also}: compare needs two or more "
+                                     "different result directories")
+        seen[r] = x
+    if len(dirs) < 2:
+        raise HarnessConfigError(f"compare needs two or more result directories, got one: {dirs[0]}")
+
+
 def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) -> tuple[list, Path]:
-    """run_compare + compare.md / compare.json into ``out`` (default results/compare/<timestamp>)."""
+    """run_compare + compare.md / compare.json into ``out`` (default results/compare/<timestamp>); the directories
+    are checked first (:func:`check_dirs`)."""
     import datetime as dt
     import json
 
     from harness.resolve import resolve
-    for x in dirs:
-        if not Path(x).is_dir():
-            raise FileNotFoundError(f"result directory {x} does not exist")
+    check_dirs(dirs)
     d = Path(out) if out else Path(resolve(None, {}).paths.results) / "compare" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     d.mkdir(parents=True, exist_ok=True)
     summary, rend, md = run_compare(dirs, d, plots=plots)

@@ -293,8 +293,11 @@ def test_gsm8k_and_bench_write_results_with_fake_engine(tmp_path, fake_engine, d
     cell = b["cells"][1]
     assert cell["pooled"]["output_tokens"] == 2 * 2 * 4 and len(cell["runs"]) == 2
     assert cell["pooled"]["tpot"]["mean"] == pytest.approx(0.1 / 3)      # stamps 10.0 10.0 10.1 10.1
-    # compare the two result dirs with themselves: tables, paired tests, plots
-    r = runner.invoke(app, ["compare", str(tmp_path / "g"), str(tmp_path / "b"), str(tmp_path / "g"),
+    # compare the two result dirs and a copy of the first (the same directory twice is refused): tables, paired
+    # tests, plots
+    import shutil
+    shutil.copytree(tmp_path / "g", tmp_path / "g2")
+    r = runner.invoke(app, ["compare", str(tmp_path / "g"), str(tmp_path / "b"), str(tmp_path / "g2"),
                             "--out", str(tmp_path / "c")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "c" / "tpot_vs_batch.png").stat().st_size > 0

@@ -244,6 +244,24 @@ def test_compare_fixture_table_has_winners_and_fits_80_columns(tmp_path, monkeyp
     assert "winner" in (tmp_path / "c" / "compare.md").read_text()
 
 
+def test_compare_refuses_one_directory_or_the_same_one_twice(tmp_path):
+    """Regression: ``ppspec compare A A`` (also ``A A/``, ``A ./A``) compared a run with itself and ``ppspec compare
+    A`` tabulated one run; each is one line, exit 2, and no compare directory is written."""
+    a, b = FIXTURES / "tiny_pp1", FIXTURES / "tiny_pp2"
+    same = "compare needs two or more different result directories"
+    for dirs, line in (([a, a], f"result directory {a} is given twice: {same}"),
+                       ([a, b, f"{a}/"], f"result directory {a} is given twice (as {a} and {a}/): {same}"),
+                       ([b, a, a.parent / ".." / "compare" / "tiny_pp1"],
+                        f"result directory {a} is given twice (as {a} and {a.parent / '..' / 'compare' / 'tiny_pp1'}): "
+                        f"{same}"),
+                       ([a], f"compare needs two or more result directories, got one: {a}")):
+        r = runner.invoke(app, ["compare", *map(str, dirs), "--out", str(tmp_path / "c"), "--no-plots"])
+        assert r.exit_code == 2 and r.output.strip().splitlines() == [f"Error: {line}"], r.output
+    assert not (tmp_path / "c").exists()
+    r = runner.invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "c"), "--no-plots"])
+    assert r.exit_code == 0, r.output
+
+
 def test_compare_pairs_from_the_summary_alone(tmp_path):
     """Regression: committed results carry no records.jsonl, so compare read 'too few pairs (0)' for TTFT/TPOT and
     'no paired questions' for GSM8K. summary.json keeps the per-request figures a pairing needs (``pairing``, one
