@@ -188,7 +188,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
     """Print the completion of one prompt, e.g. [cyan]ppspec generate 'Hi' --pp 2 --pp-spec[/cyan]."""
     with user_errors():
         if not prompt:                               # refused before the model loads (the engine says the same)
-            raise HarnessConfigError("prompt 0: empty prompt")
+            raise HarnessConfigError("the prompt is empty")
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
@@ -217,9 +217,14 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
 
 
 def check_prompt(engine_config, prompt: str) -> tuple[int, int] | None:
-    """Refuse an empty or over-long text prompt with the engine's own one-line ConfigError, from the tokenizer and
-    the model's config alone (before any weight is loaded or rank started); returns (prompt tokens, context length
-    in tokens). Random weights (no tokenizer): no check, None."""
+    """Refuse a text prompt that is not valid Unicode, empty or over-long with the engine's own checks, from the
+    tokenizer and the model's config alone (before any weight is loaded or rank started); returns (prompt tokens,
+    context length in tokens). Random weights (no tokenizer): no check, None.
+
+    Raises:
+        ConfigError: one line about "the prompt" (the engine's messages name a prompt by its index in a call of
+            several; ``generate`` has one).
+    """
     if engine_config.load_format == "dummy":
         return None
     from engine.config import ConfigError
@@ -227,9 +232,14 @@ def check_prompt(engine_config, prompt: str) -> tuple[int, int] | None:
     from engine.requests import prompt_length_error, prompt_token_ids
     path = resolve_model_path(engine_config.model)
     mc, tok = load_model_config(path), load_tokenizer(path)
-    ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
+    try:
+        ids = prompt_token_ids(0, prompt, mc.vocab_size, lambda s: tok.encode(s, add_special_tokens=False))
+    except ConfigError as e:
+        raise ConfigError("the prompt: " + str(e).removeprefix("prompt 0: ")) from None
     ctx = engine_config.context_length(mc)
-    why = "empty prompt" if not ids else prompt_length_error(len(ids), ctx)
+    if not ids:
+        raise ConfigError("the prompt is empty (no tokens)")
+    why = prompt_length_error(len(ids), ctx)
     if why:
-        raise ConfigError(f"prompt 0: {why}")
+        raise ConfigError(f"the {why}")
     return len(ids), ctx

@@ -995,11 +995,12 @@ def test_plan_and_dry_run_refuse_a_topology_the_engine_refuses():
 
 def test_empty_prompt_is_refused_before_the_model_loads(monkeypatch):
     """Regression (QA): ``ppspec generate ''`` loaded the tokenizer and config (~30 s on a loaded machine) before
-    refusing the empty prompt."""
+    refusing the empty prompt. Regression: it said "prompt 0: empty prompt", an index out of place for the one
+    prompt generate takes."""
     import engine
     monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the engine was started"))
     r = runner.invoke(app, ["generate", ""])
-    assert r.exit_code == 2 and r.output.strip() == "Error: prompt 0: empty prompt"
+    assert r.exit_code == 2 and r.output.strip() == "Error: the prompt is empty"
 
 
 def test_plan_takes_the_topology_flags():

@@ -20,7 +20,8 @@ def test_cli_help_does_not_import_torch():
 
 
 def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch):
-    """An empty or over-long prompt is refused from the tokenizer and config alone: no engine is built."""
+    """An empty, over-long or non-Unicode prompt is refused from the tokenizer and config alone: no engine is built.
+    The one prompt of generate is "the prompt" (the engine's messages carry an index, for calls of several)."""
     import engine
     from typer.testing import CliRunner
     from harness.cli import app
@@ -30,9 +31,13 @@ def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch
     monkeypatch.setattr(engine, "LLM", no_engine)
     base = ["generate", "--model", str(tiny_model_dir), "--no-spec", "--device", "cpu"]
     r = CliRunner().invoke(app, base[:1] + [""] + base[1:])
-    assert r.exit_code == 2 and "prompt 0: empty prompt" in r.output, r.output
+    assert r.exit_code == 2 and r.output.strip() == "Error: the prompt is empty", r.output
     r = CliRunner().invoke(app, base[:1] + ["word " * 5000] + base[1:] + ["--set", "max_model_len=64"])
-    assert r.exit_code == 2 and "longer than the context (64 tokens)" in r.output, r.output
+    assert r.exit_code == 2 and r.output.strip().startswith("Error: the prompt of "), r.output
+    assert r.output.strip().endswith(" tokens is longer than the context (64 tokens)"), r.output
+    r = CliRunner().invoke(app, base[:1] + ["a\udcffb"] + base[1:])       # undecodable argv bytes: a lone surrogate
+    assert r.exit_code == 2 and r.output.strip() == (
+        "Error: the prompt: text is not valid Unicode (character 1 cannot be encoded as UTF-8)"), r.output
     r = CliRunner().invoke(app, base[:1] + ["hi"] + base[1:] + ["--temperature", "nan"])
     assert r.exit_code == 2 and "temperature" in r.output, r.output
 
