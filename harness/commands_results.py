@@ -77,12 +77,14 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
          pp_spec: PpSpecOpt = None, set_: SetOpt = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
     """Print the execution plan of a suite config, e.g. [cyan]ppspec plan --config h200 --pp 2 --pp-spec[/cyan] (on
-    a CPU host: the CUDA plan it would run). Takes generate's and bench's topology flags."""
+    a CPU host: the CUDA plan it would run). Takes generate's and bench's topology flags; warns, as the engine does
+    at start-up, when the tp pads the model's heads with zero ones."""
     with user_errors():
-        from .dryrun import check_topology
+        from .dryrun import check_topology, head_padding_warning
         from .results import suite_plan
         cfg, p = suite_plan(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
-        check_topology(cfg)                          # the engine's start-up refusal, before a plan it would not run
-        for n in cfg.notes:
-            err.print(n, markup=False, highlight=False)
+        mc = check_topology(cfg)                     # the engine's start-up refusal, before a plan it would not run
+        for n in [*cfg.notes, head_padding_warning(cfg, mc)]:
+            if n:
+                err.print(n, markup=False, highlight=False)
         typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())

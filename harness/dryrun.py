@@ -37,14 +37,24 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
     return lines, bad
 
 
-def check_topology(cfg: RunConfig) -> None:
+def check_topology(cfg: RunConfig):
     """ConfigError when the model cannot be split as ``cfg.engine`` asks (``engine.config.check_topology``: e.g. pp
     above the layer count) or cannot take its EAGLE shape (``engine.config.check_spec_fits``), from the model's
-    config alone."""
+    config alone; returns that config (``engine.model.config.ModelConfig``)."""
     from engine.config import check_spec_fits, check_topology as check, model_source
     model = model_source(cfg.engine)[1]
     check(model, cfg.engine.tp, cfg.engine.pp)
     check_spec_fits(model, cfg.engine.spec)
+    return model
+
+
+def head_padding_warning(cfg: RunConfig, model) -> str | None:
+    """The line the engine logs at start-up when ``cfg.engine.tp`` makes it pad ``model``'s attention heads (or
+    MLP columns) with zero ones (``engine.model.tp_pad.tp_head_padding``), as a ``Warning:`` line; None when the
+    model shards as it is."""
+    from engine.model.tp_pad import tp_head_padding
+    hp = tp_head_padding(model, cfg.engine.tp)
+    return f"Warning: head padding: {hp.describe()}" if hp else None
 
 
 def _failure(cfg: RunConfig, *checks) -> str | None:

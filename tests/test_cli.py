@@ -1016,6 +1016,20 @@ def test_plan_takes_the_topology_flags():
     assert r.exit_code == 0 and "draft tree -; spec round -;" in r.output
 
 
+def test_plan_warns_when_the_tp_pads_the_heads():
+    """Regression: ``ppspec plan --set tp=5`` on SmolLM2 (9 query / 3 KV heads) printed the plan without a word about
+    the zero heads the engine pads in (it logs one warning line at start-up); plan prints that line on stderr,
+    and nothing at a tp that divides the heads."""
+    for args in (["--set", "tp=5"], ["--tp", "5", "--json"]):
+        r = runner.invoke(app, ["plan", "--config", "tp1pp1", *args])
+        assert r.exit_code == 0, r.output
+        warn = [x for x in r.output.splitlines() if x.startswith("Warning: ")]
+        assert warn == ["Warning: head padding: tp=5: attention heads padded 9 q / 3 kv -> 15 / 5 with zero heads "
+                        "(40.0% of attention and 40.0% of the KV pool is padding); intermediate_size 1536 -> 1540"]
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "tp=3"])
+    assert r.exit_code == 0 and "padding" not in r.output and "Warning" not in r.output, r.output
+
+
 def test_plan_and_dry_run_refuse_a_spec_shape_the_model_cannot_take():
     """Regression (QA): a spec.topk above the vocabulary was planned and listed as runnable, then failed at load."""
     r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.topk=100000"])
