@@ -62,11 +62,8 @@ def resolve_device(device: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """``dtype`` with ``auto`` resolved for ``device``: bfloat16 on CUDA and on CPUs with AMX bfloat16 tiles, else
-    float32; any other value is returned unchanged."""
-    if dtype != "auto":
-        return dtype
+def auto_dtype(device: str) -> str:
+    """The dtype ``auto`` means on ``device``: bfloat16 on CUDA and on CPUs with AMX bfloat16 tiles, else float32."""
     if device.split(":")[0] == "cuda":
         return "bfloat16"
     import torch
@@ -137,7 +134,7 @@ class EngineConfig:
     """Everything an engine instance needs; one frozen value shared by all ranks."""
 
     model: str = "smollm2"
-    dtype: str = "float32"                # float32 | bfloat16 | float16 | auto (resolve_dtype)
+    dtype: str = "float32"                # float32 | bfloat16 | float16 | auto (auto_dtype)
     device: str = "cpu"                   # cpu | cuda | cuda:N | auto (resolve_device: cuda when available, else cpu)
     tp: int = 1
     pp: int = 1
@@ -198,7 +195,7 @@ class EngineConfig:
         if self.device == "auto":
             object.__setattr__(self, "device", resolve_device("auto"))
         if self.dtype == "auto":
-            object.__setattr__(self, "dtype", resolve_dtype("auto", self.device))
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16, auto)")
         dev = self.device.split(":")[0]

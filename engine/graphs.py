@@ -37,11 +37,6 @@ def pick(bs_list: list[int], B: int) -> int | None:
     return next((b for b in bs_list if b >= B), None)
 
 
-def prefill_buckets(max_tokens: int) -> list[int]:
-    """Captured prefill lengths: the ``PREFILL_BUCKETS`` below ``max_tokens``, then ``max_tokens`` itself."""
-    return ladder(max_tokens, PREFILL_BUCKETS)
-
-
 @contextlib.contextmanager
 def capturing(g: "torch.cuda.CUDAGraph", pool):
     """``torch.cuda.graph`` with the garbage collector held off (as vLLM) and thread-local capture errors."""
@@ -240,7 +235,7 @@ class CudaGraphRunner(_StageBuffers):
 
 
 class PrefillGraphRunner(_StageBuffers):
-    """Captured one-request prefill forwards of one stage over token buckets (:func:`prefill_buckets`).
+    """Captured one-request prefill forwards of one stage over token buckets (``PREFILL_BUCKETS`` below ``max_tokens``, then it).
 
     ONE request from position 0, ``T <= max bucket``, padded to the smallest bucket ``Tb >= T``. Args: runner
     (ModelRunner), max_tokens (largest bucket). Raises RuntimeError if the attention backend is not FlashInfer.
@@ -249,7 +244,7 @@ class PrefillGraphRunner(_StageBuffers):
     def __init__(self, runner, max_tokens: int):
         model = runner.model
         self._bind(runner, model.layers[0].self_attn)
-        self.buckets = prefill_buckets(max_tokens)
+        self.buckets = ladder(max_tokens, PREFILL_BUCKETS)
         Tm = self.buckets[-1]
         self._init_buffers(model, Tm)
         self.attn = PrefillGraphAttention(self.backend, self.key, self.dev, max_tokens=Tm)

@@ -187,15 +187,6 @@ def invalidate() -> None:
     _current = None
 
 
-def env_int(name: str, default: int, minimum: int | None = None) -> int:
-    """An integer variable outside the registry (read at each call); unset or empty gives ``default``.
-
-    Raises:
-        ConfigError: set to a non-integer or below ``minimum`` (one line naming it).
-    """
-    return _parse(Knob(name, "int", default, _D, "", "", name, minimum=minimum), os.environ)
-
-
 def torchrun_env() -> tuple[int, int, int, int]:
     """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by torchrun (local defaults: 0 and WORLD_SIZE).
 

@@ -8,7 +8,7 @@ EAGLE's draft K/V at ``i`` depends on the token at ``i + 1``, so ``Block.tokens`
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +29,6 @@ class Block:
     parent: "Block | None"
     refs: int = 0
     children: int = 0
-    hits: int = field(default=0)
 
 
 class PrefixCache:
@@ -76,7 +75,6 @@ class PrefixCache:
             if blk.refs == 0:
                 self.evictable.pop(blk.key, None)
             blk.refs += 1
-            blk.hits += 1
         self.hit_tokens += len(blocks) * self.block_size
         self.queried_tokens += num_tokens
 

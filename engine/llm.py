@@ -1,5 +1,5 @@
 """User-facing engine: ``LLM(config).generate(prompts, SamplingParams)``. One rank runs in-process; tp*pp > 1
-spawns one process per rank (gloo on CPU, NCCL across GPUs); multi-node runs use ``torchrun -m engine.launch``.
+spawns one process per rank (gloo on CPU, NCCL across GPUs); multi-node runs use ``torchrun -m engine.ranks``.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from .kernels.argmax import argmax_rows
 from .kv_cache import KVPool, rank_kv_tokens
 from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_tokenizer
+from .model.layers import Kernels, use_kernels
 from .model.llama import LlamaForCausalLM, stage_layer_range
 from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
 from .model.tp_pad import tp_head_padding
@@ -25,8 +26,8 @@ class Sampler:
     """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded top-k / top-p
     sampling with per-request coins (:mod:`engine.model.sampling`), so every rank draws the same tokens."""
 
-    def __init__(self, device: torch.device, seed: int):
-        self.device, self.seed = device, seed
+    def __init__(self, device: torch.device, seed: int, argmax: bool):
+        self.device, self.seed, self.argmax = device, seed, argmax      # argmax: the Triton row argmax may run
 
     def sampling_tensors(self, reqs: list[Req], repeat: int = 1):
         """(temperature [R] float32, top_k [R] int64, top_p [R] float32) on the device, each request's values
@@ -42,7 +43,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
         if all(r.params.greedy for r in reqs):
-            return argmax_rows(logits)
+            return argmax_rows(logits) if self.argmax else logits.argmax(-1)
         probs = self.target_probs(logits, reqs)
         coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
         return sample_from_probs(probs, coins.to(probs.device))
@@ -73,7 +74,7 @@ class ModelRunner:
         self._init_backend()
         self.tokenizer = None if config.load_format == "dummy" else load_tokenizer(self.path)
         torch.manual_seed(config.seed)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, self.plan.kernels["triton_argmax"])
         max_pos = self.max_model_len + self.reserve + 8
         self.model = LlamaForCausalLM(mc, self.dtype, max_pos)
         self.draft = None
@@ -97,8 +98,9 @@ class ModelRunner:
                                      seed=config.seed, dummy=config.load_format == "dummy", tp_size=s.tp_size)
             weights = copy_embedding(self.draft, weights)
         self.model.load_weights(weights)
-        self.model.to(self.device)
-        self.draft = self.draft.to(self.device) if self.draft is not None else None
+        kernels = Kernels.from_plan(self.plan)
+        use_kernels(self.model.to(self.device), kernels)
+        self.draft = use_kernels(self.draft.to(self.device), kernels) if self.draft is not None else None
         self.hot_head = None                  # FR-Spec draft vocabulary (spec.token_map) or the EAGLE-3 head, last stage
         if self.draft is not None and self.eagle3 is not None:
             from .speculative.eagle3 import Eagle3Head
@@ -118,7 +120,7 @@ class ModelRunner:
         # every stage rebuilds verify trees: on the device (plan.device_tree), else on the host
         self.tree_ops = None
         if self.spec:
-            from .speculative.tree_ops import DeviceTreeOps, HostTreeOps
+            from .speculative.tree_host import DeviceTreeOps, HostTreeOps
             self.tree_ops = DeviceTreeOps(self.device) if self.device_tree else HostTreeOps()
         self.eagle = None                     # the last stage's EagleWorker: draft, its KV pool, target head, tree ops
         if self.draft is not None:
@@ -291,7 +293,3 @@ class ModelRunner:
             return self.model(ids, pos, hidden, residual, aux)
         finally:
             set_context(None)
-
-    def draft_forward(self, ids, features, pos, ctx, planned: bool = False):
-        """One draft forward (:meth:`EagleWorker.draft_forward`), for the graph runners."""
-        return self.eagle.draft_forward(ids, features, pos, ctx, planned=planned)

@@ -39,11 +39,10 @@ class WireStats:
 WIRE = WireStats()
 
 
-def reset_wire_stats() -> WireStats:
-    """Start a new count; returns the previous one."""
+def reset_wire_stats() -> None:
+    """Start a new count."""
     global WIRE
-    old, WIRE = WIRE, WireStats()
-    return old
+    WIRE = WireStats()
 
 
 _RECV_FRAME: list = []          # this rank's reused receive buffer (one frame)
@@ -191,12 +190,11 @@ class StageStats:
     """Counters of one rank over one run; :meth:`finish` returns them as a JSON-able dict (summarised per stage by
     ``harness.pp_metrics``)."""
 
-    def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str = "ring", replays=None):
-        """``replays``: a callable returning the rank's cumulative graph replay counts (name -> int,
-        :meth:`engine.runner.ModelRunner.graph_replays`); the run's share is reported as ``graph_replays``."""
-        self.pp_rank, self.tp_rank, self.loop = pp_rank, tp_rank, loop     # loop: the executor's name
-        self._replays = replays
-        self._replays0 = replays() if replays is not None else {}
+    def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str, replays):
+        """``loop``: the executor's name; ``replays``: a callable returning the rank's cumulative graph replay counts
+        (name -> int, :meth:`engine.runner.ModelRunner.graph_replays`); the run's share is ``graph_replays``."""
+        self.pp_rank, self.tp_rank, self.loop = pp_rank, tp_rank, loop
+        self._replays, self._replays0 = replays, replays()
         self.cuda = device.type == "cuda"
         self.ticks = self.batches = 0
         self.device_rounds = 0                # verify batches run as device stage rounds (engine.speculative.stage_round)
@@ -248,8 +246,7 @@ class StageStats:
 "wall_s": wall, "busy_s": self.busy_s,
                 "host_s": dict(self.host), "messages": w.messages, "bytes": dict(w.bytes),
                 "d2h": D2H_COPIES[0] - self._d2h0,
-                "graph_replays": ({k: v - self._replays0.get(k, 0) for k, v in self._replays().items()}
-                                  if self._replays is not None else {}),
+                "graph_replays": {k: v - self._replays0.get(k, 0) for k, v in self._replays().items()},
                 "ctx_switches": {"voluntary": ru.ru_nvcsw - self._ru0.ru_nvcsw,
                                  "involuntary": ru.ru_nivcsw - self._ru0.ru_nivcsw}}
 

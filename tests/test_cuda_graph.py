@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from engine.kernels import fused as kernels  # noqa: E402
+from engine.model.layers import fused_linear_ref, rmsnorm_ref, rope_ref  # noqa: E402
 from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +36,8 @@ def test_fused_kernels_match_reference():
         r = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
         w = (1 + 0.1 * torch.randn(H, generator=g)).to(DEV, torch.bfloat16)
         assert kernels.use_fused(x)
-        _close(kernels.rmsnorm(x, w, 1e-5), kernels.rmsnorm_ref(x, w, 1e-5))
-        ref_n, ref_s = kernels.rmsnorm_ref(x + r, w, 1e-5), x + r
+        _close(kernels.rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
+        ref_n, ref_s = rmsnorm_ref(x + r, w, 1e-5), x + r
         n, s = kernels.add_rmsnorm(x.clone(), r.clone(), w, 1e-5)
         _close(n, ref_n)
         _close(s, ref_s)
@@ -49,7 +50,7 @@ def test_fused_kernels_match_reference():
         pos = torch.randint(0, 4000, (T,), generator=g).to(DEV)
         q, k, _ = qkv.split([hq * D, hk * D, hk * D], -1)
         q, k = q.reshape(T, hq, D), k.reshape(T, hk, D)             # strided views of qkv, as in Attention
-        rq, rk = kernels.rope_ref(pos, q, k, rot.cos, rot.sin)
+        rq, rk = rope_ref(pos, q, k, rot.cos, rot.sin)
         fq, fk = rot(pos, q, k)
         _close(fq, rq)
         _close(fk, rk)
@@ -380,11 +381,11 @@ def test_skinny_kernels_match_reference(monkeypatch):
             assert skinny.enabled(x)
             y, h = skinny.norm_linear(x, r, gamma, 1e-5, w)
             assert torch.equal(h, x + r)
-            _close(y, skinny.reference(x, w, r, gamma, 1e-5, norm=True)[0])
+            _close(y, fused_linear_ref(x, w, r, gamma, 1e-5, norm=True)[0])
             _close(skinny.linear(x, w), torch.nn.functional.linear(x, w))
             y, h = skinny.norm_gate_up(x, r, gamma, 1e-5, w)
             assert torch.equal(h, x + r)
-            _close(y, skinny.reference(x, w, r, gamma, 1e-5, norm=True, gated=True)[0])
+            _close(y, fused_linear_ref(x, w, r, gamma, 1e-5, norm=True, gated=True)[0])
 
 
 def test_skinny_matches_unfused_path(setup, monkeypatch):
@@ -419,11 +420,11 @@ def test_gemv_kernels_match_reference(monkeypatch):
             assert gemv.enabled(x)
             y, h = gemv.norm_linear(x, r, gamma, 1e-5, w)
             assert torch.equal(h, x + r)
-            _close(y, skinny.reference(x, w, r, gamma, 1e-5, norm=True)[0])
+            _close(y, fused_linear_ref(x, w, r, gamma, 1e-5, norm=True)[0])
             _close(gemv.linear(x, w), torch.nn.functional.linear(x, w))
             y, h = gemv.norm_gate_up(x, r, gamma, 1e-5, w)
             assert torch.equal(h, x + r)
-            _close(y, skinny.reference(x, w, r, gamma, 1e-5, norm=True, gated=True)[0])
+            _close(y, fused_linear_ref(x, w, r, gamma, 1e-5, norm=True, gated=True)[0])
 
 
 def test_gemv_matches_unfused_path(setup, monkeypatch):

@@ -248,23 +248,6 @@ def test_capture_sequence_with_reset(monkeypatch):
     assert seen == ["wait", "body", "body", "wait", ("capture", "POOL"), "body"] and pool == "POOL"
 
 
-def test_env_int(monkeypatch):
-    """engine.knobs.env_int, the integer parser of variables outside the registry (the same rules as the registry's
-    integer knobs): unset/empty = default, integers as given, anything else a one-line ConfigError."""
-    from engine import ConfigError
-    from engine.knobs import env_int
-    monkeypatch.delenv("PPSPEC_X", raising=False)
-    assert env_int("PPSPEC_X", 7) == 7
-    monkeypatch.setenv("PPSPEC_X", " ")
-    assert env_int("PPSPEC_X", 7) == 7
-    monkeypatch.setenv("PPSPEC_X", " 12 ")
-    assert env_int("PPSPEC_X", 7, minimum=0) == 12
-    for bad, minimum in (("1.5", None), ("-1", 0)):
-        monkeypatch.setenv("PPSPEC_X", bad)
-        with pytest.raises(ConfigError, match="PPSPEC_X must be an integer"):
-            env_int("PPSPEC_X", 7, minimum)
-
-
 # ------------------------------------------------------------------------------------------ EAGLE-3 aux outputs
 class _ReplayOnCPU:
     """A CUDA graph's stand-in on CPU: ``replay`` re-runs the captured body and writes its results into the tensors

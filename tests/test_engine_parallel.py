@@ -45,7 +45,7 @@ def test_torchrun_launch_matches_spawn(tiny_model_dir, tiny_prompts, tiny_refere
     out = tmp_path / "o.jsonl"
     from engine.ranks import free_port as _free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           "-m", "engine.launch", "--model", tiny_model_dir, "--pp", "2", "--prompts", str(prompts), "--out", str(out)]
+           "-m", "engine.ranks", "--model", tiny_model_dir, "--pp", "2", "--prompts", str(prompts), "--out", str(out)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     got = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
     assert got == tiny_reference[:4]

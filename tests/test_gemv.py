@@ -12,7 +12,9 @@ def test_gemv_dispatch(monkeypatch):
     import torch
     from engine import ConfigError
     from engine.kernels import gemv
-    x, w = torch.zeros(1, 64), torch.zeros(128, 64)
+    from engine.model.llama import RowLinear
+    x, lin = torch.zeros(1, 64), torch.nn.Linear(64, 128, bias=False)
+    path = lambda op: RowLinear(lin, op).path(x)  # noqa: E731 - the layer's choice for a [128, 64] weight
     for k in ("TRITON_INTERPRET", "PPSPEC_GEMV", "PPSPEC_GEMV_MIN_W"):
         monkeypatch.delenv(k, raising=False)
     assert not gemv.enabled(x)                         # CPU tensors: the torch path
@@ -20,10 +22,10 @@ def test_gemv_dispatch(monkeypatch):
     assert not gemv.enabled(x)                         # interpreter, not named
     monkeypatch.setenv("PPSPEC_GEMV", "1")
     assert gemv.enabled(x) and not gemv.enabled(torch.zeros(2, 64))
-    assert not gemv.use(x, w, "o")                     # 8192 elements <= the default 1<<22: skinny's range
+    assert path("o") != "gemv"                         # 8192 elements <= the default 1<<22: skinny's range
     monkeypatch.setenv("PPSPEC_GEMV_MIN_W", "0")
-    assert all(gemv.use(x, w, op) for op in gemv.OPS)
-    assert not gemv.use(x, w, "lm_head")
+    assert all(path(op) == "gemv" for op in gemv.OPS)
+    assert path("lm_head") != "gemv"
     monkeypatch.setenv("PPSPEC_GEMV", "0")
     assert not gemv.enabled(x)
     # the measured per-op defaults (H200, Llama-3-8B shape); BLOCK_K capped at K's next power of two
@@ -35,7 +37,7 @@ def test_gemv_dispatch(monkeypatch):
     monkeypatch.setattr(gemv, "TUNE", (8, 512, 8, 2, 1))             # tools.kernel_bench's sweep hook
     assert gemv.pick_config("o", 4096, 4096) == (8, 512, 8, 2, 1)
     for name, val, call in [("PPSPEC_GEMV", "yes", lambda: gemv.enabled(x)),
-                            ("PPSPEC_GEMV_MIN_W", "big", lambda: gemv.use(x, w, "o"))]:
+                            ("PPSPEC_GEMV_MIN_W", "big", lambda: path("o"))]:
         monkeypatch.setenv("PPSPEC_GEMV", "1")
         monkeypatch.setenv(name, val)
         with pytest.raises(ConfigError, match=name):

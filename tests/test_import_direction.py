@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.executors",),
     ("engine.worker",),
     ("engine.ranks",),
-    ("engine.llm", "engine.launch"),
+    ("engine.llm",),
     ("engine",),                                              # the package face (engine/__init__.py)
     ("harness",),
     ("tools",),

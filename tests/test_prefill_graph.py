@@ -11,7 +11,12 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig
 from engine.attention.backend import ForwardContext
-from engine.graphs import PrefillGraphRunner, pick, prefill_buckets
+from engine.graphs import PREFILL_BUCKETS, PrefillGraphRunner, ladder, pick
+
+
+def prefill_buckets(max_tokens):
+    """The prefill graph runner's buckets for ``max_tokens``."""
+    return ladder(max_tokens, PREFILL_BUCKETS)
 
 
 def test_prefill_buckets_ladder():

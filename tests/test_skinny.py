@@ -11,17 +11,19 @@ def test_skinny_dispatch(monkeypatch):
     PPSPEC_SKINNY=1 is named; at most skinny.MAX_ROWS rows and PPSPEC_SKINNY_MAX_W weight elements."""
     import torch
     from engine.kernels import skinny
-    x, w = torch.zeros(4, 64), torch.zeros(128, 64)
+    from engine.model.llama import RowLinear
+    x, lin = torch.zeros(4, 64), torch.nn.Linear(64, 128, bias=False)
+    path = lambda: RowLinear(lin, "o").path(x)  # noqa: E731 - the layer's choice for a [128, 64] weight
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PPSPEC_SKINNY", raising=False)
     assert not skinny.enabled(x)                       # CPU tensors: the torch path
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not skinny.enabled(x)                       # interpreter, not named
     monkeypatch.setenv("PPSPEC_SKINNY", "1")
-    assert skinny.enabled(x) and skinny.use(x, w)
+    assert skinny.enabled(x) and path() == "skinny"
     assert skinny.enabled(torch.zeros(16, 64)) and not skinny.enabled(torch.zeros(17, 64))   # MAX_ROWS = 16
     monkeypatch.setenv("PPSPEC_SKINNY_MAX_W", str(128 * 64 - 1))
-    assert not skinny.use(x, w)
+    assert path() == "unfused"
     monkeypatch.setenv("PPSPEC_SKINNY", "0")
     assert not skinny.enabled(x)
     # block configs: gated gate_up streams two strips -> 32 columns; others 16; small K -> one K tile
@@ -35,7 +37,7 @@ def test_skinny_dispatch(monkeypatch):
     # malformed knobs: one-line ConfigError naming the variable (not a ValueError traceback per forward)
     from engine import ConfigError
     for name, val, call in [("PPSPEC_SKINNY", "yes", lambda: skinny.enabled(x)),
-                            ("PPSPEC_SKINNY_MAX_W", "4M", lambda: skinny.use(x, w))]:
+                            ("PPSPEC_SKINNY_MAX_W", "4M", path)]:
         monkeypatch.setenv("PPSPEC_SKINNY", "1")
         monkeypatch.setenv(name, val)
         with pytest.raises(ConfigError, match=name):

@@ -23,6 +23,7 @@ def _stub_runner(max_tokens: int, hidden: int) -> None:
     """Forwards return rows of one pre-drawn random buffer (no per-call compute to speak of)."""
     import engine.model.llama as M
     import engine.runner as R
+    from engine.speculative.eagle_worker import EagleWorker
     g = torch.Generator().manual_seed(0)
     H = torch.randn(max_tokens, hidden, generator=g)
     logits = torch.randn(max_tokens, STUB_VOCAB, generator=g)
@@ -40,7 +41,7 @@ def _stub_runner(max_tokens: int, hidden: int) -> None:
         return rows(ids.shape[0])
 
     R.ModelRunner.forward = forward
-    R.ModelRunner.draft_forward = draft_forward
+    EagleWorker.draft_forward = draft_forward
     M.LlamaForCausalLM.compute_logits = lambda self, h: logits[(h[:, 0].abs() * 1e4).long() % logits.shape[0]]
 
 

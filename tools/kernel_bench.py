@@ -84,6 +84,7 @@ def main() -> None:
         raise SystemExit("Error: kernel_bench needs a CUDA device")
     knobs.set_env("PPSPEC_SKINNY", "1")
     from engine.kernels import skinny
+    from engine.model.layers import fused_linear_ref
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
@@ -123,7 +124,7 @@ def main() -> None:
                 if best is not None:
                     row["best_cfg"], row["fused_us"] = list(best[0]), best[1]
                     row["fused_GBps"] = gb / best[1]
-                    ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm,
+                    ref = fused_linear_ref(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm,
                                            gated=gated)[0].float()
                     got = fused(0).float()
                     row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
@@ -164,6 +165,7 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
     import torch
     import torch.nn.functional as F
     from engine.kernels import gemv, skinny
+    from engine.model.layers import fused_linear_ref
     knobs.set_env("PPSPEC_GEMV", "1")
     rows = []
     with torch.inference_mode():
@@ -192,7 +194,7 @@ allows), with weight GB/s, the best config's error and its time without PDL."""
                 gemv.TUNE = best[0]
                 row["best_cfg"], row["gemv_us"] = list(best[0]), round(best[1], 2)
                 row["gemv_GBps"] = round(gb / best[1], 1)
-                ref = skinny.reference(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
+                ref = fused_linear_ref(x, ws[0], r if norm else None, gamma, 1e-5, norm=norm, gated=gated)[0].float()
                 got = fused(0).float()
                 row["max_rel_err"] = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                 knobs.set_env("PPSPEC_PDL", "0")               # the best config in plain stream order (PDL's share)

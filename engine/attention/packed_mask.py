@@ -75,27 +75,22 @@ def mask_byte_indptr(prefix_lens: list[int], n: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(nbytes)]).astype(np.int32)
 
 
-def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int], prefix_dev: Tensor | None = None,
-                     out: Tensor | None = None) -> tuple[Tensor, np.ndarray]:
+def pack_verify_mask(tree_mask: Tensor, prefix_lens: list[int]) -> tuple[Tensor, np.ndarray]:
     """Bit-pack the verify attention masks on ``tree_mask``'s device, without a host copy.
 
     Request b's mask is ``[n, L_b + n]``: its L_b committed tokens, then the ``tree_mask [B, n, n]`` bool block,
     in the module's packed layout.
-    ``prefix_lens``: the L_b (host ints); ``prefix_dev``: the same as int64 on the device (copied if
-    None); ``out``: optional uint8 buffer to fill (its first ``indptr[-1]`` bytes).
+    ``prefix_lens``: the L_b (host ints).
     Returns (packed uint8 [indptr[-1]] on the device, byte indptr int32 [B+1] numpy).
     """
     B, n, _ = tree_mask.shape
     dev = tree_mask.device
     indptr = mask_byte_indptr(prefix_lens, n)
     total = int(indptr[-1])
-    packed = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=dev)
-    if triton_enabled(tree_mask):
-        if prefix_dev is None:                    # one pinned, asynchronous copy for both
-            meta = h2d(torch.from_numpy(np.concatenate([np.asarray(prefix_lens, np.int64), indptr])), dev)
-            prefix_dev, ind_dev = meta[:B], meta[B:]
-        else:
-            ind_dev = h2d(torch.from_numpy(indptr.astype(np.int64)), dev)
+    packed = torch.empty(total, dtype=torch.uint8, device=dev)
+    if triton_enabled(tree_mask):                 # prefix lengths and indptr: one pinned, asynchronous copy
+        meta = h2d(torch.from_numpy(np.concatenate([np.asarray(prefix_lens, np.int64), indptr])), dev)
+        prefix_dev, ind_dev = meta[:B], meta[B:]
         block = 256
         most = int(np.max(np.diff(indptr))) if B else 0
         _pack_mask_kernel[(B, max(1, -(-most // block)))](tree_mask.contiguous().view(torch.int8), prefix_dev,

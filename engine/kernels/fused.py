@@ -1,29 +1,29 @@
-"""Fused GPU kernels with torch reference fallbacks: RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE.
+"""FlashInfer's fused ops: RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE (their torch reference twins:
+engine/model/layers.py).
 
-On CUDA bfloat16/float16 tensors outside autograd these dispatch to FlashInfer (``flashinfer.norm.rmsnorm`` /
+On CUDA bfloat16/float16 tensors outside autograd (:func:`use_fused`) these run ``flashinfer.norm.rmsnorm`` /
 ``fused_add_rmsnorm``, ``flashinfer.activation.silu_and_mul``,
-``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``); elsewhere, or with ``PPSPEC_FUSED=0``, the torch
-reference runs.
+``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``; for any other tensor, a layout they do not take, or
+``PPSPEC_FUSED=0`` they return None and the caller runs the reference.
 
 :func:`launch_kwargs` gates programmatic dependent launch (PDL) of the engine's Triton kernels. Contract of every
 ``USE_PDL`` kernel: each program calls ``gdc_wait()`` before reading any activation or writing any output, reads
 only weights before it, and calls ``gdc_launch_dependents()`` right after. On for CUDA compute capability >= 9,
 Triton with ``gdc_wait``, no interpreter, ``PPSPEC_PDL`` not 0.
 
-Semantics (both paths):
+Semantics (the same as the references):
   * ``rmsnorm(x [T, H], w [H], eps) -> [T, H]``: x / sqrt(mean(x^2) + eps) * w, statistics in float32.
   * ``add_rmsnorm(x, residual, w, eps) -> (normed, residual + x)``: the FlashInfer path updates
     ``x`` and ``residual`` in place (both must be owned by the caller).
   * ``silu_and_mul(x [T, 2I]) -> [T, I]``: silu(x[:, :I]) * x[:, I:].
-  * ``rope(positions [T] int64, q [T, Hq, D], k [T, Hk, D], cos_sin [P, D] float32)``: Neox-style
-    (rotate-half) rotation; the FlashInfer path rotates q and k in place.
+  * ``rope(positions [T] int64, q [T, Hq, D], k [T, Hk, D], cos_sin [P, D] float32) -> (q, k)``: Neox-style
+    (rotate-half) rotation, in place.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from .. import knobs
 
@@ -63,16 +63,10 @@ def use_fused(x: torch.Tensor) -> bool:
     return _flashinfer() is not None
 
 
-def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     if use_fused(x) and x.dim() == 2:
         return _flashinfer().norm.rmsnorm(x.contiguous(), w, eps)
-    return rmsnorm_ref(x, w, eps)
+    return None
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
@@ -80,39 +74,23 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: f
             and residual.dtype == x.dtype:
         _flashinfer().norm.fused_add_rmsnorm(x, residual, w, eps)
         return x, residual
-    s = x + residual
-    return rmsnorm_ref(s, w, eps), s
+    return None
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if use_fused(x) and x.is_contiguous():
         return _flashinfer().activation.silu_and_mul(x)
-    g, u = x.chunk(2, dim=-1)
-    return F.silu(g) * u
+    return None
 
 
-def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
-    return _rotate(q, c, s), _rotate(k, c, s)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    c = torch.cat([cos, cos], -1)
-    s = torch.cat([sin, sin], -1)
-    return (xf * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
-
-
-def rope(positions, q, k, cos, sin, cos_sin):
-    """See module docstring; ``cos``/``sin`` [P, D/2] float32 for the reference, ``cos_sin`` = cat of both."""
+def rope(positions, q, k, cos_sin):
+    """See the module docstring; ``cos_sin`` [P, D] float32 (cos half, then sin half)."""
     if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
         T, D = q.shape[0], q.shape[-1]
         _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
             positions, q.reshape(T, -1), k.reshape(T, -1), D, cos_sin, is_neox=True)
         return q, k
-    return rope_ref(positions, q, k, cos, sin)
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,9 +12,9 @@ rounding; h is bit-exact.
 
 Shapes and dtypes: x [1, K] (inner stride 1), residual [1, K] or None, gamma [K], W [N, K] contiguous of x's dtype,
 bias [N] or None. Outputs are fresh [1, N] / [1, K] tensors of x's dtype; float32 accumulation.
-Dispatch (:func:`use`): CUDA bf16/fp16, exactly one row, ``PPSPEC_GEMV`` not 0, weights of more than
-``PPSPEC_GEMV_MIN_W`` elements; under Triton's interpreter only with ``PPSPEC_GEMV=1``. Raises ValueError for
-layouts the kernels do not take.
+Dispatch (:func:`enabled`; the op and weight size: engine/model/llama.py): CUDA bf16/fp16, exactly one row,
+``PPSPEC_GEMV`` not 0, weights of more than ``PPSPEC_GEMV_MIN_W`` elements; under Triton's interpreter only with
+``PPSPEC_GEMV=1``. Raises ValueError for layouts the kernels do not take.
 """
 from __future__ import annotations
 
@@ -44,11 +44,6 @@ def enabled(x: torch.Tensor) -> bool:
     if kn.triton_interpret:                               # CPU interpreter: only when asked for by name (tests)
         return kn.gemv is True
     return use_fused(x)
-
-
-def use(x: torch.Tensor, w: torch.Tensor, op: str) -> bool:
-    """Whether linear ``op`` (one of :data:`OPS`) with weight ``w`` [N, K] runs as a GEMV for activations ``x``."""
-    return enabled(x) and w.numel() > knobs.current().gemv_min_w and op in OPS
 
 
 def pick_config(op: str, N: int, K: int) -> tuple[int, int, int, int, int]:

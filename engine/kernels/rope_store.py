@@ -1,7 +1,7 @@
 """Fused RoPE + KV store (Triton): one launch per layer rotates q in place and writes the rotated k and v into the
 KV pool (SGLang fuses the same pair in ``apply_rope_with_cos_sin_cache_inplace`` + ``set_kv_buffer``).
 
-Semantics (= ``kernels.rope_ref`` then ``KVPool.store``): Neox-style rotation in float32,
+Semantics (= ``engine.model.layers.rope_ref`` then ``KVPool.store``): Neox-style rotation in float32,
 ``x * cos + rotate_half(x) * sin``, cast back to the pool dtype.
 
   rope_store(positions [T] int64, qkv [T, (Hq + 2 Hk) D] (q | k | v heads, row stride free, inner

@@ -9,17 +9,16 @@ gpt-fast's compiled decode and TensorRT-LLM's GEMV plugins).
 Shapes and dtypes: x [M, K] (row stride free, inner contiguous), residual [M, K], gamma [K], W [N, K] contiguous,
 bias [N] or None; outputs [M, N] / [M, K] are fresh tensors of x's dtype (the residual is never updated in place).
 Float32 accumulation and statistics; the normalised activation is rounded to the input dtype before the product.
-Dispatch (:func:`use`): CUDA bf16/fp16, ``PPSPEC_SKINNY`` not 0, at most :data:`MAX_ROWS` rows, weights of at most
-``PPSPEC_SKINNY_MAX_W`` elements; under Triton's interpreter only with ``PPSPEC_SKINNY=1``. Raises ValueError for
-layouts the kernels do not take.
+Dispatch (:func:`enabled` and :func:`fits`): CUDA bf16/fp16, ``PPSPEC_SKINNY`` not 0, at most :data:`MAX_ROWS`
+rows, weights of at most ``PPSPEC_SKINNY_MAX_W`` elements; under Triton's interpreter only with ``PPSPEC_SKINNY=1``.
+Raises ValueError for layouts the kernels do not take.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import knobs
-from .fused import launch_kwargs, rmsnorm_ref, use_fused
+from .fused import launch_kwargs, use_fused
 
 try:
     import triton
@@ -48,11 +47,6 @@ def enabled(x: torch.Tensor) -> bool:
 def fits(w: torch.Tensor) -> bool:
     """Whether weight ``w`` [N, K] has at most ``PPSPEC_SKINNY_MAX_W`` elements."""
     return w.numel() <= knobs.current().skinny_max_w
-
-
-def use(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """:func:`enabled` and :func:`fits` (a layer, whose linears share the row count, asks :func:`enabled` once)."""
-    return enabled(x) and fits(w)
 
 
 def pick_config(N: int, K: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int, int]:
@@ -186,13 +180,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """x W^T (+ bias): x [M, K], W [N, K] -> [M, N]."""
     return _launch(x, w, False, False, bias=bias)[0]
 
-
-def reference(x, w, residual=None, gamma=None, eps: float = 0.0, bias=None, norm: bool = False,
-              gated: bool = False):
-    """The unfused torch computation (the test oracle): (y, h or None)."""
-    h = x + residual if residual is not None else x
-    y = F.linear(rmsnorm_ref(h, gamma, eps) if norm else h, w, bias)
-    if gated:
-        g, u = y.chunk(2, dim=-1)
-        y = F.silu(g) * u
-    return y, (h if residual is not None else None)

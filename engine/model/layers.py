@@ -1,18 +1,81 @@
-"""Tensor-parallel building blocks: linears, vocab-parallel embedding/head, RMSNorm, RoPE, SiLU-and-mul.
+"""Tensor-parallel building blocks: linears, vocab-parallel embedding/head, RMSNorm, RoPE, SiLU-and-mul; the torch
+reference ops (the twins of engine/kernels/) and :class:`Kernels`, the fast kernels a model may take.
 
 Parameter names follow the Hugging Face checkpoint keys; each parameter carries a ``weight_loader``
 that takes the full checkpoint tensor and keeps this TP rank's shard.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import fused as kernels
+from ..kernels import fused
 from ..dist import ps, tp_all_gather, tp_all_reduce
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The fast kernels (engine/kernels/) a model's modules may take, chosen once before the first forward: the
+    runner applies the plan's choice (:meth:`from_plan`, :func:`use_kernels`); a model built directly keeps the
+    default, every kernel allowed where its per-tensor gate (device, dtype, rows, knobs) lets it run. A kernel off
+    here is never entered: its torch reference runs."""
+
+    fused: bool = True                    # FlashInfer RMSNorm / add-RMSNorm / SiLU-and-mul / RoPE
+    rope_store: bool = True               # RoPE + KV store in one Triton kernel
+    argmax: bool = True                   # Triton row argmax of the LM head
+    gemv: bool = True                     # one-row GEMV linears
+    skinny: bool = True                   # few-row fused linears
+
+    @classmethod
+    def from_plan(cls, plan) -> "Kernels":
+        """The choice of an ``engine.plan.ExecutionPlan`` (its ``kernels`` and ``linear``)."""
+        k, li = plan.kernels, plan.linear
+        return cls(k["fused_ops"], k["rope_store"], k["triton_argmax"], li["gemv"], li["skinny"])
+
+
+def use_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:
+    """Give every module of ``model`` that takes a :class:`Kernels` choice this one; returns ``model``."""
+    for m in model.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+    return model
+
+
+def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (or [T, heads, D]) -> x / sqrt(mean(x^2) + eps) * w, statistics in float32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox-style (rotate-half) RoPE of q [T, Hq, D] and k [T, Hk, D] at positions [T] int64 in float32, cast back;
+    ``cos`` / ``sin`` [P, D/2] float32. Returns new (q, k)."""
+    c = torch.cat([cos[positions], cos[positions]], -1).unsqueeze(1)
+    s = torch.cat([sin[positions], sin[positions]], -1).unsqueeze(1)
+    out = []
+    for x in (q, k):
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        out.append((xf * c + torch.cat([-x2, x1], -1) * s).to(x.dtype))
+    return tuple(out)
+
+
+def fused_linear_ref(x, w, residual=None, gamma=None, eps: float = 0.0, bias=None, norm: bool = False,
+                     gated: bool = False):
+    """The unfused computation of engine.kernels.gemv / skinny (their tests' oracle): h = x + residual (or x),
+    y = (rmsnorm(h) if ``norm`` else h) W^T + bias, then silu(g) * u of y's halves when ``gated``.
+    Returns (y, h or None without a residual)."""
+    h = x + residual if residual is not None else x
+    y = F.linear(rmsnorm_ref(h, gamma, eps) if norm else h, w, bias)
+    if gated:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    return y, (h if residual is not None else None)
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -112,6 +175,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as HF Llama); ``forward(x, residual)`` fuses the residual add."""
 
+    kernels = Kernels()
+
     def __init__(self, dim: int, eps: float, dtype):
         super().__init__()
         self.eps = eps
@@ -120,9 +185,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [T, H] (or [T, heads, D] for q/k norm) -> normed; with ``residual``: (normed, x + residual).
         On CUDA bf16/fp16 the FlashInfer kernel may update ``x`` and ``residual`` in place."""
+        if self.kernels.fused:
+            out = (fused.rmsnorm(x, self.weight, self.eps) if residual is None
+                   else fused.add_rmsnorm(x, residual, self.weight, self.eps))
+            if out is not None:
+                return out
         if residual is None:
-            return kernels.rmsnorm(x, self.weight, self.eps)
-        return kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+            return rmsnorm_ref(x, self.weight, self.eps)
+        s = x + residual
+        return rmsnorm_ref(s, self.weight, self.eps), s
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
@@ -141,6 +212,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with optional llama3 / linear scaling; cos/sin cached per position."""
 
+    kernels = Kernels()
+
     def __init__(self, head_dim: int, max_pos: int, base: float, rope_scaling: dict | None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -158,9 +231,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] int64 -> rotated (q, k), same dtype
         (on CUDA bf16/fp16 rotated in place by FlashInfer's kernel)."""
-        return kernels.rope(positions, q, k, self.cos, self.sin, self.cos_sin)
+        if self.kernels.fused and (out := fused.rope(positions, q, k, self.cos_sin)) is not None:
+            return out
+        return rope_ref(positions, q, k, self.cos, self.sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] [T, I]."""
-    return kernels.silu_and_mul(x)
+def silu_and_mul(x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] [T, I] (FlashInfer's kernel when ``kernels.fused`` and x takes it)."""
+    if kernels.fused and (out := fused.silu_and_mul(x)) is not None:
+        return out
+    g, u = x.chunk(2, dim=-1)
+    return F.silu(g) * u

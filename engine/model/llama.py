@@ -2,19 +2,27 @@
 
 PP-aware: a stage owns the contiguous layers [start, end); the embedding lives on the first stage,
 the final norm and LM head on the last. Non-last stages return (hidden, residual) proxies.
+
+The decoder layer's linears take fused paths (engine/plan.py's ``linear`` policy), chosen per weight: ``gemv``
+(engine/kernels/gemv.py: one row, a weight above ``PPSPEC_GEMV_MIN_W`` elements), ``skinny``
+(engine/kernels/skinny.py: at most 16 rows, a weight of at most ``PPSPEC_SKINNY_MAX_W`` elements), else
+``unfused``. A path off in the model's :class:`~engine.model.layers.Kernels` is never tried; the weight-size test is
+resolved once per :class:`engine.knobs.Knobs`, the row / device / dtype test per call. The fused modules hold their
+norm and linear by reference: checkpoint names stay those of ``self_attn`` / ``mlp`` / norms.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..kernels import rope_store
+from .. import knobs
+from ..kernels import gemv, rope_store, skinny
 from ..kernels.argmax import argmax_rows
 from ..attention.backend import attend, get_context
 from ..config import ModelConfig
-from ..dist import ps
-from .blocks import NormGateUp, NormLinear, RowLinear
-from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
+from ..dist import ps, tp_all_reduce
+from .layers import (ColumnParallelLinear, Kernels, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                     VocabParallelEmbedding, silu_and_mul)
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -24,7 +32,84 @@ def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int,
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
+class _Routed(nn.Module):
+    """A fused linear over ``linear`` (weight [N, K]) named ``op`` (one of gemv.OPS), after ``norm`` (or None)."""
+
+    kernels = Kernels()
+
+    def __init__(self, linear: nn.Module, op: str, norm: nn.Module | None = None):
+        super().__init__()
+        self._refs = (linear, norm)       # a tuple: not registered, so no second copy of the parameters
+        self.op = op
+        self._kn = None
+        self._gemv_w = self._skinny_w = False
+
+    def path(self, x: torch.Tensor) -> str:
+        """``gemv``, ``skinny`` or ``unfused`` for activations ``x`` [M, K]."""
+        k = self.kernels
+        if not (k.gemv or k.skinny):
+            return "unfused"
+        kn = knobs.current()
+        if self._kn is not kn:            # once per weight and knob set
+            w = self._refs[0].weight
+            self._kn, self._gemv_w, self._skinny_w = kn, w.numel() > kn.gemv_min_w and self.op in gemv.OPS, skinny.fits(w)
+        if k.gemv and self._gemv_w and gemv.enabled(x):
+            return "gemv"
+        if k.skinny and self._skinny_w and skinny.enabled(x):
+            return "skinny"
+        return "unfused"
+
+
+class NormLinear(_Routed):
+    """add-RMSNorm then a column-parallel linear (QKV): (hidden [T, K], residual [T, K] or None) ->
+    (linear(rmsnorm(hidden + residual)) [T, N], hidden + residual [T, K]). ``norm`` None: identity norm."""
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
+        lin, norm = self._refs
+        if norm is None:
+            hidden = hidden if residual is None else hidden + residual
+            return lin(hidden), hidden
+        path = self.path(hidden)
+        if path == "gemv":
+            return gemv.norm_linear(hidden, residual, norm.weight, norm.eps, lin.weight, lin.bias, op=self.op)
+        if path == "skinny":
+            return skinny.norm_linear(hidden, residual, norm.weight, norm.eps, lin.weight, lin.bias)
+        if residual is None:
+            return lin(norm(hidden)), hidden
+        x, residual = norm(hidden, residual)
+        return lin(x), residual
+
+
+class NormGateUp(_Routed):
+    """add-RMSNorm, the gate_up linear (weight [2I, K]: gate rows then up rows) and SiLU-and-mul:
+    (hidden [T, K], residual [T, K]) -> (silu(g) * u [T, I], hidden + residual [T, K])."""
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor):
+        lin, norm = self._refs
+        path = self.path(hidden)
+        if path == "gemv":
+            return gemv.norm_gate_up(hidden, residual, norm.weight, norm.eps, lin.weight, op=self.op)
+        if path == "skinny":
+            return skinny.norm_gate_up(hidden, residual, norm.weight, norm.eps, lin.weight)
+        x, residual = norm(hidden, residual)
+        return silu_and_mul(lin(x), self.kernels), residual
+
+
+class RowLinear(_Routed):
+    """A row-parallel linear (o_proj, down_proj): x [T, K / tp] -> all-reduced x W^T [T, N]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.path(x)
+        if path == "gemv":
+            return tp_all_reduce(gemv.linear(x, self._refs[0].weight, op=self.op))
+        if path == "skinny":
+            return tp_all_reduce(skinny.linear(x, self._refs[0].weight))
+        return self._refs[0](x)
+
+
 class Attention(nn.Module):
+    kernels = Kernels()
+
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype, qkv_in: int | None = None):
         super().__init__()
         tp = ps().tp_size
@@ -51,7 +136,7 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hk) D] -> attention output before o_proj [T, Hq D] (stores k, v in the pool)."""
         T = qkv.shape[0]
         q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.q_norm is None and rope_store.enabled(qkv):
+        if self.q_norm is None and self.kernels.rope_store and rope_store.enabled(qkv):
             ctx = get_context()
             if ctx.pool is not None:
                 # one kernel: q rotated in place, rotated k and v written to the pool (k=v=None: already stored)
@@ -71,6 +156,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels = Kernels()
+
     def __init__(self, cfg: ModelConfig, dtype):
         super().__init__()
         i = cfg.intermediate_size
@@ -78,11 +165,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer (linears through engine/model/blocks.py); ``input_norm`` False (EAGLE's draft layer): no
+    """One decoder layer (linears through the fused modules above); ``input_norm`` False (EAGLE's draft layer): no
     input RMSNorm."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype, input_norm: bool = True):
@@ -91,9 +178,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.norm_qkv = NormLinear(self.input_layernorm, self.self_attn.qkv_proj, "qkv")
+        self.norm_qkv = NormLinear(self.self_attn.qkv_proj, "qkv", self.input_layernorm)
         self.o = RowLinear(self.self_attn.o_proj, "o")
-        self.norm_gate_up = NormGateUp(self.post_attention_layernorm, self.mlp.gate_up_proj, "gate_up")
+        self.norm_gate_up = NormGateUp(self.mlp.gate_up_proj, "gate_up", self.post_attention_layernorm)
         self.down = RowLinear(self.mlp.down_proj, "down")
 
     def forward(self, positions, hidden, residual):
@@ -144,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(feature [R, H]) -> [R, V]`` on the last stage.
     """
 
+    kernels = Kernels()
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_pos: int):
         super().__init__()
         s = ps()
@@ -179,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, feature: torch.Tensor) -> torch.Tensor:
         """feature [R, H] -> argmax token ids [R] int64 (``engine.kernels.argmax``: the LM head's output read in its own
         dtype, no float32 logits)."""
-        return argmax_rows(self.lm_head(feature))
+        logits = self.lm_head(feature)
+        return argmax_rows(logits) if self.kernels.argmax else logits.argmax(-1)
 
     def load_weights(self, weights) -> None:
         """Consume (hf_name, tensor) pairs; keeps only this stage's and this TP rank's part."""

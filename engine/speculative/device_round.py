@@ -35,7 +35,6 @@ class SpecRoundRunner:
         self.states: dict[int, RoundState] = {}
         self.graphs: dict = {}
         self.pool = None
-        self.num_rounds = 0
 
     def pick(self, B: int) -> int:
         return pick(self.bs_list, B)
@@ -130,7 +129,6 @@ class SpecRoundRunner:
             g.replay()
         else:
             self.round(st, self._splits(bs))
-        self.num_rounds += 1
         cuda = host_out.is_pinned()
         host_out.copy_(st.out, non_blocking=cuda)
         if not cuda:

@@ -121,8 +121,8 @@ class DraftGraphRunner:
         T = bs * self.W
         ctx = ForwardContext(list(range(0, T + 1, self.W)), None, None, self.e_in[2, :T], self.r.draft_pool, "extend")
         self.attn.bind_extend(ctx, bs)
-        hid = self.r.draft_forward(self.e_in[0, :T], self.e_feat[:T], self.e_in[1, :T], ctx, planned=True)
-        return draft_beam_search(self.r, hid[self.e_last[:bs]], self.scratch[:bs], step_inputs)
+        hid = self.r.eagle.draft_forward(self.e_in[0, :T], self.e_feat[:T], self.e_in[1, :T], ctx, planned=True)
+        return draft_beam_search(self.r.eagle, hid[self.e_last[:bs]], self.scratch[:bs], step_inputs)
 
     @torch.inference_mode()
     def _capture(self, bs: int, with_extend: bool = False) -> None:
@@ -139,7 +139,7 @@ class DraftGraphRunner:
                 return self._round_body(bs, step_inputs)
         else:
             def body():
-                return draft_beam_search(self.r, self.last_h[:bs], self.scratch[:bs], step_inputs)
+                return draft_beam_search(self.r.eagle, self.last_h[:bs], self.scratch[:bs], step_inputs)
         g, out, self.pool = capture(body, self.dev, self.pool)
         key = ("round" if with_extend else "beam", bs)
         self.graphs[key] = g

@@ -12,7 +12,7 @@ from .tree_host import commit_order
 from .tree import draft_step_select, organize_draft_results, verify_tree_sampling
 
 
-def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+def draft_beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
     """EAGLE-2 beam search of the draft (SGLang ``draft_forward``), free of host syncs.
 
     last_hidden [B, H] (draft output of the last extend row), scratch [B, k, S-1] int64 on the same
@@ -20,9 +20,8 @@ def draft_beam_search(drafter, last_hidden: torch.Tensor, scratch: torch.Tensor,
     ancestry of scratch slots (``hist``).
     ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)`` lays out step s's attention.
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
-    ``drafter``: an :class:`EagleWorker`, or an object holding one as ``eagle``.
+    ``w``: the :class:`EagleWorker`.
     """
-    w = getattr(drafter, "eagle", drafter)
     if w.spec.is_chain:
         return _chain_search(w, last_hidden, scratch, step_inputs)
     return _beam_search(w, last_hidden, scratch, step_inputs)

@@ -108,7 +108,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     ctx_e = ForwardContext(list(range(0, B * W + 1, W)), None, None, locs.reshape(-1), runner.draft_pool,
                            "extend", device_layout=lay_e)
     dfeat = feature if draft_feature is None else draft_feature
-    hid = runner.draft_forward(ids, dfeat[fidx], pos, ctx_e, planned=True)
+    hid = runner.eagle.draft_forward(ids, dfeat[fidx], pos, ctx_e, planned=True)
     last_h = hid[ar[:B] * W + alen - 1]
     # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
     w = k * (S - 1)
@@ -123,7 +123,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
                            device_layout=lay_s)
         return lane_L + (s - 1), c, True
 
-    drafts, parent_list, tsi = draft_beam_search(runner, last_h, scratch.contiguous(), step_inputs)
+    drafts, parent_list, tsi = draft_beam_search(runner.eagle, last_h, scratch.contiguous(), step_inputs)
     st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
     st.tokens[:, 0].copy_(res.bonus)
     st.tokens[:, 1:].copy_(drafts)

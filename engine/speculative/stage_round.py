@@ -120,7 +120,6 @@ class StageRoundRunner(SpecRoundRunner):
             g.replay()
         else:
             self.round(st, self._splits(st.bs))
-        self.num_rounds += 1
         kept = KeptTree(st.kept, B) if st.kept is not None else None
         if not self.last:
             out = (st.h_out[:B * n].clone(), st.r_out[:B * n].clone())

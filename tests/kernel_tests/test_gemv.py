@@ -14,7 +14,8 @@ PROMPTS = [[5, 17, 33, 2, 9, 41], [7, 7, 19, 3, 28, 11, 50, 4, 8]]
 
 
 def test_gemv_kernels_match_reference(monkeypatch):
-    from engine.kernels import gemv, skinny
+    from engine.kernels import gemv
+    from engine.model.layers import fused_linear_ref
     monkeypatch.setenv("PPSPEC_GEMV", "1")
     g = torch.Generator().manual_seed(0)
     worst, cases = 0.0, 0
@@ -34,7 +35,7 @@ def test_gemv_kernels_match_reference(monkeypatch):
                 assert gemv.enabled(x) and not gemv.enabled(torch.zeros(2, K))
                 for res in ((None, r) if norm else (None,)):
                     for bias in ((None, b) if op != "gated" else (None,)):
-                        y_ref, h_ref = skinny.reference(x.float(), w.float(), None if res is None else res.float(),
+                        y_ref, h_ref = fused_linear_ref(x.float(), w.float(), None if res is None else res.float(),
                                                         gamma.float(), 1e-5, None if bias is None else bias.float(),
                                                         norm=norm, gated=gated)
                         x0, r0 = x.clone(), None if res is None else res.clone()

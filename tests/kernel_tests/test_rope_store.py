@@ -1,4 +1,4 @@
-"""Fused RoPE + KV store (engine.kernels.rope_store) against kernels.rope_ref + KVPool.store through Triton's CPU
+"""Fused RoPE + KV store (engine.kernels.rope_store) against engine.model.layers.rope_ref + KVPool.store through Triton's CPU
 interpreter; then end to end: a tiny model generates the same tokens with the fused path as without it (plain and
 EAGLE), the reference run with the interpreter off."""
 from __future__ import annotations
@@ -13,9 +13,8 @@ PROMPTS = [[5, 17, 33, 2, 9, 41], [7, 7, 19, 3, 28, 11, 50, 4, 8]]
 
 def test_rope_store_kernel_matches_reference(monkeypatch):
     from engine.kernels import rope_store
-    from engine.kernels.fused import rope_ref
     from engine.kv_cache import KVPool
-    from engine.model.layers import RotaryEmbedding
+    from engine.model.layers import RotaryEmbedding, rope_ref
     monkeypatch.setenv("PPSPEC_ROPE_STORE", "1")
     g = torch.Generator().manual_seed(0)
     worst = 0.0

@@ -16,6 +16,7 @@ PROMPTS = [[5, 17, 33, 2, 9, 41], [7, 7, 19, 3, 28, 11, 50, 4, 8], [3, 1, 4, 1, 
 
 def test_skinny_kernels_match_reference(monkeypatch):
     from engine.kernels import skinny
+    from engine.model.layers import fused_linear_ref
     monkeypatch.setenv("PPSPEC_SKINNY", "1")
     g = torch.Generator().manual_seed(0)
     worst, cases = 0.0, 0
@@ -30,7 +31,7 @@ def test_skinny_kernels_match_reference(monkeypatch):
             assert skinny.enabled(x) == (M <= 16)
             for res in ((None, r) if norm else (None,)):
                 for bias in ((None, b) if op != "gated" else (None,)):
-                    y_ref, h_ref = skinny.reference(x, w, res, gamma, 1e-5, bias, norm=norm, gated=gated)
+                    y_ref, h_ref = fused_linear_ref(x, w, res, gamma, 1e-5, bias, norm=norm, gated=gated)
                     x0, r0 = x.clone(), None if res is None else res.clone()
                     if gated:
                         y, h = skinny.norm_gate_up(x, res, gamma, 1e-5, w)
