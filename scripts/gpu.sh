@@ -20,6 +20,9 @@
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
+#   round-profile        tools.decode_speed at b=1 and b=8 (random prompts, 128 in / 128 out): plain, EAGLE-2 chain S5 n6
+#                        + 8k map, EAGLE-3 chain S3 n4; rows give TPOT, accept length and the b=1 round's time
+#                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt).
 #   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
 #                        of training; the first call also generates the sequences. With E3 (results/raw/e3_bundle)
 #                        carried it joins that bundle and resumes (--resume) instead. OUTDIR gets the new bundle:
@@ -95,7 +98,7 @@ RUNS=/tmp/gpu/$mode
 rm -rf "$RUNS" && mkdir -p "$RUNS"
 
 pack() {   # every run's summaries and plots (not records.jsonl) into OUTDIR/MODE.tgz
-  (cd "$RUNS" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' \) -print | tar czf "$out/$mode.tgz" -T -)
+  (cd "$RUNS" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) -print | tar czf "$out/$mode.tgz" -T -)
 }
 run() {    # NAME TIMEOUT CMD...: CMD under its timeout, within the mode's budget; output into the log
   local name=$1 t=$2 left rc s; shift 2
@@ -212,6 +215,14 @@ figures-of-record)
           --no-progress --out "$RUNS/${name}_$tag"
     done
   done ;;
+round-profile)
+  need gguf
+  D="python3 -m tools.decode_speed --model smollm2 --batch 1 --batch 8 --input-len 128 --output-len 128"
+  run plain 90 $D --profile "$RUNS/plain.prof.txt" --out "$RUNS/plain.json"
+  run eagle2_s5n6 120 $D --draft drafts/smollm2-eagle --shape 5,1,6 --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
+      --profile "$RUNS/eagle2_s5n6.prof.txt" --out "$RUNS/eagle2_s5n6.json"
+  run eagle3_s3n4 120 $D --draft drafts/smollm2-eagle3 --algorithm eagle3 --shape 3,1,4 \
+      --profile "$RUNS/eagle3_s3n4.prof.txt" --out "$RUNS/eagle3_s3n4.json" ;;
 train-eagle3)
   need gguf
   W=/tmp/e3 E3=${E3:-results/raw/e3_bundle}
@@ -228,6 +239,6 @@ train-eagle3)
     && python3 -m harness.pieces split $W/bundle.tar --max-mib 15 && cp $W/bundle.tar.part* $W/bundle.tar.pieces.json "$out/" \
     && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
 *)
-  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, train-eagle3)" ;;
+  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, round-profile, train-eagle3)" ;;
 esac
 say "gpu.sh $mode: done in $(($(date +%s) - T0)) s; $out/$mode.tgz"

@@ -2,7 +2,7 @@
 CUDA graphs on or off, optional EAGLE, optional torch-profiler table of one timed run.
 
   python -m tools.decode_speed --model suites/shapes/smollm2-135m --dummy --batch 1 --batch 32 \
-      --input-len 128 --output-len 128 [--no-graph] [--draft D --shape 3,1,4] [--profile F] --out r.json
+      --input-len 128 --output-len 128 [--no-graph] [--draft D [--algorithm eagle3] --shape 3,1,4] [--profile F] --out r.json
 
 Prompts are seeded random token ids (``--dummy`` = random weights: label every figure so).
 TPOT (ms) = mean over requests of (last token time - first token time) / (tokens - 1).
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="cuda_graph_prefill_max_tokens (0: eager prefill); unset: the engine default")
     ap.add_argument("--draft")
+    ap.add_argument("--algorithm", default="eagle", choices=["eagle", "eagle3"], help="the draft's kind")
     ap.add_argument("--shape", default=(3, 1, 4), type=spec_shape, help="EAGLE num_steps,topk,num_draft_tokens")
     ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE draft")
     ap.add_argument("--profile")
@@ -112,7 +113,7 @@ def main() -> None:
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
     from harness.stats import request_metrics
     S, k, n = a.shape
-    spec = SpecConfig("eagle", a.draft, S, k, n, token_map=a.token_map) if a.draft else SpecConfig()
+    spec = SpecConfig(a.algorithm, a.draft, S, k, n, token_map=a.token_map) if a.draft else SpecConfig()
     bmax = max(a.batch or [1])
     cfg = EngineConfig(model=a.model, device="cuda", dtype=a.dtype, attention_backend=a.backend, spec=spec,
                        load_format="dummy" if a.dummy else "auto", cuda_graph=not a.no_graph, overlap_schedule=a.overlap,
@@ -162,6 +163,8 @@ def main() -> None:
                    "spec": ",".join(map(str, a.shape)) if a.draft else None, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
                    "ttft_ms": 1e3 * sum(ttft) / len(ttft), "tok_s": sum(len(o.token_ids) for o in outs) / wall,
                    "accept_length": sum(acc) / len(acc) if acc else None, "setup_s": setup_s}
+            # a round emits accept_length tokens per request, so at batch 1 it lasts tpot * accept_length
+            row["round_ms"] = row["tpot_ms"] * row["accept_length"] if acc else None
             emit(rows, row)
     save_rows(a.out, rows)
 
