@@ -20,7 +20,7 @@
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
-#   round-profile        tools.decode_speed at b=1 and b=8 (random prompts, 128 in / 128 out): plain, EAGLE-2 chain S5 n6
+#   round-profile        tools.decode_speed at b=1 and b=8 (random prompts, 1024 in / 128 out): plain, EAGLE-2 chain S5 n6
 #                        + 8k map, EAGLE-3 chain S3 n4; rows give TPOT, accept length and the b=1 round's time
 #                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt).
 #   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
@@ -217,7 +217,7 @@ figures-of-record)
   done ;;
 round-profile)
   need gguf
-  D="python3 -m tools.decode_speed --model smollm2 --batch 1 --batch 8 --input-len 128 --output-len 128"
+  D="python3 -m tools.decode_speed --model smollm2 --batch 1 --batch 8 --input-len 1024 --output-len 128"
   run plain 90 $D --profile "$RUNS/plain.prof.txt" --out "$RUNS/plain.json"
   run eagle2_s5n6 120 $D --draft drafts/smollm2-eagle --shape 5,1,6 --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
       --profile "$RUNS/eagle2_s5n6.prof.txt" --out "$RUNS/eagle2_s5n6.json"
