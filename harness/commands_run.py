@@ -131,8 +131,11 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
             from harness.openloop import check_open_loop
             check_open_loop(cfg)
         if dry_run:
-            from harness.dryrun import bench_cells
+            from harness.dryrun import bench_cells, topology_warning
             lines, bad = bench_cells(cfg)
+            warning = topology_warning(cfg)
+            if warning:
+                err.print(warning, markup=False, highlight=False)
             for line in lines:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
             if bad:

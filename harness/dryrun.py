@@ -57,6 +57,17 @@ def head_padding_warning(cfg: RunConfig, model) -> str | None:
     return f"Warning: head padding: {hp.describe()}" if hp else None
 
 
+def topology_warning(cfg: RunConfig) -> str | None:
+    """``head_padding_warning`` for ``cfg`` when its topology passes ``check_topology``; None otherwise (the cells'
+    lines then say why each would fail)."""
+    from engine.config import ConfigError
+    from harness.config import HarnessConfigError
+    try:
+        return head_padding_warning(cfg, check_topology(cfg))
+    except (HarnessConfigError, ConfigError, FileNotFoundError):
+        return None
+
+
 def _failure(cfg: RunConfig, *checks) -> str | None:
     """The one-line error of the first of ``checks`` (each ``check(cfg)``) that rejects ``cfg``, or None."""
     from engine.config import ConfigError

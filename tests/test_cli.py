@@ -1030,6 +1030,18 @@ def test_plan_warns_when_the_tp_pads_the_heads():
     assert r.exit_code == 0 and "padding" not in r.output and "Warning" not in r.output, r.output
 
 
+def test_bench_dry_run_warns_when_the_tp_pads_the_heads():
+    """Regression (QA): ``ppspec bench --dry-run --set tp=5`` listed its cells without the head-padding warning that
+    ``plan`` and the engine's start-up print; it now prints the same one line, and none at tp=3."""
+    r = runner.invoke(app, ["bench", "--config", "tp1pp1", "--dry-run", "--set", "tp=5"])
+    assert r.exit_code == 0, r.output
+    warn = [x for x in r.output.splitlines() if x.startswith("Warning: ")]
+    assert warn == ["Warning: head padding: tp=5: attention heads padded 9 q / 3 kv -> 15 / 5 with zero heads "
+                    "(40.0% of attention and 40.0% of the KV pool is padding); intermediate_size 1536 -> 1540"]
+    r = runner.invoke(app, ["bench", "--config", "tp1pp1", "--dry-run", "--set", "tp=3"])
+    assert r.exit_code == 0 and "Warning" not in r.output, r.output
+
+
 def test_plan_and_dry_run_refuse_a_spec_shape_the_model_cannot_take():
     """Regression (QA): a spec.topk above the vocabulary was planned and listed as runnable, then failed at load."""
     r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.topk=100000"])
