@@ -24,8 +24,10 @@
 #                        + 8k map, EAGLE-3 chain S3 n4; rows give TPOT, accept length and the b=1 round's time
 #                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt).
 #   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
-#                        of training; the first call also generates the sequences. With E3 (results/raw/e3_bundle)
-#                        carried it joins that bundle and resumes (--resume) instead. OUTDIR gets the new bundle:
+#                        of training; the first call also generates the sequences. A later call of the same sitting
+#                        resumes (--resume) the checkpoint left on the machine; on a fresh machine, carry E3
+#                        (results/raw/e3_bundle) piece by piece, one call each (tree + piece < 64 MiB): the calls
+#                        gather them and the one that completes the set joins the bundle and resumes it. OUTDIR gets the new bundle:
 #                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
 #                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
@@ -226,15 +228,23 @@ round-profile)
 train-eagle3)
   need gguf
   W=/tmp/e3 E3=${E3:-results/raw/e3_bundle}
-  mkdir -p $W
-  if [ -f "$E3/bundle.tar.pieces.json" ]; then
-    python3 -m harness.pieces join "$E3/bundle.tar" && tar -C $W -xf "$E3/bundle.tar" || die "bad bundle in $E3"
+  mkdir -p $W /tmp/e3in
+  if [ ! -f $W/head/checkpoint/state.pt ] && [ -f "$E3/bundle.tar.pieces.json" ]; then
+    # the bundle travels in pieces, one or more a call (the tree plus all of it can pass 64 MiB): gather them here
+    cp "$E3"/bundle.tar.pieces.json "$E3"/bundle.tar.part* /tmp/e3in/ 2>/dev/null
+    want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/e3in/bundle.tar.pieces.json)
+    have=$(ls /tmp/e3in/bundle.tar.part* 2>/dev/null | wc -l)
+    if [ "$have" -lt "$want" ]; then say "bundle: $have of $want pieces on this machine"; exit 0; fi
+    python3 -m harness.pieces join /tmp/e3in/bundle.tar && tar -C $W -xf /tmp/e3in/bundle.tar || die "bad bundle in $E3"
+  fi
+  if [ -f $W/head/checkpoint/state.pt ]; then    # a checkpoint on this machine: from this sitting, or joined above
     run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-430}" --no-progress
   else
     run train 560 python3 -m harness train-draft --config train_smollm2_eagle3 --out $W/head \
         --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress
   fi
   [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
+  cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
   rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
     && python3 -m harness.pieces split $W/bundle.tar --max-mib 15 && cp $W/bundle.tar.part* $W/bundle.tar.pieces.json "$out/" \
     && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
