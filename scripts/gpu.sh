@@ -33,6 +33,10 @@
 #                        gather them and the one that completes the set joins the bundle and resumes it. OUTDIR gets the new bundle:
 #                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
 #                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
+#   eval-eagle3          the tries table's evaluation (tools.speceval: GSM8K test first 200, lm-eval 8-shot contexts,
+#                        fp32, greedy): chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head
+#                        train-eagle3 left on this machine, else drafts/smollm2-eagle3); EAGLE2=1 adds the EAGLE-2
+#                        head. A trained head comes back in pieces (python -m harness.pieces join model.safetensors).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -257,7 +261,24 @@ train-eagle3)
   rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
     && python3 -m harness.pieces split $W/bundle.tar --max-mib 15 && cp $W/bundle.tar.part* $W/bundle.tar.pieces.json "$out/" \
     && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
+eval-eagle3)
+  need gguf
+  H=${HEAD:-/tmp/e3/head}
+  [ -f "$H/model.safetensors" ] || H=drafts/smollm2-eagle3
+  P=harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz
+  say "head: $H"
+  run eagle3 240 python3 -m tools.speceval --device cuda --draft "$H" --algorithm eagle3 --prompts $P \
+      --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3.json"
+  if [ "${EAGLE2:-0}" = 1 ]; then
+    run eagle2 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle --prompts $P \
+        --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle2.json"
+  fi
+  if [ "$H" != drafts/smollm2-eagle3 ]; then      # the trained head comes back in pieces (a file may be 16 MiB)
+    cp "$H/config.json" "$out/head_config.json"
+    python3 -m harness.pieces split "$H/model.safetensors" --max-mib 15 \
+        && cp "$H"/model.safetensors.part* "$H"/model.safetensors.pieces.json "$out/"
+  fi ;;
 *)
-  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, round-profile, train-eagle3)" ;;
+  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, round-profile, train-eagle3, eval-eagle3)" ;;
 esac
 say "gpu.sh $mode: done in $(($(date +%s) - T0)) s; $out/$mode.tgz"
