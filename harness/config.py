@@ -153,7 +153,9 @@ class RunConfig:
 
     def config_hash(self) -> str:
         """12 hex digits of sha256 over the configuration (sources and notes excluded) and its execution plan
-        (engine.plan, which holds the set PPSPEC_* knobs): runs on different kernel paths hash differently.
+        (engine.plan, which holds the set PPSPEC_* knobs): runs on different kernel paths hash differently. The
+        plan's ``threads`` (CPU torch threads, measured from the load average at resolve time) is left out: it
+        changes with the machine's load, not with the configuration.
 
         Raises:
             ConfigError: a PPSPEC_* knob is malformed.
@@ -161,6 +163,7 @@ class RunConfig:
         d = self.to_dict()
         d.pop("sources"), d.pop("notes")
         d["plan"] = resolve_plan(self.engine).as_dict()
+        d["plan"].pop("threads", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

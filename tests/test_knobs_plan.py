@@ -183,6 +183,22 @@ def test_plan_in_metadata_and_hash(monkeypatch):
     assert cfg.config_hash() != h and run_metadata(cfg, "bench")["knobs"] == {"PPSPEC_ROPE_STORE": "0"}
 
 
+def test_config_hash_does_not_follow_the_load_average(monkeypatch):
+    """Regression: the plan's CPU ``threads`` (cores less the 1-minute load average) went into config_hash, so a
+    ``gsm8k --resume`` at another load was refused as "written under another config". The hash ignores it; the
+    plan (and so the run's metadata) still records the threads."""
+    import os
+
+    from harness.resolve import resolve
+    cfg = resolve("tp1pp2", {})
+    hashes, threads = set(), set()
+    for load in (0.0, 1.6, 7.0):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        hashes.add(cfg.config_hash())
+        threads.add(json.dumps(resolve_plan(cfg.engine).as_dict()["threads"], sort_keys=True))
+    assert len(hashes) == 1 and len(threads) == 3
+
+
 def _cli(*args, env=None):
     import os
     e = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
