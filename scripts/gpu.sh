@@ -48,9 +48,11 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-mode=${1:?usage: scripts/gpu.sh MODE OUTDIR [ARGS] (modes: see the head of scripts/gpu.sh)}
-out=${2:?usage: scripts/gpu.sh MODE OUTDIR [ARGS]}
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k figures-of-record round-profile train-eagle3 eval-eagle3"
+if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
+mode=$1 out=$2
 shift 2
+case " $MODES " in *" $mode "*) ;; *) echo "gpu.sh: unknown mode '$mode' (modes: $MODES)" >&2; exit 2;; esac
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 LOG=$out/$mode.log
 : > "$LOG"
@@ -279,6 +281,6 @@ eval-eagle3)
         && cp "$H"/model.safetensors.part* "$H"/model.safetensors.pieces.json "$out/"
   fi ;;
 *)
-  die "unknown mode (prep, setup, tests, pp-table, spec-vs-plain, llama8b-shape, gsm8k, figures-of-record, round-profile, train-eagle3, eval-eagle3)" ;;
+  die "mode without a case (add it to the case or drop it from MODES)" ;;
 esac
 say "gpu.sh $mode: done in $(($(date +%s) - T0)) s; $out/$mode.tgz"
