@@ -33,10 +33,13 @@
 #                        gather them and the one that completes the set joins the bundle and resumes it. OUTDIR gets the new bundle:
 #                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
 #                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
+#                        Chain the training calls on one machine (the next within 30 s; copy the bundle after): a resume
+#                        there keeps Adam's moments, which the carried bundle leaves out.
 #   eval-eagle3          the tries table's evaluation (tools.speceval: GSM8K test first 200, lm-eval 8-shot contexts,
 #                        fp32, greedy): chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head
-#                        train-eagle3 left on this machine, else drafts/smollm2-eagle3); EAGLE2=1 adds the EAGLE-2
-#                        head. A trained head comes back in pieces (python -m harness.pieces join model.safetensors).
+#                        train-eagle3 left on this machine, else drafts/smollm2-eagle3), and the shipped head beside a
+#                        trained one; EAGLE2=1 adds the EAGLE-2 head. A trained head comes back in pieces (python -m
+#                        harness.pieces join model.safetensors).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -271,6 +274,10 @@ eval-eagle3)
   say "head: $H"
   run eagle3 240 python3 -m tools.speceval --device cuda --draft "$H" --algorithm eagle3 --prompts $P \
       --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3.json"
+  if [ "$H" != drafts/smollm2-eagle3 ]; then     # the shipped head in the same sitting, the row a new head must beat
+    run eagle3_shipped 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle3 --algorithm eagle3 \
+        --prompts $P --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3_shipped.json"
+  fi
   if [ "${EAGLE2:-0}" = 1 ]; then
     run eagle2 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle --prompts $P \
         --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle2.json"
