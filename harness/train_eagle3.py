@@ -217,40 +217,81 @@ def lr_factor(step: int, frac: float, warmup: int) -> float:
     return min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
+def walk_rounds(length: torch.Tensor, sel: torch.Tensor) -> list[list[int]]:
+    """The rounds a chain decode meets along each sequence. ``length`` [B, N]: tokens a round starting at row t
+    commits, bonus included (>= 1): x_{t+2} .. x_{t+1+length}; ``sel`` [B, N] bool: the continuation rows, the
+    first being the prompt's last row (the first round's), the last the sequence's second-to-last token's. The first
+    round starts at a sequence's first selected row t; a round at t commits ``length[t]`` tokens, cut to the
+    sequence's last token (at most last - t: a decode stops there, at its stop token or token limit), and the next
+    starts at row t + length[t], while t is before the last selected row. Returns each sequence's round lengths
+    (empty where fewer than two rows are selected)."""
+    out = []
+    for lb, sb in zip(length.long().cpu(), sel.cpu()):
+        rows = sb.nonzero().squeeze(1)
+        walk: list[int] = []
+        if rows.numel():
+            t, last = int(rows[0]), int(rows[-1])
+            while t < last:
+                walk.append(min(int(lb[t]), last - t))
+                t += walk[-1]
+        out.append(walk)
+    return out
+
+
+@torch.no_grad()
+def teacher_forced_lengths(draft: Eagle3Draft, target: LlamaForCausalLM, batch, ctx_fn, device,
+                           steps: int = VAL_STEPS):
+    """Chain rounds of ``draft`` teacher-forced on one batch of (sequence, prompt length): for every row t the draft
+    runs ``steps`` chained steps from the target's aux features at t (:func:`ttt_forward`, each step on its own
+    previous output, as a chain draft at inference), and a round at t commits 1 + the number of leading steps whose
+    top-1 draft token (mapped to target ids) equals the target's argmax at t+j+1 (a step past the sequence's end
+    never matches). Returns (length [B, N] float32, sel [B, N] bool: the continuation rows (weight 1,
+    :func:`harness.train_data.row_weights`), matches [steps] float64: step j's agreements over the selected rows,
+    given the earlier steps' tokens)."""
+    from harness.train_data import row_weights
+    hot = draft.target_ids()
+    seqs = [s for s, _ in batch]
+    feat, aux = target_aux_features(target, seqs, device, ctx_fn)
+    w_rows = row_weights([len(s) for s in seqs], [p for _, p in batch], 0.0)
+    tok, x, w, tgt = padded_rows(seqs, aux, w_rows, steps - 1)
+    B, N = x.shape[:2]
+    arg = target_targets(target, feat, tgt.reshape(-1), hot)[0].reshape(B, -1)
+    pos = torch.arange(N, device=x.device).expand(B, N)
+    sel = w[:, :N] > 0
+    alive = torch.ones(B, N, dtype=torch.bool, device=x.device)
+    length = torch.ones(B, N, device=x.device)
+    matches = torch.zeros(steps, dtype=torch.float64)
+    kv: list = []
+    for j in range(steps):
+        h = ttt_forward(draft, tok[:, j:j + N], x, pos + j, kv, ttt_mask(N, j, x.device))
+        match = hot[draft.logits(h).argmax(-1)] == arg[:, j:j + N]
+        matches[j] += float(match[sel].float().sum())
+        alive &= match
+        length += alive.float()
+        x = h
+    return length, sel, matches
+
+
 @torch.no_grad()
 def val_accept_length(draft: Eagle3Draft, target: LlamaForCausalLM, batches, ctx_fn, device,
                       steps: int = VAL_STEPS) -> dict:
-    """Teacher-forced chain accept length of ``draft`` on held-out sequences: for every continuation row t (rows of
-    weight 1, :func:`harness.train_data.row_weights`) the draft runs ``steps`` chained steps from the target's aux
-    features at t (:func:`ttt_forward`, each step on its own previous output, as a chain draft at inference) and
-    the round accepts 1 + the number of leading steps whose top-1 draft token (mapped to target ids) equals the
-    target's argmax at t+j+1 (a step past the sequence's end never matches). ``batches``: lists of (sequence,
-    prompt length). Returns {"accept_length": mean over the rows, "rows": their count, "top1_{j}": step j's
-    agreement given the earlier steps' tokens (teacher-forced)}."""
-    from harness.train_data import row_weights
-    hot = draft.target_ids()
-    acc_sum, rows, agree = 0.0, 0, torch.zeros(steps, dtype=torch.float64)
+    """Held-out accept length of ``draft``: :func:`teacher_forced_lengths` on each batch of (sequence, prompt
+    length), walked into rounds (:func:`walk_rounds`). On the target's own greedy continuations these are the rounds
+    a chain decode of ``steps`` draft tokens makes. Returns {"accept_length": tokens per walked round, "rounds":
+    their count, "row_accept_length": the mean over every continuation row (each row as a round's start, which
+    counts the easy rows a decode accepts inside earlier rounds and overstates it), "rows": their count,
+    "top1_{j}": step j's agreement given the earlier steps' tokens}."""
+    tokens, rounds, row_sum, rows = 0, 0, 0.0, 0
+    agree = torch.zeros(steps, dtype=torch.float64)
     for b in batches:
-        seqs = [s for s, _ in b]
-        feat, aux = target_aux_features(target, seqs, device, ctx_fn)
-        w_rows = row_weights([len(s) for s in seqs], [p for _, p in b], 0.0)
-        tok, x, w, tgt = padded_rows(seqs, aux, w_rows, steps - 1)
-        B, N = x.shape[:2]
-        arg = target_targets(target, feat, tgt.reshape(-1), hot)[0].reshape(B, -1)
-        pos = torch.arange(N, device=x.device).expand(B, N)
-        sel = w[:, :N] > 0
-        alive = torch.ones(B, N, dtype=torch.bool, device=x.device)
-        length = torch.ones(B, N, device=x.device)
-        kv: list = []
-        for j in range(steps):
-            h = ttt_forward(draft, tok[:, j:j + N], x, pos + j, kv, ttt_mask(N, j, x.device))
-            match = hot[draft.logits(h).argmax(-1)] == arg[:, j:j + N]
-            agree[j] += float(match[sel].float().sum())
-            alive &= match
-            length += alive.float()
-            x = h
-        acc_sum += float(length[sel].sum())
+        length, sel, matches = teacher_forced_lengths(draft, target, b, ctx_fn, device, steps)
+        walks = walk_rounds(length, sel)
+        tokens += sum(map(sum, walks))
+        rounds += sum(map(len, walks))
+        row_sum += float(length[sel].sum())
         rows += int(sel.sum())
-    out = {"accept_length": acc_sum / max(rows, 1), "rows": rows}
+        agree += matches
+    out = {"accept_length": tokens / max(rounds, 1), "rounds": rounds,
+           "row_accept_length": row_sum / max(rows, 1), "rows": rows}
     out.update({f"top1_{j + 1}": float(agree[j]) / max(rows, 1) for j in range(steps)})
     return out

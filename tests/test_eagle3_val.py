@@ -1,0 +1,75 @@
+"""The EAGLE-3 trainer's held-out accept length against the engine: teacher-forced chain rounds walked along the
+target's own greedy continuation are the rounds a chain decode makes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+def test_walk_rounds_steps_by_each_rounds_length():
+    """A round at row t commits length[t] tokens, cut to the sequence's end (the last selected row), and the next
+    starts at t + length[t]; rows before the first continuation row are never a round's start."""
+    from harness.train_eagle3 import walk_rounds
+    length = torch.tensor([[9., 2., 1., 3., 4., 1., 2., 9.],
+                           [1., 1., 1., 1., 1., 1., 1., 1.],
+                           [4., 4., 4., 4., 4., 4., 4., 4.]])
+    sel = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0],
+                        [0, 0, 0, 0, 0, 0, 0, 0],
+                        [1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert walk_rounds(length, sel) == [[2, 3], [], [4, 1]]
+
+
+@pytest.mark.parametrize("n_prompts", [4])
+def test_val_rounds_equal_engine_chain_rounds(tiny_model_dir, tiny_prompts, n_prompts):
+    """On the tiny target (fp32) and its EAGLE-3 head, chain S=3 n=4: :func:`teacher_forced_lengths` walked by
+    :func:`walk_rounds` over prompt + greedy continuation gives each request's accept lengths as the engine records
+    them, round by round, and :func:`val_accept_length` their mean (the per-row mean is higher: it starts a round at
+    rows a decode accepts inside earlier rounds)."""
+    from tiny import cached_tiny_eagle3
+    from engine.dist import ParallelState, set_ps
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import iter_weights, load_model_config
+    from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
+    from harness.train_eagle import dense_ctx
+    from harness.train_eagle3 import teacher_forced_lengths, val_accept_length, walk_rounds
+    from safetensors.torch import load_file
+
+    e3 = cached_tiny_eagle3()
+    prompts = tiny_prompts[1:1 + n_prompts]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with LLM(EngineConfig(model=tiny_model_dir, spec=SpecConfig(algorithm="eagle3", draft=e3, **CHAIN))) as llm:
+        outs = llm.generate(prompts, params)
+    from engine.attention.backend import TorchBackend, set_backend
+    set_ps(ParallelState())
+    set_backend(TorchBackend())                                # the trainer's dense attention, as train-draft runs
+    mc = load_model_config(tiny_model_dir)
+    max_len = max(map(len, prompts)) + 32
+    target = LlamaForCausalLM(mc, torch.float32, max_len)
+    target.load_weights(iter_weights(tiny_model_dir, dtype=torch.float32))
+    target.eval()
+    spec = eagle3_config(mc, e3)
+    target.aux_layers = spec.aux_layers
+    draft = Eagle3Draft(spec, torch.float32, max_len)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+    draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
+                             for k, v in load_file(f"{e3}/model.safetensors").items())
+    draft.eval()
+    batch = [(list(p) + list(o.token_ids), len(p)) for p, o in zip(prompts, outs)]
+    length, sel, _ = teacher_forced_lengths(draft, target, batch, dense_ctx, "cpu")
+    walks = walk_rounds(length, sel)
+    engine_rounds = [list(o.accept_lengths) for o in outs]
+    # the engine's first token comes from prefill and its rounds commit the other 19, the last round cut to the
+    # token limit as the walk cuts it to the sequence's end
+    assert all(sum(r) == 19 for r in engine_rounds)
+    assert walks == engine_rounds
+    flat = [a for r in engine_rounds for a in r]
+    assert max(flat) > 1                                          # the head drafts: some rounds accept
+    val = val_accept_length(draft, target, [batch], dense_ctx, "cpu")
+    assert val["rounds"] == sum(map(len, walks)) and val["accept_length"] == pytest.approx(
+        sum(map(sum, walks)) / val["rounds"])
+    assert val["row_accept_length"] >= val["accept_length"] - 1e-9

@@ -1,0 +1,81 @@
+"""Held-out chain accept length of EAGLE-3 heads on a training recipe's generated sequences, without a GPU.
+
+Reads the recipe's sequences cache (``train.sequences_cache``, or ``--sequences``: e.g. the ``seqs.pt`` of a
+``scripts/gpu.sh train-eagle3`` bundle), holds out its last ``train.val_sequences`` sequences as ``ppspec
+train-draft`` does (whole prompts), and measures each ``--draft`` head on them with
+:func:`harness.train_eagle3.val_accept_length`: chain S=3 rounds walked along each continuation (what a decode
+makes of the target's own greedy continuation) and the per-row mean beside it. The target runs in float32 on
+``--device``.
+
+Usage: ``python -m tools.heldout_accept --config train_smollm2_eagle3 --sequences seqs.pt --draft D1 [--draft D2]
+[--limit N] [--device cpu] --out r.json``. Prints one line per head; ``--out`` gets {head: record}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="train_smollm2_eagle3", help="a train-draft recipe (suites/NAME.yaml)")
+    ap.add_argument("--sequences", help="the sequences cache (default: the recipe's train.sequences_cache)")
+    ap.add_argument("--draft", action="append", required=True, help="an EAGLE-3 head directory (repeatable)")
+    ap.add_argument("--limit", type=int, help="the first N held-out sequences only")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    from safetensors.torch import load_file
+
+    from engine.attention.backend import TorchBackend, set_backend
+    from engine.dist import ParallelState, set_ps
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import iter_weights, load_model_config, resolve_model_path
+    from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
+    from harness.resolve import resolve
+    from harness.train_data import build_sequences, prompt_rows, read_jsonl, token_batches
+    from harness.train_eagle import dense_ctx
+    from harness.train_eagle3 import val_accept_length
+
+    t = resolve(a.config, {}, kind="train").train
+    cache = a.sequences or t["sequences_cache"]
+    if not Path(cache).is_file():
+        ap.error(f"no sequences cache at {cache}")
+    rows = prompt_rows(read_jsonl(t["data"]), t.get("limit"))
+    seqs, plens = build_sequences(t["model"], rows, a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"],
+                                  t["max_len"], backend=t.get("gen_backend"), max_running=t.get("gen_max_running"),
+                                  time_budget_s=0, log=print, cache=cache)
+    n = int(t["val_sequences"])
+    val = list(zip(seqs[-n:], plens[-n:]))[:a.limit]
+    set_ps(ParallelState(device=torch.device(a.device)))
+    set_backend(TorchBackend())
+    path = resolve_model_path(t["model"])
+    mc = load_model_config(path)
+    max_len = max(len(s) for s, _ in val) + 8
+    target = LlamaForCausalLM(mc, torch.float32, max_len)
+    target.load_weights(iter_weights(path, dtype=torch.float32))
+    target.to(a.device).eval()
+    out = {}
+    for d in a.draft:
+        spec = eagle3_config(mc, d)
+        target.aux_layers = spec.aux_layers
+        draft = Eagle3Draft(spec, torch.float32, max_len + 8)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+        draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
+                                 for k, v in load_file(str(Path(d) / "model.safetensors")).items())
+        draft.to(a.device).eval()
+        r = val_accept_length(draft, target, token_batches(val, int(t["batch_tokens"])), dense_ctx, a.device)
+        out[d] = {"sequences": len(val), **r}
+        print(f"{d}: accept_length {r['accept_length']:.3f} over {r['rounds']} rounds; per row "
+              f"{r['row_accept_length']:.3f} over {r['rows']} rows", flush=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
