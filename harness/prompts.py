@@ -55,17 +55,24 @@ def train_prompts(data_dir: str | Path, limit: int | None = None, num_fewshot: i
     return fewshot_prompts(rows, limit, num_fewshot, seed)
 
 
-def fewshot_prompts(rows: list[dict], limit: int | None = None, num_fewshot: int = 8, seed: int = 1234) -> list[dict]:
+def fewshot_prompts(rows: list[dict], limit: int | None = None, num_fewshot: int = 8, seed: int = 1234,
+                    shots_from: list[dict] | None = None) -> list[dict]:
     """[{"prompt", "train_index"}] for the first ``limit`` (None: all) of ``rows`` (GSM8K layout: "question",
-    "answer"): question i after ``num_fewshot`` worked examples drawn from the other rows with ``random.Random(seed +
-    i)``, in lm-eval's gsm8k layout ("Question: ...\nAnswer: ..." blocks joined by a blank line, ending "Answer:")."""
+    "answer"): question i after ``num_fewshot`` worked examples drawn with ``random.Random(seed + i)`` from the
+    other rows, or from all of ``shots_from`` when given (questions of another split: a held-out question then
+    never appears as a shot), in lm-eval's gsm8k layout ("Question: ...\nAnswer: ..." blocks joined by a blank
+    line, ending "Answer:")."""
     n = len(rows) if limit is None else min(limit, len(rows))
     out = []
     for i in range(n):
         rng = random.Random(seed + i)
-        # the same draw as rng.sample over the other rows' indices (sample picks by position in the population)
-        shots = [j + (j >= i) for j in rng.sample(range(len(rows) - 1), num_fewshot)] if num_fewshot else []
-        text = "\n\n".join(f"Question: {rows[j]['question']}\nAnswer: {rows[j]['answer']}" for j in shots)
+        if shots_from is not None:
+            pool = shots_from
+            shots = rng.sample(range(len(pool)), num_fewshot) if num_fewshot else []
+        else:        # the same draw as rng.sample over the other rows' indices (it picks by position)
+            pool = rows
+            shots = [j + (j >= i) for j in rng.sample(range(len(rows) - 1), num_fewshot)] if num_fewshot else []
+        text = "\n\n".join(f"Question: {pool[j]['question']}\nAnswer: {pool[j]['answer']}" for j in shots)
         prompt = (text + "\n\n" if text else "") + f"Question: {rows[i]['question']}\nAnswer:"
         out.append({"prompt": prompt, "train_index": i})
     return out

@@ -46,6 +46,46 @@ def prompt_rows(rows: list[dict], limit: int | None) -> list[dict]:
     return rows[:limit]
 
 
+def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict]) -> list[dict]:
+    """The last ``n`` rows of a validation file as prompt rows: GSM8K rows ("question" + "answer") become 8-shot
+    prompts whose shots come from the training file's GSM8K rows ``train_rows`` (:func:`harness.prompts.fewshot_prompts`
+    with ``shots_from``), so no held-out question is ever a shot in a training prompt; other rows are used as given.
+    ConfigError when the file has fewer than ``n`` rows."""
+    if len(val_rows) < n:
+        raise ConfigError(f"train-draft: train.val_data has {len(val_rows)} rows, fewer than train.val_sequences {n}")
+    rows = val_rows[len(val_rows) - n:]
+    if all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
+        from harness.prompts import fewshot_prompts
+        shots = [r for r in train_rows if {"question", "answer"} <= r.keys()]
+        if len(shots) < 8:
+            raise ConfigError("train-draft: train.val_data in GSM8K layout needs GSM8K rows in train.data for shots")
+        rows = fewshot_prompts(rows, None, shots_from=shots)
+    return rows
+
+
+def heldout_split(model: str, data, limit, val_data, val_sequences: int, device: str, dtype: str,
+                  max_new_tokens: int, max_len: int, **gen) -> tuple[list[list[int]], list[int], tuple, int]:
+    """The training sequences and the held-out ones of ``ppspec train-draft``: (sequences, prompt lengths,
+    (held-out sequences, their prompt lengths), training rows read). The first ``limit`` prompt rows of ``data``
+    (:func:`prompt_rows`) and, with ``val_data``, its last ``val_sequences`` rows (:func:`heldout_rows`) generated
+    first in one :func:`build_sequences` call (``gen``: its keyword arguments, the cache among them); without
+    ``val_data`` the last ``val_sequences`` sequences of ``data`` are held out. ConfigError for empty data or a
+    hold-out that leaves no training sequence."""
+    raw = read_jsonl(data)
+    rows = prompt_rows(raw, limit)
+    if not rows:
+        raise ConfigError(f"training data {data} is empty")
+    val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw)
+    seqs, plens = build_sequences(model, val_rows + rows, device, dtype, max_new_tokens, max_len, **gen)
+    if val_sequences >= len(seqs):
+        raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "
+                          f"({len(seqs)} sequences)")
+    if val_rows:
+        return seqs[val_sequences:], plens[val_sequences:], (seqs[:val_sequences], plens[:val_sequences]), len(rows)
+    cut = len(seqs) - val_sequences
+    return seqs[:cut], plens[:cut], (seqs[cut:], plens[cut:]), len(rows)
+
+
 def _encoder(tok, max_len: int, max_new_tokens: int):
     def encode(texts: list[str]) -> list[list[int]]:     # batched; a prompt keeps its last max_len - new tokens
         return [ids[-(max_len - max_new_tokens):] for ids in tok(texts, add_special_tokens=False)["input_ids"]]

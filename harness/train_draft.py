@@ -19,7 +19,7 @@ from engine.dist import ParallelState, set_ps
 from engine.model.loader import load_model_config, resolve_model_path
 from harness import train_state
 from harness.train_checks import check_init_from, check_train_values
-from harness.train_data import build_sequences, prompt_rows, read_jsonl, trim_context
+from harness.train_data import heldout_split, trim_context
 
 NOT_RECIPE = ("out", "progress", "log", "resume")
 
@@ -47,7 +47,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 gen_max_running: int = 128, gen_time_budget_s: float | None = None,
                 time_budget_s: float | None = None, context_tokens: int | None = None,
                 init_from: str | Path | None = None, checkpoint_every: int | None = None,
-                step_budget: int | None = None, val_sequences: int = 0, resume: bool = False, log=print) -> dict:
+                step_budget: int | None = None, val_sequences: int = 0, val_data: str | Path | None = None,
+                resume: bool = False, log=print) -> dict:
     """Train and save an EAGLE-1/2 head (``algorithm`` "eagle") or an EAGLE-3 head ("eagle3",
     :mod:`harness.train_eagle3`: ``aux_layers`` target layer ids, default SGLang's; ``draft_vocab_size``; ``noise``
     and ``cls_weight`` unused) in the published layout to ``out``; returns training stats (``complete``: False when
@@ -65,9 +66,13 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     generated set serves every context length.
     init_from (EAGLE-3 only): a saved EAGLE-3 head whose weights, draft vocabulary and aux layers training continues
     from (``aux_layers`` / ``draft_vocab_size`` must then agree with it; checked before any data is read).
-    val_sequences (EAGLE-3 only): the last this many sequences are held out; after each epoch their validation
-    accept length (on the whole prompts, as the evaluation drafts, whatever ``context_tokens``) is measured (:func:`harness.train_eagle3.val_accept_length`), kept in the checkpoint, the head's
-    ``ppspec_training`` record and the returned stats.
+    val_sequences (EAGLE-3 only): this many sequences are held out; after each epoch their validation accept length
+    (on the whole prompts, as the evaluation drafts, whatever ``context_tokens``) is measured
+    (:func:`harness.train_eagle3.val_accept_length`), kept in the checkpoint, the head's ``ppspec_training`` record
+    and the returned stats. They are the last ``val_sequences`` rows of ``val_data`` (:func:`harness.train_data.
+    heldout_rows`: GSM8K questions get their shots from ``data``, so none of them is a shot in a training prompt;
+    generated first, so no generation budget drops them), or without ``val_data`` the last sequences of ``data``
+    (whose questions are shots in other training prompts: an optimistic figure).
     The learning-rate schedule runs on the step over ``epochs`` epochs. This call stops, writing the checkpoint
     ``out/checkpoint`` (:mod:`harness.train_state`) and the head so far, when ``time_budget_s`` wall seconds of
     training or ``step_budget`` steps are spent; a checkpoint is also written every ``checkpoint_every`` steps.
@@ -86,6 +91,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                        time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences)
     if val_sequences and algorithm != "eagle3":
         raise ConfigError("train-draft: train.val_sequences is for algorithm eagle3")
+    if val_data is not None and not val_sequences:
+        raise ConfigError("train-draft: train.val_data needs train.val_sequences > 0")
     state = None
     if resume:
         state = train_state.load_state(out)
@@ -93,21 +100,13 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     init_spec = None
     if init_from is not None and state is None:
         init_spec = check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size)
-    rows = prompt_rows(read_jsonl(data), limit)
-    if not rows:
-        raise ConfigError(f"training data {data} is empty")
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     t0 = time.perf_counter()
-    seqs, plens = build_sequences(model, rows, device, gen_dtype or dtype, max_new_tokens, max_len,
-                                  backend=gen_backend, max_running=gen_max_running, time_budget_s=gen_time_budget_s,
-                                  log=log, cache=sequences_cache)
-    if val_sequences >= len(seqs):
-        raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "
-                          f"({len(seqs)} sequences)")
-    cut = len(seqs) - val_sequences
-    val, seqs, plens = (seqs[cut:], plens[cut:]), seqs[:cut], plens[:cut]    # validation: whole prompts
+    seqs, plens, val, n_rows = heldout_split(model, data, limit, val_data, val_sequences, device, gen_dtype or dtype,
+                                     max_new_tokens, max_len, backend=gen_backend, max_running=gen_max_running,
+                                     time_budget_s=gen_time_budget_s, log=log, cache=sequences_cache)
     if context_tokens is not None:
         seqs, plens = trim_context(seqs, plens, context_tokens)
     t_gen = time.perf_counter() - t0
@@ -126,7 +125,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             from harness.train_eagle3_run import train_eagle3
             result = train_eagle3(**common, seed=seed, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
                                   init_from=init_from, init_spec=init_spec, val=val if val_sequences else None,
-                                  gen={"dtype": gen_dtype or dtype, "backend": gen_backend, "prompts": len(rows),
+                                  gen={"dtype": gen_dtype or dtype, "backend": gen_backend, "prompts": n_rows,
                                        "context_tokens": context_tokens})
         else:
             from harness.train_eagle import train_eagle

@@ -278,8 +278,8 @@ def val_accept_length(draft: Eagle3Draft, target: LlamaForCausalLM, batches, ctx
     """Held-out accept length of ``draft``: :func:`teacher_forced_lengths` on each batch of (sequence, prompt
     length), walked into rounds (:func:`walk_rounds`). On the target's own greedy continuations these are the rounds
     a chain decode of ``steps`` draft tokens makes. Returns {"accept_length": tokens per walked round, "rounds":
-    their count, "row_accept_length": the mean over every continuation row (each row as a round's start, which
-    counts the easy rows a decode accepts inside earlier rounds and overstates it), "rows": their count,
+    their count, "row_accept_length": the mean over every continuation row (each row taken as a round's start,
+    rows a decode passes inside earlier rounds included: not what a decode measures), "rows": their count,
     "top1_{j}": step j's agreement given the earlier steps' tokens}."""
     tokens, rounds, row_sum, rows = 0, 0, 0.0, 0
     agree = torch.zeros(steps, dtype=torch.float64)

@@ -243,7 +243,7 @@ def test_parse_sets_reads_nan_inf_and_exponents_as_floats():
 def test_train_draft_bad_lr_is_the_value_checks_line(value, tmp_path, monkeypatch):
     """Regression: ``train-draft --set train.lr=nan`` (or inf) said "train.lr = 'nan' should be float"; every bad lr
     now gets the trainer's value check's line (exit 2), before any training data is read."""
-    import harness.train_draft as td
+    import harness.train_data as td
 
     def no_data(path):
         raise AssertionError("training data read")

@@ -279,3 +279,44 @@ def test_pieces_errors_all_carry_the_prefix(tmp_path, capsys):
                        (["join", str(tmp_path / "nothing")], f"pieces: no manifest {tmp_path / 'nothing.pieces.json'}")):
         assert pieces_main(argv) == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"Error: {line}"], argv
+
+
+def test_heldout_rows_take_their_shots_from_the_training_file():
+    """GSM8K held-out rows: the last n questions of the validation file, each after 8 shots drawn from the training
+    file, so no held-out question is a shot in a training prompt and every shot is a training question."""
+    from harness.train_data import heldout_rows, prompt_rows
+    train = [{"question": f"train question {i}?", "answer": f"#### {i}"} for i in range(20)]
+    val = [{"question": f"test question {i}?", "answer": f"#### {i}"} for i in range(15)]
+    rows = heldout_rows(val, 4, train)
+    assert [r["prompt"].rsplit("Question: ", 1)[1] for r in rows] == [f"test question {i}?\nAnswer:" for i in
+                                                                        range(11, 15)]
+    for r in rows:
+        shots = r["prompt"].split("\n\n")[:-1]
+        assert len(shots) == 8 and all(s.startswith("Question: train question ") for s in shots)
+    train_prompts = [r["prompt"] for r in prompt_rows(train, None)]
+    assert not any("test question" in p for p in train_prompts)
+    assert heldout_rows([{"prompt": "a"}, {"prompt": "b"}], 1, train) == [{"prompt": "b"}]
+    with pytest.raises(ConfigError, match="val_data has 15 rows, fewer than train.val_sequences 16"):
+        heldout_rows(val, 16, train)
+
+
+def test_heldout_split_with_and_without_val_data(tiny_model_dir, tmp_path):
+    """With val_data the held-out sequences are its last val_sequences rows and every row of data trains; without,
+    the last val_sequences sequences of data are held out. train.val_data without val_sequences is refused."""
+    from harness.train_data import heldout_split
+    from tiny import gsm8k_prompts
+    texts = gsm8k_prompts(9, 0)
+    data, val_data = tmp_path / "d.jsonl", tmp_path / "v.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in texts[:6]))
+    val_data.write_text("\n".join(json.dumps({"text": t}) for t in texts[6:]))
+    args = (tiny_model_dir, data, None)
+    tail = ("cpu", "float32", 16, 128)
+    seqs, _, (v, vp), n = heldout_split(*args, val_data, 2, *tail)
+    seqs0, _, (v0, _), _ = heldout_split(*args, None, 2, *tail)
+    from engine.model.loader import load_tokenizer
+    tok = load_tokenizer(tiny_model_dir)
+    enc = [tok.encode(t, add_special_tokens=False)[:128] for t in texts]
+    assert seqs == enc[:6] and v == enc[7:9] and vp == [0, 0] and n == 6
+    assert seqs0 == enc[:4] and v0 == enc[4:6]
+    with pytest.raises(ConfigError, match="train.val_data needs train.val_sequences > 0"):
+        train_draft(tiny_model_dir, data, tmp_path / "o", val_data=str(val_data), **{**_kw("eagle"), "epochs": 1})

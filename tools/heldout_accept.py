@@ -1,8 +1,8 @@
 """Held-out chain accept length of EAGLE-3 heads on a training recipe's generated sequences, without a GPU.
 
 Reads the recipe's sequences cache (``train.sequences_cache``, or ``--sequences``: e.g. the ``seqs.pt`` of a
-``scripts/gpu.sh train-eagle3`` bundle), holds out its last ``train.val_sequences`` sequences as ``ppspec
-train-draft`` does (whole prompts), and measures each ``--draft`` head on them with
+``scripts/gpu.sh train-eagle3`` bundle), takes its held-out sequences as ``ppspec train-draft`` does
+(:func:`harness.train_data.heldout_split`: whole prompts), and measures each ``--draft`` head on them with
 :func:`harness.train_eagle3.val_accept_length`: chain S=3 rounds walked along each continuation (what a decode
 makes of the target's own greedy continuation) and the per-row mean beside it. The target runs in float32 on
 ``--device``.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -24,11 +25,23 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="train_smollm2_eagle3", help="a train-draft recipe (suites/NAME.yaml)")
     ap.add_argument("--sequences", help="the sequences cache (default: the recipe's train.sequences_cache)")
     ap.add_argument("--draft", action="append", required=True, help="an EAGLE-3 head directory (repeatable)")
+    ap.add_argument("--val-data", help="the held-out rows' file (default: the recipe's train.val_data; 'none': the last "
+                    "train.val_sequences sequences of train.data, the split before val_data)")
     ap.add_argument("--limit", type=int, help="the first N held-out sequences only")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
+    from engine.config import ConfigError
+    from harness.config import HarnessConfigError
+    try:
+        return _run(a, ap)
+    except (ConfigError, HarnessConfigError, FileNotFoundError) as e:
+        print(f"heldout_accept: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a, ap) -> int:
     from safetensors.torch import load_file
 
     from engine.attention.backend import TorchBackend, set_backend
@@ -37,7 +50,7 @@ def main(argv=None) -> int:
     from engine.model.loader import iter_weights, load_model_config, resolve_model_path
     from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
     from harness.resolve import resolve
-    from harness.train_data import build_sequences, prompt_rows, read_jsonl, token_batches
+    from harness.train_data import heldout_split, token_batches
     from harness.train_eagle import dense_ctx
     from harness.train_eagle3 import val_accept_length
 
@@ -45,12 +58,15 @@ def main(argv=None) -> int:
     cache = a.sequences or t["sequences_cache"]
     if not Path(cache).is_file():
         ap.error(f"no sequences cache at {cache}")
-    rows = prompt_rows(read_jsonl(t["data"]), t.get("limit"))
-    seqs, plens = build_sequences(t["model"], rows, a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"],
-                                  t["max_len"], backend=t.get("gen_backend"), max_running=t.get("gen_max_running"),
-                                  time_budget_s=0, log=print, cache=cache)
-    n = int(t["val_sequences"])
-    val = list(zip(seqs[-n:], plens[-n:]))[:a.limit]
+    for d in a.draft:
+        if not (Path(d) / "config.json").is_file():
+            ap.error(f"no EAGLE-3 head at {d} (no config.json)")
+    val_data = t.get("val_data") if a.val_data is None else (None if a.val_data == "none" else a.val_data)
+    _, _, val, _ = heldout_split(t["model"], t["data"], t.get("limit"), val_data, int(t["val_sequences"]),
+                              a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"], t["max_len"],
+                              backend=t.get("gen_backend"), max_running=t.get("gen_max_running"), time_budget_s=0,
+                              log=print, cache=cache)
+    val = list(zip(*val))[:a.limit]
     set_ps(ParallelState(device=torch.device(a.device)))
     set_backend(TorchBackend())
     path = resolve_model_path(t["model"])
