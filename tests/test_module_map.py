@@ -1,4 +1,4 @@
-"""README.md's module map names every engine module, and no module that is gone."""
+"""README.md's module map names every engine module, and no module that is gone; the compaction's size limits."""
 import re
 from pathlib import Path
 
@@ -30,3 +30,13 @@ def test_the_module_map_names_exactly_the_engine_modules():
         # a row may point into another folder ("their torch references: `model/layers.py`"): only bare names count
         assert named == have, (f"{folder}/: named but missing {sorted(named - have)}, "
                                f"present but not named {sorted(have - named)}")
+
+
+def test_no_engine_or_harness_file_over_300_lines_and_at_most_20_knobs():
+    """The compaction's limits hold: every engine/ and harness/ module is at most 300 lines, and the knob registry
+    has at most 20 entries (it had 33)."""
+    from engine.knobs import REGISTRY
+    long = {str(p.relative_to(ROOT)): n for d in ("engine", "harness") for p in (ROOT / d).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 300}
+    assert long == {}
+    assert len(REGISTRY) <= 20, [k.name for k in REGISTRY]
