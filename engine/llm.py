@@ -102,8 +102,8 @@ class LLM:
             for rank in range(W):
                 p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
                                 daemon=True)
+                self._procs.append(p)            # tracked before it starts: an interrupt in between leaves no rank
                 p.start()
-                self._procs.append(p)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         infos = {}

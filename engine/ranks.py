@@ -167,7 +167,8 @@ def join_all(procs, timeout: float) -> None:
 
 def reap(procs, graceful: bool) -> None:
     """End rank processes: ``graceful`` ones get 2 s to leave, then SIGTERM and 2 s, then SIGKILL and 2 s; then
-    remove the shared-memory ring files of those that exited."""
+    remove the shared-memory ring files of those that exited. Processes never started are skipped."""
+    procs = [p for p in procs if p.pid is not None]
     if graceful:
         join_all(procs, 2.0)
     for p in procs:

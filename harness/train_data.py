@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -205,16 +206,23 @@ def load_cache(path: str | Path, key: dict, prompts: list[str], encode, log=None
     p = Path(path)
     if not ensure_whole(p):
         return None
+    not_cache = ConfigError(f"train-draft: {p} is not a sequences cache: delete it or name another "
+                            "train.sequences_cache")
     if p.read_bytes()[:1] in (b"{", b"["):
-        old = json.loads(p.read_text())
-        seqs, plens = (old, [0] * len(old)) if isinstance(old, list) else (old["seqs"], old["prompt_lens"])
+        try:
+            old = json.loads(p.read_text())
+            seqs, plens = (old, [0] * len(old)) if isinstance(old, list) else (old["seqs"], old["prompt_lens"])
+        except (ValueError, KeyError, TypeError):
+            raise not_cache from None
         if log is not None:
             log(f"sequences cache {p}: older form without a key, used as it is")
         return [(s[:n], s[n:]) for s, n in zip(seqs, plens)]
-    obj = torch.load(p, weights_only=True)
+    try:
+        obj = torch.load(p, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
+        raise not_cache from None
     if not isinstance(obj, dict) or obj.get("format") != CACHE_FORMAT:
-        raise ConfigError(f"train-draft: {p} is not a sequences cache: delete it or name another "
-                          "train.sequences_cache")
+        raise not_cache
     for k, v in key.items():
         if obj["key"].get(k) != v:
             raise ConfigError(f"train-draft: sequences cache {p} was made with {k} {obj['key'].get(k)!r}, this run has "

@@ -72,3 +72,43 @@ def test_val_rounds_equal_engine_chain_rounds(tiny_model_dir, tiny_prompts, n_pr
     assert val["rounds"] == sum(map(len, walks)) and val["accept_length"] == pytest.approx(
         sum(map(sum, walks)) / val["rounds"])
     assert val["rows"] == int(sel.sum()) and val["row_accept_length"] == pytest.approx(float(length[sel].mean()))
+
+
+def _heldout(argv, capsys):
+    """``tools.heldout_accept.main(argv)``: (exit code, stderr)."""
+    from tools.heldout_accept import main
+    try:
+        rc = main(argv)
+    except SystemExit as e:                                  # argparse's refusals
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def test_heldout_accept_refuses_bad_arguments_up_front(tmp_path, tiny_draft_dir, capsys):
+    """tools.heldout_accept refuses, with one line and exit 2 before any model or data loads: --limit below 1, an
+    --out whose folder does not exist, a --draft without weights, and a --draft that is an EAGLE-1/2 head."""
+    seqs = tmp_path / "seqs.pt"
+    seqs.write_bytes(b"\x80\x04not a pickle")
+    base = ["--sequences", str(seqs), "--out", str(tmp_path / "r.json")]
+    rc, err = _heldout([*base, "--draft", str(tmp_path), "--limit", "0"], capsys)
+    assert rc == 2 and "--limit 0: must be at least 1" in err
+    rc, err = _heldout(["--sequences", str(seqs), "--draft", str(tmp_path), "--out", str(tmp_path / "no" / "r.json")],
+                       capsys)
+    assert rc == 2 and "no folder" in err
+    rc, err = _heldout([*base, "--draft", str(tmp_path)], capsys)
+    assert rc == 2 and "no model.safetensors" in err
+    rc, err = _heldout([*base, "--draft", str(tiny_draft_dir)], capsys)
+    assert rc == 2 and "not an EAGLE-3 checkpoint" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("content", [b"\x80\x04not a pickle", b"PK\x03\x04broken zip", b"{not json", b"[1, 2"])
+def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
+    """Regression: a garbage sequences cache (a --sequences file or train.sequences_cache) ended in an
+    UnpicklingError / JSONDecodeError traceback; now a ConfigError naming the file."""
+    from engine.config import ConfigError
+    from harness.train_data import load_cache
+    p = tmp_path / "seqs.pt"
+    p.write_bytes(content)
+    with pytest.raises(ConfigError, match="is not a sequences cache"):
+        load_cache(p, {}, ["q"], lambda ps: [[1] for _ in ps])

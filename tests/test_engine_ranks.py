@@ -281,3 +281,20 @@ def test_ranks_start_with_sigint_blocked(tiny_model_dir):
             assert blocked & (1 << (signal.SIGINT - 1)), status
         assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
         assert llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_reap_skips_a_rank_process_that_never_started():
+    """Regression: the front end tracks a rank process before starting it, so an interrupt between the start and
+    the bookkeeping cannot leave an untracked rank; :func:`engine.ranks.reap` then meets a process that never
+    started (interrupt before ``start``) and must skip it (``join`` and ``terminate`` of one raise), while still
+    reaping the started ones."""
+    import multiprocessing as mp
+    import time
+
+    from engine.ranks import reap
+    ctx = mp.get_context("spawn")
+    started = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    never = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    started.start()
+    reap([never, started], graceful=False)
+    assert not started.is_alive() and started.exitcode is not None and never.pid is None

@@ -22,15 +22,19 @@ import torch
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="train_smollm2_eagle3", help="a train-draft recipe (suites/NAME.yaml)")
+    ap.add_argument("--config", default="train_smollm2_eagle3", help="a train-draft recipe (suites/NAME.yaml; default: %(default)s)")
     ap.add_argument("--sequences", help="the sequences cache (default: the recipe's train.sequences_cache)")
     ap.add_argument("--draft", action="append", required=True, help="an EAGLE-3 head directory (repeatable)")
     ap.add_argument("--val-data", help="the held-out rows' file (default: the recipe's train.val_data; 'none': the last "
                     "train.val_sequences sequences of train.data, the split before val_data)")
-    ap.add_argument("--limit", type=int, help="the first N held-out sequences only")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--limit", type=int, help="the first N held-out sequences only (N >= 1)")
+    ap.add_argument("--device", default="cpu", help="where the target and the heads run (default: %(default)s)")
+    ap.add_argument("--out", required=True, help="a JSON file for {head: record}; its folder must exist")
     a = ap.parse_args(argv)
+    if a.limit is not None and a.limit < 1:
+        ap.error(f"--limit {a.limit}: must be at least 1")
+    if not Path(a.out).resolve().parent.is_dir():
+        ap.error(f"--out {a.out}: no folder {Path(a.out).resolve().parent}")
 
     from engine.config import ConfigError
     from harness.config import HarnessConfigError
@@ -58,9 +62,13 @@ def _run(a, ap) -> int:
     cache = a.sequences or t["sequences_cache"]
     if not Path(cache).is_file():
         ap.error(f"no sequences cache at {cache}")
+    path = resolve_model_path(t["model"])
+    mc = load_model_config(path)
+    specs = {}
     for d in a.draft:
-        if not (Path(d) / "config.json").is_file():
-            ap.error(f"no EAGLE-3 head at {d} (no config.json)")
+        if not (Path(d) / "model.safetensors").is_file():
+            ap.error(f"no EAGLE-3 head at {d} (no model.safetensors)")
+        specs[d] = eagle3_config(mc, d)                  # ConfigError: no config.json, not an EAGLE-3 head
     val_data = t.get("val_data") if a.val_data is None else (None if a.val_data == "none" else a.val_data)
     _, _, val, _ = heldout_split(t["model"], t["data"], t.get("limit"), val_data, int(t["val_sequences"]),
                               a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"], t["max_len"],
@@ -69,15 +77,13 @@ def _run(a, ap) -> int:
     val = list(zip(*val))[:a.limit]
     set_ps(ParallelState(device=torch.device(a.device)))
     set_backend(TorchBackend())
-    path = resolve_model_path(t["model"])
-    mc = load_model_config(path)
     max_len = max(len(s) for s, _ in val) + 8
     target = LlamaForCausalLM(mc, torch.float32, max_len)
     target.load_weights(iter_weights(path, dtype=torch.float32))
     target.to(a.device).eval()
     out = {}
     for d in a.draft:
-        spec = eagle3_config(mc, d)
+        spec = specs[d]
         target.aux_layers = spec.aux_layers
         draft = Eagle3Draft(spec, torch.float32, max_len + 8)
         with torch.no_grad():
