@@ -19,6 +19,9 @@ from harness.train_eagle import dense_ctx
 from harness.train_eagle3 import draft_vocab, eagle3_loss, init_eagle3, lr_factor, target_aux_features, \
     val_accept_length
 
+BEST = "best"      # OUT/best: the head of the epoch with the highest held-out accept length
+
+
 
 def _training_record(head) -> dict | None:
     """The ``ppspec_training`` record of a saved head's config.json (None: no head or no record)."""
@@ -68,7 +71,9 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
     :func:`harness.train_eagle3.lr_factor` with a warm-up of min(5 % of the planned steps, 50) and progress
     step / (epochs x batches). Target features are computed once per batch and kept (``cache_features``) while the
     device has more than 8 GiB free. ``gen``: the generation settings, recorded in the head's ``ppspec_training``.
-    ``init_spec``: the spec of ``init_from``, as :func:`harness.train_checks.check_init_from` returned it."""
+    ``init_spec``: the spec of ``init_from``, as :func:`harness.train_checks.check_init_from` returned it.
+    With ``val``, the head of the epoch whose held-out accept length is the highest so far is also written to
+    ``OUT/best`` (its ``ppspec_training.best_epoch`` names the epoch); ``OUT`` holds the last step's head."""
     tdt = getattr(torch, dtype)
     target = LlamaForCausalLM(mc, tdt, max_len + 8)
     target.load_weights(iter_weights(path, dtype=tdt))
@@ -114,20 +119,27 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                 "loss_first": sum(h[:k]) / k if h else None, "loss_last": sum(h[-k:]) / k if h else None,
                 **prog.stats}
 
+    def record(prog, complete) -> dict:
+        return {"algorithm": "eagle3", "base_model": str(model), "data": str(data), "generation": gen,
+                "init_from": None if init_from is None else str(init_from), "init_from_training": init_record,
+                "epochs": epochs, "time_budget_s": time_budget_s, "lr": lr, "unroll": unroll,
+                "prompt_weight": prompt_weight, "batch_tokens": batch_tokens, "device": str(device),
+                "target_dtype": dtype, "gen_seconds": round(t_gen, 1), "first_loss": prog.history[0]
+                if prog.history else None, "final": prog.stats, **summary(prog, complete)}
+
     def save_head(prog, complete):
-        rec = {"algorithm": "eagle3", "base_model": str(model), "data": str(data), "generation": gen,
-               "init_from": None if init_from is None else str(init_from), "init_from_training": init_record,
-               "epochs": epochs, "time_budget_s": time_budget_s, "lr": lr, "unroll": unroll,
-               "prompt_weight": prompt_weight, "batch_tokens": batch_tokens, "device": str(device),
-               "target_dtype": dtype, "gen_seconds": round(t_gen, 1), "first_loss": prog.history[0] if prog.history
-               else None, "final": prog.stats, **summary(prog, complete)}
-        save_eagle3(out, mc, draft, dtype=getattr(torch, save_dtype), extra={"ppspec_training": rec})
+        save_eagle3(out, mc, draft, dtype=getattr(torch, save_dtype), extra={"ppspec_training": record(prog, complete)})
+
+    def save_best(prog):
+        rec = {**record(prog, False), "best_epoch": prog.val[-1]["epoch"]}
+        save_eagle3(Path(out) / BEST, mc, draft, dtype=getattr(torch, save_dtype), extra={"ppspec_training": rec})
 
     prog, complete = train_state.run(
         module=draft, params=params, opt=opt, lr=lr, lr_at=lambda i: lr_factor(i, i / total_steps, warmup),
         n_batches=len(batches), epochs=epochs, step_fn=step_fn, prog=prog, recipe=recipe, out=out,
         save_head=save_head, time_budget_s=time_budget_s, step_budget=step_budget, checkpoint_every=checkpoint_every,
-        val_fn=val_fn, progress=progress, log=log, extra=extra)
+        val_fn=val_fn, save_best=save_best if val_fn is not None else None, progress=progress, log=log,
+        extra=extra)
     log(f"trained {prog.step} of {total_steps} steps ({prog.step / max(1, len(batches)):.2f} epochs of {len(batches)} "
         f"batches) in {prog.train_s:.1f} s over {prog.calls} call(s); saved {out}")
     return summary(prog, complete)

@@ -155,14 +155,15 @@ def restore(state: dict, module, opt, out, log=print) -> Progress:
 
 
 def run(*, module, params, opt, lr: float, lr_at, n_batches: int, epochs: int, step_fn, prog: Progress, recipe: dict,
-        out, save_head, time_budget_s=None, step_budget=None, checkpoint_every=None, val_fn=None, progress=None,
-        log=print, extra=None) -> tuple[Progress, bool]:
+        out, save_head, time_budget_s=None, step_budget=None, checkpoint_every=None, val_fn=None, save_best=None,
+        progress=None, log=print, extra=None) -> tuple[Progress, bool]:
     """Train from ``prog`` to ``epochs`` epochs of ``n_batches`` batches; returns (progress, complete).
 
     Each epoch draws its batch order with python's ``random.shuffle``; step ``s`` sets the learning rate to
     ``lr * lr_at(s)``, runs ``step_fn(batch index) -> (loss, stats)``, backward, clips the gradient norm of
     ``params`` to 1 and steps ``opt``. ``val_fn(epoch) -> dict`` (optional) runs after each epoch; its record
-    (``epoch`` added) is logged and kept. A checkpoint (:func:`save_checkpoint`) is written every
+    (``epoch`` added) is logged and kept; when its ``accept_length`` beats every earlier epoch's, ``save_best(progress)``
+    (optional) runs right after, so the best-validated epoch's head survives later epochs. A checkpoint (:func:`save_checkpoint`) is written every
     ``checkpoint_every`` steps, and, with the head (``save_head(progress, complete)``), when this call's
     ``time_budget_s`` wall seconds or ``step_budget`` steps are spent (checked before each step) and at the end.
     """
@@ -207,5 +208,15 @@ def run(*, module, params, opt, lr: float, lr_at, n_batches: int, epochs: int, s
             prog.val.append(rec)
             log("validation " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in rec.items()))
+            if save_best is not None and best_epoch(prog.val) == rec["epoch"]:
+                save_best(prog)
         prog.epoch, prog.pos, prog.order = prog.epoch + 1, 0, None
     return stop(True)
+
+
+def best_epoch(val: list[dict]) -> int | None:
+    """The epoch (1-based, as in the records) with the highest validation ``accept_length``, the earliest on a tie;
+    None without records."""
+    if not val:
+        return None
+    return max(val, key=lambda r: (r["accept_length"], -r["epoch"]))["epoch"]

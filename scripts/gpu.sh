@@ -37,7 +37,8 @@
 #                        there keeps Adam's moments, which the carried bundle leaves out.
 #   eval-eagle3          the tries table's evaluation (tools.speceval: GSM8K test first 200, lm-eval 8-shot contexts,
 #                        fp32, greedy): chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head
-#                        train-eagle3 left on this machine, else drafts/smollm2-eagle3), and the shipped head beside a
+#                        train-eagle3 left on this machine, else drafts/smollm2-eagle3), HEAD/best (the epoch with
+#                        the best held-out accept length) when training wrote one, and the shipped head beside a
 #                        trained one; EAGLE2=1 adds the EAGLE-2 head. A trained head comes back in pieces (python -m
 #                        harness.pieces join model.safetensors).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
@@ -274,6 +275,10 @@ eval-eagle3)
   say "head: $H"
   run eagle3 240 python3 -m tools.speceval --device cuda --draft "$H" --algorithm eagle3 --prompts $P \
       --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3.json"
+  if [ -f "$H/best/model.safetensors" ]; then     # the best-validated epoch's head, written beside the last one
+    run eagle3_best 240 python3 -m tools.speceval --device cuda --draft "$H/best" --algorithm eagle3 --prompts $P \
+        --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3_best.json"
+  fi
   if [ "$H" != drafts/smollm2-eagle3 ]; then     # the shipped head in the same sitting, the row a new head must beat
     run eagle3_shipped 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle3 --algorithm eagle3 \
         --prompts $P --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3_shipped.json"
@@ -286,6 +291,11 @@ eval-eagle3)
     cp "$H/config.json" "$out/head_config.json"
     python3 -m harness.pieces split "$H/model.safetensors" --max-mib 15 \
         && cp "$H"/model.safetensors.part* "$H"/model.safetensors.pieces.json "$out/"
+    if [ -f "$H/best/model.safetensors" ]; then
+      mkdir -p "$out/best" && cp "$H/best/config.json" "$out/best/" \
+          && python3 -m harness.pieces split "$H/best/model.safetensors" --max-mib 15 \
+          && cp "$H"/best/model.safetensors.part* "$H"/best/model.safetensors.pieces.json "$out/best/"
+    fi
   fi ;;
 *)
   die "mode without a case (add it to the case or drop it from MODES)" ;;

@@ -74,6 +74,25 @@ def test_two_halves_equal_one_whole_run(algorithm, tiny_model_dir, tmp_path, mon
     if algorithm == "eagle3":
         assert [v["epoch"] for v in rest["val"]] == [1, 2] and rest["val"] == whole["val"]
         assert 1.0 <= rest["val"][-1]["accept_length"] <= 4.0
+        from safetensors.torch import load_file
+        best = train_state.best_epoch(whole["val"])
+        heads = {}
+        for run in ("whole", "steps", "clock"):
+            d = tmp_path / run / "best"
+            assert json.loads((d / "config.json").read_text())["ppspec_training"]["best_epoch"] == best
+            heads[run] = load_file(str(d / "model.safetensors"))
+        for run in ("steps", "clock"):
+            assert all(torch.equal(heads["whole"][k], heads[run][k]) for k in heads["whole"]), run
+        if best == 2:
+            last = load_file(str(tmp_path / "whole" / "model.safetensors"))
+            assert all(torch.equal(last[k], heads["whole"][k]) for k in last)
+
+
+def test_best_epoch_is_the_highest_accept_length_the_earliest_on_a_tie():
+    rec = lambda e, a: {"epoch": e, "accept_length": a}      # noqa: E731
+    assert train_state.best_epoch([]) is None
+    assert train_state.best_epoch([rec(1, 2.0), rec(2, 2.5), rec(3, 2.4)]) == 2
+    assert train_state.best_epoch([rec(1, 2.5), rec(2, 2.5)]) == 1
 
 
 def test_resume_refuses_another_recipe_and_a_missing_checkpoint(tiny_model_dir, tmp_path):
