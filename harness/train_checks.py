@@ -12,10 +12,11 @@ SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, batch_tokens, draft_vocab_size,
                        prompt_weight, context_tokens, checkpoint_every=None, time_budget_s=None, step_budget=None,
-                       val_sequences=0) -> None:
+                       val_sequences=0, gen_samples=1, gen_temperature=0.7) -> None:
     """ConfigError for ``unroll``, ``epochs``, ``batch_tokens`` or ``draft_vocab_size`` below 1,
     ``context_tokens`` / ``checkpoint_every`` / ``step_budget`` neither None nor an integer >= 1 (``step_budget``:
-    >= 0), ``val_sequences`` not an integer >= 0, a non-finite or non-positive ``lr`` or ``time_budget_s``, a
+    >= 0), ``val_sequences`` not an integer >= 0, ``gen_samples`` not an integer >= 1, a non-finite or
+    non-positive ``lr``, ``time_budget_s`` or (with ``gen_samples`` > 1) ``gen_temperature``, a
     negative or non-finite ``prompt_weight``, and for EAGLE-3 aux layers that are not three increasing layer ids of
     the target ``mc``."""
     for key, v, low in (("context_tokens", context_tokens, 1), ("checkpoint_every", checkpoint_every, 1),
@@ -23,12 +24,13 @@ def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, ba
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             raise ConfigError(f"train-draft: {key} must be an integer >= {low} or null (got {v!r})")
     for key, v in (("unroll", unroll), ("epochs", epochs), ("batch_tokens", batch_tokens),
-                   ("draft_vocab_size", draft_vocab_size)):
+                   ("draft_vocab_size", draft_vocab_size), ("gen_samples", gen_samples)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"train-draft: train.{key} must be an integer >= 1 (got {v!r})")
     if isinstance(val_sequences, bool) or not isinstance(val_sequences, int) or val_sequences < 0:
         raise ConfigError(f"train-draft: train.val_sequences must be an integer >= 0 (got {val_sequences!r})")
-    for key, v in (("lr", lr), ("time_budget_s", 1.0 if time_budget_s is None else time_budget_s)):
+    for key, v in (("lr", lr), ("time_budget_s", 1.0 if time_budget_s is None else time_budget_s),
+                   ("gen_temperature", gen_temperature if gen_samples != 1 else 1.0)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ConfigError(f"train-draft: train.{key} must be a finite number > 0 (got {v!r})")
     if not (isinstance(prompt_weight, (int, float)) and math.isfinite(prompt_weight) and prompt_weight >= 0):

@@ -44,7 +44,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 sequences_cache: str | Path | None = None, prompt_weight: float = 1.0,
                 cache_features: bool = True, algorithm: str = "eagle", aux_layers: list | None = None,
                 draft_vocab_size: int = 32000, gen_dtype: str | None = None, gen_backend: str = "torch",
-                gen_max_running: int = 128, gen_time_budget_s: float | None = None,
+                gen_max_running: int = 128, gen_time_budget_s: float | None = None, gen_samples: int = 1,
+                gen_temperature: float = 0.7,
                 time_budget_s: float | None = None, context_tokens: int | None = None,
                 init_from: str | Path | None = None, checkpoint_every: int | None = None,
                 step_budget: int | None = None, val_sequences: int = 0, val_data: str | Path | None = None,
@@ -59,8 +60,10 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     frozen target's features once per batch and keep them (device memory: tokens x hidden x 4 bytes).
     gen_dtype (default ``dtype``), gen_backend, gen_max_running, gen_time_budget_s: the engine that generates the
     self-distillation continuations (:func:`harness.train_data.build_sequences`: its dtype, attention backend,
-    batched requests and wall-seconds budget; None: every prompt). sequences_cache: a file keeping the generated
-    continuations, read instead of generating when its key matches (refused when it does not).
+    batched requests and wall-seconds budget; None: every prompt). gen_samples: continuations per training prompt,
+    the greedy one and ``gen_samples`` - 1 sampled at ``gen_temperature`` (:func:`harness.train_data.heldout_split`;
+    the held-out rows stay greedy). sequences_cache: a file keeping the generated continuations (the sampled ones in
+    a file beside it), read instead of generating when its key matches (refused when it does not).
     context_tokens: train on at most this many prompt tokens before each continuation
     (:func:`harness.train_data.trim_context`; None: the whole prompt); the cache keeps whole prompts, so one
     generated set serves every context length.
@@ -81,6 +84,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     Raises ConfigError for a bad model path, data file, value or checkpoint.
     """
     recipe = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items() if k not in NOT_RECIPE}
+    if gen_samples == 1:                           # greedy data only: the recipe of a checkpoint from before sampling
+        del recipe["gen_samples"], recipe["gen_temperature"]
     if algorithm not in ("eagle", "eagle3"):
         raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
     path = resolve_model_path(model)
@@ -88,7 +93,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
                        batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
                        context_tokens=context_tokens, checkpoint_every=checkpoint_every,
-                       time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences)
+                       time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences,
+                       gen_samples=gen_samples, gen_temperature=gen_temperature)
     if val_sequences and algorithm != "eagle3":
         raise ConfigError("train-draft: train.val_sequences is for algorithm eagle3")
     if val_data is not None and not val_sequences:
@@ -106,7 +112,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     t0 = time.perf_counter()
     seqs, plens, val, n_rows = heldout_split(model, data, limit, val_data, val_sequences, device, gen_dtype or dtype,
                                      max_new_tokens, max_len, backend=gen_backend, max_running=gen_max_running,
-                                     time_budget_s=gen_time_budget_s, log=log, cache=sequences_cache)
+                                     time_budget_s=gen_time_budget_s, log=log, cache=sequences_cache,
+                                     samples=gen_samples, temperature=gen_temperature)
     if context_tokens is not None:
         seqs, plens = trim_context(seqs, plens, context_tokens)
     t_gen = time.perf_counter() - t0
@@ -126,6 +133,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             result = train_eagle3(**common, seed=seed, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
                                   init_from=init_from, init_spec=init_spec, val=val if val_sequences else None,
                                   gen={"dtype": gen_dtype or dtype, "backend": gen_backend, "prompts": n_rows,
+                                       "samples": gen_samples,
+                                       "temperature": gen_temperature if gen_samples > 1 else 0.0,
                                        "context_tokens": context_tokens})
         else:
             from harness.train_eagle import train_eagle

@@ -107,7 +107,7 @@ def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
     """Regression: a garbage sequences cache (a --sequences file or train.sequences_cache) ended in an
     UnpicklingError / JSONDecodeError traceback; now a ConfigError naming the file."""
     from engine.config import ConfigError
-    from harness.train_data import load_cache
+    from harness.train_cache import load_cache
     p = tmp_path / "seqs.pt"
     p.write_bytes(content)
     with pytest.raises(ConfigError, match="is not a sequences cache"):

@@ -339,3 +339,39 @@ def test_heldout_split_with_and_without_val_data(tiny_model_dir, tmp_path):
     assert seqs0 == enc[:4] and v0 == enc[4:6]
     with pytest.raises(ConfigError, match="train.val_data needs train.val_sequences > 0"):
         train_draft(tiny_model_dir, data, tmp_path / "o", val_data=str(val_data), **{**_kw("eagle"), "epochs": 1})
+
+
+def test_sampled_continuations_add_training_data_and_are_cached(tiny_model_dir, tmp_path, monkeypatch):
+    """train.gen_samples 3: each training prompt gets its greedy continuation and two sampled at
+    train.gen_temperature, after the greedy ones; the held-out sequences stay the greedy ones; the sampled set has
+    its own cache beside the greedy one (a second call generates nothing); a recipe with gen_samples 1 records
+    neither key (checkpoints from before sampling resume); bad values are refused in one line."""
+    import harness.train_data as td
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Question: {i} plus {i} is\nAnswer:"}) for i in range(4)))
+    cache = tmp_path / "seqs.pt"
+    tail = ("cpu", "float32", 12, 128)
+    g, gp, gval, n = td.heldout_split(tiny_model_dir, data, None, None, 1, *tail, cache=cache)
+    s, sp, sval, n3 = td.heldout_split(tiny_model_dir, data, None, None, 1, *tail, samples=3, temperature=1.0,
+                                       cache=cache)
+    assert n == n3 == 4 and len(g) == 3 and len(s) == 9 and sval == gval
+    assert s[:3] == g and sp[:3] == gp
+    extra = s[3:]
+    assert [x[:p] for x, p in zip(extra, sp[3:])] == [q[:p] for q, p in zip(g, gp) for _ in range(2)]
+    assert any(x != g[i // 2] for i, x in enumerate(extra))              # sampling, not the greedy path again
+    assert td.sampled_cache(cache, 3, 1.0).is_file()
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated again")
+    monkeypatch.setattr(td, "_generate", no_generation)
+    again = td.heldout_split(tiny_model_dir, data, None, None, 1, *tail, samples=3, temperature=1.0, cache=cache)
+    assert again[:2] == (s, sp)
+    kw = {**_kw("eagle"), "epochs": 1}
+    with pytest.raises(ConfigError, match=r"train.gen_samples must be an integer >= 1 \(got 0\)"):
+        train_draft(tiny_model_dir, data, tmp_path / "o", gen_samples=0, **kw)
+    with pytest.raises(ConfigError, match=r"train.gen_temperature must be a finite number > 0 \(got 0\)"):
+        train_draft(tiny_model_dir, data, tmp_path / "o", gen_samples=2, gen_temperature=0, **kw)
+    monkeypatch.undo()
+    train_draft(tiny_model_dir, data, tmp_path / "o1", max_new_tokens=6, **kw)
+    recipe = train_state.load_state(tmp_path / "o1")["recipe"]
+    assert "gen_samples" not in recipe and "gen_temperature" not in recipe
