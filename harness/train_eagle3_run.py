@@ -22,7 +22,6 @@ from harness.train_eagle3 import draft_vocab, eagle3_loss, init_eagle3, lr_facto
 BEST = "best"      # OUT/best: the head of the epoch with the highest held-out accept length
 
 
-
 def _training_record(head) -> dict | None:
     """The ``ppspec_training`` record of a saved head's config.json (None: no head or no record)."""
     if head is None or not (Path(head) / "config.json").is_file():
@@ -128,7 +127,8 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                 if prog.history else None, "final": prog.stats, **summary(prog, complete)}
 
     def save_head(prog, complete):
-        save_eagle3(out, mc, draft, dtype=getattr(torch, save_dtype), extra={"ppspec_training": record(prog, complete)})
+        save_eagle3(out, mc, draft, dtype=getattr(torch, save_dtype),
+                    extra={"ppspec_training": record(prog, complete)})
 
     def save_best(prog):
         rec = {**record(prog, False), "best_epoch": prog.val[-1]["epoch"]}

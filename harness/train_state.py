@@ -162,9 +162,10 @@ def run(*, module, params, opt, lr: float, lr_at, n_batches: int, epochs: int, s
     Each epoch draws its batch order with python's ``random.shuffle``; step ``s`` sets the learning rate to
     ``lr * lr_at(s)``, runs ``step_fn(batch index) -> (loss, stats)``, backward, clips the gradient norm of
     ``params`` to 1 and steps ``opt``. ``val_fn(epoch) -> dict`` (optional) runs after each epoch; its record
-    (``epoch`` added) is logged and kept; when its ``accept_length`` beats every earlier epoch's, ``save_best(progress)``
-    (optional) runs right after, so the best-validated epoch's head survives later epochs. A checkpoint (:func:`save_checkpoint`) is written every
-    ``checkpoint_every`` steps, and, with the head (``save_head(progress, complete)``), when this call's
+    (``epoch`` added) is logged and kept; when its ``accept_length`` beats every earlier epoch's,
+    ``save_best(progress)`` (optional) runs right after, so the best-validated epoch's head survives later epochs.
+    A checkpoint (:func:`save_checkpoint`) is written every ``checkpoint_every`` steps, and, with the head
+    (``save_head(progress, complete)``), when this call's
     ``time_budget_s`` wall seconds or ``step_budget`` steps are spent (checked before each step) and at the end.
     """
     t0, steps0 = clock(), prog.step
