@@ -3,10 +3,11 @@ spawns one process per rank (gloo on CPU, NCCL across GPUs); multi-node runs use
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import queue
 import signal
+import threading
 import weakref
 
 import torch
@@ -41,6 +42,28 @@ def shutdown_all() -> int:
         llm._busy = True
         llm.shutdown()
     return n
+
+
+@contextlib.contextmanager
+def held_signals(signums=(signal.SIGINT, signal.SIGTERM)):
+    """Hold ``signums`` while the block runs, then deliver the first that arrived to the handler in place before
+    (``signal.raise_signal``). Starting a spawned process is not interruptible halfway: a handler that raises
+    between the child's creation and the parent writing its start-up data leaves the child to die on an EOFError
+    traceback. Blocking the signal on the main thread is not enough, since the kernel then hands it to another
+    thread and Python still runs the handler on the main thread. Off the main thread (where handlers cannot be
+    set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if held:
+            signal.raise_signal(held[0])
 
 
 class LLM:
@@ -98,14 +121,15 @@ class LLM:
         _ENGINES.add(self)
         # ranks start with SIGINT blocked (rank_main then ignores it): the front end handles a terminal's ^C
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            for rank in range(W):
-                p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q, threads),
-                                daemon=True)
-                self._procs.append(p)            # tracked before it starts: an interrupt in between leaves no rank
-                p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        with held_signals():
+            try:
+                for rank in range(W):
+                    p = ctx.Process(target=rank_main, args=(rank, cfg, port, self._cmd_qs[rank], self._res_q,
+                                                            threads), daemon=True)
+                    self._procs.append(p)        # tracked before it starts: an interrupt in between leaves no rank
+                    p.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         infos = {}
         while len(infos) < W:
             msg = self._get()

@@ -96,6 +96,8 @@ def rank_main(rank: int, config: EngineConfig, port: int, cmd_q, res_q, threads:
             profile_run(worker, reqs, max_conc, prog, knobs.current().cprofile, rank, stream)
             res_q.put(("stats", rank, worker.last_stats))
             if rank == 0:
+                for r in reqs:                   # the next round's draft tree: tensors would travel by fd passing,
+                    r.tree = None                # whose listener (/tmp/pymp-*) outlives the rank's os._exit
                 res_q.put(("result", reqs, peak_memory(dev)))
     except BaseException as e:                               # report, then let the front end stop the group
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -12,17 +12,17 @@ SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, batch_tokens, draft_vocab_size,
                        prompt_weight, context_tokens, checkpoint_every=None, time_budget_s=None, step_budget=None,
-                       val_sequences=0, gen_samples=1, gen_temperature=0.7) -> None:
+                       val_sequences=0, gen_samples=1, gen_temperature=0.7, limit=None) -> None:
     """ConfigError for ``unroll``, ``epochs``, ``batch_tokens`` or ``draft_vocab_size`` below 1,
-    ``context_tokens`` / ``checkpoint_every`` / ``step_budget`` neither None nor an integer >= 1 (``step_budget``:
-    >= 0), ``val_sequences`` not an integer >= 0, ``gen_samples`` not an integer >= 1, a non-finite or
+    ``context_tokens`` / ``checkpoint_every`` / ``step_budget`` / ``limit`` neither None nor an integer >= 1
+    (``step_budget``: >= 0), ``val_sequences`` not an integer >= 0, ``gen_samples`` not an integer >= 1, a non-finite or
     non-positive ``lr``, ``time_budget_s`` or (with ``gen_samples`` > 1) ``gen_temperature``, a
     negative or non-finite ``prompt_weight``, and for EAGLE-3 aux layers that are not three increasing layer ids of
     the target ``mc``."""
     for key, v, low in (("context_tokens", context_tokens, 1), ("checkpoint_every", checkpoint_every, 1),
-                        ("step_budget", step_budget, 0)):
+                        ("step_budget", step_budget, 0), ("limit", limit, 1)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            raise ConfigError(f"train-draft: {key} must be an integer >= {low} or null (got {v!r})")
+            raise ConfigError(f"train-draft: train.{key} must be an integer >= {low} or null (got {v!r})")
     for key, v in (("unroll", unroll), ("epochs", epochs), ("batch_tokens", batch_tokens),
                    ("draft_vocab_size", draft_vocab_size), ("gen_samples", gen_samples)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -94,7 +94,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                        batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
                        context_tokens=context_tokens, checkpoint_every=checkpoint_every,
                        time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences,
-                       gen_samples=gen_samples, gen_temperature=gen_temperature)
+                       gen_samples=gen_samples, gen_temperature=gen_temperature, limit=limit)
     if val_sequences and algorithm != "eagle3":
         raise ConfigError("train-draft: train.val_sequences is for algorithm eagle3")
     if val_data is not None and not val_sequences:

@@ -86,7 +86,8 @@ def _heldout(argv, capsys):
 
 def test_heldout_accept_refuses_bad_arguments_up_front(tmp_path, tiny_draft_dir, capsys):
     """tools.heldout_accept refuses, with one line and exit 2 before any model or data loads: --limit below 1, an
-    --out whose folder does not exist, a --draft without weights, and a --draft that is an EAGLE-1/2 head."""
+    --out whose folder does not exist or that is a folder, a --device torch does not know or has no GPU for, a
+    --draft without weights, and a --draft that is an EAGLE-1/2 head (checked before the sequences cache)."""
     seqs = tmp_path / "seqs.pt"
     seqs.write_bytes(b"\x80\x04not a pickle")
     base = ["--sequences", str(seqs), "--out", str(tmp_path / "r.json")]
@@ -99,6 +100,16 @@ def test_heldout_accept_refuses_bad_arguments_up_front(tmp_path, tiny_draft_dir,
     assert rc == 2 and "no model.safetensors" in err
     rc, err = _heldout([*base, "--draft", str(tiny_draft_dir)], capsys)
     assert rc == 2 and "not an EAGLE-3 checkpoint" in err and err.count("\n") == 1, err
+    rc, err = _heldout(["--sequences", str(tmp_path / "none.pt"), "--draft", str(tiny_draft_dir), "--out",
+                        str(tmp_path / "r.json")], capsys)
+    assert rc == 2 and "not an EAGLE-3 checkpoint" in err, err          # the head is checked before the cache
+    rc, err = _heldout([*base[:2], "--draft", str(tmp_path), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "a folder; name a JSON file" in err
+    rc, err = _heldout([*base, "--draft", str(tmp_path), "--device", "bogus"], capsys)
+    assert rc == 2 and "--device bogus: not a torch device" in err
+    if not torch.cuda.is_available():
+        rc, err = _heldout([*base, "--draft", str(tmp_path), "--device", "cuda"], capsys)
+        assert rc == 2 and "sees no CUDA device" in err
     assert not (tmp_path / "r.json").exists()
 
 

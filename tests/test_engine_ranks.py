@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from engine import LLM, EngineConfig, EngineError, SamplingParams
+from engine import LLM, EngineConfig, EngineError, SamplingParams, SpecConfig
 
 
 def test_rank_failure_stops_group(tiny_model_dir):
@@ -298,3 +298,56 @@ def test_reap_skips_a_rank_process_that_never_started():
     started.start()
     reap([never, started], graceful=False)
     assert not started.is_alive() and started.exitcode is not None and never.pid is None
+
+
+def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_model_dir, capfd, monkeypatch):
+    """Regression: a SIGINT between a rank's creation and the front end writing its start-up data (a terminal's ^C
+    to the whole group while ranks start) raised in the front end there, and the half-started rank died on an
+    EOFError traceback. :func:`engine.llm.held_signals` holds the signal until every rank has started: the engine
+    start still ends in KeyboardInterrupt, every rank is reaped, and nothing is printed."""
+    import multiprocessing.util as mpu
+    import signal
+    import threading
+
+    real = mpu.spawnv_passfds
+    sent, go, done = [], threading.Event(), threading.Event()
+
+    def kill_from_another_thread():                      # started before the engine blocks SIGINT on its thread,
+        if go.wait(60):                                  # so the kernel delivers the signal to this one and
+            os.kill(os.getpid(), signal.SIGINT)          # Python runs the handler on the main thread at once
+        done.set()
+
+    def spawn_then_interrupt(path, args, passfds):
+        pid = real(path, args, passfds)
+        if not sent and any("spawn_main" in str(a) for a in args):
+            sent.append(pid)
+            go.set()
+            done.wait(10)                                # the handler runs before the start-up data is written
+        return pid
+    threading.Thread(target=kill_from_another_thread, daemon=True).start()
+    monkeypatch.setattr(mpu, "spawnv_passfds", spawn_then_interrupt)
+    capfd.readouterr()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
+    finally:
+        go.set()
+    assert sent
+    import time
+    time.sleep(1.0)                                      # a half-started rank would print its traceback by now
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "EOFError" not in err, err[-2000:]
+    assert not _alive(sent[0])
+
+
+def test_a_pp_spec_run_leaves_no_multiprocessing_folder(tiny_model_dir, tiny_draft_dir, tmp_path, monkeypatch):
+    """Regression: a rank sent its requests back with their next draft tree, whose tensors travel by fd passing;
+    that starts a listener in a /tmp/pymp-* folder, which the rank's os._exit never removed (one folder per
+    ``generate --pp 2 --pp-spec``). The result carries no tensors now, and the ranks' temp folder stays empty."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))              # the spawned ranks' tempfile root
+    spec = SpecConfig(algorithm="eagle", draft=str(tiny_draft_dir), num_steps=3, topk=1, num_draft_tokens=4,
+                      pp_spec=True)
+    with LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30, spec=spec)) as llm:
+        out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=8))
+    assert len(out[0].token_ids) == 8
+    assert sorted(p.name for p in tmp_path.glob("pymp-*")) == []

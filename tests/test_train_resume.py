@@ -371,6 +371,9 @@ def test_sampled_continuations_add_training_data_and_are_cached(tiny_model_dir, 
         train_draft(tiny_model_dir, data, tmp_path / "o", gen_samples=0, **kw)
     with pytest.raises(ConfigError, match=r"train.gen_temperature must be a finite number > 0 \(got 0\)"):
         train_draft(tiny_model_dir, data, tmp_path / "o", gen_samples=2, gen_temperature=0, **kw)
+    for limit in (0, -1):                    # regression: said "training data ... is empty" of a full file
+        with pytest.raises(ConfigError, match=rf"train.limit must be an integer >= 1 or null \(got {limit}\)"):
+            train_draft(tiny_model_dir, data, tmp_path / "o", limit=limit, **kw)
     monkeypatch.undo()
     train_draft(tiny_model_dir, data, tmp_path / "o1", max_new_tokens=6, **kw)
     recipe = train_state.load_state(tmp_path / "o1")["recipe"]

@@ -35,6 +35,14 @@ def main(argv=None) -> int:
         ap.error(f"--limit {a.limit}: must be at least 1")
     if not Path(a.out).resolve().parent.is_dir():
         ap.error(f"--out {a.out}: no folder {Path(a.out).resolve().parent}")
+    if Path(a.out).is_dir():
+        ap.error(f"--out {a.out}: a folder; name a JSON file")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device {a.device}: not a torch device (cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: this torch build sees no CUDA device")
 
     from engine.config import ConfigError
     from harness.config import HarnessConfigError
@@ -59,9 +67,6 @@ def _run(a, ap) -> int:
     from harness.train_eagle3 import val_accept_length
 
     t = resolve(a.config, {}, kind="train").train
-    cache = a.sequences or t["sequences_cache"]
-    if not Path(cache).is_file():
-        ap.error(f"no sequences cache at {cache}")
     path = resolve_model_path(t["model"])
     mc = load_model_config(path)
     specs = {}
@@ -69,6 +74,9 @@ def _run(a, ap) -> int:
         if not (Path(d) / "model.safetensors").is_file():
             ap.error(f"no EAGLE-3 head at {d} (no model.safetensors)")
         specs[d] = eagle3_config(mc, d)                  # ConfigError: no config.json, not an EAGLE-3 head
+    cache = a.sequences or t["sequences_cache"]
+    if not Path(cache).is_file():
+        ap.error(f"no sequences cache at {cache}")
     val_data = t.get("val_data") if a.val_data is None else (None if a.val_data == "none" else a.val_data)
     _, _, val, _ = heldout_split(t["model"], t["data"], t.get("limit"), val_data, int(t["val_sequences"]),
                               a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"], t["max_len"],
