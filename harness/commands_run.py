@@ -205,10 +205,13 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
             params = SamplingParams(temperature=temperature, max_new_tokens=room)
         with LLM(cfg.engine) as llm:
             out = TextStream(llm.tokenizer)          # tokens printed as they are committed, as plain text
-            o = llm.generate([prompt], params, stream=out.on_tokens)[0]
+            try:
+                o = llm.generate([prompt], params, stream=out.on_tokens)[0]
+            except BaseException:                    # an interrupt mid-stream: the shell's prompt on its own line
+                out.end_line()
+                raise
         if o.finish_reason == "error":
-            if out.printed:
-                typer.echo("")
+            out.end_line()
             err.print(f"Error: the request failed inside the engine: {o.error}", markup=False, highlight=False)
             raise typer.Exit(1)
         out.close(o.text)               # the completion exactly: no console wrapping, markup or emoji codes

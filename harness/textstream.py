@@ -41,6 +41,12 @@ class TextStream:
         self.out.flush()
         self.printed += text
 
+    def end_line(self) -> None:
+        """End a stream cut short (an interrupt, a failed request) on its own line: a newline when something was
+        printed and it does not end in one; nothing otherwise."""
+        if self.printed and not self.printed.endswith("\n"):
+            self._write("\n")
+
     def close(self, final_text: str) -> None:
         if final_text.startswith(self.printed):
             self._write(final_text[len(self.printed):])

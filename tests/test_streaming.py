@@ -57,3 +57,33 @@ def test_textstream_without_streamed_tokens_prints_the_final_text():
     s = TextStream(_ByteTokenizer(), out)
     s.close("The answer is 5")
     assert out.getvalue() == "The answer is 5\n"
+
+
+def test_textstream_end_line_ends_a_cut_stream_once():
+    out = io.StringIO()
+    s = TextStream(_ByteTokenizer(), out)
+    s.end_line()
+    assert out.getvalue() == ""                          # nothing printed: nothing to end
+    s.on_tokens([(0, list(b"The answer"))])
+    s.end_line()
+    s.end_line()
+    assert out.getvalue() == "The answer\n"
+
+
+def test_an_interrupt_mid_stream_ends_the_printed_line(tiny_model_dir):
+    """Regression: ^C while ``generate`` streamed left the streamed text without its newline (the shell's prompt
+    then starts after it). Once the first bytes are out, SIGINT still ends the command with 130 and the one
+    interrupt line, and stdout ends with a newline."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    p = subprocess.Popen([sys.executable, "-m", "harness", "generate", "hello", "--model", str(tiny_model_dir),
+                          "--device", "cpu", "--no-spec", "--max-new-tokens", "2000", "--set", "max_model_len=4096"],
+                         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)                             # the first streamed byte
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=120)
+    out = (first + rest).decode()
+    assert p.returncode == 130 and err.decode().startswith("ppspec: interrupted (SIGINT)"), err[-2000:]
+    assert len(out) > 1 and out.endswith("\n"), out[-200:]
