@@ -62,6 +62,18 @@ def resolve_device(device: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> None:
+    """ConfigError (one line) for a device that is neither ``cpu`` nor ``cuda`` / ``cuda:N``, or ``cuda`` where this
+    torch build sees no CUDA device. Imports torch only for ``cuda``."""
+    dev = device.split(":")[0]
+    if dev not in ("cpu", "cuda"):
+        raise ConfigError(f"device: {device!r} (supported: cpu, cuda, cuda:N, auto)")
+    if dev == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but this torch build sees no CUDA device")
+
+
 def auto_dtype(device: str) -> str:
     """The dtype ``auto`` means on ``device``: bfloat16 on CUDA and on CPUs with AMX bfloat16 tiles, else float32."""
     if device.split(":")[0] == "cuda":
@@ -198,13 +210,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} (supported: float32, bfloat16, float16, auto)")
-        dev = self.device.split(":")[0]
-        if dev not in ("cpu", "cuda"):
-            raise ConfigError(f"device: {self.device!r} (supported: cpu, cuda, cuda:N, auto)")
-        if dev == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise ConfigError("device=cuda but this torch build sees no CUDA device")
+        check_device(self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2 (or unset), got {self.max_model_len}")
         if not 0 < self.mem_fraction <= 1:

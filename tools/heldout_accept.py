@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--val-data", help="the held-out rows' file (default: the recipe's train.val_data; 'none': the last "
                     "train.val_sequences sequences of train.data, the split before val_data)")
     ap.add_argument("--limit", type=int, help="the first N held-out sequences only (N >= 1)")
-    ap.add_argument("--device", default="cpu", help="where the target and the heads run (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="where the target and the heads run: cpu, cuda, cuda:N or auto (default: %(default)s)")
     ap.add_argument("--out", required=True, help="a JSON file for {head: record}; its folder must exist")
     a = ap.parse_args(argv)
     if a.limit is not None and a.limit < 1:
@@ -37,14 +37,13 @@ def main(argv=None) -> int:
         ap.error(f"--out {a.out}: no folder {Path(a.out).resolve().parent}")
     if Path(a.out).is_dir():
         ap.error(f"--out {a.out}: a folder; name a JSON file")
+    from engine.config import ConfigError, check_device, resolve_device
+    a.device = resolve_device(a.device)
     try:
-        device = torch.device(a.device)
-    except RuntimeError:
-        ap.error(f"--device {a.device}: not a torch device (cpu, cuda, cuda:N)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {a.device}: this torch build sees no CUDA device")
+        check_device(a.device)
+    except ConfigError as e:
+        ap.error(f"--device {a.device}: {e}")
 
-    from engine.config import ConfigError
     from harness.config import HarnessConfigError
     try:
         return _run(a, ap)
