@@ -16,8 +16,9 @@
 #                        then tests/kernel_tests compiled; PATHS: only those.
 #   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
 #   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (the suite's S5 n6 + 8k map),
-#                        EAGLE-3 chain S3 n4 and tree S4 k4 n12 (E3HEAD, default drafts/smollm2-eagle3); CELLS: a
-#                        subset of "plain eagle2_chain eagle3_chain eagle3_tree".
+#                        EAGLE-3 chain S3 n4, chain S5 n6 (EAGLE-2's shape) and tree S4 k4 n12 (E3HEAD, default
+#                        drafts/smollm2-eagle3); CELLS: a subset of "plain eagle2_chain eagle3_chain eagle3_s5n6
+#                        eagle3_tree".
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
@@ -205,11 +206,13 @@ pp-table)
   done ;;
 spec-vs-plain)
   need gguf
-  cell() { case " ${CELLS:-plain eagle2_chain eagle3_chain eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
+  cell() { case " ${CELLS:-plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
   cell plain && bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
   cell eagle2_chain && bench eagle2_chain 100 $H200 $B18
   cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 \
       --set spec.num_draft_tokens=4
+  cell eagle3_s5n6 && bench eagle3_s5n6 100 $H200 $B18 $EAGLE3 --set spec.num_steps=5 --set spec.topk=1 \
+      --set spec.num_draft_tokens=6
   cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 --set spec.num_steps=4 --set spec.topk=4 \
       --set spec.num_draft_tokens=12 ;;
 llama8b-shape)
