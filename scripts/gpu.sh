@@ -15,7 +15,7 @@
 #   tests [PATHS]        the GPU tests (pytest -m gpu: PP relay, CUDA graphs, FlashInfer, EAGLE-3 device rounds),
 #                        then tests/kernel_tests compiled; PATHS: only those.
 #   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
-#   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (the suite's S5 n6 + 8k map),
+#   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (S5 n6 + 8k map),
 #                        EAGLE-3 chain S3 n4, chain S5 n6 (EAGLE-2's shape) and tree S4 k4 n12 (E3HEAD, default
 #                        drafts/smollm2-eagle3); CELLS: a subset of "plain eagle2_chain eagle3_chain eagle3_s5n6
 #                        eagle3_tree".
@@ -178,6 +178,8 @@ H200="--config h200 --no-peer"
 SHAPE="--model suites/shapes/smollm2-135m --set load_format=dummy"
 EAGLE3="--draft ${E3HEAD:-drafts/smollm2-eagle3} --set spec.algorithm=eagle3 --set spec.token_map=null"
 B18="--set bench.batch_sizes=[1,8]"
+EAGLE2="--draft drafts/smollm2-eagle --set spec.algorithm=eagle --set spec.token_map=hot_tokens_8k.json \
+    --set spec.num_steps=5 --set spec.topk=1 --set spec.num_draft_tokens=6"   # the h200 suite's draft before EAGLE-3
 case $mode in
 setup)
   need
@@ -208,7 +210,7 @@ spec-vs-plain)
   need gguf
   cell() { case " ${CELLS:-plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
   cell plain && bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
-  cell eagle2_chain && bench eagle2_chain 100 $H200 $B18
+  cell eagle2_chain && bench eagle2_chain 100 $H200 $B18 $EAGLE2
   cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 \
       --set spec.num_draft_tokens=4
   cell eagle3_s5n6 && bench eagle3_s5n6 100 $H200 $B18 $EAGLE3 --set spec.num_steps=5 --set spec.topk=1 \
