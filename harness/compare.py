@@ -204,9 +204,10 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
 
 
 def check_dirs(dirs: list[str]) -> None:
-    """Refuse, before anything is written, result directories that do not exist (FileNotFoundError), fewer than
-    two, or one directory given twice (the same path after resolving ``.``, ``..`` and links: a run compared with
-    itself): HarnessConfigError, one line."""
+    """Refuse, before anything is written, result directories that do not exist or hold no summary
+    (FileNotFoundError), fewer than two, one directory given twice (the same path after resolving ``.``, ``..`` and
+    links: a run compared with itself): HarnessConfigError, one line; a summary.json that is not a run summary:
+    ConfigError (:func:`harness.results.load_summary`)."""
     from harness.config import HarnessConfigError
     seen: dict[Path, str] = {}
     for x in dirs:
@@ -220,6 +221,8 @@ def check_dirs(dirs: list[str]) -> None:
         seen[r] = x
     if len(dirs) < 2:
         raise HarnessConfigError(f"compare needs two or more result directories, got one: {dirs[0]}")
+    for x in dirs:                                   # unreadable summaries: refused before the output folder exists
+        load_entry(x)
 
 
 def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) -> tuple[list, Path]:

@@ -126,7 +126,8 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
             check_draft_head(spec["algorithm"], found, merged.get("tp", 1), merged.get("model"),
                              src or "config", user_draft=src is not None and src != str(toml_path))
             tmap = spec.get("token_map")
-            if tmap:                      # cwd / yaml dir / project root, then the draft's directory
+            if tmap and spec.get("algorithm") != "eagle3":   # eagle3 + a map: SpecConfig refuses the pair
+                # cwd / yaml dir / project root, then the draft's directory
                 hit = _resolve_path(tmap, root, yaml_dir + (Path(found),))
                 if hit is None:
                     src = next((name for name, layer in reversed(layers) if "token_map" in layer.get("spec", {})), "config")

@@ -182,11 +182,20 @@ def write_run(run_dir: Path, summary: dict, markdown: str, records: Iterable[dic
 
 
 def load_summary(run_dir: str | Path) -> dict:
-    """Read a run's summary.json (FileNotFoundError names the directory)."""
+    """Read a run's summary.json: a JSON object. FileNotFoundError names the directory; a file that is not JSON or
+    not an object (a run cut off while writing it, say) is a ConfigError, one line naming the file."""
+    from engine.config import ConfigError
     p = Path(run_dir) / "summary.json"
     if not p.is_file():
         raise FileNotFoundError(f"no summary.json in {run_dir}")
-    return json.loads(p.read_text())
+    try:
+        summary = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} is not a run summary (not JSON: {e})") from None
+    if not isinstance(summary, dict) or not summary:
+        raise ConfigError(f"{p} is not a run summary (a JSON object with the run's figures; got "
+                          f"{json.dumps(summary)[:40]})")
+    return summary
 
 
 def load_records(run_dir: str | Path) -> list[dict]:

@@ -17,8 +17,8 @@
 #   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
 #   spec-vs-plain        bench --config h200 at b=1 and b=8: plain, EAGLE-2 chain (S5 n6 + 8k map),
 #                        EAGLE-3 chain S3 n4, chain S5 n6 (EAGLE-2's shape) and tree S4 k4 n12 (E3HEAD, default
-#                        drafts/smollm2-eagle3); CELLS: a subset of "plain eagle2_chain eagle3_chain eagle3_s5n6
-#                        eagle3_tree".
+#                        drafts/smollm2-eagle3), and the suite as it stands (suite: EAGLE-3 S4 n5); CELLS: a subset
+#                        of "suite plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree".
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
@@ -173,7 +173,7 @@ need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-ev
 }
 
 install_carried
-say "gpu.sh $mode: $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -1)"
+say "gpu.sh $mode: $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $( (nvidia-smi --query-gpu=name --format=csv,noheader || echo "no nvidia-smi") 2>/dev/null | head -1)"
 H200="--config h200 --no-peer"
 SHAPE="--model suites/shapes/smollm2-135m --set load_format=dummy"
 EAGLE3="--draft ${E3HEAD:-drafts/smollm2-eagle3} --set spec.algorithm=eagle3 --set spec.token_map=null"
@@ -208,7 +208,8 @@ pp-table)
   done ;;
 spec-vs-plain)
   need gguf
-  cell() { case " ${CELLS:-plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
+  cell() { case " ${CELLS:-suite plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree} " in *" $1 "*) return 0;; esac; return 1; }
+  cell suite && bench suite 100 $H200 $B18      # the suite's own draft and shape
   cell plain && bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
   cell eagle2_chain && bench eagle2_chain 100 $H200 $B18 $EAGLE2
   cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 \

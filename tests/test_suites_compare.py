@@ -262,6 +262,28 @@ def test_compare_refuses_one_directory_or_the_same_one_twice(tmp_path):
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.parametrize("text, why", [("{not json", "not JSON: Expecting property name"),
+                                       ("", "not JSON: Expecting value"),
+                                       ("[1]", "a JSON object with the run's figures; got [1]"),
+                                       ("{}", "a JSON object with the run's figures; got {}")])
+def test_compare_refuses_a_summary_that_is_not_one(tmp_path, text, why):
+    """Regression: a summary.json cut off while written (not JSON), empty, a list or an empty object gave a traceback
+    (or, for ``{}``, a column of dashes). Now: one line naming the file, exit 2, and no compare directory (default
+    results/compare/<timestamp> included) is made."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "summary.json").write_text(text)
+    compare_dir = Path(__file__).resolve().parents[1] / "results" / "compare"
+    before = sorted(compare_dir.iterdir()) if compare_dir.is_dir() else []
+    r = runner.invoke(app, ["compare", str(bad), str(FIXTURES / "tiny_pp1"), "--no-plots"])
+    assert (sorted(compare_dir.iterdir()) if compare_dir.is_dir() else []) == before
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"Error: {bad / 'summary.json'} is not a run "
+                                                                        "summary") and why in lines[0], r.output
+    r = runner.invoke(app, ["compare", str(bad), str(FIXTURES / "tiny_pp1"), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and not (tmp_path / "c").exists(), r.output
+
+
 def test_compare_pairs_from_the_summary_alone(tmp_path):
     """Regression: committed results carry no records.jsonl, so compare read 'too few pairs (0)' for TTFT/TPOT and
     'no paired questions' for GSM8K. summary.json keeps the per-request figures a pairing needs (``pairing``, one

@@ -191,6 +191,18 @@ def test_harness_resolves_token_map_next_to_the_draft(tiny_draft_dir, tmp_path):
         resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "nope.json"}})
 
 
+def test_a_token_map_with_eagle3_is_refused_for_the_pair_not_the_path():
+    """Regression: ``--set spec.token_map=hot_tokens_8k.json`` with the EAGLE-3 head said the map was not found (the
+    name is looked up beside the draft, and the EAGLE-3 head has none); the pair itself is the error."""
+    from pathlib import Path
+    from engine.config import ConfigError
+    from harness.resolve import resolve
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match="an EAGLE-3 head has its own draft vocabulary"):
+        resolve(overrides={"device": "cpu", "spec": {"algorithm": "eagle3", "draft": str(repo / "drafts/smollm2-eagle3"),
+                                                     "token_map": "hot_tokens_8k.json"}})
+
+
 def test_shipped_smollm2_map(tmp_path):
     """The shipped map: 8,192 ids, EOS inside, and the CLI's builder reproduces it exactly from GSM8K train."""
     from pathlib import Path
