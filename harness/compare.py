@@ -187,7 +187,11 @@ def paired_tests_table(entries: list[dict]) -> tuple[list[dict], tuple]:
 
 def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tuple[dict, list, str]:
     """Load, tabulate, test and plot; returns (summary dict, rich renderables, markdown)."""
-    entries = [load_entry(d) for d in dirs]
+    return compare_entries([load_entry(d) for d in dirs], out_dir, plots)
+
+
+def compare_entries(entries: list[dict], out_dir: Path | None, plots: bool = True) -> tuple[dict, list, str]:
+    """Tabulate, test and plot entries of :func:`load_entry`; returns (summary dict, rich renderables, markdown)."""
     counts = Counter(e["name"] for e in entries)
     for e in entries:                      # same suite twice: disambiguate by directory name
         if counts[e["name"]] > 1:
@@ -204,10 +208,9 @@ def run_compare(dirs: list[str], out_dir: Path | None, plots: bool = True) -> tu
 
 
 def check_dirs(dirs: list[str]) -> None:
-    """Refuse, before anything is written, result directories that do not exist or hold no summary
-    (FileNotFoundError), fewer than two, one directory given twice (the same path after resolving ``.``, ``..`` and
-    links: a run compared with itself): HarnessConfigError, one line; a summary.json that is not a run summary:
-    ConfigError (:func:`harness.results.load_summary`)."""
+    """Refuse, before anything is written, result directories that do not exist (FileNotFoundError), fewer than
+    two, or one directory given twice (the same path after resolving ``.``, ``..`` and links: a run compared with
+    itself): HarnessConfigError, one line."""
     from harness.config import HarnessConfigError
     seen: dict[Path, str] = {}
     for x in dirs:
@@ -221,21 +224,21 @@ def check_dirs(dirs: list[str]) -> None:
         seen[r] = x
     if len(dirs) < 2:
         raise HarnessConfigError(f"compare needs two or more result directories, got one: {dirs[0]}")
-    for x in dirs:                                   # unreadable summaries: refused before the output folder exists
-        load_entry(x)
 
 
 def write_compare(dirs: list[str], out: Path | None = None, plots: bool = True) -> tuple[list, Path]:
     """run_compare + compare.md / compare.json into ``out`` (default results/compare/<timestamp>); the directories
-    are checked first (:func:`check_dirs`)."""
+    are checked (:func:`check_dirs`) and loaded (:func:`load_entry`: a summary.json that is not a run summary is a
+    ConfigError) before ``out`` is made."""
     import datetime as dt
     import json
 
     from harness.resolve import resolve
     check_dirs(dirs)
+    entries = [load_entry(x) for x in dirs]
     d = Path(out) if out else Path(resolve(None, {}).paths.results) / "compare" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     d.mkdir(parents=True, exist_ok=True)
-    summary, rend, md = run_compare(dirs, d, plots=plots)
+    summary, rend, md = compare_entries(entries, d, plots=plots)
     (d / "compare.md").write_text(f"# compare\n\n{md}")
     (d / "compare.json").write_text(json.dumps(summary, indent=1, default=str))
     return rend, d
