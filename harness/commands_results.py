@@ -87,4 +87,14 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
         for n in [*cfg.notes, head_padding_warning(cfg, mc)]:
             if n:
                 err.print(n, markup=False, highlight=False)
-        typer.echo(json.dumps(p.as_dict(), indent=2) if as_json else p.describe())
+        sp = cfg.engine.spec
+        spec_d = None if sp.algorithm is None else {
+            "algorithm": sp.algorithm, "draft": sp.draft, "num_steps": sp.num_steps, "topk": sp.topk,
+            "num_draft_tokens": sp.num_draft_tokens, "token_map": sp.token_map, "pp_spec": sp.pp_spec}
+        if as_json:
+            typer.echo(json.dumps({"spec": spec_d, **p.as_dict()}, indent=2))
+        else:
+            typer.echo("spec off" if spec_d is None else
+                       f"spec {sp.algorithm} {sp.draft}: S={sp.num_steps} k={sp.topk} n={sp.num_draft_tokens}"
+                       + (f", token map {sp.token_map}" if sp.token_map else ""))
+            typer.echo(p.describe())

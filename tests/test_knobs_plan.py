@@ -213,6 +213,12 @@ def test_ppspec_plan_cli():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["device"] == "cuda" and d["attention"]["backend"] == "flashinfer"
+    assert (d["spec"]["algorithm"], d["spec"]["num_steps"], d["spec"]["num_draft_tokens"]) == ("eagle3", 4, 5)
+    r = _cli("plan", "--config", "h200")            # the speculation it would run heads the text
+    assert r.returncode == 0 and r.stdout.splitlines()[0].startswith("spec eagle3 ") \
+        and r.stdout.splitlines()[0].endswith("smollm2-eagle3: S=4 k=1 n=5"), r.stdout
+    r = _cli("plan", "--config", "h200", "--no-spec")
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "spec off", r.stdout
     r = _cli("plan", "--config", "tp1pp2", env={"PPSPEC_PDL": "maybe"})
     assert r.returncode == 2 and "PPSPEC_PDL must be 0 or 1" in r.stderr      # a user error
 
