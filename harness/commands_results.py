@@ -2,6 +2,7 @@
 directories side by side), ``plan`` (the execution plan a config resolves to)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -88,9 +89,7 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
             if n:
                 err.print(n, markup=False, highlight=False)
         sp = cfg.engine.spec
-        spec_d = None if sp.algorithm is None else {
-            "algorithm": sp.algorithm, "draft": sp.draft, "num_steps": sp.num_steps, "topk": sp.topk,
-            "num_draft_tokens": sp.num_draft_tokens, "token_map": sp.token_map, "pp_spec": sp.pp_spec}
+        spec_d = None if sp.algorithm is None else dataclasses.asdict(sp)
         if as_json:
             typer.echo(json.dumps({"spec": spec_d, **p.as_dict()}, indent=2))
         else:

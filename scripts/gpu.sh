@@ -178,8 +178,9 @@ H200="--config h200 --no-peer"
 SHAPE="--model suites/shapes/smollm2-135m --set load_format=dummy"
 EAGLE3="--draft ${E3HEAD:-drafts/smollm2-eagle3} --set spec.algorithm=eagle3 --set spec.token_map=null"
 B18="--set bench.batch_sizes=[1,8]"
-EAGLE2="--draft drafts/smollm2-eagle --set spec.algorithm=eagle --set spec.token_map=hot_tokens_8k.json \
-    --set spec.num_steps=5 --set spec.topk=1 --set spec.num_draft_tokens=6"   # the h200 suite's draft before EAGLE-3
+shape() { echo "--set spec.num_steps=$1 --set spec.topk=$2 --set spec.num_draft_tokens=$3"; }   # S K N
+EAGLE2="--draft drafts/smollm2-eagle --set spec.algorithm=eagle --set spec.token_map=hot_tokens_8k.json $(shape 5 1 6)"
+# (EAGLE2: the h200 suite's draft before EAGLE-3)
 case $mode in
 setup)
   need
@@ -212,12 +213,9 @@ spec-vs-plain)
   cell suite && bench suite 100 $H200 $B18      # the suite's own draft and shape
   cell plain && bench plain $((PEER ? 300 : 100)) --config h200 $B18 --no-spec $([ "$PEER" = 1 ] || echo --no-peer)
   cell eagle2_chain && bench eagle2_chain 100 $H200 $B18 $EAGLE2
-  cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 --set spec.num_steps=3 --set spec.topk=1 \
-      --set spec.num_draft_tokens=4
-  cell eagle3_s5n6 && bench eagle3_s5n6 100 $H200 $B18 $EAGLE3 --set spec.num_steps=5 --set spec.topk=1 \
-      --set spec.num_draft_tokens=6
-  cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 --set spec.num_steps=4 --set spec.topk=4 \
-      --set spec.num_draft_tokens=12 ;;
+  cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 $(shape 3 1 4)
+  cell eagle3_s5n6 && bench eagle3_s5n6 100 $H200 $B18 $EAGLE3 $(shape 5 1 6)
+  cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 $(shape 4 4 12) ;;
 llama8b-shape)
   need
   NP=$([ "$PEER" = 1 ] || echo --no-peer)
