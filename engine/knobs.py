@@ -11,6 +11,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -116,6 +117,8 @@ REGISTRY: tuple[Knob, ...] = (
          "the free host memory, engine.kv_cache.CPU_KV_SHARE)", "engine/kv_cache.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
          "harness/suites.py", "toml"),
+    Knob("PPSPEC_CACHE_DIR", "str", "", _B, "ppspec's cache: models/NAME/model.gguf, tokenizers/ (empty: "
+         "$XDG_CACHE_HOME/ppspec, else ~/.cache/ppspec)", "engine/model/registry.py", "cache_dir"),
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),
     Knob("PPSPEC_KV_CHECK", "bool", False, _D, "full KV pool consistency check on every commit",
          "engine/kv_cache.py", "kv_check"),
@@ -195,6 +198,26 @@ def torchrun_env() -> tuple[int, int, int, int]:
     world = int(os.environ["WORLD_SIZE"])
     return (int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
             int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def cache_root(env=None) -> Path:
+    """ppspec's cache directory, read from ``env`` (default ``os.environ``) at each call: ``PPSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/ppspec``, else ``~/.cache/ppspec`` (``~`` expanded; the directory may not exist yet).
+
+    Raises:
+        ConfigError: none of the three can be named (no PPSPEC_CACHE_DIR, no XDG_CACHE_HOME, no home directory).
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("PPSPEC_CACHE_DIR", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    if xdg:
+        return Path(xdg).expanduser() / "ppspec"
+    try:
+        return Path.home() / ".cache" / "ppspec"
+    except (RuntimeError, KeyError):
+        raise ConfigError("no cache directory: set PPSPEC_CACHE_DIR (or XDG_CACHE_HOME, or HOME)") from None
 
 
 def set_env(name: str, value: str | None) -> None:

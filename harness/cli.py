@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from harness import __version__
-from harness import commands_drafts, commands_results, commands_run
+from harness import commands_drafts, commands_model, commands_results, commands_run
 from harness.cli_common import check_writable, console, err, overrides, parse_sets
 from harness.clihelp import HelpGroup
 from harness.commands_drafts import check_train_kwargs
@@ -53,6 +53,7 @@ for _fn in (commands_run.gsm8k, commands_run.bench, commands_run.gate, commands_
     app.command()(_fn)
 app.command("train-draft")(commands_drafts.train_draft)
 app.command("token-map")(commands_drafts.token_map)
+app.add_typer(commands_model.app, name="model")
 
 
 class Interrupted(BaseException):

