@@ -118,6 +118,9 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
             why, found = f"is not a draft checkpoint (no {Path(found) / 'config.json'})", None
         if found is None and draft and src is not None and src != str(toml_path):
             raise HarnessConfigError(f"{src}: spec.draft {draft!r} {why}")
+        if found is not None and (src is None or src == str(toml_path)):       # the project default draft
+            other = foreign_draft(found, merged.get("model"), root, yaml_dir)
+            found, why = (None, other) if other else (found, why)
         if found is None:                 # only the project default may be absent (fresh checkout)
             notes.append(f"warning: draft {draft!r} {why}; speculative decoding off")
             spec["algorithm"] = None
@@ -201,6 +204,23 @@ def check_draft_head(algorithm: str, draft_dir: str, tp: int, model: str | None,
             f" query / {shape['num_key_value_heads']} KV heads, intermediate size {shape['intermediate_size']}; "
             f"EAGLE-3 heads are not padded): use tp {' or '.join(map(str, fits))}, or spec.algorithm=eagle with an "
             "EAGLE-1/2 head (padded at any tp)")
+
+
+def foreign_draft(draft_dir: str, model, root: Path, yaml_dir: tuple) -> str | None:
+    """Why the draft head in ``draft_dir`` cannot serve ``model`` (its ``hidden_size`` differs from the target's),
+    or None: it fits, ``model`` is the default ``smollm2``, or either config cannot be read (the engine's own
+    check reports that at start). Reads the target's config (GGUF metadata or config.json), not its weights."""
+    if model in (None, "", "smollm2"):
+        return None
+    try:
+        hidden = json.loads((Path(draft_dir) / "config.json").read_text()).get("hidden_size")
+        from engine.model.loader import load_model_config, resolve_model_path
+        target = load_model_config(resolve_model_path(_resolve_path(str(model), root, yaml_dir) or model)).hidden_size
+    except Exception:                  # noqa: BLE001 - the engine says what is wrong with the model or the draft
+        return None
+    if isinstance(hidden, int) and hidden != target:
+        return f"is a head for hidden size {hidden}, not for {model} ({target}): give --draft DIR for a head of it"
+    return None
 
 
 def _empty_draft(src: str) -> str:
