@@ -249,3 +249,32 @@ def test_model_help_fits_80_and_200_columns(args):
     if args[1:] == ["fetch"]:
         flat = " ".join(r.output.split())
         assert all(o in flat for o in ("--from", "--force", "--cache-dir", "ppspec model fetch qwen2.5-coder-0.5b"))
+
+
+def test_model_commands_do_not_import_torch():
+    """``model list`` and ``model fetch`` are file work: the engine (torch) is not imported for them."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom harness.cli import app\n"
+            "r = CliRunner().invoke(app, ['model', 'list', '--json'])\nassert r.exit_code == 0, r.output\n"
+            "r = CliRunner().invoke(app, ['model', 'fetch', 'nosuch'])\nassert r.exit_code == 2, r.output\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_the_default_draft_is_off_for_a_model_of_another_hidden_size(tiny_model_dir, tiny_draft_dir):
+    """The project-default draft (SmolLM2's, hidden 576) is switched off with a warning for another model (here the
+    tiny hidden-64 Llama; so for --model qwen05b, hidden 896); a draft named by the user is kept (the engine's own
+    check refuses a mismatch there), and the default model keeps the default draft."""
+    from harness.resolve import resolve
+    cfg = resolve(None, {"model": str(tiny_model_dir), "device": "cpu"})
+    assert cfg.engine.spec.algorithm is None
+    assert any("is a head for hidden size 576, not for" in n and "(64)" in n and "speculative decoding off" in n
+               for n in cfg.notes), cfg.notes
+    cfg = resolve(None, {"model": str(tiny_model_dir), "device": "cpu", "spec": {"draft": str(tiny_draft_dir)}})
+    assert cfg.engine.spec.algorithm == "eagle" and cfg.engine.spec.draft == str(tiny_draft_dir)
+    cfg = resolve(None, {"device": "cpu"})
+    assert cfg.engine.spec.algorithm == "eagle" and cfg.engine.spec.draft.endswith("drafts/smollm2-eagle")
+    assert not any("hidden size" in n for n in cfg.notes)
