@@ -268,3 +268,23 @@ def test_chat_run_through_the_real_engine(tmp_path_factory):
         text = _chat(tok, [{"role": "user", "content": f"Q: {q}\nA: Let's think step by step."}])
         assert rec["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
         assert 0 < rec["output_tokens"] <= 8
+
+
+def test_a_template_that_rejects_the_system_turn_is_one_line(tmp_path):
+    """A chat template without a system role (it raises on one) and a system instruction: one HarnessConfigError
+    line before any request reaches the engine, not a silently dropped system turn."""
+    from transformers import AutoTokenizer
+
+    from helpers import write_word_tokenizer
+    write_word_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    llm = RecordingLLM(tok)
+    cfg = {"limit": 1, "format": "chat-cot-zeroshot"}
+    with pytest.raises(HarnessConfigError) as e:
+        gsm8k.run_gsm8k(resolve(None, {"gsm8k": dict(cfg, system_instruction="Be brief.")}), llm=llm)
+    assert str(e.value) == ("the chat template of recording rejects lm-eval's messages (roles ['system', 'user']...): "
+                            "System role not supported") and llm.prompts == []
+    gsm8k.run_gsm8k(resolve(None, {"gsm8k": cfg}), llm=llm)
+    assert llm.prompts[0].startswith("<user>Q: ") and llm.prompts[0].endswith("A: Let's think step by step.")
