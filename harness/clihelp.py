@@ -21,7 +21,8 @@ ENGINE = {"model": "model", "draft": "spec.draft", "tp": "tp", "pp": "pp", "dtyp
           "spec": "spec.algorithm", "pp_spec": "spec.pp_spec"}
 OPTIONS = {
     "gsm8k": {**ENGINE, **{k: f"gsm8k.{k}" for k in ("limit", "runs", "num_fewshot", "max_new_tokens",
-                                                      "max_concurrency")}},
+                                                      "max_concurrency", "chat_template", "fewshot_as_multiturn",
+                                                      "system_instruction")}, "format_": "gsm8k.format"},
     "bench": {**ENGINE, **{k: f"bench.{k}" for k in ("batch_sizes", "input_lens", "output_len", "num_prompts", "runs",
                                                       "warmup", "cells", "floors", "peer", "peer_prompt_lookup",
                                                       "baseline", "prompts", "max_concurrency")}},
@@ -30,7 +31,10 @@ OPTIONS = {
     "token-map": {"model": "model"},
 }
 NONE_MEANS = {"bench.num_prompts": "the batch size (open loop: 16)", "bench.max_concurrency": "the engine's", "gsm8k.max_concurrency": "the engine's", "bench.cells":
-              "input lens x batch sizes", "bench.baseline": "none", "gsm8k.limit": "all 1319", "gate.limit": "all 1319"}
+              "input lens x batch sizes", "bench.baseline": "none", "gsm8k.limit": "all 1319", "gate.limit": "all 1319",
+              "gsm8k.num_fewshot": "the format's", "gsm8k.max_new_tokens": "the format's",
+              "gsm8k.chat_template": "the format's", "gsm8k.fewshot_as_multiturn": "the format's",
+              "gsm8k.system_instruction": "none"}
 EXAMPLES = {
     "gsm8k": "ppspec gsm8k --config tiny_cpu --limit 8",
     "bench": "ppspec bench --config tiny_cpu --prompts specbench --num-prompts 10 --batch-sizes 1,4",

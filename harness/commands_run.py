@@ -16,6 +16,8 @@ from harness.cli_common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelO
 from harness.config import HarnessConfigError
 from harness.textstream import TextStream
 
+F = "Prompt format"
+
 
 def _ints(s: str | None, name: str) -> tuple[int, ...] | None:
     """``"1, 8,32"`` -> ``(1, 8, 32)``; HarnessConfigError (one line naming the option ``name``) for an item that is
@@ -45,12 +47,19 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None, pp_spec: PpSpecOpt = None,
           limit: Annotated[Optional[int], typer.Option(help="First N test questions (default 200).")] = None,
           runs: Annotated[Optional[int], typer.Option(help="Repeat the eval, varying arrival order and seed.")] = None,
-          num_fewshot: Annotated[Optional[int], typer.Option(help="Shots from the train split (default 8).")] = None,
-          max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default 256).")] = None,
+          num_fewshot: Annotated[Optional[int], typer.Option(help="Shots per prompt (default: the format's).", rich_help_panel=F)] = None,
+          max_new_tokens: Annotated[Optional[int], typer.Option(help="max_gen_toks (default: the format's).", rich_help_panel=F)] = None,
+          format_: Annotated[Optional[str], typer.Option("--format", help="Prompt format: [cyan]plain-8shot[/cyan] (lm-eval gsm8k, plain text), [cyan]chat-8shot[/cyan] (the model's chat template, shots as turns), [cyan]chat-cot-zeroshot[/cyan] (lm-eval gsm8k_cot_zeroshot), [cyan]chat-cot-llama[/cyan].", rich_help_panel=F)] = None,
+          chat_template: Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Render prompts with the model's chat template (lm-eval's apply_chat_template).", rich_help_panel=F)] = None,
+          fewshot_as_multiturn: Annotated[Optional[bool], typer.Option("--multiturn/--no-multiturn", help="Shots as user/assistant turns: lm-eval's fewshot_as_multiturn (chat template only).", rich_help_panel=F)] = None,
+          system_instruction: Annotated[Optional[str], typer.Option(help="lm-eval's system instruction (a system message under the chat template).", rich_help_panel=F)] = None,
           max_concurrency: Annotated[Optional[int], typer.Option(help="Requests running at once.")] = None,
           resume: Annotated[bool, typer.Option("--resume", help="Finish the interrupted run in --out (same command): questions already in its records.jsonl are not asked again; an --out without records starts a fresh run (one line says so).")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """GSM8K scored exactly as lm-eval's [cyan]gsm8k[/cyan] task (strict-match, flexible-extract), greedy.
+    """GSM8K scored exactly as lm-eval's gsm8k tasks (strict-match, flexible-extract), greedy, in a prompt format.
+
+    [cyan]--format[/cyan] picks lm-eval's task, shots and whether prompts go through the model's chat template; the
+    summary records it, and compare flags results of different formats.
 
     Records are written as the questions finish (in batches of the engine's concurrency), so an interrupted run
     keeps them; [cyan]--resume[/cyan] with the same command and --out finishes it.
@@ -67,9 +76,11 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
                                      f"its results are in {Path(out) / 'summary.md'}")
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_, gsm8k=dict(
-            limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency)))
-        from harness.gsm8k import check_shots
-        check_shots(cfg)                              # before the run directory is named
+            limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency,
+            format=format_, chat_template=chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+            system_instruction=system_instruction)))
+        from harness.gsm8k import check_gsm8k
+        check_gsm8k(cfg)                              # before the run directory is named
         d = run_dir(cfg, "gsm8k", out)
         if resume and not has_records(d):
             err.print(f"--resume: {d} holds no earlier records ({RECORDS}): nothing to resume, starting a fresh run",

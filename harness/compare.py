@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness import stats
+from harness.gsm8k_format import differing_keys, label_of, summary_format
 from harness.pairing import (WINNER_LEGEND, accept_pairs, gsm8k_pairs, paired_row_winner, paired_tests,
                              request_pairs, single_winner)
 from harness.results import load_records, load_summary
@@ -91,6 +92,8 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
                     v = v.get(k) if isinstance(v, dict) else None
                 out.append(v)
             return out
+        forms = [summary_format(s) if s else None for s in gs]
+        row("GSM8K format", [label_of(f) if f else "-" for f in forms], format_flag(forms))
         row("GSM8K questions", g(lambda s: str(s["overall"]["n_questions"])))
         for f, short in (("flexible-extract", "flex"), ("strict-match", "strict")):
             row(f"GSM8K {short} per run", g(lambda s, f=f: _per_run(s, f)),
@@ -134,6 +137,13 @@ def comparison_table(entries: list[dict], title: str = "comparison") -> tuple:
     t, md = both(title, ["metric"] + [e["name"] for e in entries] + ["winner"], rows)
     t.columns[-1].justify = "left"
     return t, md + f"\n{WINNER_LEGEND}\n"
+
+
+def format_flag(forms: list[dict | None]) -> str:
+    """The winner cell of the ``GSM8K format`` row: empty when every GSM8K result ran the same prompt format, else
+    a flag naming the keys that differ (the accuracy rows then compare prompt formats, not engines)."""
+    keys = differing_keys([f for f in forms if f])
+    return f"DIFFERENT FORMATS ({', '.join(keys)}): accuracy compares prompts, not engines" if keys else ""
 
 
 def _open_loop_rows(entries: list[dict], row) -> None:
@@ -201,8 +211,10 @@ def compare_entries(entries: list[dict], out_dir: Path | None, plots: bool = Tru
     from harness.plots import compare_plots
     pngs = compare_plots(entries, out_dir) if plots and out_dir is not None else []
     md = md1 + ("\n" + md2 if tests else "") + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
+    forms = [summary_format(e["gsm8k"]) for e in entries if "gsm8k" in e]
     summary = {"kind": "compare", "dirs": [e["dir"] for e in entries], "names": [e["name"] for e in entries],
-               "paired_tests": tests, "plots": [str(p) for p in pngs]}
+               "paired_tests": tests, "plots": [str(p) for p in pngs],
+               "gsm8k_format_differs": differing_keys(forms)}     # [] when every GSM8K result ran one format
     from rich.text import Text
     return summary, [t1, Text(WINNER_LEGEND)] + ([t2] if tests else []), md
 

@@ -28,19 +28,26 @@ class HarnessConfigError(ValueError):
 
 @dataclass(frozen=True)
 class GSM8KConfig:
-    """GSM8K workload: lm-eval's ``gsm8k`` task on the bundled data."""
+    """GSM8K workload: an lm-eval gsm8k task on the bundled data, in a prompt format (harness/gsm8k_format.py: the
+    preset ``format``; the keys below left None take the preset's value)."""
 
     limit: int | None = 200               # first N test questions (None: all 1319)
-    num_fewshot: int = 8
-    max_new_tokens: int = 256             # max_gen_toks when the task sets none
+    num_fewshot: int | None = None        # None: the format's (8; 0 for chat-cot-zeroshot)
+    max_new_tokens: int | None = None     # max_gen_toks (the gsm8k tasks set none); None: the format's (256; 512 CoT)
     runs: int = 1                         # repeats, varying arrival order and seed
     max_concurrency: int | None = None    # None: engine default
+    format: str = "plain-8shot"           # a preset of harness.gsm8k_format.FORMATS
+    chat_template: bool | None = None     # render through the model's chat template; None: the format's
+    fewshot_as_multiturn: bool | None = None   # shots as user/assistant turns; None: the format's
+    system_instruction: str | None = None      # lm-eval's system_instruction; None: none
 
     def __post_init__(self) -> None:
         _positive("gsm8k", limit=self.limit, max_new_tokens=self.max_new_tokens, runs=self.runs,
                   max_concurrency=self.max_concurrency)
-        if self.num_fewshot < 0:
+        if self.num_fewshot is not None and self.num_fewshot < 0:
             raise HarnessConfigError("gsm8k.num_fewshot: must be >= 0")
+        from harness.gsm8k_format import resolve_format
+        resolve_format(self)                  # an unknown preset or an impossible combination fails here
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""``ppspec gsm8k``: GSM8K scored exactly as lm-eval's ``gsm8k`` task, by running lm-eval's own task machinery.
+"""``ppspec gsm8k``: GSM8K scored exactly as lm-eval's gsm8k tasks, by running lm-eval's own task machinery.
 
-Our engine answers as the lm-eval model ``ppspec`` (harness/lmeval_model.py) on the task of harness/gsm8k_task.py,
+Our engine answers as the lm-eval model ``ppspec`` (harness/lmeval_model.py) on the task of harness/gsm8k_task.py in
+the run's prompt format (harness/gsm8k_format.py: task, shots, chat template, system instruction),
 whose independent scorer cross-checks lm-eval's per-question verdicts (``scorer_mismatches`` in the summary must be
 0). Records go to the run directory as questions finish (harness/gsm8k_journal.py); harness/gsm8k_table.py renders
 the summary.
@@ -16,16 +17,27 @@ import numpy as np
 
 from harness import stats
 from harness.config import HarnessConfigError, RunConfig
+from harness.gsm8k_format import FIXED_SHOTS, PromptFormat, check_chat_template, resolve_format
 from harness.gsm8k_journal import Journal
-from harness.gsm8k_task import FILTERS, INVALID, TASK, materialize_task, quiet_lm_eval, score_response
+from harness.gsm8k_task import FILTERS, INVALID, materialize_task, quiet_lm_eval, score_response
 
 
-def check_shots(cfg: RunConfig) -> None:
-    """Raise HarnessConfigError when ``gsm8k.num_fewshot`` exceeds the train questions the shots are drawn from."""
-    n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
-    if cfg.gsm8k.num_fewshot > n_train:
-        raise HarnessConfigError(f"gsm8k.num_fewshot={cfg.gsm8k.num_fewshot} exceeds the {n_train} train questions "
-                                 "the shots are drawn from")
+def check_gsm8k(cfg: RunConfig, tokenizer=None) -> PromptFormat:
+    """The run's prompt format (:func:`resolve_format`), checked before any work. Raises HarnessConfigError when its
+    shots exceed the train questions they are drawn from, or when it applies the chat template and the model's
+    tokenizer (``tokenizer``, else loaded from ``cfg.engine.model``) has none."""
+    fmt = resolve_format(cfg.gsm8k)
+    if fmt.task not in FIXED_SHOTS:
+        n_train = sum(1 for line in (Path(cfg.paths.data) / "train.jsonl").open() if line.strip())
+        if fmt.num_fewshot > n_train:
+            raise HarnessConfigError(f"gsm8k.num_fewshot={fmt.num_fewshot} exceeds the {n_train} train questions "
+                                     "the shots are drawn from")
+    if fmt.chat_template:
+        if tokenizer is None:
+            from engine.model.loader import load_tokenizer
+            tokenizer = load_tokenizer(cfg.engine.model)
+        check_chat_template(fmt, tokenizer, cfg.engine.model)
+    return fmt
 
 
 def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None] | None = None,
@@ -45,8 +57,8 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
     """
     quiet_lm_eval()
     g = cfg.gsm8k
-    check_shots(cfg)
-    journal = Journal(Path(run_dir), cfg, resume) if run_dir is not None else None
+    fmt = check_gsm8k(cfg, getattr(llm, "tokenizer", None))
+    journal = Journal(Path(run_dir), cfg, resume, fmt) if run_dir is not None else None
     import lm_eval
     import lm_eval.api.task
     from lm_eval.tasks import TaskManager
@@ -60,9 +72,9 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
         llm = LLM(cfg.engine)
     runs, records = [], []
     try:
-        lm = PPSpecLM(llm=llm, max_gen_toks=g.max_new_tokens, max_concurrency=g.max_concurrency)
+        lm = PPSpecLM(llm=llm, max_gen_toks=fmt.max_gen_toks, max_concurrency=g.max_concurrency)
         with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:
-            materialize_task(Path(tmp), cfg.paths.data)
+            materialize_task(Path(tmp), cfg.paths.data, fmt.task)
             tm = TaskManager(include_path=tmp, include_defaults=False)
             for r in range(g.runs):
                 cb = (lambda f, t, r=r: progress(r, f, t)) if progress else None
@@ -72,10 +84,10 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
                     lm.reset(order_seed=r, seed=r, progress=cb, done=journal.done(r),
                              on_batch=lambda items, wall, r=r: journal.add(r, items, wall))
                 res = lm_eval.simple_evaluate(
-                    model=lm, tasks=[TASK], task_manager=tm, num_fewshot=g.num_fewshot, limit=g.limit,
-                    log_samples=True, bootstrap_iters=0)
+                    model=lm, tasks=[fmt.local_task], task_manager=tm, num_fewshot=fmt.num_fewshot, limit=g.limit,
+                    log_samples=True, bootstrap_iters=0, **lmeval_format_args(fmt))
                 walls = journal.walls(r) if journal is not None else [c["wall_time_s"] for c in lm.calls]
-                run_summary, run_records = _collect_run(r, res, lm, walls, _depth(cfg))
+                run_summary, run_records = _collect_run(r, res, lm, walls, _depth(cfg), fmt.task)
                 runs.append(run_summary)
                 records.extend(run_records)
         info = dict(llm.info)
@@ -84,10 +96,18 @@ def run_gsm8k(cfg: RunConfig, llm=None, progress: Callable[[int, int, int], None
             llm.shutdown()
         if journal is not None:
             journal.close()
-    return _overall(cfg, runs, records, info), records
+    return _overall(cfg, fmt, runs, records, info), records
 
 
-def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = None) -> tuple[dict, list[dict]]:
+def lmeval_format_args(fmt: PromptFormat) -> dict:
+    """``simple_evaluate``'s prompt-format keywords for ``fmt``: apply_chat_template, fewshot_as_multiturn (lm-eval
+    renders the messages through the LM's ``apply_chat_template``) and system_instruction."""
+    return {"apply_chat_template": fmt.chat_template, "fewshot_as_multiturn": fmt.fewshot_as_multiturn,
+            "system_instruction": fmt.system_instruction}
+
+
+def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = None,
+                 task: str = "gsm8k") -> tuple[dict, list[dict]]:
     """The run's summary and records (doc_id order) from lm-eval's samples and the adapter's per-request metrics;
     serving figures over the records, throughput over ``walls`` (the run's engine batches, seconds); ``depth``:
     the draft depth for per-position acceptance (None without speculation).
@@ -95,8 +115,9 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
     A request the engine failed (``finish_reason == "error"``) stays in the accuracy (its empty or partial response
     scores as a wrong answer); ``failed_requests`` counts them and ``first_error`` is the reason of the first one
     (lowest doc_id) as ``doc_id N: reason``, None when none failed."""
+    local = f"{task}_local"
     by_doc: dict[int, dict] = {}
-    for s in res["samples"][TASK]:
+    for s in res["samples"][local]:
         d = by_doc.setdefault(s["doc_id"], {
             "run": r, "doc_id": s["doc_id"], "question": s["doc"]["question"],
             "target": s["target"].split("#### ")[-1].strip(), "response": s["resps"][0][0]})
@@ -104,9 +125,9 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
     recs, mismatches = [], 0
     for doc_id in sorted(by_doc):
         d = by_doc[doc_id]
-        ours = score_response(d["response"], "#### " + d["target"])
+        ours = score_response(d["response"], "#### " + d["target"], task)
         mismatches += any(ours[f] != d[f] for f in FILTERS)
-        d.update(lm.records.get((TASK, doc_id), {}))
+        d.update(lm.records.get((local, doc_id), {}))
         recs.append(d)
     n = len(recs)
     failed = [d for d in recs if d.get("finish_reason") == "error"]
@@ -114,7 +135,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
     wall = float(sum(walls)) if walls else None
     summary = {
         "run": r, "n": n,
-        "accuracy": {f: float(res["results"][TASK][f"exact_match,{f}"]) for f in FILTERS},
+        "accuracy": {f: float(res["results"][local][f"exact_match,{f}"]) for f in FILTERS},
         "invalid_rate": {f: sum(d[f]["extracted"] == INVALID for d in recs) / max(n, 1) for f in FILTERS},
         "ci95": {f: stats.wilson_ci(sum(d[f]["exact_match"] for d in recs), n) for f in FILTERS},
         "accept_length": stats.accept_stats([d.get("accept_lengths", []) for d in recs], depth),
@@ -134,8 +155,9 @@ def _depth(cfg: RunConfig) -> int | None:
     return cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
 
 
-def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) -> dict:
-    """The summary over all runs. ``agreement``: the share of questions every run answered identically, None with
+def _overall(cfg: RunConfig, fmt: PromptFormat, runs: list[dict], records: list[dict], info: dict) -> dict:
+    """The summary over all runs, its prompt format (``format``: :meth:`PromptFormat.as_dict`; ``task`` and
+    ``num_fewshot`` repeat the format's). ``agreement``: the share of questions every run answered identically, None with
     a single run (nothing to agree with); ``failed_requests`` sums the runs' failed requests (``failed_requests_per_run``) and
     ``first_error`` is the first run's first reason."""
     depth = _depth(cfg)
@@ -161,5 +183,6 @@ def _overall(cfg: RunConfig, runs: list[dict], records: list[dict], info: dict) 
         "failed_requests_per_run": [r.get("failed_requests", 0) for r in runs],
         "first_error": next((r["first_error"] for r in runs if r.get("first_error")), None),
     })
-    return {"kind": "gsm8k", "task": TASK, "num_fewshot": cfg.gsm8k.num_fewshot, "limit": cfg.gsm8k.limit,
+    return {"kind": "gsm8k", "task": fmt.local_task, "num_fewshot": fmt.num_fewshot, "format": fmt.as_dict(),
+            "limit": cfg.gsm8k.limit,
             "engine_info": info, "runs": runs, "overall": overall}

@@ -7,20 +7,22 @@ import json
 from pathlib import Path
 
 from harness.config import HarnessConfigError, RunConfig
-from harness.gsm8k_task import TASK, score_response
+from harness.gsm8k_format import LEGACY, PromptFormat, differing_keys, label_of
+from harness.gsm8k_task import score_response
 
 RECORDS = "records.jsonl"
 JOURNAL = "journal.jsonl"
 
 
-def question_record(run: int, inst, response: str, metrics: dict) -> dict:
+def question_record(run: int, inst, response: str, metrics: dict, task: str = "gsm8k") -> dict:
     """One question's record, as records.jsonl holds it: run, doc_id, question, target (the reference answer after
-    ``#### ``), response, each filter's ``{"extracted", "exact_match"}`` (:func:`score_response`), then the
+    ``#### ``), response, each filter's ``{"extracted", "exact_match"}`` (:func:`score_response` under lm-eval's
+    ``task``), then the
     request's metrics (arrival_rank, prompt/output tokens, finish_reason, error, accept_lengths, ttft, tpot, e2e);
     ``error`` is the engine's reason when it failed the request (``finish_reason == "error"``), else None."""
     target = inst.doc["answer"].split("#### ")[-1].strip()
     return {"run": run, "doc_id": inst.doc_id, "question": inst.doc["question"], "target": target,
-            "response": response, **score_response(response, "#### " + target), **metrics}
+            "response": response, **score_response(response, "#### " + target, task), **metrics}
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -52,12 +54,13 @@ def has_records(run_dir: str | Path) -> bool:
 
 class Journal:
     """A run directory's records.jsonl (one record per finished question, appended and flushed batch by batch)
-    and journal.jsonl (``{"config_hash"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch). Both are
-    checked here, before any work: HarnessConfigError for records without ``resume``, for records without a
-    journal, or for a journal written under another config."""
+    and journal.jsonl (``{"config_hash", "format"}`` per start, ``{"run", "requests", "wall_time_s"}`` per batch).
+    Both are checked here, before any work: HarnessConfigError for records without ``resume``, for records without a
+    journal, for a journal written in another prompt format (named first: its keys that differ), or under another
+    config."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool):
-        self.dir, self.hash = run_dir, cfg.config_hash()
+    def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool, fmt: PromptFormat = LEGACY):
+        self.dir, self.hash, self.fmt = run_dir, cfg.config_hash(), fmt
         self.records_path, self.journal_path = run_dir / RECORDS, run_dir / JOURNAL
         self.prior: list[dict] = []
         self.batches: list[dict] = []
@@ -70,7 +73,16 @@ class Journal:
                 raise HarnessConfigError(f"--resume: {run_dir} has {RECORDS} but no {JOURNAL}: cannot tell which "
                                          "config wrote it")
             lines = [json.loads(x) for x in self.journal_path.read_text().splitlines() if x.strip()]
-            hashes = {x["config_hash"] for x in lines if "config_hash" in x}
+            starts = [x for x in lines if "config_hash" in x]
+            for x in starts:
+                was = x.get("format")
+                keys = differing_keys([was, fmt.as_dict()]) if was else []   # no format: the hash check decides
+                if keys:
+                    raise HarnessConfigError(
+                        f"--resume: {run_dir} was written in another prompt format ({label_of(was)}; this run's is "
+                        f"{fmt.label()}; differing: {', '.join(keys)}): run the same command, or choose another "
+                        "directory")
+            hashes = {x["config_hash"] for x in starts}
             if hashes != {self.hash}:
                 raise HarnessConfigError(f"--resume: {run_dir} was written under another config (hash "
                                          f"{', '.join(sorted(hashes))}; this run's is {self.hash}): run the same "
@@ -82,7 +94,7 @@ class Journal:
 
     def done(self, run: int) -> dict[tuple, dict]:
         """Earlier records of ``run`` keyed as PPSpecLM's ``done``."""
-        return {(TASK, d["doc_id"]): d for d in self.prior if d["run"] == run}
+        return {(self.fmt.local_task, d["doc_id"]): d for d in self.prior if d["run"] == run}
 
     def walls(self, run: int) -> list[float]:
         """Wall-clock seconds of each engine batch of ``run``, earlier ones included."""
@@ -95,9 +107,9 @@ class Journal:
             mode = "a" if self._append else "w"
             self._records = open(self.records_path, mode)
             self._journal = open(self.journal_path, mode)
-            self._journal.write(json.dumps({"config_hash": self.hash}) + "\n")
+            self._journal.write(json.dumps({"config_hash": self.hash, "format": self.fmt.as_dict()}) + "\n")
         for inst, response, metrics in items:
-            self._records.write(json.dumps(question_record(run, inst, response, metrics)) + "\n")
+            self._records.write(json.dumps(question_record(run, inst, response, metrics, self.fmt.task)) + "\n")
         self._records.flush()
         batch = {"run": run, "requests": len(items), "wall_time_s": wall}
         self.batches.append(batch)

@@ -3,6 +3,7 @@ Wilson interval, the accept-length histogram and the failed-request line."""
 from __future__ import annotations
 
 from harness import stats
+from harness.gsm8k_format import label_of, summary_format
 from harness.tables import both, fmt
 
 
@@ -38,8 +39,9 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
                  _range(o["accept_length_range"]), fmt(o["output_throughput_mean"])]
                 + ([str(o["failed_requests"])] if any_failed else []))
     failed_title = f", {o['failed_requests']} failed request(s) scored as wrong" if any_failed else ""
-    t1, md1 = both(f"{title}: {o['n_questions']} questions, {summary['num_fewshot']}-shot, {o['runs']} run(s)"
-                   + failed_title, headers, rows)
+    form = summary_format(summary)
+    t1, md1 = both(f"{title}: {o['n_questions']} questions, {label_of(form)}, max_gen_toks {form['max_gen_toks']}, "
+                   f"{o['runs']} run(s)" + failed_title, headers, rows)
     hist = o["accept_length"]["hist"]
     total = sum(hist.values()) or 1
     t2, md2 = both("accept length histogram (all runs)", ["accept length", "rounds", "share"],
@@ -49,7 +51,8 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
                 + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
     agree = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
              if o["runs"] > 1 and o.get("agreement") is not None else "")
-    notes = (f"{failure_line(summary)}; " if any_failed else "") + agree + (
+    system = f"system instruction: {form['system_instruction']!r}; " if form.get("system_instruction") else ""
+    notes = (f"{failure_line(summary)}; " if any_failed else "") + system + agree + (
         f"scorer cross-check mismatches: {o['scorer_mismatches']}; accuracy cells read 'percent [95% Wilson "
         "interval over questions]' ('all': over the questions' mean score across runs)")
     cached = [(r.get("cached_prompt_tokens"), r.get("prompt_tokens")) for r in summary["runs"]]

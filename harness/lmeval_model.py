@@ -115,10 +115,20 @@ class PPSpecLM(LM):
         return str(self.llm.info.get("model", "ppspec"))
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a chat with the model's own template (enables ``--apply_chat_template``)."""
-        return self.llm.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt)
+        """Render a chat with the model's own template (enables ``--apply_chat_template``), as lm-eval's HF model
+        does. A template that rejects the messages (e.g. a system turn it does not support) raises
+        HarnessConfigError in one line, before any request reaches the engine (lm-eval's HF model instead drops
+        the system turn, which would leave a recorded system instruction unused)."""
+        import jinja2
+
+        from harness.config import HarnessConfigError
+        try:
+            return self.llm.tokenizer.apply_chat_template(
+                chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt)
+        except jinja2.exceptions.TemplateError as e:
+            raise HarnessConfigError(f"the chat template of {self.tokenizer_name} rejects lm-eval's messages (roles "
+                                     f"{[m['role'] for m in chat_history][:3]}...): {e}".splitlines()[0]) from None
 
     def _params(self, gen_kwargs: dict):
         from engine import SamplingParams

@@ -26,6 +26,9 @@
 #                        of "suite plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree".
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
+#   gsm8k-formats        ppspec gsm8k --no-spec, float32, first 200 test questions, in each prompt format of FORMATS
+#                        (default "plain-8shot chat-8shot chat-cot-zeroshot") for the bundled SmolLM2, then for the
+#                        GGUF at QWEN (a path on the machine) when set and present.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting;
 #                        ORDER=reverse: this tree first). CELLS: a subset of "spec plain pp2_spec". Without the GGUF
@@ -63,7 +66,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k figures-of-record round-profile train-eagle3 eval-eagle3"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -283,6 +286,17 @@ gsm8k)
   run gsm8k_auto 240 python3 -m harness gsm8k --runs 2 --no-progress --out "$RUNS/gsm8k_auto"
   run gsm8k_fp32 150 python3 -m harness gsm8k --runs 2 --dtype float32 --no-progress --out "$RUNS/gsm8k_fp32"
   run tp2_parity 120 python3 -m tools.tp_parity --device cuda --out "$RUNS/tp2_padded_parity.json" ;;
+gsm8k-formats)
+  need gguf lmeval
+  models=(smollm2)
+  [ -n "${QWEN:-}" ] && { [ -f "$QWEN" ] && models+=("$QWEN") || say "QWEN=$QWEN is not on this machine: SmolLM2 only"; }
+  for m in "${models[@]}"; do
+    tag=$([ "$m" = smollm2 ] && echo smollm2 || echo qwen)
+    for f in ${FORMATS:-plain-8shot chat-8shot chat-cot-zeroshot}; do
+      run "fmt_${tag}_$f" 150 python3 -m harness gsm8k --model "$m" --no-spec --dtype float32 --format "$f" \
+          --limit 200 --no-progress --out "$RUNS/fmt_${tag}_$f"
+    done
+  done ;;
 figures-of-record)
   need
   G=""
