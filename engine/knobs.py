@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ fault injection
-FAULTS = "drop_tree, over_accept, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE, over_accept"
 PLAIN_FAULTS = ("drop_tree", "over_accept")
 """Faults without an argument: ``drop_tree`` (the relay carries degenerate draft trees: acceptance collapses, the
 text holds) and ``over_accept`` (greedy verification accepts one drafted token past the accepted path, the first
@@ -109,8 +109,8 @@ REGISTRY: tuple[Knob, ...] = (
          "device-planned Triton attention (0: none)", "engine/graphs.py", "dev_attn_decode_max_bs", minimum=0),
     Knob("PPSPEC_ENABLE_PP_SPEC", "bool", False, _B, "allow pipeline parallelism with speculative decoding",
          "engine/config.py", "enable_pp_spec"),
-    Knob("PPSPEC_FAULT", "str", "", _B, "fault injection (drop_tree, over_accept, fail_token:ID[:STAGE], "
-         "fail_rank:N, exit_rank:N, drop_aux:N)", "engine/config.py", "fault"),
+    Knob("PPSPEC_FAULT", "str", "", _B, "fault injection (drop_tree, fail_token:ID[:STAGE], fail_rank:N, "
+         "exit_rank:N, drop_aux:N, over_accept)", "engine/config.py", "fault"),
     Knob("PPSPEC_RELAY_P2P", "bool", None, _B, "PP relay tensors over a device group, stream-ordered (auto: with "
          "NCCL, one GPU per rank; 1 on CPU ranks: a second gloo group; 0: staged through the CPU group)",
          "engine/transport.py", "relay_p2p"),
