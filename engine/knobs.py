@@ -21,7 +21,12 @@ class ConfigError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ fault injection
-FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE"
+FAULTS = "drop_tree, fail_token:ID[:STAGE], fail_rank:RANK, exit_rank:RANK, drop_aux:STAGE, over_accept"
+PLAIN_FAULTS = ("drop_tree", "over_accept")
+"""Faults without an argument: ``drop_tree`` (the relay carries degenerate draft trees: acceptance collapses, the
+text holds) and ``over_accept`` (greedy verification accepts one drafted token past the accepted path, the first
+valid child of its last node, where one exists within num_steps: the text is corrupted, acceptance holds or rises;
+:func:`engine.speculative.tree.over_accept`)."""
 
 
 def fail_token_fault(fault: str | None) -> tuple[int, int] | None:
@@ -46,9 +51,9 @@ def rank_fault(fault: str | None, kind: str) -> int | None:
 
 
 def check_fault(fault: str | None, world_size: int | None = None, pp: int | None = None) -> None:
-    """Raise ConfigError (one line) unless ``fault`` is None, ``drop_tree`` (the relay carries degenerate draft
-    trees) or one of :data:`FAULTS` whose rank (below ``world_size``) or pp stage (below ``pp``) exists."""
-    if fault is None or fault == "drop_tree":
+    """Raise ConfigError (one line) unless ``fault`` is None, one of :data:`PLAIN_FAULTS` or one of :data:`FAULTS`
+    whose rank (below ``world_size``) or pp stage (below ``pp``) exists."""
+    if fault is None or fault in PLAIN_FAULTS:
         return
     tok = fail_token_fault(fault)
     targets = [(tok[1], pp, "pp stage")] if tok is not None else [
@@ -106,7 +111,7 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_ENABLE_PP_SPEC", "bool", False, _B, "allow pipeline parallelism with speculative decoding",
          "engine/config.py", "enable_pp_spec"),
     Knob("PPSPEC_FAULT", "str", "", _B, "fault injection (drop_tree, fail_token:ID[:STAGE], fail_rank:N, "
-         "exit_rank:N)", "engine/config.py", "fault"),
+         "exit_rank:N, drop_aux:N, over_accept)", "engine/config.py", "fault"),
     Knob("PPSPEC_RELAY_P2P", "bool", None, _B, "PP relay tensors over a device group, stream-ordered (auto: with "
          "NCCL, one GPU per rank; 1 on CPU ranks: a second gloo group; 0: staged through the CPU group)",
          "engine/transport.py", "relay_p2p"),

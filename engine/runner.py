@@ -128,7 +128,8 @@ class ModelRunner:
             self.eagle = EagleWorker(self.spec, self.draft, self.draft_pool, self.model, self.sched.req_to_token,
                                      self.tree_ops, self.device, hot_head=self.hot_head,
                                      probs=self.sampler.target_probs, coins=self.sampler.coins,
-                                     drop_tree=config.fault == "drop_tree")
+                                     drop_tree=config.fault == "drop_tree",
+                                     over_accept=config.fault == "over_accept")
         self._init_cuda_graphs()
         if self.eagle is not None:
             self.eagle.draft_graphs = self.draft_graphs

@@ -120,6 +120,7 @@ class GateConfig:
     limit: int | None = 16
     baseline_pp: int = 1
     candidate_pp: int = 2
+    mcnemar_alpha: float = 0.05     # fail when the candidate loses paired questions at p < alpha (exact McNemar)
 
     def __post_init__(self) -> None:
         _positive("gate", limit=self.limit, baseline_pp=self.baseline_pp, candidate_pp=self.candidate_pp)
@@ -127,6 +128,9 @@ class GateConfig:
             v = getattr(self, key)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
                 raise HarnessConfigError(f"gate.{key} must be a finite number >= 0 (got {v!r})")
+        a = self.mcnemar_alpha
+        if not (isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1):
+            raise HarnessConfigError(f"gate.mcnemar_alpha must be a number in [0, 1] (got {a!r})")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 Runs the same GSM8K slice under the baseline PP size and the candidate PP size, both with
 speculative decoding, and fails when the candidate's accuracy (either filter) drops by more than
-``accuracy_margin`` or its mean accept length by more than ``accept_length_margin``. Accuracy
-alone cannot catch a lost tree (the bonus token keeps the text right); acceptance collapses.
+``accuracy_margin``, when it loses paired questions at exact McNemar p < ``mcnemar_alpha``, or when its mean accept
+length drops by more than ``accept_length_margin``. Accuracy alone cannot catch a lost tree (the bonus token keeps
+the text right: acceptance collapses); acceptance alone cannot catch corrupted tokens (``over_accept``: the text
+departs, acceptance holds). In float32 on CPU PP parity is exact, so there any differing output fails too.
 It also fails when the engine failed any request on either side (finish_reason "error"): a failed request is an
 engine fault whatever the margins, and scoring it as a wrong answer could hide it inside the accuracy margin.
 """
@@ -59,18 +61,37 @@ def _env_without(name: str | None) -> Iterator[None]:
             knobs.set_env(name, saved)
 
 
+def exact_parity(engine) -> bool:
+    """PP parity is exact for this engine config: float32 on CPU (the same torch reference ops on every stage), so
+    any differing greedy output is a fault; on other dtypes and devices near-ties may flip and the margins decide."""
+    return engine.dtype == "float32" and str(engine.device).split(":")[0] == "cpu"
+
+
 def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records: list[dict],
-                  accuracy_margin: float, accept_length_margin: float) -> dict:
+                  accuracy_margin: float, accept_length_margin: float, mcnemar_alpha: float = 0.05,
+                  exact: bool = False) -> dict:
     """Compare two gsm8k summaries; returns checks, verdict and the count of differing questions.
 
-    Checks: accuracy per filter and accept length within their margins, and no failed request (``failed_requests``
-    of run 0) on either side: that check's ``baseline`` / ``candidate`` are the counts, its margin 0, and its
-    ``first_error`` the first reason (candidate's first)."""
+    Checks: accuracy per filter within ``accuracy_margin``; the paired accuracy (flexible-extract) on the questions
+    both sides answered, failing when the candidate lost more than it won and the exact McNemar p < ``mcnemar_alpha``
+    (``baseline`` / ``candidate``: questions only that side got right); accept length within its margin; no failed
+    request (``failed_requests`` of run 0) on either side: that check's ``baseline`` / ``candidate`` are the counts,
+    its margin 0, and its ``first_error`` the first reason (candidate's first). With ``exact`` (float32 CPU,
+    :func:`exact_parity`) also "identical outputs": any question whose response differs fails the gate."""
     checks = []
     for f in FILTERS:
         a, b = base["runs"][0]["accuracy"][f], cand["runs"][0]["accuracy"][f]
         checks.append({"metric": f"accuracy ({f})", "baseline": a, "candidate": b, "delta": b - a,
                        "margin": accuracy_margin, "ok": b >= a - accuracy_margin - 1e-12})
+    rb = {r["doc_id"]: r for r in base_records}
+    rc = {r["doc_id"]: r for r in cand_records}
+    common = sorted(set(rb) & set(rc))
+    differ = [q for q in common if rb[q]["response"] != rc[q]["response"]]
+    mc = stats.mcnemar_exact([rb[q]["flexible-extract"]["exact_match"] for q in common],
+                             [rc[q]["flexible-extract"]["exact_match"] for q in common])
+    checks.append({"metric": "paired accuracy (McNemar)", "baseline": mc["n10"], "candidate": mc["n01"],
+                   "delta": mc["p_value"], "margin": mcnemar_alpha,
+                   "ok": not (mc["n10"] > mc["n01"] and mc["p_value"] < mcnemar_alpha)})
     a, b = base["runs"][0]["accept_length"]["mean"], cand["runs"][0]["accept_length"]["mean"]
     ok = a is not None and b is not None and b >= a - accept_length_margin - 1e-12
     checks.append({"metric": "accept length", "baseline": a, "candidate": b,
@@ -80,15 +101,12 @@ def evaluate_gate(base: dict, cand: dict, base_records: list[dict], cand_records
     first = next((s["runs"][0].get("first_error") for s in (cand, base) if s["runs"][0].get("first_error")), None)
     checks.append({"metric": "failed requests", "baseline": fb, "candidate": fc, "delta": fc - fb, "margin": 0,
                    "ok": fb == 0 and fc == 0, "first_error": first})
-    rb = {r["doc_id"]: r for r in base_records}
-    rc = {r["doc_id"]: r for r in cand_records}
-    common = sorted(set(rb) & set(rc))
-    differ = [q for q in common if rb[q]["response"] != rc[q]["response"]]
-    mc = stats.mcnemar_exact([rb[q]["flexible-extract"]["exact_match"] for q in common],
-                             [rc[q]["flexible-extract"]["exact_match"] for q in common])
+    if exact:
+        checks.append({"metric": "identical outputs", "baseline": len(common), "candidate": len(common) - len(differ),
+                       "delta": -len(differ), "margin": 0, "ok": not differ, "n": len(common)})
     failed = [c["metric"] for c in checks if not c["ok"]]
     return {"passed": not failed, "failed": failed, "checks": checks, "n_questions": len(common),
-            "differing_outputs": len(differ), "differing_doc_ids": differ, "mcnemar_flexible": mc}
+            "differing_outputs": len(differ), "differing_doc_ids": differ, "mcnemar_flexible": mc, "exact": exact}
 
 
 def run_gate(cfg: RunConfig, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, list[dict]]:
@@ -105,7 +123,8 @@ def run_gate(cfg: RunConfig, progress: Callable[[str, int, int], None] | None = 
         out[side] = {"summary": summary, "records": recs, "pp": c.engine.pp}
         records.extend({"side": side, "pp": c.engine.pp, **r} for r in recs)
     verdict = evaluate_gate(out["baseline"]["summary"], out["candidate"]["summary"], out["baseline"]["records"],
-                            out["candidate"]["records"], cfg.gate.accuracy_margin, cfg.gate.accept_length_margin)
+                            out["candidate"]["records"], cfg.gate.accuracy_margin, cfg.gate.accept_length_margin,
+                            cfg.gate.mcnemar_alpha, exact_parity(cfg.engine))
     return {"kind": "gate", "fault": cfg.engine.fault, "gate": dataclasses.asdict(cfg.gate), "verdict": verdict,
             "baseline": out["baseline"]["summary"], "candidate": out["candidate"]["summary"]}, records
 
@@ -117,14 +136,22 @@ def render(summary: dict, title: str = "gate") -> tuple[list, str]:
                "allowed drop", "result"]
     rows = []
     for c in v["checks"]:
-        kind = "pct" if c["metric"].startswith("accuracy") else "int" if c["metric"] == "failed requests" else "num"
-        rows.append([c["metric"], fmt(c["baseline"], kind), fmt(c["candidate"], kind),
-                     fmt(c["delta"], kind), fmt(c["margin"], kind), "ok" if c["ok"] else "FAIL"])
+        if c["metric"] == "paired accuracy (McNemar)":
+            cells = [f"{c['baseline']} only right", f"{c['candidate']} only right", f"p={c['delta']:.3g}",
+                     f"p >= {c['margin']:g} if worse"]
+        elif c["metric"] == "identical outputs":
+            cells = [f"{c['baseline']} questions", f"{c['candidate']} identical", fmt(c["delta"], "int"), "0"]
+        else:
+            kind = "pct" if c["metric"].startswith("accuracy") else "int" if c["metric"] == "failed requests" else "num"
+            cells = [fmt(c[k], kind) for k in ("baseline", "candidate", "delta", "margin")]
+        rows.append([c["metric"], *cells, "ok" if c["ok"] else "FAIL"])
     t, md = both(f"{title}: {v['n_questions']} GSM8K questions, spec on both sides"
                  + (f", fault={summary['fault']} (candidate only)" if summary.get("fault") else ""), headers, rows)
     mc = v["mcnemar_flexible"]
-    line = (f"questions with different output: {v['differing_outputs']} of {v['n_questions']}; "
-            f"McNemar (flexible-extract) discordant {mc['discordant']}, p={mc['p_value']:.3g}")
+    line = (f"questions with different output: {v['differing_outputs']} of {v['n_questions']}"
+            + (" (float32 CPU: PP parity is exact, any difference fails)" if v.get("exact") else
+               " (not float32 CPU: near-ties may flip, the margins decide)")
+            + f"; McNemar (flexible-extract) discordant {mc['discordant']}, p={mc['p_value']:.3g}")
     failing = sorted((c for c in v["checks"] if not c["ok"]), key=lambda c: c["metric"] != "failed requests")
     verdict = "PASS" if v["passed"] else "FAIL: " + "; ".join(_why(c) for c in failing)   # failed requests first
     return [t, line, verdict], f"{md}\n{line}\n\n**{verdict}**\n"
@@ -135,5 +162,10 @@ def _why(c: dict) -> str:
     if c["metric"] == "failed requests":
         return (f"requests failed inside the engine: baseline {c['baseline']}, candidate {c['candidate']} "
                 f"(first: {c.get('first_error')})")
+    if c["metric"] == "identical outputs":
+        return f"float32 CPU: PP parity is exact; {-c['delta']} of {c['n']} questions differ"
+    if c["metric"] == "paired accuracy (McNemar)":
+        return (f"paired accuracy (flexible-extract): the candidate lost {c['baseline']} questions and won "
+                f"{c['candidate']} (exact McNemar p={c['delta']:.3g} < {c['margin']:g})")
     return (f"{c['metric']} dropped {abs(c['delta']) if c['delta'] is not None else float('nan'):.3g} "
             f"(allowed {c['margin']:.3g})")

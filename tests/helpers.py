@@ -7,6 +7,8 @@
   (tests/test_dev_attention.py and tests/kernel_tests/test_dev_attention.py).
 - Spec-loop Triton kernels against their torch references: :func:`tree_kernel_counts` (tests/kernel_tests, compiled in
   tests/test_cuda_graph.py).
+- The second real model, Qwen2.5-Coder-0.5B (GGUF), when it is on disk: :func:`qwen05b_path`, :func:`qwen05b_draft`
+  (tests/test_qwen05b.py).
 - GPU end to end: a tiny random bf16 Llama and EAGLE head, dense reference logits and the bf16 near-tie criterion
   for greedy divergences: :func:`make_model`, :func:`make_draft`, :func:`write_word_tokenizer`,
   :func:`reference_logits`, :func:`divergences` (tests/test_flashinfer.py, tests/test_cuda_graph.py,
@@ -54,6 +56,48 @@ def prompt_logits(model, ids: list[int]) -> torch.Tensor:
             return model.compute_logits(f)
     finally:
         set_context(None)
+
+
+# ------------------------------------------------------------------------------ the second real model
+
+QWEN05B = "qwen2.5-coder-0.5b"
+"""Model name of Qwen2.5-Coder-0.5B-Instruct (GGUF, 24 layers, hidden 896, 14 q / 2 kv heads, vocab 151,936)."""
+
+
+def qwen05b_path():
+    """Path of the Qwen2.5-Coder-0.5B GGUF, or None when it is not on disk: ``resolve_model_path(QWEN05B)`` where
+    the engine resolves that name to a file, else the cache layout ``$PPSPEC_CACHE_DIR`` / ``$XDG_CACHE_HOME/ppspec``
+    / ``~/.cache/ppspec``, then ``models/<name>/model.gguf``."""
+    from pathlib import Path
+
+    from engine import ConfigError
+    from engine.model.loader import resolve_model_path
+    try:
+        p = Path(resolve_model_path(QWEN05B))
+        if p.is_file():
+            return p
+    except ConfigError:
+        pass
+    env = os.environ
+    base = (Path(env["PPSPEC_CACHE_DIR"]) if env.get("PPSPEC_CACHE_DIR") else
+            Path(env["XDG_CACHE_HOME"]) / "ppspec" if env.get("XDG_CACHE_HOME") else Path.home() / ".cache" / "ppspec")
+    p = base.expanduser() / "models" / QWEN05B / "model.gguf"
+    return p if p.is_file() else None
+
+
+def qwen05b_draft(model, scratch) -> tuple[str, str, str]:
+    """(spec.algorithm, draft directory, what it is) for Qwen2.5-Coder-0.5B: a trained head from drafts/
+    (``qwen05b-eagle3``: EAGLE-3, ``qwen05b-eagle``: EAGLE-2) when one is there, else a seeded random EAGLE-2 head
+    (:func:`tools.random_draft.write_random_draft`, seed 1) written under ``scratch``."""
+    from pathlib import Path
+
+    from tools.random_draft import write_random_draft
+    drafts = Path(__file__).resolve().parents[1] / "drafts"
+    for name, algorithm in (("qwen05b-eagle3", "eagle3"), ("qwen05b-eagle", "eagle")):
+        if (drafts / name / "config.json").is_file():
+            return algorithm, str(drafts / name), f"trained head drafts/{name}"
+    return "eagle", str(write_random_draft(model, Path(scratch) / "qwen05b-random-eagle", seed=1)), \
+        "seeded random EAGLE-2 head (seed 1)"
 
 
 # ------------------------------------------------------------------------------ Triton's CPU interpreter
@@ -253,18 +297,11 @@ def write_word_tokenizer(model_dir, vocab_size: int = 512) -> None:
 
 
 def make_draft(out, cfg, seed: int = 1):
-    """EAGLE head whose fc passes the token embedding through, so it agrees with the target often."""
+    """EAGLE head whose fc passes the token embedding through, so it agrees with the target often
+    (:func:`tools.random_draft.random_eagle_state`)."""
     from engine.speculative.eagle import save_draft
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    hq, hk = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
-    state = {"fc.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], 1) + r(H, 2 * H) * 0.1, "fc.bias": r(H),
-             "layers.0.self_attn.q_proj.weight": r(hq, H), "layers.0.self_attn.k_proj.weight": r(hk, H),
-             "layers.0.self_attn.v_proj.weight": r(hk, H), "layers.0.self_attn.o_proj.weight": r(H, hq),
-             "layers.0.mlp.gate_proj.weight": r(I, H), "layers.0.mlp.up_proj.weight": r(I, H),
-             "layers.0.mlp.down_proj.weight": r(H, I), "layers.0.post_attention_layernorm.weight": torch.ones(H)}
-    save_draft(out, cfg, state, dtype=torch.float32)
+    from tools.random_draft import random_eagle_state
+    save_draft(out, cfg, random_eagle_state(cfg, seed), dtype=torch.float32)
 
 
 def reference_logits(model_dir, device="cuda"):

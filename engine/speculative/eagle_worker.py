@@ -9,7 +9,7 @@ import torch
 from ..attention.backend import ForwardContext, d2h, get_backend, h2d, set_context
 from ..messages import DraftTree, StepResult
 from .tree_host import commit_order
-from .tree import draft_step_select, organize_draft_results, verify_tree_sampling
+from .tree import draft_step_select, organize_draft_results, over_accept, verify_tree_sampling
 
 
 def draft_beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
@@ -97,14 +97,16 @@ class EagleWorker:
     pool), target (the target model: ``compute_logits(hidden)``, ``greedy_tokens(hidden)``), req_to_token (the
     scheduler's page table [rows, width] int64, host), tree_ops (:class:`HostTreeOps` or :class:`DeviceTreeOps`),
     device, hot_head (FR-Spec draft vocabulary head or None), probs (``(logits, reqs, repeat) -> probs``),
-    coins (``(req, count) -> coins [count] float32``), drop_tree (relay degenerate trees: harness fault).
+    coins (``(req, count) -> coins [count] float32``), drop_tree (relay degenerate trees: harness fault),
+    over_accept (greedy verification accepts one rejected drafted token: harness fault, :func:`tree.over_accept`).
     """
 
     def __init__(self, spec, draft, draft_pool, target, req_to_token: torch.Tensor, tree_ops, device,
-                 hot_head=None, probs=None, coins=None, drop_tree: bool = False):
+                 hot_head=None, probs=None, coins=None, drop_tree: bool = False, over_accept: bool = False):
         self.spec, self.draft, self.draft_pool, self.target = spec, draft, draft_pool, target
         self.req_to_token, self.tree_ops, self.device = req_to_token, tree_ops, device
         self.hot_head, self.probs, self.coins, self.drop_tree = hot_head, probs, coins, drop_tree
+        self.over_accept = over_accept
         self.draft_graphs = None
 
     # ------------------------------------------------------------------------------------ draft model
@@ -215,6 +217,8 @@ class EagleWorker:
         logits = self.target.compute_logits(feature)                           # [B*n, V]
         if all(r.params.greedy for r in reqs):
             res = self.tree_ops.verify_greedy(tree, logits, S)
+            if self.over_accept:
+                res = over_accept(tree, logits.argmax(-1).view(B, n), res, S)
         else:
             dev_tree = type(tree)(*[h2d(getattr(tree, f), logits.device) for f in tree.__dataclass_fields__])
             probs = self.probs(logits, reqs, repeat=n).view(B, n, -1)

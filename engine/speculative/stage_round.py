@@ -62,10 +62,12 @@ class StageRoundRunner(SpecRoundRunner):
         self.first, self.last = s.is_first_stage, s.is_last_stage
         self.keep_tree = keep_tree
         self.drop_tree = runner.config.fault == "drop_tree"
+        self.over_accept = runner.config.fault == "over_accept"       # applied by the host round only
 
     def can_run(self, batch) -> bool:
-        """A greedy verify batch of at most ``max_bs`` requests whose trees were relayed."""
-        return (batch.kind == "verify" and len(batch.reqs) <= self.max_bs
+        """A greedy verify batch of at most ``max_bs`` requests whose trees were relayed, without the over_accept
+        fault (that batch takes the host round, ``EagleWorker.verify``)."""
+        return (not self.over_accept and batch.kind == "verify" and len(batch.reqs) <= self.max_bs
                 and all(r.params.greedy and r.tree is not None for r in batch.reqs))
 
     def state(self, bs: int) -> RoundState:

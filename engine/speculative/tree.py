@@ -205,6 +205,29 @@ def verify_tree_greedy(tree: TreeInfo, target_predict: Tensor, num_steps: int) -
     return verify_result(tree, accept_nodes, num, _g(target_predict, last))
 
 
+def over_accept(tree: TreeInfo, target_predict: Tensor, res: VerifyResult, num_steps: int) -> VerifyResult:
+    """The ``over_accept`` fault (engine.knobs.PLAIN_FAULTS) applied to a greedy ``res`` of ``tree``: where the last
+    accepted node has a valid child (the first in sibling order) and fewer than ``num_steps`` drafts were accepted,
+    that child is accepted too and the bonus becomes ``target_predict [B,n]`` after it; other rows are unchanged.
+    The child's KV and target logits came from the same verify forward, so the committed state stays consistent:
+    only the emitted text departs from greedy decoding. Returns a new VerifyResult on ``res``'s device."""
+    B, n = tree.candidates.shape
+    dev = res.accept_nodes.device
+    t = TreeInfo(*[getattr(tree, f).to(dev) for f in tree.__dataclass_fields__])
+    num = res.num_accepted
+    last = _g(res.accept_nodes, num)
+    cur = _g(t.next_token, last)
+    for _ in range(n):                                  # skip dropped children
+        cur = torch.where((cur < 0) | (cur >= n), -1, cur)
+        cur = torch.where((cur != -1) & ~_g(t.valid, cur), _g(t.next_sibling, cur), cur)
+    ok = (cur >= 0) & (num < num_steps)
+    nodes = res.accept_nodes.clone()
+    col = (num + 1).clamp(max=num_steps).unsqueeze(1)
+    nodes.scatter_(1, col, torch.where(ok, cur, nodes.gather(1, col).squeeze(1)).unsqueeze(1))
+    bonus = torch.where(ok, _g(target_predict.to(dev), cur), res.bonus)
+    return verify_result(t, nodes, num + ok.long(), bonus)
+
+
 def verify_tree_sampling(tree: TreeInfo, target_probs: Tensor, num_steps: int, coins: Tensor,
                          final_coins: Tensor) -> VerifyResult:
     """Exact tree rejection sampling, thresholds 1.0 (SGLang ``tree_speculative_sampling_target_only``).
