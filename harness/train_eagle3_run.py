@@ -47,8 +47,12 @@ def _build_draft(mc: ModelConfig, target, seqs, *, aux_layers, draft_vocab_size,
                                 "intermediate_size": intermediate_size or mc.intermediate_size})
         spec = Eagle3Spec(dcfg, aux, hot.numel(), False)
     draft = Eagle3Draft(spec, torch.float32, max_len + unroll + 8)
-    with torch.no_grad():                           # the embedding is the target's (not stored in the head)
-        draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+    te = target.embed_tokens.weight                 # the embedding is the target's (not stored in the head, frozen):
+    if te.dtype == torch.float32:                   # shared, not copied (Qwen2.5: 545 MB in fp32)
+        draft.embed_tokens.weight = te
+    else:
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(te.float())
     if state is None and init_from is not None:
         from safetensors.torch import load_file
         draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
