@@ -40,6 +40,8 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
+        from harness.draft_cache import named_out
+        kwargs["out"] = named_out(kwargs["out"])          # a named draft (qwen05b-eagle3): its cache directory
         check_train_kwargs(_train, kwargs)
         if resume is None:
             check_init_from_exists(kwargs.get("init_from"), Path(cfg.paths.suites))

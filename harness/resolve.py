@@ -15,10 +15,11 @@ import tomllib
 import types
 from pathlib import Path
 
-from engine.config import EngineConfig, SpecConfig, resolve_device
+from engine.config import ConfigError, EngineConfig, SpecConfig, resolve_device
 from engine.model.config import is_eagle3_config
 from harness.config import (META_KEYS, PACKAGE_ROOT, BenchConfig, GateConfig, GSM8KConfig, HarnessConfigError,
                             PathsConfig, RunConfig, check_layer)
+from harness.draft_cache import DRAFTS, resolve_named_draft
 from harness.suites import find_config, find_toml, load_yaml, read_text, suite_kind, suites_of
 
 
@@ -111,6 +112,11 @@ def resolve(config: str | Path | None = None, overrides: dict | None = None,
         if src is not None and (draft is None or not str(draft).strip()):
             raise HarnessConfigError(_empty_draft(src))
         found = _resolve_path(draft, root, yaml_dir) if draft else None
+        if found is None and draft in DRAFTS:        # a named head kept in ppspec's cache (harness.draft_cache)
+            try:
+                found = resolve_named_draft(draft)
+            except ConfigError as e:
+                raise HarnessConfigError(f"{src or 'config'}: {e}") from None
         why = "not found"
         if found is not None and Path(found).is_file():
             why, found = "is a file: a draft checkpoint directory (holding config.json) is expected", None

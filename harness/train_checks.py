@@ -12,14 +12,22 @@ SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 def check_train_values(algorithm: str, mc, *, aux_layers, unroll, epochs, lr, batch_tokens, draft_vocab_size,
                        prompt_weight, context_tokens, checkpoint_every=None, time_budget_s=None, step_budget=None,
-                       val_sequences=0, gen_samples=1, gen_temperature=0.7, limit=None) -> None:
+                       val_sequences=0, gen_samples=1, gen_temperature=0.7, limit=None, prompt_format="lmeval-8shot",
+                       draft_intermediate_size=None) -> None:
     """ConfigError for ``unroll``, ``epochs``, ``batch_tokens`` or ``draft_vocab_size`` below 1,
     ``context_tokens`` / ``checkpoint_every`` / ``step_budget`` / ``limit`` neither None nor an integer >= 1
     (``step_budget``: >= 0), ``val_sequences`` not an integer >= 0, ``gen_samples`` not an integer >= 1, a non-finite or
     non-positive ``lr``, ``time_budget_s`` or (with ``gen_samples`` > 1) ``gen_temperature``, a
-    negative or non-finite ``prompt_weight``, and for EAGLE-3 aux layers that are not three increasing layer ids of
-    the target ``mc``."""
+    negative or non-finite ``prompt_weight``, a ``prompt_format`` not in :data:`harness.train_data.PROMPT_FORMATS`,
+    a ``draft_intermediate_size`` neither None nor an integer >= 1 (or set for EAGLE-1/2), and for EAGLE-3 aux layers
+    that are not three increasing layer ids of the target ``mc``."""
+    from harness.train_data import PROMPT_FORMATS
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"train-draft: train.prompt_format {prompt_format!r} (known: {', '.join(PROMPT_FORMATS)})")
+    if draft_intermediate_size is not None and algorithm != "eagle3":
+        raise ConfigError("train-draft: train.draft_intermediate_size is for algorithm eagle3")
     for key, v, low in (("context_tokens", context_tokens, 1), ("checkpoint_every", checkpoint_every, 1),
+                        ("draft_intermediate_size", draft_intermediate_size, 1),
                         ("step_budget", step_budget, 0), ("limit", limit, 1)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             raise ConfigError(f"train-draft: train.{key} must be an integer >= {low} or null (got {v!r})")
@@ -71,11 +79,13 @@ def missing_init_from(init_from: str | Path, suites: str | Path = SUITES) -> str
     return f"train-draft: train.init_from {init_from} holds no trained head (no config.json): {first}"
 
 
-def check_init_from(algorithm: str, mc, init_from, aux_layers, draft_vocab_size: int):
+def check_init_from(algorithm: str, mc, init_from, aux_layers, draft_vocab_size: int,
+                    draft_intermediate_size: int | None = None):
     """The :class:`~engine.speculative.eagle3.Eagle3Spec` of the head ``init_from`` (a directory with config.json),
     checked against the target ``mc`` and the training values; ConfigError (one line) for another algorithm than
     eagle3, a missing head (:func:`missing_init_from`: names ``train.init_from`` and the stage to run first), a
-    foreign head, or ``aux_layers`` / ``draft_vocab_size`` that differ from the head's."""
+    foreign head, or ``aux_layers`` / ``draft_vocab_size`` / ``draft_intermediate_size`` (None: not checked) that
+    differ from the head's."""
     from engine.speculative.eagle3 import eagle3_config
     if algorithm != "eagle3":
         raise ConfigError(f"train-draft: train.init_from is for algorithm eagle3 (got {algorithm})")
@@ -91,4 +101,7 @@ def check_init_from(algorithm: str, mc, init_from, aux_layers, draft_vocab_size:
     if draft_vocab_size != spec.draft_vocab_size:
         raise ConfigError(f"train-draft: train.draft_vocab_size {draft_vocab_size} differs from the init_from head's "
                           f"{spec.draft_vocab_size}")
+    if draft_intermediate_size is not None and draft_intermediate_size != spec.cfg.intermediate_size:
+        raise ConfigError(f"train-draft: train.draft_intermediate_size {draft_intermediate_size} differs from the "
+                          f"init_from head's {spec.cfg.intermediate_size}")
     return spec

@@ -35,34 +35,49 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def prompt_rows(rows: list[dict], limit: int | None) -> list[dict]:
-    """The first ``limit`` training rows; a GSM8K file's rows become 8-shot prompts first (shots from the whole file)."""
-    if rows and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
-        from harness.prompts import fewshot_prompts
-        rows = fewshot_prompts(rows, limit)
+def _lmeval_8shot(rows: list[dict], limit: int | None, shots_from: list[dict] | None = None) -> list[dict]:
+    from harness.prompts import fewshot_prompts
+    return fewshot_prompts(rows, limit, shots_from=shots_from)
+
+
+PROMPT_FORMATS = {"lmeval-8shot": _lmeval_8shot}
+"""The layouts GSM8K rows are prompted in (``train.prompt_format``): name -> fn(rows, limit, shots_from) -> prompt
+rows ({"prompt", ...}), shots drawn from the other rows or from ``shots_from``. "lmeval-8shot": lm-eval gsm8k's
+8-shot plain text (:func:`harness.prompts.fewshot_prompts`)."""
+
+
+def _is_gsm8k(rows: list[dict]) -> bool:
+    return bool(rows) and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows)
+
+
+def prompt_rows(rows: list[dict], limit: int | None, prompt_format: str = "lmeval-8shot") -> list[dict]:
+    """The first ``limit`` training rows; a GSM8K file's rows become prompts in ``prompt_format``
+    (:data:`PROMPT_FORMATS`; shots from the whole file) first."""
+    if _is_gsm8k(rows):
+        rows = PROMPT_FORMATS[prompt_format](rows, limit)
     return rows[:limit]
 
 
-def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict]) -> list[dict]:
+def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict], prompt_format: str = "lmeval-8shot"
+                 ) -> list[dict]:
     """The last ``n`` rows of a validation file as prompt rows: GSM8K rows ("question" + "answer") become 8-shot
-    prompts whose shots come from the training file's GSM8K rows ``train_rows`` (:func:`harness.prompts.fewshot_prompts`
-    with ``shots_from``), so no held-out question is ever a shot in a training prompt; other rows are used as given.
+    prompts in ``prompt_format`` (:data:`PROMPT_FORMATS`) whose shots come from the training file's GSM8K rows
+    ``train_rows``, so no held-out question is ever a shot in a training prompt; other rows are used as given.
     ConfigError when the file has fewer than ``n`` rows."""
     if len(val_rows) < n:
         raise ConfigError(f"train-draft: train.val_data has {len(val_rows)} rows, fewer than train.val_sequences {n}")
     rows = val_rows[len(val_rows) - n:]
-    if all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows):
-        from harness.prompts import fewshot_prompts
+    if _is_gsm8k(rows):
         shots = [r for r in train_rows if {"question", "answer"} <= r.keys()]
         if len(shots) < 8:
             raise ConfigError("train-draft: train.val_data in GSM8K layout needs GSM8K rows in train.data for shots")
-        rows = fewshot_prompts(rows, None, shots_from=shots)
+        rows = PROMPT_FORMATS[prompt_format](rows, None, shots_from=shots)
     return rows
 
 
 def heldout_split(model: str, data, limit, val_data, val_sequences: int, device: str, dtype: str,
                   max_new_tokens: int, max_len: int, samples: int = 1, temperature: float = 0.7,
-                  **gen) -> tuple[list[list[int]], list[int], tuple, int]:
+                  prompt_format: str = "lmeval-8shot", **gen) -> tuple[list[list[int]], list[int], tuple, int]:
     """The training sequences and the held-out ones of ``ppspec train-draft``: (sequences, prompt lengths,
     (held-out sequences, their prompt lengths), training rows read). The first ``limit`` prompt rows of ``data``
     (:func:`prompt_rows`) and, with ``val_data``, its last ``val_sequences`` rows (:func:`heldout_rows`) generated
@@ -71,12 +86,13 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
     prompt row also gets ``samples`` - 1 continuations sampled at ``temperature`` (the engine's seeded sampling),
     generated after the greedy ones in a second :func:`build_sequences` call with its own time budget and cache
     (:func:`sampled_cache`), appended after the greedy sequences; held-out rows stay greedy only (what a greedy
-    decode meets). ConfigError for empty data or a hold-out that leaves no training sequence."""
+    decode meets). GSM8K rows are prompted in ``prompt_format`` (:data:`PROMPT_FORMATS`). ConfigError for empty
+    data or a hold-out that leaves no training sequence."""
     raw = read_jsonl(data)
-    rows = prompt_rows(raw, limit)
+    rows = prompt_rows(raw, limit, prompt_format)
     if not rows:
         raise ConfigError(f"training data {data} is empty")
-    val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw)
+    val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw, prompt_format)
     seqs, plens = build_sequences(model, val_rows + rows, device, dtype, max_new_tokens, max_len, **gen)
     if val_sequences >= len(seqs):
         raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "

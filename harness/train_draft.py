@@ -45,8 +45,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 cache_features: bool = True, algorithm: str = "eagle", aux_layers: list | None = None,
                 draft_vocab_size: int = 32000, gen_dtype: str | None = None, gen_backend: str = "torch",
                 gen_max_running: int = 128, gen_time_budget_s: float | None = None, gen_samples: int = 1,
-                gen_temperature: float = 0.7,
-                time_budget_s: float | None = None, context_tokens: int | None = None,
+                gen_temperature: float = 0.7, prompt_format: str = "lmeval-8shot",
+                draft_intermediate_size: int | None = None, time_budget_s: float | None = None, context_tokens: int | None = None,
                 init_from: str | Path | None = None, checkpoint_every: int | None = None,
                 step_budget: int | None = None, val_sequences: int = 0, val_data: str | Path | None = None,
                 resume: bool = False, log=print) -> dict:
@@ -67,6 +67,10 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     context_tokens: train on at most this many prompt tokens before each continuation
     (:func:`harness.train_data.trim_context`; None: the whole prompt); the cache keeps whole prompts, so one
     generated set serves every context length.
+    prompt_format: the layout a GSM8K data file's questions are prompted in (:data:`harness.train_data.
+    PROMPT_FORMATS`; "lmeval-8shot": lm-eval gsm8k's 8-shot plain text, the layout ``ppspec gsm8k`` evaluates);
+    the held-out questions get the same layout.
+    draft_intermediate_size (EAGLE-3 only): the draft layer's MLP width (None: the target's intermediate_size).
     init_from (EAGLE-3 only): a saved EAGLE-3 head whose weights, draft vocabulary and aux layers training continues
     from (``aux_layers`` / ``draft_vocab_size`` must then agree with it; checked before any data is read).
     val_sequences (EAGLE-3 only): this many sequences are held out; after each epoch their validation accept length
@@ -86,6 +90,9 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     recipe = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items() if k not in NOT_RECIPE}
     if gen_samples == 1:                           # greedy data only: the recipe of a checkpoint from before sampling
         del recipe["gen_samples"], recipe["gen_temperature"]
+    for k, v in (("prompt_format", "lmeval-8shot"), ("draft_intermediate_size", None)):
+        if recipe[k] == v:                         # a default: the recipe of a checkpoint from before the key
+            del recipe[k]
     if algorithm not in ("eagle", "eagle3"):
         raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
     path = resolve_model_path(model)
@@ -94,7 +101,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                        batch_tokens=batch_tokens, draft_vocab_size=draft_vocab_size, prompt_weight=prompt_weight,
                        context_tokens=context_tokens, checkpoint_every=checkpoint_every,
                        time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences,
-                       gen_samples=gen_samples, gen_temperature=gen_temperature, limit=limit)
+                       gen_samples=gen_samples, gen_temperature=gen_temperature, limit=limit,
+                       prompt_format=prompt_format, draft_intermediate_size=draft_intermediate_size)
     if val_sequences and algorithm != "eagle3":
         raise ConfigError("train-draft: train.val_sequences is for algorithm eagle3")
     if val_data is not None and not val_sequences:
@@ -105,7 +113,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
         train_state.check_recipe(state["recipe"], recipe)
     init_spec = None
     if init_from is not None and state is None:
-        init_spec = check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size)
+        init_spec = check_init_from(algorithm, mc, init_from, aux_layers, draft_vocab_size, draft_intermediate_size)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
@@ -113,7 +121,7 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     seqs, plens, val, n_rows = heldout_split(model, data, limit, val_data, val_sequences, device, gen_dtype or dtype,
                                      max_new_tokens, max_len, backend=gen_backend, max_running=gen_max_running,
                                      time_budget_s=gen_time_budget_s, log=log, cache=sequences_cache,
-                                     samples=gen_samples, temperature=gen_temperature)
+                                     samples=gen_samples, temperature=gen_temperature, prompt_format=prompt_format)
     if context_tokens is not None:
         seqs, plens = trim_context(seqs, plens, context_tokens)
     t_gen = time.perf_counter() - t0
@@ -132,10 +140,11 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
             from harness.train_eagle3_run import train_eagle3
             result = train_eagle3(**common, seed=seed, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
                                   init_from=init_from, init_spec=init_spec, val=val if val_sequences else None,
+                                  draft_intermediate_size=draft_intermediate_size,
                                   gen={"dtype": gen_dtype or dtype, "backend": gen_backend, "prompts": n_rows,
                                        "samples": gen_samples,
                                        "temperature": gen_temperature if gen_samples > 1 else 0.0,
-                                       "context_tokens": context_tokens})
+                                       "context_tokens": context_tokens, "prompt_format": prompt_format})
         else:
             from harness.train_eagle import train_eagle
             result = train_eagle(**common, noise=noise, cls_weight=cls_weight, context_tokens=context_tokens)

@@ -15,6 +15,7 @@ earlier depths of its own draft chain), a diagonal per step; step 0 is plain cau
 weighs 0.8^j; rows past a sequence's end (t+j+1 > L-1) carry no loss.
 Draft vocabulary: the ``draft_vocab_size`` most frequent tokens of the training sequences, sorted by target id
 (``d2t[i] = ids[i] - i``).
+The loss itself (the target's verdict, the soft cross-entropy fused over row chunks) is :mod:`harness.train_eagle3_loss`.
 """
 from __future__ import annotations
 
@@ -132,61 +133,6 @@ def padded_rows(seqs: list[list[int]], aux: torch.Tensor, weights: torch.Tensor 
     return tok.to(dev), x, w.to(dev), tgt.to(dev)
 
 
-@torch.no_grad()
-def target_targets(target: LlamaForCausalLM, feat: torch.Tensor, rows: torch.Tensor, hot: torch.Tensor,
-                   chunk: int = 4096):
-    """The target's verdict at packed positions ``rows`` [R] int64 (-1: none): (argmax target id [R] int64, -1 for
-    none; soft target [R, V_d] float32 = softmax of the target logits restricted to the draft vocabulary ``hot``;
-    in-vocabulary flag [R] bool: the argmax lies in ``hot``, False for none). ``feat`` [T, H] final-norm features."""
-    R = rows.numel()
-    arg = torch.full((R,), -1, dtype=torch.int64, device=feat.device)
-    prob = torch.zeros(R, hot.numel(), device=feat.device)
-    ok = torch.zeros(R, dtype=torch.bool, device=feat.device)
-    live = (rows >= 0).nonzero().squeeze(1)
-    for i in range(0, live.numel(), chunk):
-        idx = live[i:i + chunk]
-        tl = target.compute_logits(feat[rows[idx]]).float()
-        t_arg = tl.argmax(-1)
-        t_hot = tl[:, hot]
-        arg[idx] = t_arg
-        prob[idx] = torch.softmax(t_hot, -1)
-        ok[idx] = hot[t_hot.argmax(-1)] == t_arg
-    return arg, prob, ok
-
-
-def eagle3_loss(draft: Eagle3Draft, target: LlamaForCausalLM, seqs: list[list[int]], feat: torch.Tensor,
-                aux: torch.Tensor, unroll: int, weights: torch.Tensor | None):
-    """Training-time-test loss of one batch (module docstring); returns (loss, stats: acc{j} / ploss{j} per step j,
-    1-based: weighted top-1 agreement with the target and soft cross-entropy of that step).
-
-    feat [T, H] target final-norm features (the target's distribution at each position), aux [T, 3H] the draft's
-    input features, both packed in ``seqs`` order; weights [sum(L - 1)] per-row loss weight (None: 1)."""
-    hot = draft.target_ids()
-    tok, x, w, tgt = padded_rows(seqs, aux, weights, unroll - 1)
-    tgt = torch.where(w > 0, tgt, -1)                # rows of weight 0 need no target verdict (prompt_weight 0)
-    B, N = x.shape[:2]
-    arg, prob, ok = target_targets(target, feat, tgt.reshape(-1), hot)
-    arg, prob, ok = arg.reshape(B, -1), prob.reshape(B, tgt.shape[1], -1), ok.reshape(B, -1)
-    pos = torch.arange(N, device=x.device).expand(B, N)
-    kv: list = []
-    total, stats = 0.0, {}
-    for j in range(unroll):
-        h = ttt_forward(draft, tok[:, j:j + N], x, pos + j, kv, ttt_mask(N, j, x.device))
-        wj = w[:, j:j + N]
-        sel = wj > 0
-        if not bool(sel.any()):
-            break
-        wl = wj[sel] * ok[:, j:j + N][sel].float()
-        logp = torch.log_softmax(draft.logits(h[sel]), -1)
-        ploss = (-(prob[:, j:j + N][sel] * logp).sum(-1) * wl).sum() / wl.sum().clamp_min(1e-6)
-        agree = (hot[logp.argmax(-1)] == arg[:, j:j + N][sel]).float()
-        total = total + ploss * (0.8 ** j)
-        stats[f"acc{j + 1}"] = ((agree * wj[sel]).sum() / wj[sel].sum()).item()
-        stats[f"ploss{j + 1}"] = ploss.item()
-        x = h
-    return total, stats
-
-
 def init_eagle3(draft: Eagle3Draft, target: LlamaForCausalLM, hot: torch.Tensor, seed: int = 0) -> None:
     """Warm start: the target's embedding and final norm; ``lm_head`` = the target head's rows ``hot``; ``d2t`` from
     ``hot``; fc = small random plus the identity on the highest aux slot; attention and MLP small random with
@@ -249,13 +195,14 @@ def teacher_forced_lengths(draft: Eagle3Draft, target: LlamaForCausalLM, batch, 
     :func:`harness.train_data.row_weights`), matches [steps] float64: step j's agreements over the selected rows,
     given the earlier steps' tokens)."""
     from harness.train_data import row_weights
+    from harness.train_eagle3_loss import target_targets
     hot = draft.target_ids()
     seqs = [s for s, _ in batch]
     feat, aux = target_aux_features(target, seqs, device, ctx_fn)
     w_rows = row_weights([len(s) for s in seqs], [p for _, p in batch], 0.0)
     tok, x, w, tgt = padded_rows(seqs, aux, w_rows, steps - 1)
     B, N = x.shape[:2]
-    arg = target_targets(target, feat, tgt.reshape(-1), hot)[0].reshape(B, -1)
+    arg = target_targets(target, feat, tgt.reshape(-1), hot, soft=False)[0].reshape(B, -1)
     pos = torch.arange(N, device=x.device).expand(B, N)
     sel = w[:, :N] > 0
     alive = torch.ones(B, N, dtype=torch.bool, device=x.device)

@@ -16,8 +16,8 @@ from engine.speculative.eagle3_checkpoint import save_eagle3
 from harness import train_state
 from harness.train_data import row_weights, token_batches
 from harness.train_eagle import dense_ctx
-from harness.train_eagle3 import draft_vocab, eagle3_loss, init_eagle3, lr_factor, target_aux_features, \
-    val_accept_length
+from harness.train_eagle3 import draft_vocab, init_eagle3, lr_factor, target_aux_features, val_accept_length
+from harness.train_eagle3_loss import eagle3_loss
 
 BEST = "best"      # OUT/best: the head of the epoch with the highest held-out accept length
 
@@ -30,9 +30,10 @@ def _training_record(head) -> dict | None:
 
 
 def _build_draft(mc: ModelConfig, target, seqs, *, aux_layers, draft_vocab_size, seed, max_len, unroll, init_from,
-                 init_spec, state):
+                 init_spec, state, intermediate_size=None):
     """(draft, spec fields): from the checkpoint ``state``'s spec when resuming (its weights loaded later), from the
-    head ``init_from`` (``init_spec``), or the warm start (:func:`harness.train_eagle3.init_eagle3`)."""
+    head ``init_from`` (``init_spec``), or the warm start (:func:`harness.train_eagle3.init_eagle3`; its MLP
+    ``intermediate_size`` wide, None: the target's)."""
     if state is not None:
         sf = state["extra"]["spec"]
         spec = Eagle3Spec(mc.__class__(**sf["cfg"]), tuple(sf["aux_layers"]), sf["draft_vocab_size"], sf["fc_bias"])
@@ -42,11 +43,16 @@ def _build_draft(mc: ModelConfig, target, seqs, *, aux_layers, draft_vocab_size,
         aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(mc.num_hidden_layers),
                                mc.num_hidden_layers)
         hot = draft_vocab(seqs, draft_vocab_size, mc.vocab_size)
-        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "attention_bias": False})
+        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1, "attention_bias": False,
+                                "intermediate_size": intermediate_size or mc.intermediate_size})
         spec = Eagle3Spec(dcfg, aux, hot.numel(), False)
     draft = Eagle3Draft(spec, torch.float32, max_len + unroll + 8)
-    with torch.no_grad():                           # the embedding is the target's (not stored in the head)
-        draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+    te = target.embed_tokens.weight                 # the embedding is the target's (not stored in the head, frozen):
+    if te.dtype == torch.float32:                   # shared, not copied (Qwen2.5: 545 MB in fp32)
+        draft.embed_tokens.weight = te
+    else:
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(te.float())
     if state is None and init_from is not None:
         from safetensors.torch import load_file
         draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
@@ -62,7 +68,8 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                  lr: float, batch_tokens: int, max_len: int, unroll: int, seed: int, save_dtype: str,
                  prompt_weight: float, cache_features: bool, aux_layers, draft_vocab_size: int, recipe: dict, state,
                  progress, log, t_gen: float = 0.0, time_budget_s=None, step_budget=None, checkpoint_every=None,
-                 gen: dict | None = None, init_from=None, init_spec=None, val=None) -> dict:
+                 gen: dict | None = None, init_from=None, init_spec=None, val=None,
+                 draft_intermediate_size: int | None = None) -> dict:
     """The EAGLE-3 branch of :func:`harness.train_draft.train_draft` (same arguments, sequences already built;
     ``state``: a checkpoint to resume; ``val``: held-out (sequences, prompt lengths) or None).
 
@@ -79,7 +86,7 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
     target.to(device).eval()
     draft, spec_fields = _build_draft(mc, target, seqs, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
                                       seed=seed, max_len=max_len, unroll=unroll, init_from=init_from,
-                                      init_spec=init_spec, state=state)
+                                      init_spec=init_spec, state=state, intermediate_size=draft_intermediate_size)
     target.aux_layers = tuple(spec_fields["aux_layers"])
     draft.to(device)
     params, opt = train_state.trainable_adamw(draft, lr)

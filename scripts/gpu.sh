@@ -54,6 +54,16 @@
 #                        trained one (SHIPPED=0: not); EAGLE2=1 adds the EAGLE-2 head. Of a trained head and its
 #                        best epoch the one with the higher chain accept length comes back in pieces (python -m
 #                        harness.pieces join model.safetensors); /tmp/e3/returned names it on the machine.
+#   train-qwen-eagle3    the EAGLE-3 recipe for Qwen2.5-Coder-0.5B (suites/train_qwen05b_eagle3.yaml) on the GGUF setup
+#                        placed (QWEN: its name or path, default qwen2.5-coder-0.5b): the first call generates the
+#                        sequences (gen_time_budget_s, kept in /tmp/qe3/seqs.pt) and trains for TRAIN_S (300) s; a
+#                        later call on the same machine resumes the checkpoint left there (Adam's moments kept). OUTDIR
+#                        gets the head (the best-validated epoch's, else the last step's): config.json and
+#                        model.safetensors in pieces under 16 MiB (python -m harness.pieces join
+#                        OUTDIR/model.safetensors); /tmp/qe3/returned names it on the machine. ARGS go to a fresh run.
+#   eval-qwen-eagle3     tools.speceval on the first 200 GSM8K test questions (lm-eval 8-shot contexts, fp32, greedy):
+#                        chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head train-qwen-eagle3
+#                        returned on this machine, else a carried results/raw/qwen05b-eagle3); PLAIN=1 adds plain.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -66,7 +76,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -389,6 +399,45 @@ PY
     cp "$R/config.json" "$out/head_config.json"
     pieces_to "$R/model.safetensors" "$out"
   fi ;;
+train-qwen-eagle3)
+  need
+  Q=${QWEN:-qwen2.5-coder-0.5b} W=/tmp/qe3
+  python3 -c "import sys; from engine.model.loader import resolve_model_path as r; r(sys.argv[1])" "$Q" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || die "no Qwen GGUF '$Q' on this machine: place it with setup (or name it with QWEN=FILE)"
+  mkdir -p $W
+  if [ -f $W/head/checkpoint/state.pt ]; then    # this machine's checkpoint: continue it (Adam's moments kept)
+    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-300}" --no-progress
+  else
+    run train 560 python3 -m harness train-draft --config train_qwen05b_eagle3 --set train.model="$Q" \
+        --set train.out=$W/head --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" \
+        --no-progress "$@"
+  fi
+  R=$W/head
+  [ -f $W/head/best/model.safetensors ] && R=$W/head/best   # the best-validated epoch's head
+  [ -f "$R/model.safetensors" ] || die "no head was written"
+  echo "$R" > $W/returned
+  say "returned head: $R"
+  cp "$R/config.json" "$out/config.json" && pieces_to "$R/model.safetensors" "$out" ;;
+eval-qwen-eagle3)
+  need
+  Q=${QWEN:-qwen2.5-coder-0.5b}
+  H=${HEAD:-$(cat /tmp/qe3/returned 2>/dev/null)}
+  if [ -z "$H" ] && [ -f results/raw/qwen05b-eagle3/model.safetensors.pieces.json ]; then   # a carried head
+    python3 -m harness.pieces join results/raw/qwen05b-eagle3/model.safetensors || die "bad carried head"
+    H=results/raw/qwen05b-eagle3
+  fi
+  [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first, or carry results/raw/qwen05b-eagle3 (its config.json and pieces)"
+  say "head: $H"
+  run qwen_eagle3 420 python3 -m tools.speceval --model "$Q" --device cuda --draft "$H" --algorithm eagle3 \
+      --prompts harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz --shape 3,1,4 --shape 4,4,12 \
+      $([ "${PLAIN:-0}" = 1 ] || echo --no-plain) --out "$RUNS/qwen_eagle3.json"
+  python3 - "$RUNS/qwen_eagle3.json" <<'PY' | tee -a "$LOG"
+import json, sys
+for k, v in json.load(open(sys.argv[1])).items():
+    print(f"{k}: accept_length {v['accept_length']:.3f} strict {v['strict_match']:.3f} tok/s {v['tokens_per_s']:.0f} "
+          f"({v['config_s']:.0f} s)")
+PY
+  ;;
 *)
   die "mode without a case (add it to the case or drop it from MODES)" ;;
 esac

@@ -147,7 +147,7 @@ def test_shipped_train_recipes_pass_the_train_section_check():
     from harness.train_draft import train_draft
     root = Path(__file__).resolve().parents[1]
     recipes = sorted((root / "suites").glob("train_*.yaml"))
-    assert {p.stem for p in recipes} >= {"train_smollm2_draft", "train_smollm2_eagle3"}
+    assert {p.stem for p in recipes} >= {"train_smollm2_draft", "train_smollm2_eagle3", "train_qwen05b_eagle3"}
     for p in recipes:
         check_train_kwargs(train_draft, yaml.safe_load(p.read_text())["train"])
 

@@ -166,3 +166,44 @@ def cached_tiny(cache: str | Path | None = None) -> tuple[str, str]:
                 shutil.rmtree(done, ignore_errors=True)
                 tmp.rename(done)
     return str(done / "model"), str(done / "draft")
+
+
+TINY_QWEN2 = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=112, intermediate_size=224,
+                  num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2)
+QWEN2_RECIPE = dict(config=TINY_QWEN2, seed=5, std=0.05)
+
+
+def make_tiny_qwen2(out: Path, seed: int = 5, std: float = 0.05) -> Path:
+    """A tiny random Qwen2 target with Qwen2.5-0.5B's traits: q/k/v biases, 14 query / 2 KV heads (GQA 7:1), an
+    untied LM head and a 151,936-row vocabulary (:func:`random_llama_weights`), with the SmolLM2 tokenizer (49,152
+    tokens): like Qwen's padded vocabulary, the rows past the tokenizer are never produced (their LM-head rows are
+    zero, so their logit is 0 against the trained rows' maximum, which is positive)."""
+    from engine.config import ModelConfig
+    from engine.model.loader import load_tokenizer, resolve_model_path, save_hf_checkpoint
+
+    cfg = ModelConfig.from_hf(TINY_QWEN2)
+    tok = load_tokenizer(resolve_model_path("smollm2"))
+    w = random_llama_weights(cfg, seed, std)
+    w["lm_head.weight"][len(tok):] = 0.0
+    save_hf_checkpoint(out, cfg, w, tokenizer=tok)
+    return out
+
+
+def cached_tiny_qwen2(cache: str | Path | None = None) -> str:
+    """Directory of :func:`make_tiny_qwen2`'s model under ``cache`` (default ``<repo>/.cache/tiny``), built on first
+    use in a directory named by a hash of ``QWEN2_RECIPE`` (a file lock; renamed into place when complete)."""
+    key = hashlib.sha256(json.dumps(QWEN2_RECIPE, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache) if cache is not None else REPO / ".cache" / "tiny"
+    done = root / f"qwen2-{key}"
+    if not done.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f"qwen2-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.is_dir():
+                tmp = root / f"qwen2-{key}.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                make_tiny_qwen2(tmp, QWEN2_RECIPE["seed"], QWEN2_RECIPE["std"])
+                tmp.rename(done)
+    return str(done)
