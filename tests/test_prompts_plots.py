@@ -37,8 +37,9 @@ def test_specbench_loads_with_its_categories_licence_and_provenance():
     d = prompt_sets.DATA_DIR / "specbench"
     assert hashlib.sha256((d / "questions.jsonl").read_bytes()).hexdigest() in (d / "README.md").read_text()
     assert "Apache License" in (d / "LICENSE").read_text() and (d / "questions.jsonl").stat().st_size < 300_000
-    assert prompt_sets.available()[:1] == ["gsm8k"] and "specbench" in prompt_sets.available()
-    with pytest.raises(prompt_sets.PromptSetError, match="available: gsm8k, specbench"):
+    assert prompt_sets.available()[:3] == ["gsm8k-test", "gsm8k", "gsm8k-train"]
+    assert "specbench" in prompt_sets.available()
+    with pytest.raises(prompt_sets.PromptSetError, match="available: gsm8k-test, gsm8k, gsm8k-train, specbench"):
         prompt_sets.load("nope")
 
 
