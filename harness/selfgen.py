@@ -51,16 +51,17 @@ def generate_turns(model: str, o: dict, *, device: str, dtype: str, backend: str
     """``o["n"]`` user turns sampled by the engine from the bare user prefix (:func:`chat_frame`): turn i with seed
     ``o["seed"]`` + i at ``temperature`` / ``top_p``, at most ``max_user_tokens`` tokens, stopping at the
     end-of-turn text or EOS. Returns [{"i", "text", "tokens", "finish"}] in order. With ``cache`` the turns are
-    appended there chunk by chunk (``max_running`` turns each) and a later call with the same key reads them and
-    generates only the rest; another key: ConfigError. ``time_budget_s``: stop starting chunks once spent (the
-    turns so far are returned; the next call continues)."""
+    appended there chunk by chunk (4 x ``max_running`` turns each) and a later call with the same key reads them and
+    generates only the rest; another key: ConfigError. ``time_budget_s``: stop starting chunks once spent and
+    return the turns so far; the cache then records the stop (a ``{"budget_spent": count}`` line) and later calls
+    use its turns as they are (a call cut off without that line continues where it stopped)."""
     t0 = time.perf_counter()
     tok = load_tokenizer(resolve_model_path(model))
     prefix, end = chat_frame(tok)
     key = {"format": "ppspec-selfgen-1", "model": str(model), "prefix": prefix, "dtype": dtype, "backend": backend,
            **{k: o[k] for k in ("seed", "temperature", "top_p", "max_user_tokens")}}
-    turns = _read_cache(cache, key) if cache else []
-    if len(turns) >= o["n"]:
+    turns, final = _read_cache(cache, key) if cache else ([], False)
+    if len(turns) >= o["n"] or final:
         return turns[:o["n"]]
     from engine import LLM, SamplingParams
     ids = tok.encode(prefix, add_special_tokens=False)
@@ -74,7 +75,7 @@ def generate_turns(model: str, o: dict, *, device: str, dtype: str, backend: str
                           attention_backend=backend, max_prefill_tokens=16384,
                           max_num_tokens=max_running * (len(ids) + o["max_user_tokens"] + 16))) as llm:
         while len(turns) < o["n"] and (time_budget_s is None or time.perf_counter() - t0 < time_budget_s):
-            idx = range(len(turns), min(o["n"], len(turns) + max_running))
+            idx = range(len(turns), min(o["n"], len(turns) + 4 * max_running))   # 4 x: the batch stays full
             sps = [SamplingParams(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_user_tokens"],
                                   stop=(end,) if end else (), stop_token_ids=stop_ids, seed=o["seed"] + i) for i in idx]
             outs = llm.generate([ids] * len(idx), sps)
@@ -85,6 +86,11 @@ def generate_turns(model: str, o: dict, *, device: str, dtype: str, backend: str
                 with open(cache, "a") as f:
                     f.write("".join(json.dumps(t) + "\n" for t in new))
             log(f"selfgen: {len(turns)}/{o['n']} user turns, {time.perf_counter() - t0:.1f} s")
+    if len(turns) < o["n"]:
+        log(f"selfgen: time budget spent after {len(turns)} of {o['n']} user turns")
+        if cache:
+            with open(cache, "a") as f:
+                f.write(json.dumps({"budget_spent": len(turns)}) + "\n")
     return turns
 
 
@@ -92,21 +98,24 @@ def _strip(text: str, end: str) -> str:
     return (text.split(end)[0] if end else text).strip()
 
 
-def _read_cache(cache, key: dict) -> list[dict]:
+def _read_cache(cache, key: dict) -> tuple[list[dict], bool]:
+    """(turns, whether a time budget ended the generation) of a turn cache."""
     p = Path(cache)
     if not p.is_file():
-        return []
+        return [], False
     lines = p.read_text().splitlines()
     try:
         have = json.loads(lines[0]) if lines else None
         turns = [json.loads(x) for x in lines[1:] if x.strip()]
+        final = any("budget_spent" in t for t in turns)
+        turns = [t for t in turns if "budget_spent" not in t]
     except ValueError:
         raise ConfigError(f"train-draft: {p} is not a selfgen cache: delete it or name another cache") from None
     if have != key:
         diff = sorted(k for k in key if not isinstance(have, dict) or have.get(k) != key[k])
         raise ConfigError(f"train-draft: selfgen cache {p} was made with other settings ({', '.join(diff)}): delete "
                           "it (it is regenerated) or name another cache")
-    return turns
+    return turns, final
 
 
 def select(turns: list[dict], o: dict, held: st.HeldOut | None = None) -> tuple[list[dict], dict]:

@@ -145,7 +145,8 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                 **prog.stats}
 
     def record(prog, complete) -> dict:
-        return {"algorithm": "eagle3", "base_model": str(model), "data": str(data), "generation": gen,
+        return {"algorithm": "eagle3", "base_model": str(model),
+                "data": data if isinstance(data, list) else str(data), "generation": gen,
                 "init_from": None if init_from is None else str(init_from), "init_from_training": init_record,
                 "epochs": epochs, "time_budget_s": time_budget_s, "lr": lr, "unroll": unroll,
                 "prompt_weight": prompt_weight, "batch_tokens": batch_tokens, "device": str(device),
