@@ -47,8 +47,9 @@
 #                        best epoch the one with the higher chain accept length comes back in pieces (python -m
 #                        harness.pieces join model.safetensors); /tmp/e3/returned names it on the machine.
 #   selfgen-data         the data of suites/train_smollm2_eagle3_mixed.yaml (tools.selfgen_data, bf16, 256 requests
-#                        batched): N (SG_N, default the recipe's 16384) user turns SmolLM2 writes from its chat
-#                        template's user prefix, filtered and deduplicated, then answered, with the held-out rows
+#                        batched): up to the recipe's 16384 user turns SmolLM2 writes from its chat template's user
+#                        prefix in 120 s (what fits is final), filtered and deduplicated, then answered (300 s budget,
+#                        a prefix of the interleaved rows), with the held-out rows
 #                        (GSM8K test 200 + Spec-Bench 10 per category) and the GSM8K train prompts; OUTDIR gets
 #                        selfgen.report.json and the data bundle (sequences cache + turn cache) in pieces under 16 MiB
 #                        (python -m harness.pieces join OUTDIR/sgdata.tar), to be copied into results/raw/sg_bundle.
@@ -335,7 +336,7 @@ selfgen-data)
   W=/tmp/sg
   mkdir -p $W
   run selfgen_data 560 python3 -m tools.selfgen_data --config train_smollm2_eagle3_mixed \
-      --set train.sequences_cache=$W/seqs.pt ${SG_N:+--set "train.data=[{source: gsm8k, limit: 7473}, {source: selfgen, n: $SG_N, time_budget_s: 150}]"} "$@"
+      --set train.sequences_cache=$W/seqs.pt "$@"
   [ -f $W/seqs.pt ] || die "no sequences cache was written"
   cp $W/seqs.selfgen.report.json "$out/selfgen.report.json" 2>/dev/null
   rm -f $W/sgdata.tar* && tar -C $W -cf $W/sgdata.tar $(cd $W && ls seqs.pt seqs.selfgen.jsonl seqs.s*t*.pt 2>/dev/null) \

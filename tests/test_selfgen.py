@@ -141,3 +141,17 @@ def test_generate_turns_resumes_from_its_cache_like_one_call(tmp_path):
     assert all(t["tokens"] >= 1 for t in whole) and len({t["text"] for t in whole}) > 1
     with pytest.raises(Exception, match="other settings \\(seed\\)"):
         selfgen.generate_turns("smollm2", {**o, "seed": 6}, cache=cache, **kw)
+
+
+def test_a_budget_stop_in_the_turn_cache_is_final(tmp_path, tok):
+    """A cache that a time budget ended is used as it is (no engine starts for the missing turns); one cut off
+    without the stop line would continue."""
+    o = selfgen.options({"n": 5, "max_user_tokens": 6})
+    prefix, _ = selfgen.chat_frame(tok)
+    key = {"format": "ppspec-selfgen-1", "model": "smollm2", "prefix": prefix, "dtype": "float32", "backend": "torch",
+           "seed": 0, "temperature": 1.0, "top_p": 0.99, "max_user_tokens": 6}
+    turns = [_turn(0, "What is a good name for a cat?"), _turn(1, "How do plants grow in winter?")]
+    cache = tmp_path / "t.jsonl"
+    cache.write_text("".join(json.dumps(x) + "\n" for x in [key, *turns, {"budget_spent": 2}]))
+    got = selfgen.generate_turns("smollm2", o, device="cpu", dtype="float32", cache=cache, log=lambda s: None)
+    assert got == turns
