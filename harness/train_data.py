@@ -71,7 +71,9 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
     prompt row also gets ``samples`` - 1 continuations sampled at ``temperature`` (the engine's seeded sampling),
     generated after the greedy ones in a second :func:`build_sequences` call with its own time budget and cache
     (:func:`sampled_cache`), appended after the greedy sequences; held-out rows stay greedy only (what a greedy
-    decode meets). ConfigError for empty data or a hold-out that leaves no training sequence."""
+    decode meets). ``data`` / ``val_data`` as lists of sources / held-out sets: :mod:`harness.train_mix` (its rows,
+    training continuations overlapping held-out text dropped; the held-out tuple then carries a third element, each
+    sequence's category). ConfigError for empty data or a hold-out that leaves no training sequence."""
     mix = isinstance(data, list)
     if mix:                                      # a list of sources: harness.train_mix
         from harness import train_mix
