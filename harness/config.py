@@ -60,7 +60,7 @@ class BenchConfig:
     peer_prompt_lookup: bool = False      # + HF prompt-lookup speculation (batch-1 cells; only with peer)
     peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
     baseline: str | None = None           # "nospec": also run every cell without speculation, same prompts; ratios
-    prompts: str = "gsm8k-test"           # prompt text: GSM8K test (held out; gsm8k-train: the heads' training text; cut to input_len) or a natural set (harness/prompt_sets.py)
+    prompts: str = "gsm8k-test"           # GSM8K test text (held out) cut to input_len, gsm8k-train, or a natural set
     request_rates: tuple[float, ...] | None = None   # open loop: Poisson arrivals per rate, req/s (.inf: all at once)
     max_concurrency: int | None = None    # open loop: requests in flight at most (None: engine max_running_requests)
     slo_ttft_ms: float | None = None      # open loop goodput: TTFT bound (ms)

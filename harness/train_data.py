@@ -91,8 +91,9 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
     if isinstance(val_data, list):
         val_rows = train_mix.mixed_val_rows(val_data, raw, model) if mix else None
         if val_rows is None or len(val_rows) != val_sequences:
+            size = None if val_rows is None else len(val_rows)
             raise ConfigError("train-draft: a list of train.val_data sets needs a list of train.data sources and "
-                              f"train.val_sequences equal to their size ({None if val_rows is None else len(val_rows)})")
+                              f"train.val_sequences equal to their size ({size})")
     else:
         val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw)
     seqs, plens = build_sequences(model, val_rows + rows, device, dtype, max_new_tokens, max_len, **gen)

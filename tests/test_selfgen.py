@@ -155,3 +155,18 @@ def test_a_budget_stop_in_the_turn_cache_is_final(tmp_path, tok):
     cache.write_text("".join(json.dumps(x) + "\n" for x in [key, *turns, {"budget_spent": 2}]))
     got = selfgen.generate_turns("smollm2", o, device="cpu", dtype="float32", cache=cache, log=lambda s: None)
     assert got == turns
+
+
+def test_heldout_split_refuses_a_list_of_heldout_sets_of_another_size_before_generating():
+    from engine.config import ConfigError
+    from harness.train_data import heldout_split
+    kw = dict(device="cpu", dtype="float32", max_new_tokens=8, max_len=256, log=lambda s: None)
+    with pytest.raises(ConfigError, match="equal to their size \\(10\\)"):
+        heldout_split("smollm2", [{"source": "gsm8k", "limit": 4}], None, [{"source": "specbench", "per_category": 1}],
+                      3, **kw)
+    with pytest.raises(ConfigError, match="size \\(None\\)"):
+        heldout_split("smollm2", "harness/data/gsm8k/train.jsonl", 4, [{"source": "specbench"}], 10, **kw)
+    with pytest.raises(ConfigError, match="own limit"):
+        heldout_split("smollm2", [{"source": "gsm8k"}], 4, None, 0, **kw)
+    with pytest.raises(ConfigError, match="expected source gsm8k or selfgen"):
+        heldout_split("smollm2", [{"source": "sharegpt"}], None, None, 0, **kw)
