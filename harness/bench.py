@@ -28,10 +28,10 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "",
     b = cfg.bench
     cells, records, peer_cells = [], [], []
     tok = getattr(llm, "tokenizer", None)
-    natural = b.prompts != "gsm8k"
+    natural = prompt_sets.gsm8k_split(b.prompts) is None
     if natural:
         rows = prompt_sets.load(b.prompts)
-    texts = load_texts(cfg.paths.data) if tok is not None and not natural else []
+    texts = load_texts(cfg.paths.data, prompt_sets.gsm8k_split(b.prompts)) if tok is not None and not natural else []
     params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
     depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
@@ -130,7 +130,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     if b.baseline == "nospec" and cfg.engine.spec.enabled:
         baseline = _run_baseline(cfg, progress, cells)
     random_weights = cfg.engine.load_format == "dummy"
-    source = ("gsm8k-train" if b.prompts == "gsm8k" else b.prompts) if tok is not None else "random-ids"
+    source = prompt_sets.source(b.prompts) if tok is not None else "random-ids"
     summary = {"kind": "bench", "engine_info": info, "prompt_source": source,
                "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
@@ -140,7 +140,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
         summary["baseline"] = baseline
     if any(c.get("pp") for c in cells):
         summary["pp"] = pp_metrics.run_metrics(cells)
-    if b.prompts != "gsm8k" and cfg.engine.spec.enabled:
+    if prompt_sets.gsm8k_split(b.prompts) is None and cfg.engine.spec.enabled:
         summary["accept_by_category"] = prompt_sets.accept_by_category([x for x in records if "category" in x],
                                                                        cfg.engine.spec.num_steps)
     if measured is not None:

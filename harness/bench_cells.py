@@ -1,7 +1,8 @@
 """What a ``ppspec bench`` cell runs, decided before any timing: its prompts, the engine config it times, and the
 checks that refuse a cell before the model loads.
 
-Prompts are real text: by default (``bench.prompts: gsm8k``) GSM8K train question+answer pairs concatenated and cut
+Prompts are real text: by default (``bench.prompts: gsm8k-test``, alias ``gsm8k``) GSM8K *test* question+answer
+pairs (held out: the shipped draft heads trained on GSM8K train; ``gsm8k-train`` reads train) concatenated and cut
 to exactly ``input_len`` tokens of the model's tokenizer (token ids, so lengths are exact); without a tokenizer
 (random weights) seeded random ids. Natural prompt sets (harness/prompt_sets.py) are dealt there.
 """
@@ -73,13 +74,13 @@ def check_cells_fit(cfg: RunConfig) -> None:
 
 
 def check_prompt_set(cfg: RunConfig) -> None:
-    """Refuse, before the model loads, a natural prompt set (``bench.prompts`` other than gsm8k) with random
+    """Refuse, before the model loads, a natural prompt set (``bench.prompts`` not GSM8K text) with random
     weights (no tokenizer) or with a cell none of whose prompts fits in its ``input_len`` tokens.
 
     Raises:
         HarnessConfigError: as above (one line).
     """
-    if cfg.bench.prompts == "gsm8k":
+    if prompt_sets.gsm8k_split(cfg.bench.prompts):
         return
     if cfg.engine.load_format == "dummy":
         raise HarnessConfigError(f"--prompts {cfg.bench.prompts}: random weights have no tokenizer; use a checkpoint")

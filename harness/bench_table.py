@@ -33,11 +33,15 @@ def vs(measured: float | None, bound: float | None, kind: str = "ms") -> str:
 
 
 def render(summary: dict, title: str = "bench") -> tuple[list, str]:
-    """Rich table + markdown: one row per (input_len, batch_size); latencies in ms.
+    """Rich table + markdown: one row per (input_len, batch_size); latencies in ms. The title names the summary's
+    prompt source (``[prompts gsm8k-test]``).
 
     With ``floors`` TTFT mean, TPOT mean/p50 and tok/s read ``measured / floor (ratio x)``; with
     ``peer`` every peer variant adds a row per cell (markdown) or rows per metric (terminal).
     """
+    src = summary.get("prompt_source")
+    if src and f"prompts {src}" not in title:
+        title = f"{title} [prompts {src}]"
     if summary.get("open_loop"):
         return openloop.render(summary, f"{title} (open loop)")
     floors = {(f["input_len"], f["batch_size"]): f for f in (summary.get("floors") or {}).get("cells", [])}

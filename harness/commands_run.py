@@ -114,13 +114,13 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           peer: Annotated[Optional[bool], typer.Option("--peer/--no-peer", help="Also run HF transformers generate on the same model and prompts.", rich_help_panel="Measured alongside")] = None,
           peer_prompt_lookup: Annotated[Optional[bool], typer.Option("--peer-prompt-lookup/--no-peer-prompt-lookup", help="Add HF prompt-lookup speculation (batch-1 cells).", rich_help_panel="Measured alongside")] = None,
           baseline: Annotated[Optional[str], typer.Option(help="[cyan]nospec[/cyan]: also run every cell without speculation (same topology and prompts) and report the speedup.")] = None,
-          prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k[/cyan] (GSM8K train, cut to the input length) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
+          prompts: Annotated[Optional[str], typer.Option(help="Prompt text: [cyan]gsm8k-test[/cyan] (default, alias [cyan]gsm8k[/cyan]: GSM8K test, held out from the shipped heads' training, cut to the input length), [cyan]gsm8k-train[/cyan] (the heads' training text) or a natural set, e.g. [cyan]specbench[/cyan] (chat, coding, summarisation, reasoning...; acceptance per category).")] = None,
           request_rate: Annotated[Optional[list[str]], typer.Option(help="Open loop: Poisson arrivals at this many requests/s ([cyan]inf[/cyan]: all at once); repeat for one row per rate.", rich_help_panel="Open loop")] = None,
           max_concurrency: Annotated[Optional[int], typer.Option(help="Open loop: requests in flight at most.", rich_help_panel="Open loop")] = None,
           slo: Annotated[Optional[str], typer.Option(help="Open loop goodput SLOs in ms, e.g. [cyan]ttft=2000,tpot=200[/cyan].", rich_help_panel="Open loop")] = None,
           dry_run: Annotated[bool, typer.Option("--dry-run", help="List the cells (and which would fail) and exit; loads no model.")] = False,
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
-    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K-text prompts, or a natural
+    """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K test-text prompts by default, or a natural
     prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing.
     With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate."""
     from harness.bench import run_bench

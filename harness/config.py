@@ -67,7 +67,7 @@ class BenchConfig:
     peer_prompt_lookup: bool = False      # + HF prompt-lookup speculation (batch-1 cells; only with peer)
     peer_batch_sizes: tuple[int, ...] | None = None   # cells the peer runs (None: every cell)
     baseline: str | None = None           # "nospec": also run every cell without speculation, same prompts; ratios
-    prompts: str = "gsm8k"                # prompt text: GSM8K train (cut to input_len) or a natural set (harness/prompt_sets.py)
+    prompts: str = "gsm8k-test"           # GSM8K test text (held out) cut to input_len, gsm8k-train, or a natural set
     request_rates: tuple[float, ...] | None = None   # open loop: Poisson arrivals per rate, req/s (.inf: all at once)
     max_concurrency: int | None = None    # open loop: requests in flight at most (None: engine max_running_requests)
     slo_ttft_ms: float | None = None      # open loop goodput: TTFT bound (ms)
@@ -75,8 +75,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         data = PACKAGE_ROOT / "harness" / "data"
-        if self.prompts != "gsm8k" and not (data / self.prompts / "questions.jsonl").is_file():
-            names = ["gsm8k", *sorted(p.parent.name for p in data.glob("*/questions.jsonl"))]
+        gsm8k_text = ("gsm8k-test", "gsm8k", "gsm8k-train")      # harness.prompt_sets.GSM8K_TEXT
+        if self.prompts not in gsm8k_text and not (data / self.prompts / "questions.jsonl").is_file():
+            names = [*gsm8k_text, *sorted(p.parent.name for p in data.glob("*/questions.jsonl"))]
             raise HarnessConfigError(f"bench.prompts: unknown prompt set {self.prompts!r} (available: {', '.join(names)})")
         if self.baseline not in (None, "nospec"):
             raise HarnessConfigError(f"bench.baseline: {self.baseline!r} (supported: nospec, or leave it out)")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from harness import stats
+from harness import prompt_sets, stats
 from harness.bench_cells import RANDOM_WEIGHTS, build_prompts, check_cells_fit, cold, load_texts
 from harness.config import HarnessConfigError, RunConfig
 from harness.tables import both, fmt, rich_table
@@ -160,7 +160,7 @@ def check_open_loop(cfg: RunConfig) -> None:
     peer, the floors, a natural prompt set (open loop uses the GSM8K-text prompts)."""
     b = cfg.bench
     for name, on in (("--baseline", b.baseline), ("--peer", b.peer), ("--floors", b.floors),
-                     (f"--prompts {b.prompts}", b.prompts != "gsm8k")):
+                     (f"--prompts {b.prompts}", prompt_sets.gsm8k_split(b.prompts) is None)):
         if on:
             raise HarnessConfigError(f"--request-rate (open loop) does not combine with {name}: run it closed-loop")
 
@@ -188,7 +188,8 @@ def run_open_loop(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], 
         if own:
             llm.shutdown()
     b = cfg.bench
-    summary = {"kind": "bench", "engine_info": info, "prompt_source": "gsm8k-train" if tok is not None else "random-ids",
+    summary = {"kind": "bench", "engine_info": info,
+               "prompt_source": prompt_sets.source(b.prompts) if tok is not None else "random-ids",
                "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
                "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": [],
                "open_loop": section}
@@ -205,7 +206,7 @@ def rate_runs(cfg: RunConfig, llm, progress: Callable[[str, int, int], None] | N
     C = b.max_concurrency
     slo = slo_of(cfg)
     tok = getattr(llm, "tokenizer", None)
-    texts = load_texts(cfg.paths.data) if tok is not None else []
+    texts = load_texts(cfg.paths.data, prompt_sets.gsm8k_split(b.prompts)) if tok is not None else []
     params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
     rows, records = [], []

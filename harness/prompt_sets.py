@@ -1,4 +1,6 @@
-"""Natural prompt sets for ``ppspec bench --prompts NAME`` (GSM8K text stays the default, ``gsm8k``).
+"""Prompt sets of ``ppspec bench --prompts NAME``: GSM8K text (:data:`GSM8K_TEXT`: ``gsm8k-test``, the default and
+held-out text no shipped draft head trained on, ``gsm8k`` its alias, ``gsm8k-train`` the heads' training text) and
+natural prompt sets.
 
 A prompt set is a directory ``harness/data/NAME/`` holding ``questions.jsonl`` (one object per line with at least
 ``id``, ``category`` and ``turns``, a list of user turns), a LICENSE and a README with its provenance. A prompt is
@@ -15,7 +17,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-DEFAULT = "gsm8k"
+GSM8K_TEXT = {"gsm8k-test": "test", "gsm8k": "test", "gsm8k-train": "train"}   # --prompts name -> GSM8K split
+DEFAULT = "gsm8k-test"
+
+
+def gsm8k_split(name: str) -> str | None:
+    """The GSM8K split (``test`` / ``train``) a GSM8K-text prompt set reads, None for a natural set."""
+    return GSM8K_TEXT.get(name)
+
+
+def source(name: str) -> str:
+    """The prompt source a summary records for ``--prompts name``: ``gsm8k-test`` / ``gsm8k-train`` for GSM8K text
+    (``gsm8k`` resolved), else the set's name."""
+    split = gsm8k_split(name)
+    return f"gsm8k-{split}" if split else name
 
 
 class PromptSetError(ValueError):
@@ -23,19 +38,19 @@ class PromptSetError(ValueError):
 
 
 def available() -> list[str]:
-    """Names accepted by ``--prompts``: ``gsm8k`` and every ``harness/data/NAME`` with a questions.jsonl."""
-    return [DEFAULT] + sorted(p.parent.name for p in DATA_DIR.glob("*/questions.jsonl"))
+    """Names accepted by ``--prompts``: the GSM8K-text names and every ``harness/data/NAME`` with a questions.jsonl."""
+    return list(GSM8K_TEXT) + sorted(p.parent.name for p in DATA_DIR.glob("*/questions.jsonl"))
 
 
 def load(name: str) -> list[dict]:
     """Rows of prompt set ``name`` (``{"id", "category", "turns", ...}``), in file order.
 
     Raises:
-        PromptSetError: ``name`` is not a natural prompt set (``gsm8k`` included: it is built from GSM8K text
-            by harness.bench) or a row lacks ``id`` / ``category`` / a non-empty first turn.
+        PromptSetError: ``name`` is not a natural prompt set (the GSM8K-text names included: harness.bench builds
+            those) or a row lacks ``id`` / ``category`` / a non-empty first turn.
     """
     path = DATA_DIR / name / "questions.jsonl"
-    if name == DEFAULT or not path.is_file():
+    if name in GSM8K_TEXT or not path.is_file():
         raise PromptSetError(f"--prompts {name!r}: not a natural prompt set (available: {', '.join(available())})")
     rows = []
     for i, line in enumerate(path.read_text().splitlines()):

@@ -86,13 +86,32 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
     prompt row also gets ``samples`` - 1 continuations sampled at ``temperature`` (the engine's seeded sampling),
     generated after the greedy ones in a second :func:`build_sequences` call with its own time budget and cache
     (:func:`sampled_cache`), appended after the greedy sequences; held-out rows stay greedy only (what a greedy
-    decode meets). GSM8K rows are prompted in ``prompt_format`` (:data:`PROMPT_FORMATS`). ConfigError for empty
-    data or a hold-out that leaves no training sequence."""
-    raw = read_jsonl(data)
-    rows = prompt_rows(raw, limit, prompt_format)
+    decode meets). GSM8K rows are prompted in ``prompt_format`` (:data:`PROMPT_FORMATS`). ``data`` / ``val_data`` as
+    lists of sources / held-out sets: :mod:`harness.train_mix` (its rows, training continuations overlapping held-out
+    text dropped; the held-out tuple then carries a third element, each sequence's category; GSM8K rows there keep
+    the lm-eval 8-shot format). ConfigError for empty data or a hold-out that leaves no training sequence."""
+    mix = isinstance(data, list)
+    if mix:                                      # a list of sources: harness.train_mix
+        from harness import train_mix
+        if limit is not None:
+            raise ConfigError("train-draft: with a list of train.data sources, give each source its own limit / n")
+        rows, raw, report = train_mix.mixed_rows(data, model, device=device, dtype=dtype,
+                                                 backend=gen.get("backend", "torch"),
+                                                 max_running=gen.get("max_running", 128),
+                                                 sequences_cache=gen.get("cache"), log=gen.get("log") or print)
+    else:
+        raw = read_jsonl(data)
+        rows = prompt_rows(raw, limit, prompt_format)
     if not rows:
         raise ConfigError(f"training data {data} is empty")
-    val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw, prompt_format)
+    if isinstance(val_data, list):
+        val_rows = train_mix.mixed_val_rows(val_data, raw, model) if mix else None
+        if val_rows is None or len(val_rows) != val_sequences:
+            size = None if val_rows is None else len(val_rows)
+            raise ConfigError("train-draft: a list of train.val_data sets needs a list of train.data sources and "
+                              f"train.val_sequences equal to their size ({size})")
+    else:
+        val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw, prompt_format)
     seqs, plens = build_sequences(model, val_rows + rows, device, dtype, max_new_tokens, max_len, **gen)
     if val_sequences >= len(seqs):
         raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "
@@ -108,6 +127,15 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
         more = build_sequences(model, again, device, dtype, max_new_tokens, max_len, temperature=temperature,
                                cache=None if cache is None else sampled_cache(cache, samples, temperature), **gen)
         train = (train[0] + more[0], train[1] + more[1])
+    if mix:
+        n_greedy = len(seqs) - val_sequences
+        *train, dropped = train_mix.drop_overlapping(model, train[0], train[1], log=gen.get("log") or print)
+        if report:
+            train_mix.finish_report(report, rows, seqs[val_sequences:val_sequences + n_greedy],
+                                    plens[val_sequences:val_sequences + n_greedy], dropped,
+                                    log=gen.get("log") or print)
+    if val_rows and "category" in val_rows[0]:
+        val = (*val, [r["category"] for r in val_rows])
     return train[0], train[1], val, len(rows)
 
 

@@ -29,6 +29,30 @@ def _training_record(head) -> dict | None:
     return json.loads((Path(head) / "config.json").read_text()).get("ppspec_training")
 
 
+def mixed_val(draft, target, val, batch_tokens: int, device) -> dict:
+    """Held-out accept length per category of ``val`` = (sequences, prompt lengths, categories)
+    (:func:`harness.train_eagle3.val_accept_length` on each category's sequences). ``accept_length`` (what the best
+    epoch is chosen on) is the mean of the GSM8K figure (category "gsm8k") and the mean over the other (Spec-Bench)
+    categories, either alone when the other half is missing; ``pooled_accept_length``: tokens per round over all."""
+    groups: dict[str, tuple[list, list]] = {}
+    for s, p, c in zip(*val):
+        groups.setdefault(c, ([], []))[0].append(s)
+        groups[c][1].append(p)
+    per = {c: val_accept_length(draft, target, token_batches(list(zip(*g)), batch_tokens), dense_ctx, device)
+           for c, g in groups.items()}
+    rounds = sum(r["rounds"] for r in per.values())
+    pooled = sum(r["accept_length"] * r["rounds"] for r in per.values()) / max(rounds, 1)
+    spec = [r["accept_length"] for c, r in per.items() if c != "gsm8k"]
+    halves = ([per["gsm8k"]["accept_length"]] if "gsm8k" in per else []) + ([sum(spec) / len(spec)] if spec else [])
+    out = {"accept_length": sum(halves) / len(halves), "rounds": rounds, "pooled_accept_length": pooled}
+    if "gsm8k" in per:
+        out["gsm8k_accept_length"] = per["gsm8k"]["accept_length"]
+    if spec:
+        out["specbench_accept_length"] = sum(spec) / len(spec)
+    out["by_category"] = {c: round(r["accept_length"], 4) for c, r in per.items()}
+    return out
+
+
 def _build_draft(mc: ModelConfig, target, seqs, *, aux_layers, draft_vocab_size, seed, max_len, unroll, init_from,
                  init_spec, state, intermediate_size=None):
     """(draft, spec fields): from the checkpoint ``state``'s spec when resuming (its weights loaded later), from the
@@ -109,9 +133,11 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                 cache[bi] = fa
         return eagle3_loss(draft, target, [s for s, _ in batches[bi]], fa[0], fa[1], unroll, weights[bi])
 
-    val_batches = token_batches(list(zip(*val)), batch_tokens) if val else None
+    val_batches = token_batches(list(zip(*val[:2])), batch_tokens) if val else None
     val_fn = None if val_batches is None else (
         lambda epoch: val_accept_length(draft, target, val_batches, dense_ctx, device))
+    if val and len(val) == 3:                       # held-out rows with categories: per category, mixed figure
+        val_fn = lambda epoch: mixed_val(draft, target, val, batch_tokens, device)   # noqa: E731
     gen_tokens = sum(len(s) - p for s, p in zip(seqs, plens))
 
     def summary(prog, complete) -> dict:
@@ -126,7 +152,8 @@ def train_eagle3(*, model: str, data, out, mc: ModelConfig, path, seqs, plens, d
                 **prog.stats}
 
     def record(prog, complete) -> dict:
-        return {"algorithm": "eagle3", "base_model": str(model), "data": str(data), "generation": gen,
+        return {"algorithm": "eagle3", "base_model": str(model),
+                "data": data if isinstance(data, list) else str(data), "generation": gen,
                 "init_from": None if init_from is None else str(init_from), "init_from_training": init_record,
                 "epochs": epochs, "time_budget_s": time_budget_s, "lr": lr, "unroll": unroll,
                 "prompt_weight": prompt_weight, "batch_tokens": batch_tokens, "device": str(device),

@@ -64,6 +64,19 @@
 #   eval-qwen-eagle3     tools.speceval on the first 200 GSM8K test questions (lm-eval 8-shot contexts, fp32, greedy):
 #                        chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head train-qwen-eagle3
 #                        returned on this machine, else a carried results/raw/qwen05b-eagle3); PLAIN=1 adds plain.
+#   selfgen-data         the data of suites/train_smollm2_eagle3_mixed.yaml (tools.selfgen_data, bf16, 256 requests
+#                        batched): up to the recipe's 16384 user turns SmolLM2 writes from its chat template's user
+#                        prefix in 120 s (what fits is final), filtered and deduplicated, then answered (300 s budget,
+#                        a prefix of the interleaved rows), with the held-out rows
+#                        (GSM8K test 200 + Spec-Bench 10 per category) and the GSM8K train prompts; OUTDIR gets
+#                        selfgen.report.json and the data bundle (sequences cache + turn cache) in pieces under 16 MiB
+#                        (python -m harness.pieces join OUTDIR/sgdata.tar), to be copied into results/raw/sg_bundle.
+#   train-eagle3-mixed   train the EAGLE-3 head of that recipe for TRAIN_S (380) seconds, resumable like train-eagle3:
+#                        a checkpoint on the machine is resumed; else the data bundle (SG, default results/raw/sg_bundle,
+#                        carried piece by piece, or left by selfgen-data on this machine) is joined and a fresh run
+#                        starts (ARGS: --set ...). OUTDIR gets the checkpoint's JSON (per-epoch held-out accept length
+#                        per Spec-Bench category and on GSM8K test), then (if time is left) bench --prompts specbench
+#                        and gsm8k-test at b=1 with the best-epoch head, and that head in pieces.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -76,7 +89,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 selfgen-data train-eagle3-mixed"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -438,6 +451,44 @@ for k, v in json.load(open(sys.argv[1])).items():
           f"({v['config_s']:.0f} s)")
 PY
   ;;
+selfgen-data)
+  need gguf
+  W=/tmp/sg
+  mkdir -p $W
+  run selfgen_data 560 python3 -m tools.selfgen_data --config train_smollm2_eagle3_mixed \
+      --set train.sequences_cache=$W/seqs.pt "$@"
+  [ -f $W/seqs.pt ] || die "no sequences cache was written"
+  cp $W/seqs.selfgen.report.json "$out/selfgen.report.json" 2>/dev/null
+  rm -f $W/sgdata.tar* && tar -C $W -cf $W/sgdata.tar $(cd $W && ls seqs.pt seqs.selfgen.jsonl seqs.s*t*.pt 2>/dev/null) \
+    && pieces_to $W/sgdata.tar "$out" \
+    && say "data bundle: $(ls $W/sgdata.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join sgdata.tar)" ;;
+train-eagle3-mixed)
+  need gguf
+  W=/tmp/sg SG=${SG:-results/raw/sg_bundle}
+  mkdir -p $W /tmp/sgin
+  if [ ! -f $W/head/checkpoint/state.pt ] && [ ! -f $W/seqs.pt ] && [ -f "$SG/sgdata.tar.pieces.json" ]; then
+    cp "$SG"/sgdata.tar.pieces.json "$SG"/sgdata.tar.part* /tmp/sgin/ 2>/dev/null
+    want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/sgin/sgdata.tar.pieces.json)
+    have=$(ls /tmp/sgin/sgdata.tar.part* 2>/dev/null | wc -l)
+    if [ "$have" -lt "$want" ]; then say "data bundle: $have of $want pieces on this machine"; exit 0; fi
+    python3 -m harness.pieces join /tmp/sgin/sgdata.tar && tar -C $W -xf /tmp/sgin/sgdata.tar || die "bad bundle in $SG"
+  fi
+  [ -f $W/seqs.pt ] || [ -f $W/head/checkpoint/state.pt ] || say "no data bundle here: the training call generates it"
+  if [ -f $W/head/checkpoint/state.pt ]; then
+    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-380}" --no-progress
+  else
+    run train 560 python3 -m harness train-draft --config train_smollm2_eagle3_mixed --out $W/head \
+        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-380}" --no-progress "$@"
+  fi
+  [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
+  cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
+  H=$W/head
+  [ -f $W/head/best/model.safetensors ] && H=$W/head/best
+  for p in specbench gsm8k-test; do
+    bench "bench_$p" 90 $H200 --draft $H --set spec.algorithm=eagle3 --set spec.token_map=null $(shape 3 1 4) \
+        --prompts $p --set bench.batch_sizes=[1] --set bench.input_lens=[1024] --num-prompts 20 --set bench.runs=1
+  done
+  cp "$H/config.json" "$out/head_config.json" && pieces_to "$H/model.safetensors" "$out" ;;
 *)
   die "mode without a case (add it to the case or drop it from MODES)" ;;
 esac

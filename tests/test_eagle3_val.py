@@ -123,3 +123,53 @@ def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
     p.write_bytes(content)
     with pytest.raises(ConfigError, match="is not a sequences cache"):
         load_cache(p, {}, ["q"], lambda ps: [[1] for _ in ps])
+
+
+def test_mixed_val_reports_each_category_and_chooses_on_the_gsm8k_specbench_mean(tiny_model_dir, tiny_prompts):
+    """harness.train_eagle3_run.mixed_val: each category's figure is val_accept_length on that category's sequences
+    alone; accept_length (the best-epoch criterion) = mean(gsm8k, mean of the other categories); pooled = tokens per
+    round over all."""
+    from tiny import cached_tiny_eagle3
+    from engine.attention.backend import TorchBackend, set_backend
+    from engine.dist import ParallelState, set_ps
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import iter_weights, load_model_config
+    from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
+    from harness.train_data import token_batches
+    from harness.train_eagle import dense_ctx
+    from harness.train_eagle3 import val_accept_length
+    from harness.train_eagle3_run import mixed_val
+    from safetensors.torch import load_file
+
+    e3 = cached_tiny_eagle3()
+    set_ps(ParallelState())
+    set_backend(TorchBackend())
+    mc = load_model_config(tiny_model_dir)
+    target = LlamaForCausalLM(mc, torch.float32, 128)
+    target.load_weights(iter_weights(tiny_model_dir, dtype=torch.float32))
+    target.eval()
+    spec = eagle3_config(mc, e3)
+    target.aux_layers = spec.aux_layers
+    draft = Eagle3Draft(spec, torch.float32, 128)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+    draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
+                             for k, v in load_file(f"{e3}/model.safetensors").items())
+    draft.eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [list(p) + torch.randint(3, mc.vocab_size, (12,), generator=g).tolist() for p in tiny_prompts[:6]]
+    plens = [len(p) for p in tiny_prompts[:6]]
+    cats = ["gsm8k", "gsm8k", "coding", "writing", "coding", "writing"]
+    got = mixed_val(draft, target, (seqs, plens, cats), 4096, "cpu")
+    per = {}
+    for c in ("gsm8k", "coding", "writing"):
+        idx = [i for i, x in enumerate(cats) if x == c]
+        per[c] = val_accept_length(draft, target, token_batches([(seqs[i], plens[i]) for i in idx], 4096),
+                                   dense_ctx, "cpu")
+    assert got["by_category"] == {c: round(r["accept_length"], 4) for c, r in per.items()}
+    spec_mean = (per["coding"]["accept_length"] + per["writing"]["accept_length"]) / 2
+    assert got["specbench_accept_length"] == pytest.approx(spec_mean)
+    assert got["accept_length"] == pytest.approx((per["gsm8k"]["accept_length"] + spec_mean) / 2)
+    rounds = sum(r["rounds"] for r in per.values())
+    assert got["rounds"] == rounds and got["pooled_accept_length"] == pytest.approx(
+        sum(r["accept_length"] * r["rounds"] for r in per.values()) / rounds)

@@ -37,8 +37,9 @@ def test_specbench_loads_with_its_categories_licence_and_provenance():
     d = prompt_sets.DATA_DIR / "specbench"
     assert hashlib.sha256((d / "questions.jsonl").read_bytes()).hexdigest() in (d / "README.md").read_text()
     assert "Apache License" in (d / "LICENSE").read_text() and (d / "questions.jsonl").stat().st_size < 300_000
-    assert prompt_sets.available()[:1] == ["gsm8k"] and "specbench" in prompt_sets.available()
-    with pytest.raises(prompt_sets.PromptSetError, match="available: gsm8k, specbench"):
+    assert prompt_sets.available()[:3] == ["gsm8k-test", "gsm8k", "gsm8k-train"]
+    assert "specbench" in prompt_sets.available()
+    with pytest.raises(prompt_sets.PromptSetError, match="available: gsm8k-test, gsm8k, gsm8k-train, specbench"):
         prompt_sets.load("nope")
 
 
@@ -219,3 +220,29 @@ def test_git_info_hashes_the_uncommitted_diff(tmp_path):
     g = git_info(tmp_path)
     assert g["dirty"] and g["diff_files"] == ["f.txt"]
     assert g["diff_sha256"] == hashlib.sha256(git("diff", "HEAD", "--binary").encode()).hexdigest()
+
+
+def test_bench_default_prompts_are_gsm8k_test_text_and_named_in_summary_and_title(tmp_path, tiny_model_dir):
+    """The default prompts are held-out GSM8K test text (the shipped heads trained on GSM8K train); gsm8k is its
+    alias and gsm8k-train the old text; the summary and the table title name the set."""
+    from harness import bench_table
+    from harness.bench_cells import load_texts
+    from harness.config import BenchConfig
+    assert BenchConfig().prompts == "gsm8k-test"
+    assert [prompt_sets.source(n) for n in ("gsm8k", "gsm8k-test", "gsm8k-train", "specbench")] == \
+        ["gsm8k-test", "gsm8k-test", "gsm8k-train", "specbench"]
+    data = prompt_sets.DATA_DIR / "gsm8k"
+    test = load_texts(data, prompt_sets.gsm8k_split("gsm8k-test"))
+    assert len(test) == 1319 and not set(test) & set(load_texts(data, "train"))
+    sources = {}
+    for name in (None, "gsm8k-train"):
+        out = tmp_path / str(name)
+        r = runner.invoke(app, ["bench", "--model", str(tiny_model_dir), "--device", "cpu", "--no-spec",
+                                "--batch-sizes", "1", "--input-lens", "32", "--output-len", "2", "--runs", "1",
+                                "--warmup", "0", "--out", str(out), "--no-progress"]
+                          + (["--prompts", name] if name else []))
+        assert r.exit_code == 0, r.output
+        s = json.loads((out / "summary.json").read_text())
+        sources[name] = s["prompt_source"]
+        assert f"[prompts {s['prompt_source']}]" in bench_table.render(s)[1].splitlines()[0]
+    assert sources == {None: "gsm8k-test", "gsm8k-train": "gsm8k-train"}

@@ -81,7 +81,8 @@ def _run(a, ap) -> int:
                               a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"], t["max_len"],
                               backend=t.get("gen_backend"), max_running=t.get("gen_max_running"), time_budget_s=0,
                               log=print, cache=cache)
-    val = list(zip(*val))[:a.limit]
+    cats = val[2] if len(val) == 3 else None          # a list of held-out sets: categories (harness.train_mix)
+    val = list(zip(*val[:2]))[:a.limit]
     set_ps(ParallelState(device=torch.device(a.device)))
     set_backend(TorchBackend())
     max_len = max(len(s) for s, _ in val) + 8
@@ -98,6 +99,14 @@ def _run(a, ap) -> int:
         draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)
                                  for k, v in load_file(str(Path(d) / "model.safetensors")).items())
         draft.to(a.device).eval()
+        if cats is not None:
+            from harness.train_eagle3_run import mixed_val
+            r = mixed_val(draft, target, ([s for s, _ in val], [p for _, p in val], cats[:len(val)]),
+                          int(t["batch_tokens"]), a.device)
+            out[d] = {"sequences": len(val), **r}
+            print(f"{d}: accept_length (mixed) {r['accept_length']:.3f} over {r['rounds']} rounds; by category "
+                  + ", ".join(f"{c} {v:.3f}" for c, v in r["by_category"].items()), flush=True)
+            continue
         r = val_accept_length(draft, target, token_batches(val, int(t["batch_tokens"])), dense_ctx, a.device)
         out[d] = {"sequences": len(val), **r}
         print(f"{d}: accept_length {r['accept_length']:.3f} over {r['rounds']} rounds; per row "
