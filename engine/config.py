@@ -91,7 +91,7 @@ MTP_LAYOUTS = ("deepseek_nextn", "mimo", "qwen3_next")     # engine.speculative.
 class SpecConfig:
     """EAGLE speculative decoding shape (SGLang naming: num_steps S, topk k, num_draft_tokens n incl. root)."""
 
-    algorithm: str | None = None          # None, "eagle" (EAGLE-1/2 head) or "eagle3" (EAGLE-3 head: target aux features)
+    algorithm: str | None = None          # None, "eagle" (EAGLE-1/2), "eagle3" (target aux features) or "mtp" (an MTP layer)
     draft: str | None = None              # path to the draft checkpoint directory (EAGLE-1/2 or EAGLE-3 layout)
     num_steps: int = 3
     topk: int = 1

@@ -294,3 +294,12 @@ def test_train_draft_writes_an_mtp_head(tiny_model_dir, tmp_path, prompts, greed
     assert [o.token_ids for o in outs] == greedy[:3]
     with pytest.raises(ConfigError, match="train.head_layout eagle4"):
         train_draft(tiny_model_dir, data, tmp_path / "x", head_layout="eagle4", log=lambda *_: None)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_device_rounds_equal_host_round(tiny_model_dir, mtp_dirs, prompts, pp1, pp):
+    """The device-resident spec rounds (pp=1: the overlapped round; pp=2: the stage round) with the DeepSeek layer's
+    own head give the host round's tokens and accept lengths."""
+    outs = gen(tiny_model_dir, prompts, mtp_dirs["deepseek_nextn"], TREE, pp=pp, spec_overlap=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in pp1["tree"]]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in pp1["tree"]]
