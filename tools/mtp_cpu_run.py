@@ -22,6 +22,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompt-weight", type=float, default=0.0)
     ap.add_argument("--eval", type=int, default=8, help="GSM8K test questions to decode")
     ap.add_argument("--eval-tokens", type=int, default=48)
     a = ap.parse_args(argv)
@@ -36,8 +37,9 @@ def main(argv=None) -> dict:
     head = out / "head"
     t0 = time.perf_counter()
     res = train_draft(a.model, data, head, epochs=a.epochs, lr=a.lr, max_new_tokens=a.max_new_tokens,
-                      batch_tokens=a.batch_tokens, max_len=512, noise=0.05, prompt_weight=0.0, unroll=2,
-                      save_dtype="float32", head_layout=a.layout, gen_max_running=a.train)
+                      batch_tokens=a.batch_tokens, max_len=512, noise=0.05, prompt_weight=a.prompt_weight,
+                      unroll=2, save_dtype="float32", head_layout=a.layout, gen_max_running=a.train,
+                      sequences_cache=out / "sequences.pt")
     t_train = time.perf_counter() - t0
     prompts = gsm8k_prompts(a.eval, 0, "test")
     sp = SamplingParams(max_new_tokens=a.eval_tokens, ignore_eos=True)
