@@ -83,14 +83,15 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if amx() else "float32"
 
 
-ALGORITHMS = ("eagle", "eagle3")
+ALGORITHMS = ("eagle", "eagle3", "mtp")
+MTP_LAYOUTS = ("deepseek_nextn", "mimo", "qwen3_next")     # engine.speculative.mtp.LAYOUTS
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE speculative decoding shape (SGLang naming: num_steps S, topk k, num_draft_tokens n incl. root)."""
 
-    algorithm: str | None = None          # None, "eagle" (EAGLE-1/2 head) or "eagle3" (EAGLE-3 head: target aux features)
+    algorithm: str | None = None          # None, "eagle" (EAGLE-1/2), "eagle3" (target aux features) or "mtp" (an MTP layer)
     draft: str | None = None              # path to the draft checkpoint directory (EAGLE-1/2 or EAGLE-3 layout)
     num_steps: int = 3
     topk: int = 1
@@ -99,12 +100,14 @@ class SpecConfig:
     draft_after_prefill: bool = True      # tail-draft right after prefill (False = reference degenerate first round)
     token_map: str | None = None          # FR-Spec draft vocabulary (engine.speculative.token_map): .json / .pt of hot ids;
                                           # drafts are mapped back to target ids, so PP relays target ids
+    mtp_layout: str | None = None         # "mtp": deepseek_nextn / mimo / qwen3_next (engine.speculative.mtp); None: from
+                                          # the checkpoint's tensor names
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
             return
         if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle, eagle3)")
+            raise ConfigError(f"spec.algorithm: unknown algorithm {self.algorithm!r} (supported: eagle, eagle3, mtp)")
         S, k, n = self.num_steps, self.topk, self.num_draft_tokens
         for name, value, least in (("num_steps", S, 1), ("topk", k, 1), ("num_draft_tokens", n, 2)):
             if value < least:
@@ -120,6 +123,12 @@ class SpecConfig:
                 raise ConfigError("spec.token_map with spec.algorithm eagle3: an EAGLE-3 head has its own draft "
                                   "vocabulary (d2t); drop the token map")
             token_map_file(self.token_map)
+        if self.mtp_layout is not None:
+            if self.algorithm != "mtp":
+                raise ConfigError(f"spec.mtp_layout {self.mtp_layout!r} needs spec.algorithm mtp")
+            if self.mtp_layout not in MTP_LAYOUTS:
+                raise ConfigError(f"spec.mtp_layout {self.mtp_layout!r}: unknown layout (supported: "
+                                  f"{', '.join(MTP_LAYOUTS)})")
 
     @property
     def enabled(self) -> bool:

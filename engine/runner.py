@@ -105,6 +105,9 @@ class ModelRunner:
         if self.draft is not None and self.eagle3 is not None:
             from .speculative.eagle3 import Eagle3Head
             self.hot_head = Eagle3Head(self.draft)
+        elif self.draft is not None and getattr(self.draft, "head", None) is not None:    # an MTP layout's own head
+            from .speculative.mtp import MtpHead
+            self.hot_head = MtpHead(self.draft, self.spec.token_map)
         elif self.draft is not None and self.spec.token_map:
             from .speculative.token_map import HotHead, load_token_map
             self.hot_head = HotHead.from_lm_head(self.model.lm_head, load_token_map(self.spec.token_map, mc.vocab_size))

@@ -46,7 +46,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                 draft_vocab_size: int = 32000, gen_dtype: str | None = None, gen_backend: str = "torch",
                 gen_max_running: int = 128, gen_time_budget_s: float | None = None, gen_samples: int = 1,
                 gen_temperature: float = 0.7, prompt_format: str = "lmeval-8shot",
-                draft_intermediate_size: int | None = None, time_budget_s: float | None = None, context_tokens: int | None = None,
+                draft_intermediate_size: int | None = None, head_layout: str | None = None,
+                time_budget_s: float | None = None, context_tokens: int | None = None,
                 init_from: str | Path | None = None, checkpoint_every: int | None = None,
                 step_budget: int | None = None, val_sequences: int = 0, val_data: str | Path | None = None,
                 resume: bool = False, log=print) -> dict:
@@ -90,11 +91,13 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     recipe = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items() if k not in NOT_RECIPE}
     if gen_samples == 1:                           # greedy data only: the recipe of a checkpoint from before sampling
         del recipe["gen_samples"], recipe["gen_temperature"]
-    for k, v in (("prompt_format", "lmeval-8shot"), ("draft_intermediate_size", None)):
+    for k, v in (("prompt_format", "lmeval-8shot"), ("draft_intermediate_size", None), ("head_layout", None)):
         if recipe[k] == v:                         # a default: the recipe of a checkpoint from before the key
             del recipe[k]
     if algorithm not in ("eagle", "eagle3"):
         raise ConfigError(f"train-draft: algorithm {algorithm!r} (supported: eagle, eagle3)")
+    from harness.train_mtp import check_head_layout
+    check_head_layout(head_layout, algorithm)
     path = resolve_model_path(model)
     mc = load_model_config(path)
     check_train_values(algorithm, mc, aux_layers=aux_layers, unroll=unroll, epochs=epochs, lr=lr,
@@ -147,7 +150,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                                        "context_tokens": context_tokens, "prompt_format": prompt_format})
         else:
             from harness.train_eagle import train_eagle
-            result = train_eagle(**common, noise=noise, cls_weight=cls_weight, context_tokens=context_tokens)
+            result = train_eagle(**common, noise=noise, cls_weight=cls_weight, context_tokens=context_tokens,
+                                 head_layout=None if head_layout == "eagle" else head_layout)
     if not result["complete"]:
         log(f"budget spent at step {result['steps']}: checkpoint in {train_state.checkpoint_dir(out)}; continue with "
             f"`ppspec train-draft --resume {out}`")

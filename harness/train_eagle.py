@@ -144,17 +144,23 @@ def lr_factor(step: int, total_steps: int) -> float:
 
 def train_eagle(*, model, data, out, mc, path, seqs, plens, device, dtype, epochs, lr, batch_tokens, max_len, noise,
                 cls_weight, unroll, save_dtype, prompt_weight, cache_features, context_tokens, recipe, state,
-                progress, log, time_budget_s=None, step_budget=None, checkpoint_every=None, t_gen=0.0) -> dict:
+                progress, log, time_budget_s=None, step_budget=None, checkpoint_every=None, t_gen=0.0,
+                head_layout: str | None = None) -> dict:
     """The EAGLE-1/2 branch of :func:`harness.train_draft.train_draft` (same arguments, sequences already built;
     ``state``: a checkpoint to resume, :func:`harness.train_state.load_state`). AdamW (betas 0.9 / 0.95, no weight
-    decay) with :func:`lr_factor`, through :func:`harness.train_state.run`."""
+    decay) with :func:`lr_factor`, through :func:`harness.train_state.run`. ``head_layout``: an MTP layout
+    (:mod:`harness.train_mtp`) trained in place of the EAGLE-1/2 module and saved under its names."""
     tdt = getattr(torch, dtype)
     target = LlamaForCausalLM(mc, tdt, max_len + 8)
     target.load_weights(iter_weights(path, dtype=tdt))
     target.to(device).eval()
-    dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
-    draft = EagleDraft(dcfg, torch.float32, max_len + 8)
-    _init_from_target(draft, target, mc)
+    if head_layout is not None:
+        from harness.train_mtp import new_mtp_draft
+        draft = new_mtp_draft(mc, head_layout, target, max_len + 8)
+    else:
+        dcfg = mc.__class__(**{**mc.__dict__, "num_hidden_layers": 1})
+        draft = EagleDraft(dcfg, torch.float32, max_len + 8)
+        _init_from_target(draft, target, mc)
     draft.to(device)
     params, opt = train_state.trainable_adamw(draft, lr)
     batches = token_batches(list(zip(seqs, plens)), batch_tokens)
@@ -180,7 +186,12 @@ def train_eagle(*, model, data, out, mc, path, seqs, plens, device, dtype, epoch
                                      "lr": lr, "noise": noise, "unroll": unroll, "prompt_weight": prompt_weight,
                                      "context_tokens": context_tokens, "final": prog.stats,
                                      "steps": prog.step, "complete": complete}}
-        save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
+        if head_layout is not None:
+            from harness.train_mtp import save_mtp_head
+            extra["ppspec_training"]["head_layout"] = head_layout
+            save_mtp_head(out, mc, draft, target, getattr(torch, save_dtype), extra)
+        else:
+            save_draft(out, mc, draft_state_dict(draft), dtype=getattr(torch, save_dtype), extra=extra)
 
     prog, complete = train_state.run(
         module=draft, params=params, opt=opt, lr=lr, lr_at=lambda i: lr_factor(i, total_steps),

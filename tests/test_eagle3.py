@@ -216,7 +216,7 @@ def test_refusals(tiny_model_dir, tiny_draft_dir, e3_dir, tmp_path, monkeypatch)
         (lambda: draft_config(mc, e3_dir), "an EAGLE-3 checkpoint; use spec.algorithm: eagle3"),
         (lambda: eagle3_config(mc, tiny_draft_dir), "not an EAGLE-3 checkpoint"),
         (lambda: SpecConfig("eagle3", e3_dir, token_map="x.json", **CHAIN), "spec.token_map with spec.algorithm eagle3"),
-        (lambda: SpecConfig("eagle4", e3_dir, **CHAIN), r"unknown algorithm 'eagle4' \(supported: eagle, eagle3\)"),
+        (lambda: SpecConfig("eagle4", e3_dir, **CHAIN), r"unknown algorithm 'eagle4' \(supported: eagle, eagle3, mtp\)"),
     ]
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -165,7 +165,8 @@ def draft_state_dict(draft: EagleDraft) -> dict[str, torch.Tensor]:
 
 def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtype, device: torch.device, max_pos: int,
                 *, seed: int, dummy: bool, tp_size: int) -> nn.Module:
-    """The draft of ``spec`` for a target of config ``target``: an :class:`Eagle3Draft` when ``eagle3`` (the draft's
+    """The draft of ``spec`` for a target of config ``target``: an :class:`~engine.speculative.mtp.MtpDraft` for
+    ``spec.algorithm`` mtp, an :class:`Eagle3Draft` when ``eagle3`` (the draft's
     :class:`~engine.speculative.eagle3.Eagle3Spec`) is given, else an :class:`EagleDraft`; rotary tables for
     ``max_pos`` positions, weights from ``spec.draft`` in ``dtype``, or random ones (``seed``) when ``dummy`` and
     the draft directory holds only a config.
@@ -177,6 +178,10 @@ def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtyp
     if not spec.draft:
         raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
     random_weights = dummy and not has_draft_weights(spec.draft)
+    if spec.algorithm == "mtp":
+        from .mtp import build_mtp_draft
+        return build_mtp_draft(spec, target, dtype, device, max_pos, tp_size=tp_size, random_weights=random_weights,
+                               seed=seed)
     if eagle3 is not None:
         if tp_head_padding(eagle3.cfg, tp_size):
             raise ConfigError(f"spec.algorithm eagle3: tp={tp_size} does not divide the draft's heads "
