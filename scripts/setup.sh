@@ -54,7 +54,7 @@ if [ "$FORCE" = 0 ] && [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat 
 fi
 
 # --- disk ------------------------------------------------------------------------------------------------------------
-need_mb=2500; [ "$KIND" = cuda ] && need_mb=9000
+need_mb=4000; [ "$KIND" = cuda ] && need_mb=10000
 mkdir -p "$VENV" 2>/dev/null || die "cannot create $VENV here ($ROOT); make the folder writable or set VENV=/writable/path/.venv"
 free_mb=$(df -Pk "$VENV" | awk 'NR==2 {print int($4 / 1024)}')
 if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
