@@ -167,7 +167,7 @@ def test_engine_config_spec_as_dict():
 
 def test_gpu_options_default_on_for_cuda_only(monkeypatch):
     """overlap_schedule, spec_device_tree and cuda_graph_draft_extend default to None (auto): on for device
-    cuda (they won the H200 A/B, results/gpu/session5), off on CPU; an explicit value wins either way."""
+    cuda (they won the H200 A/B, results/gpu/floors_peer), off on CPU; an explicit value wins either way."""
     names = ("use_overlap_schedule", "use_spec_device_tree", "use_cuda_graph_draft_extend")
     cpu = EngineConfig()
     assert cpu.overlap_schedule is None and [getattr(cpu, n) for n in names] == [False] * 3

@@ -384,7 +384,7 @@ def test_compare_shows_open_loop_rows(tmp_path):
     import io
     from rich.console import Console
     a = load_entry("results/cpu/openloop", "now")
-    b = load_entry("results/cpu/openloop/earlier_sitting", "earlier")
+    b = load_entry("results/cpu/openloop/looser_slo", "earlier")
     t, md = comparison_table([a, b])
     assert "goodput r=0.05 in64" in md and "75.0%" in md and "100.0%" in md
     assert "req/s r=inf in64" in md and "TTFT ms mean/p99 r=0.2 in64" in md
