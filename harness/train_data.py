@@ -35,31 +35,62 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def _lmeval_8shot(rows: list[dict], limit: int | None, shots_from: list[dict] | None = None) -> list[dict]:
+def _lmeval_8shot(rows: list[dict], limit: int | None, shots_from: list[dict] | None = None,
+                  tokenizer=None) -> list[dict]:
     from harness.prompts import fewshot_prompts
     return fewshot_prompts(rows, limit, shots_from=shots_from)
 
 
-PROMPT_FORMATS = {"lmeval-8shot": _lmeval_8shot}
-"""The layouts GSM8K rows are prompted in (``train.prompt_format``): name -> fn(rows, limit, shots_from) -> prompt
-rows ({"prompt", ...}), shots drawn from the other rows or from ``shots_from``. "lmeval-8shot": lm-eval gsm8k's
-8-shot plain text (:func:`harness.prompts.fewshot_prompts`)."""
+COT_ZEROSHOT_USER = "Q: {question}\nA: Let's think step by step."
+"""The user turn of lm-eval's ``gsm8k_cot_zeroshot`` (its ``doc_to_text``), as ``ppspec gsm8k --format
+chat-cot-zeroshot`` sends it through the chat template."""
+
+
+def _chat_cot_zeroshot(rows: list[dict], limit: int | None, shots_from: list[dict] | None = None,
+                       tokenizer=None) -> list[dict]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("train-draft: prompt format chat-cot-zeroshot needs a model whose tokenizer has a chat "
+                          "template")
+    out = []
+    for i, r in enumerate(rows[:limit]):
+        msg = [{"role": "user", "content": COT_ZEROSHOT_USER.format(question=r["question"])}]
+        out.append({"prompt": tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True),
+                    "train_index": i})
+    return out
+
+
+PROMPT_FORMATS = {"lmeval-8shot": _lmeval_8shot, "chat-cot-zeroshot": _chat_cot_zeroshot}
+"""The layouts GSM8K rows are prompted in (``train.prompt_format``): name -> fn(rows, limit, shots_from, tokenizer)
+-> prompt rows ({"prompt", ...}), shots drawn from the other rows or from ``shots_from``. "lmeval-8shot": lm-eval
+gsm8k's 8-shot plain text (:func:`harness.prompts.fewshot_prompts`); "chat-cot-zeroshot": the question as lm-eval's
+``gsm8k_cot_zeroshot`` user turn rendered by the model's chat template with the generation prompt (the prompt
+``ppspec gsm8k --format chat-cot-zeroshot`` sends; ConfigError without a chat template)."""
+CHAT_FORMATS = frozenset({"chat-cot-zeroshot"})
+
+
+def _format_tokenizer(prompt_format: str, model: str | None):
+    if prompt_format not in CHAT_FORMATS:
+        return None
+    if model is None:
+        raise ConfigError(f"train-draft: prompt format {prompt_format} needs the model (its chat template)")
+    return load_tokenizer(resolve_model_path(model))
 
 
 def _is_gsm8k(rows: list[dict]) -> bool:
     return bool(rows) and all("question" in r and not ({"prompt", "text"} & r.keys()) for r in rows)
 
 
-def prompt_rows(rows: list[dict], limit: int | None, prompt_format: str = "lmeval-8shot") -> list[dict]:
+def prompt_rows(rows: list[dict], limit: int | None, prompt_format: str = "lmeval-8shot",
+                model: str | None = None) -> list[dict]:
     """The first ``limit`` training rows; a GSM8K file's rows become prompts in ``prompt_format``
-    (:data:`PROMPT_FORMATS`; shots from the whole file) first."""
+    (:data:`PROMPT_FORMATS`; shots from the whole file; a chat format renders with ``model``'s tokenizer) first."""
     if _is_gsm8k(rows):
-        rows = PROMPT_FORMATS[prompt_format](rows, limit)
+        rows = PROMPT_FORMATS[prompt_format](rows, limit, tokenizer=_format_tokenizer(prompt_format, model))
     return rows[:limit]
 
 
-def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict], prompt_format: str = "lmeval-8shot"
-                 ) -> list[dict]:
+def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict], prompt_format: str = "lmeval-8shot",
+                 model: str | None = None) -> list[dict]:
     """The last ``n`` rows of a validation file as prompt rows: GSM8K rows ("question" + "answer") become 8-shot
     prompts in ``prompt_format`` (:data:`PROMPT_FORMATS`) whose shots come from the training file's GSM8K rows
     ``train_rows``, so no held-out question is ever a shot in a training prompt; other rows are used as given.
@@ -71,7 +102,8 @@ def heldout_rows(val_rows: list[dict], n: int, train_rows: list[dict], prompt_fo
         shots = [r for r in train_rows if {"question", "answer"} <= r.keys()]
         if len(shots) < 8:
             raise ConfigError("train-draft: train.val_data in GSM8K layout needs GSM8K rows in train.data for shots")
-        rows = PROMPT_FORMATS[prompt_format](rows, None, shots_from=shots)
+        rows = PROMPT_FORMATS[prompt_format](rows, None, shots_from=shots,
+                                             tokenizer=_format_tokenizer(prompt_format, model))
     return rows
 
 
@@ -101,7 +133,7 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
                                                  sequences_cache=gen.get("cache"), log=gen.get("log") or print)
     else:
         raw = read_jsonl(data)
-        rows = prompt_rows(raw, limit, prompt_format)
+        rows = prompt_rows(raw, limit, prompt_format, model)
     if not rows:
         raise ConfigError(f"training data {data} is empty")
     if isinstance(val_data, list):
@@ -111,7 +143,8 @@ def heldout_split(model: str, data, limit, val_data, val_sequences: int, device:
             raise ConfigError("train-draft: a list of train.val_data sets needs a list of train.data sources and "
                               f"train.val_sequences equal to their size ({size})")
     else:
-        val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw, prompt_format)
+        val_rows = [] if val_data is None else heldout_rows(read_jsonl(val_data), val_sequences, raw,
+                                                                  prompt_format, model)
     seqs, plens = build_sequences(model, val_rows + rows, device, dtype, max_new_tokens, max_len, **gen)
     if val_sequences >= len(seqs):
         raise ConfigError(f"train-draft: train.val_sequences {val_sequences} leaves no training data "

@@ -32,8 +32,9 @@ def _training_record(head) -> dict | None:
 def mixed_val(draft, target, val, batch_tokens: int, device) -> dict:
     """Held-out accept length per category of ``val`` = (sequences, prompt lengths, categories)
     (:func:`harness.train_eagle3.val_accept_length` on each category's sequences). ``accept_length`` (what the best
-    epoch is chosen on) is the mean of the GSM8K figure (category "gsm8k") and the mean over the other (Spec-Bench)
-    categories, either alone when the other half is missing; ``pooled_accept_length``: tokens per round over all."""
+    epoch is chosen on) is the mean of the GSM8K figure (the mean over the categories "gsm8k" and "gsm8k-FORMAT") and
+    the mean over the other (Spec-Bench) categories, either alone when the other half is missing;
+    ``pooled_accept_length``: tokens per round over all."""
     groups: dict[str, tuple[list, list]] = {}
     for s, p, c in zip(*val):
         groups.setdefault(c, ([], []))[0].append(s)
@@ -42,11 +43,12 @@ def mixed_val(draft, target, val, batch_tokens: int, device) -> dict:
            for c, g in groups.items()}
     rounds = sum(r["rounds"] for r in per.values())
     pooled = sum(r["accept_length"] * r["rounds"] for r in per.values()) / max(rounds, 1)
-    spec = [r["accept_length"] for c, r in per.items() if c != "gsm8k"]
-    halves = ([per["gsm8k"]["accept_length"]] if "gsm8k" in per else []) + ([sum(spec) / len(spec)] if spec else [])
+    gsm = [r["accept_length"] for c, r in per.items() if c == "gsm8k" or c.startswith("gsm8k-")]
+    spec = [r["accept_length"] for c, r in per.items() if not (c == "gsm8k" or c.startswith("gsm8k-"))]
+    halves = [sum(h) / len(h) for h in (gsm, spec) if h]
     out = {"accept_length": sum(halves) / len(halves), "rounds": rounds, "pooled_accept_length": pooled}
-    if "gsm8k" in per:
-        out["gsm8k_accept_length"] = per["gsm8k"]["accept_length"]
+    if gsm:
+        out["gsm8k_accept_length"] = sum(gsm) / len(gsm)
     if spec:
         out["specbench_accept_length"] = sum(spec) / len(spec)
     out["by_category"] = {c: round(r["accept_length"], 4) for c, r in per.items()}

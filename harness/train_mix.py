@@ -2,16 +2,19 @@
 list of held-out sets (a recipe whose ``data`` is one file keeps the single-file path of :mod:`harness.train_data`).
 
 Training sources (each a mapping with ``source``):
-  ``{source: gsm8k, path: harness/data/gsm8k/train.jsonl, limit: N}``: the first N questions as 8-shot prompts
-  (:func:`harness.prompts.fewshot_prompts`), questions that overlap the held-out text
+  ``{source: gsm8k, path: harness/data/gsm8k/train.jsonl, limit: N, format: F}``: the first N questions as prompts
+  in format F (:data:`harness.train_data.PROMPT_FORMATS`; default lmeval-8shot: 8-shot prompts,
+  :func:`harness.prompts.fewshot_prompts`; chat-cot-zeroshot: lm-eval's zero-shot CoT turn in the chat template);
+  one file may be listed twice in two formats; questions that overlap the held-out text
   (:class:`harness.selfgen_text.HeldOut`) removed first, so they are neither trained on nor shots;
   ``{source: selfgen, n: N, ...}``: N user turns the target writes itself, filtered (:mod:`harness.selfgen`).
 The rows of the sources are interleaved in proportion to their counts (:func:`interleave`), so the prefix a
 generation budget keeps holds the same ratio. Every training continuation that overlaps the held-out text is
 dropped after generation (:func:`drop_overlapping`).
 
-Held-out sets: ``{source: gsm8k, path: harness/data/gsm8k/test.jsonl, n: N}`` (the last N questions, 8-shot with
-shots from the training GSM8K source; category "gsm8k") and ``{source: specbench, per_category: K}`` (the first K
+Held-out sets: ``{source: gsm8k, path: harness/data/gsm8k/test.jsonl, n: N, format: F}`` (the last N questions,
+8-shot with shots from the training GSM8K source, or in format F; category "gsm8k", or "gsm8k-F" for another
+format) and ``{source: specbench, per_category: K}`` (the first K
 prompts of every Spec-Bench category, first turn in the chat template; their own categories).
 """
 from __future__ import annotations
@@ -38,24 +41,35 @@ def _gsm8k_rows(path) -> list[dict]:
     return [r for r in read_jsonl(path) if {"question", "answer"} <= r.keys()]
 
 
+def _gsm8k_prompts(rows: list[dict], limit, fmt: str | None, model: str, shots_from: list[dict] | None = None
+                   ) -> list[dict]:
+    """Prompt rows of GSM8K ``rows`` in format ``fmt`` (None: lmeval-8shot); ConfigError for an unknown format."""
+    from harness.train_data import PROMPT_FORMATS, _format_tokenizer
+    fmt = fmt or "lmeval-8shot"
+    if fmt not in PROMPT_FORMATS:
+        raise ConfigError(f"train-draft: gsm8k format {fmt!r} (known: {', '.join(PROMPT_FORMATS)})")
+    return PROMPT_FORMATS[fmt](rows, limit, shots_from=shots_from, tokenizer=_format_tokenizer(fmt, model))
+
+
 def mixed_rows(data: list, model: str, *, device: str, dtype: str, backend: str, max_running: int,
                sequences_cache=None, log=print) -> tuple[list[dict], list[dict], dict]:
     """(interleaved prompt rows, the GSM8K training rows kept (the shots of GSM8K held-out prompts), the selfgen
     report or {}) of a list of training sources (module docstring). ConfigError for an unknown source or key."""
-    from harness.prompts import fewshot_prompts
     from harness.selfgen import selfgen_rows
     groups, shots, report = [], [], {}
     held = None
     for src in data:
         kind = src.get("source") if isinstance(src, dict) else None
         if kind == "gsm8k":
-            if set(src) - {"source", "path", "limit"}:
-                raise ConfigError(f"train-draft: gsm8k source keys are path and limit, got {sorted(src)}")
+            if set(src) - {"source", "path", "limit", "format"}:
+                raise ConfigError(f"train-draft: gsm8k source keys are path, limit and format, got {sorted(src)}")
             held = held or st.HeldOut.default()
             raw = _gsm8k_rows(src.get("path", GSM8K_TRAIN))
-            shots = [r for r in raw if not held.hit(r["question"])]
-            log(f"gsm8k source: {len(raw) - len(shots)} of {len(raw)} questions overlap held-out text, removed")
-            groups.append([{**r, "category": "gsm8k"} for r in fewshot_prompts(shots, src.get("limit"))])
+            kept = [r for r in raw if not held.hit(r["question"])]
+            shots = shots or kept
+            log(f"gsm8k source: {len(raw) - len(kept)} of {len(raw)} questions overlap held-out text, removed")
+            groups.append([{**r, "category": "gsm8k"}
+                           for r in _gsm8k_prompts(kept, src.get("limit"), src.get("format"), model)])
         elif kind == "selfgen":
             cache = None if sequences_cache is None else Path(sequences_cache).with_suffix(".selfgen.jsonl")
             rows, report = selfgen_rows(model, src, device=device, dtype=dtype, backend=backend,
@@ -71,17 +85,17 @@ def mixed_rows(data: list, model: str, *, device: str, dtype: str, backend: str,
 
 def mixed_val_rows(val_data: list, shots: list[dict], model: str) -> list[dict]:
     """Held-out prompt rows ``{"prompt", "category"}`` of a list of held-out sets (module docstring)."""
-    from harness.prompts import fewshot_prompts
     out = []
     for src in val_data:
         kind = src.get("source") if isinstance(src, dict) else None
         if kind == "gsm8k":
             rows = _gsm8k_rows(src.get("path", GSM8K_TEST))
-            n = int(src.get("n", 100))
+            n, fmt = int(src.get("n", 100)), src.get("format")
             if len(shots) < 8 or n > len(rows):
                 raise ConfigError("train-draft: a gsm8k held-out set needs a gsm8k training source (shots) and at "
                                   f"most {len(rows)} questions")
-            out += [{**r, "category": "gsm8k"} for r in fewshot_prompts(rows[len(rows) - n:], None, shots_from=shots)]
+            cat = "gsm8k" if fmt in (None, "lmeval-8shot") else f"gsm8k-{fmt}"
+            out += [{**r, "category": cat} for r in _gsm8k_prompts(rows[len(rows) - n:], None, fmt, model, shots)]
         elif kind == "specbench":
             from engine.model.loader import load_tokenizer, resolve_model_path
             from harness import prompt_sets

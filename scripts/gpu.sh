@@ -26,9 +26,10 @@
 #                        of "suite plain eagle2_chain eagle3_chain eagle3_s5n6 eagle3_tree".
 #   llama8b-shape        bench --config h200_llama3_8b and h200_llama3_8b_spec (random weights: no GGUF).
 #   gsm8k                ppspec gsm8k --runs 2, dtype auto (bf16) and float32; then TP2 padded-head parity.
-#   gsm8k-formats        ppspec gsm8k --no-spec, float32, first 200 test questions, in each prompt format of FORMATS
-#                        (default "plain-8shot chat-8shot chat-cot-zeroshot") for the bundled SmolLM2, then for the
-#                        GGUF at QWEN (a path on the machine) when set and present.
+#   gsm8k-formats        ppspec gsm8k --no-spec, DTYPE (float32), first 200 test questions, in each prompt format of
+#                        FORMATS (default "plain-8shot chat-8shot chat-cot-zeroshot") for the bundled SmolLM2 (SMOL=0:
+#                        not; skipped when its GGUF was not carried), then for QWEN (a name setup placed, or a path on
+#                        the machine) when set and present.
 #   figures-of-record    bench --config h200 at b=1 and b=8 (2 runs): pp=1 spec and plain, pp=2 spec; with .gpu/before.tgz
 #                        carried, each command first on REV's code, then on this tree (before/after, one sitting;
 #                        ORDER=reverse: this tree first). CELLS: a subset of "spec plain pp2_spec". Without the GGUF
@@ -64,6 +65,12 @@
 #   eval-qwen-eagle3     tools.speceval on the first 200 GSM8K test questions (lm-eval 8-shot contexts, fp32, greedy):
 #                        chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head train-qwen-eagle3
 #                        returned on this machine, else a carried results/raw/qwen05b-eagle3); PLAIN=1 adds plain.
+#   qwen-record          Qwen2.5-Coder-0.5B's figures of record with the head train-qwen-eagle3 returned on this machine
+#                        (HEAD: another): tools.speceval accept lengths (GSM8K test 200, 8-shot, fp32: chain S3 n4, tree
+#                        S4 k4 n12), ppspec gsm8k --runs 2 on 200 questions in FORMAT (default chat-cot-zeroshot),
+#                        DTYPE (default float32): PP1 + spec, PP2 + spec (EAGLE-3 chain S3 n4), no spec; bench --config
+#                        h200 b=1/8 plain vs spec on GSM8K test prompts; CELLS: a subset of "speceval pp1_spec pp2_spec
+#                        nospec bench".
 #   selfgen-data         the data of suites/train_smollm2_eagle3_mixed.yaml (tools.selfgen_data, bf16, 256 requests
 #                        batched): up to the recipe's 16384 user turns SmolLM2 writes from its chat template's user
 #                        prefix in 120 s (what fits is final), filtered and deduplicated, then answered (300 s budget,
@@ -89,7 +96,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 selfgen-data train-eagle3-mixed"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 qwen-record selfgen-data train-eagle3-mixed"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -310,13 +317,18 @@ gsm8k)
   run gsm8k_fp32 150 python3 -m harness gsm8k --runs 2 --dtype float32 --no-progress --out "$RUNS/gsm8k_fp32"
   run tp2_parity 120 python3 -m tools.tp_parity --device cuda --out "$RUNS/tp2_padded_parity.json" ;;
 gsm8k-formats)
-  need gguf lmeval
-  models=(smollm2)
-  [ -n "${QWEN:-}" ] && { [ -f "$QWEN" ] && models+=("$QWEN") || say "QWEN=$QWEN is not on this machine: SmolLM2 only"; }
+  need lmeval
+  models=()
+  [ "${SMOL:-1}" = 1 ] && { have_gguf && models+=(smollm2) || say "no SmolLM2 GGUF on this machine: skipped"; }
+  if [ -n "${QWEN:-}" ]; then
+    qp=$([ -f "$QWEN" ] && echo "$QWEN" || model_path "$QWEN")
+    [ -n "$qp" ] && [ -f "$qp" ] && models+=("$QWEN") || say "QWEN=$QWEN is not on this machine"
+  fi
+  [ ${#models[@]} -gt 0 ] || die "no model to run"
   for m in "${models[@]}"; do
     tag=$([ "$m" = smollm2 ] && echo smollm2 || echo qwen)
-    for f in ${FORMATS:-plain-8shot chat-8shot chat-cot-zeroshot}; do
-      run "fmt_${tag}_$f" 150 python3 -m harness gsm8k --model "$m" --no-spec --dtype float32 --format "$f" \
+    for f in ${FORMATS:-plain-8shot chat-8shot chat-cot-zeroshot}; do   # DTYPE: float32 unless set
+      run "fmt_${tag}_$f" 150 python3 -m harness gsm8k --model "$m" --no-spec --dtype "${DTYPE:-float32}" --format "$f" \
           --limit 200 --no-progress --out "$RUNS/fmt_${tag}_$f"
     done
   done ;;
@@ -451,6 +463,28 @@ for k, v in json.load(open(sys.argv[1])).items():
           f"({v['config_s']:.0f} s)")
 PY
   ;;
+qwen-record)
+  need lmeval
+  Q=${QWEN:-qwen2.5-coder-0.5b} F=${FORMAT:-chat-cot-zeroshot}
+  H=${HEAD:-$(cat /tmp/qe3/returned 2>/dev/null)}
+  [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first (or HEAD=DIR)"
+  say "head: $H; format: $F"
+  S="--draft $H --set spec.algorithm=eagle3 --set spec.token_map=null $(shape 3 1 4)"
+  G="python3 -m harness gsm8k --model $Q --format $F --runs 2 --limit 200 --dtype ${DTYPE:-float32} --no-progress"
+  for cell in ${CELLS:-speceval pp1_spec pp2_spec nospec bench}; do
+    case $cell in
+      speceval) run speceval 240 python3 -m tools.speceval --model "$Q" --device cuda --draft "$H" --algorithm eagle3 \
+          --prompts harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz --shape 3,1,4 --shape 4,4,12 --no-plain \
+          --out "$RUNS/qwen_eagle3.json" ;;
+      pp1_spec) run gsm8k_pp1_spec 150 $G $S --out "$RUNS/gsm8k_pp1_spec" ;;
+      pp2_spec) run gsm8k_pp2_spec 200 $G $S --pp 2 --pp-spec --out "$RUNS/gsm8k_pp2_spec" ;;
+      nospec) run gsm8k_nospec 120 $G --no-spec --out "$RUNS/gsm8k_nospec" ;;
+      bench) R="--model $Q --no-floors $B18 --set bench.runs=2 --set bench.warmup=1 --prompts gsm8k-test"
+        bench bench_plain 90 $H200 $R --no-spec
+        bench bench_spec 100 $H200 $R $S ;;
+      *) say "unknown cell $cell (cells: speceval pp1_spec pp2_spec nospec bench)" ;;
+    esac
+  done ;;
 selfgen-data)
   need gguf
   W=/tmp/sg

@@ -40,9 +40,11 @@ def _target_and_draft(model_dir, vocab=300, inter=96):
     from engine.dist import ParallelState, set_ps
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights, load_model_config, resolve_model_path
+    from engine.attention.backend import TorchBackend, set_backend
     from harness.train_eagle3_run import _build_draft
 
     set_ps(ParallelState())
+    set_backend(TorchBackend())                    # the dense training contexts, as train_draft sets it
     path = resolve_model_path(model_dir)
     mc = load_model_config(path)
     target = LlamaForCausalLM(mc, torch.float32, 256)

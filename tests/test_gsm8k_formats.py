@@ -288,3 +288,17 @@ def test_a_template_that_rejects_the_system_turn_is_one_line(tmp_path):
                             "System role not supported") and llm.prompts == []
     gsm8k.run_gsm8k(resolve(None, {"gsm8k": cfg}), llm=llm)
     assert llm.prompts[0].startswith("<user>Q: ") and llm.prompts[0].endswith("A: Let's think step by step.")
+
+
+def test_chat_cot_training_prompts_are_the_prompts_the_eval_sends(chat_tok):
+    """train.prompt_format chat-cot-zeroshot renders a GSM8K question exactly as `ppspec gsm8k --format
+    chat-cot-zeroshot` sends it (lm-eval's gsm8k_cot_zeroshot turn through the chat template), so a head trained on
+    it is trained on the evaluated layout; without a chat template it is one ConfigError."""
+    from engine.config import ConfigError
+    from harness.train_data import PROMPT_FORMATS
+    _, _, llm = _run(chat_tok, limit=3, format="chat-cot-zeroshot")
+    rows = [json.loads(x) for x in (DATA / "test.jsonl").read_text().splitlines()[:3]]
+    train = [r["prompt"] for r in PROMPT_FORMATS["chat-cot-zeroshot"](rows, None, tokenizer=chat_tok)]
+    assert sorted(train) == sorted(llm.prompts)          # lm-eval orders requests by length
+    with pytest.raises(ConfigError, match="chat template"):
+        PROMPT_FORMATS["chat-cot-zeroshot"](rows, None, tokenizer=SimpleNamespace(chat_template=None))
