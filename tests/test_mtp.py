@@ -292,7 +292,7 @@ def test_train_draft_writes_an_mtp_head(tiny_model_dir, tmp_path, prompts, greed
     assert json.loads((out / "config.json").read_text())["mtp_layout"] == "deepseek_nextn"
     outs = gen(tiny_model_dir, prompts[:3], str(out), CHAIN)
     assert [o.token_ids for o in outs] == greedy[:3]
-    with pytest.raises(ConfigError, match="train.head_layout eagle4"):
+    with pytest.raises(ConfigError, match="train.head_layout 'eagle4'"):
         train_draft(tiny_model_dir, data, tmp_path / "x", head_layout="eagle4", log=lambda *_: None)
 
 
