@@ -113,6 +113,20 @@ def test_heldout_accept_refuses_bad_arguments_up_front(tmp_path, tiny_draft_dir,
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize("recipe,want", [
+    ("train_smollm2_eagle3_mixed_cpu", {"dtype": "float32", "max_new_tokens": 64, "max_len": 1280, "backend": "torch",
+                                        "max_running": 32, "prompt_format": "lmeval-8shot"}),
+    ("train_smollm2_eagle3_mixed", {"dtype": "bfloat16", "max_new_tokens": 256, "max_len": 2048,
+                                    "backend": "flashinfer", "max_running": 256, "prompt_format": "lmeval-8shot"})])
+def test_heldout_accept_keys_its_caches_as_train_draft_does(recipe, want):
+    """Regression: tools.heldout_accept passed ``backend=None`` for a recipe without ``train.gen_backend`` (the CPU
+    recipes), so the caches ``ppspec train-draft`` had written under its default "torch" were refused as made with
+    other settings; a key the recipe leaves out now takes train_draft's default."""
+    from harness.resolve import resolve
+    from tools.heldout_accept import split_settings
+    assert split_settings(resolve(recipe, {}, kind="train").train) == want
+
+
 @pytest.mark.parametrize("content", [b"\x80\x04not a pickle", b"PK\x03\x04broken zip", b"{not json", b"[1, 2"])
 def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
     """Regression: a garbage sequences cache (a --sequences file or train.sequences_cache) ended in an

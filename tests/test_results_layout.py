@@ -22,3 +22,22 @@ def test_every_top_directory_is_linked_from_the_readme():
     assert len(tops) >= 20
     missing = [f"{p.parent.name}/{p.name}" for p in tops if f"{p.parent.name}/{p.name}" not in readme]
     assert not missing, f"results directories no table of results/README.md names: {missing}"
+
+
+PLACEHOLDER = re.compile(r"\b(?:[A-Z]+_PLACEHOLDER|PLACEHOLDER|TODO|TBD|FIXME|XXX+)\b")
+
+
+def test_readme_has_no_placeholder():
+    lines = (RESULTS / "README.md").read_text().splitlines()
+    bad = [f"{i}: {ln.strip()[:80]}" for i, ln in enumerate(lines, 1) if PLACEHOLDER.search(ln)]
+    assert not bad, f"results/README.md lines holding a placeholder, not a figure: {bad}"
+
+
+def test_every_path_a_heading_names_exists():
+    missing = []
+    for ln in (RESULTS / "README.md").read_text().splitlines():
+        if ln.startswith("## ") and " — " in ln:
+            for p in re.findall(r"`([^`]+)`", ln.split(" — ", 1)[1]):
+                if not list(RESULTS.glob(p.rstrip("/"))):
+                    missing.append(p)
+    assert not missing, f"results/README.md headings name paths results/ lacks: {missing}"

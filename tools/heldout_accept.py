@@ -52,6 +52,20 @@ def main(argv=None) -> int:
         return 2
 
 
+def split_settings(t: dict) -> dict:
+    """The generation settings of a recipe's ``train`` section that key its caches (dtype, max_new_tokens, max_len,
+    attention backend, batched requests, prompt format), a key the recipe leaves out taking
+    :func:`harness.train_draft.train_draft`'s default, so the caches ``ppspec train-draft`` wrote are the ones read."""
+    import inspect
+
+    from harness.train_draft import train_draft
+    d = {k: p.default for k, p in inspect.signature(train_draft).parameters.items()}
+    get = lambda k: t[k] if t.get(k) is not None else d[k]     # noqa: E731
+    return {"dtype": t.get("gen_dtype") or get("dtype"), "max_new_tokens": get("max_new_tokens"),
+            "max_len": get("max_len"), "backend": get("gen_backend"), "max_running": get("gen_max_running"),
+            "prompt_format": get("prompt_format")}
+
+
 def _run(a, ap) -> int:
     from safetensors.torch import load_file
 
@@ -78,9 +92,7 @@ def _run(a, ap) -> int:
         ap.error(f"no sequences cache at {cache}")
     val_data = t.get("val_data") if a.val_data is None else (None if a.val_data == "none" else a.val_data)
     _, _, val, _ = heldout_split(t["model"], t["data"], t.get("limit"), val_data, int(t["val_sequences"]),
-                              a.device, t.get("gen_dtype") or t["dtype"], t["max_new_tokens"], t["max_len"],
-                              backend=t.get("gen_backend"), max_running=t.get("gen_max_running"), time_budget_s=0,
-                              log=print, cache=cache)
+                              a.device, **split_settings(t), time_budget_s=0, log=print, cache=cache)
     cats = val[2] if len(val) == 3 else None          # a list of held-out sets: categories (harness.train_mix)
     val = list(zip(*val[:2]))[:a.limit]
     set_ps(ParallelState(device=torch.device(a.device)))
