@@ -114,7 +114,9 @@ class Req:
                                           # outputs but the last, which becomes the root again)
     prefilled: int = 0
     tree: DraftTree | None = None         # next verify tree (one row: tokens [n], col 0 = root)
+    tree_shape: object | None = None      # adaptive speculation: the Shape ``tree`` was drafted at
     accept_lengths: list[int] = field(default_factory=list)
+    round_shapes: list[str] = field(default_factory=list)   # adaptive: each verify round's shape ("3x1x4", "off")
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_retractions: int = 0
@@ -136,6 +138,7 @@ class ScheduledBatch:
     slot: int
     reqs: list[Req]
     chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
+    shape: object | None = None           # verify under adaptive speculation: the round's Shape (else the SpecConfig's)
 
     @property
     def rids(self) -> list[int]:
@@ -159,6 +162,7 @@ class RequestOutput:
     num_retractions: int = 0
     error: str | None = None               # finish_reason "error": why the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last admission)
+    round_shapes: list[str] = field(default_factory=list)    # adaptive speculation: each verify round's shape
 
 
 def stop_string_hit(r: Req, detok) -> bool:

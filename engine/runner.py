@@ -119,7 +119,7 @@ class ModelRunner:
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times,
-                               PREFIX_BLOCK if config.prefix_cache else 0)
+                               PREFIX_BLOCK if config.prefix_cache else 0, spec.table)
         # every stage rebuilds verify trees: on the device (plan.device_tree), else on the host
         self.tree_ops = None
         if self.spec:

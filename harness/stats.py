@@ -120,7 +120,19 @@ def serving_summary(outputs: Sequence, wall_time: float, positions: int | None =
         "ttft": summarize([p["ttft"] for p in per]), "tpot": summarize([p["tpot"] for p in per]),
         "itl": summarize([x for p in per for x in p["itl"]]), "e2e": summarize([p["e2e"] for p in per]),
         "accept_length": accept_stats([o.accept_lengths for o in outputs], positions),
+        **({"shapes": shapes} if (shapes := shape_stats(outputs)) else {}),
     }
+
+
+def shape_stats(outputs: Sequence) -> dict | None:
+    """Adaptive speculation: ``{shape: {"rounds", "accept_length"}}`` per round shape ("3x1x4", "off"), the verify
+    rounds that ran it (all requests) and their mean accept length; None when no output recorded round shapes."""
+    by: dict[str, list[int]] = {}
+    for o in outputs:
+        shapes = getattr(o, "round_shapes", None) or []
+        for shape, a in zip(shapes, o.accept_lengths[len(o.accept_lengths) - len(shapes):]):
+            by.setdefault(shape, []).append(a)
+    return {k: {"rounds": len(v), "accept_length": sum(v) / len(v)} for k, v in sorted(by.items())} or None
 
 
 def bootstrap_ci(values: Sequence[float], stat: Callable = np.mean, n_boot: int = 10_000,

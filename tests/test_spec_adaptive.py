@@ -1,0 +1,161 @@
+"""Adaptive speculation (engine.speculative.adaptive): the tier table's syntax and errors, the EMA policy, tree
+fitting, and on the tiny model: a one-tier table equals the fixed shape, tier changes keep the greedy output and the
+draft's acceptance (off keeps the draft KV current), PP2 equals PP1."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from engine import LLM, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from engine.messages import DraftTree, RelayError, StepResult
+from engine.speculative.adaptive import OFF, AdaptivePolicy, AdaptiveTable, Shape, fit_tree
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def test_table_syntax_yaml_toml_and_canonical_form():
+    y = yaml.safe_load("{1: [7x1x8, 3x1x4], 8: [[3, 1, 4], off], 32: off, ema: {alpha: 0.5, down: 0.2, up: 0.5}}")
+    t = AdaptiveTable.parse(y)
+    assert [bs for bs, _ in t.tiers] == [1, 8, 32]
+    assert t.tiers[0][1] == (Shape(7, 1, 8), Shape(3, 1, 4)) and t.tiers[1][1] == (Shape(3, 1, 4), OFF)
+    assert t.tiers[2][1] == (OFF,) and t.alpha == 0.5 and t.probe == 32
+    assert AdaptiveTable.parse(t.as_dict()) == t
+    assert AdaptiveTable.parse({"1": ["3x2x6"], "4": "off"}).tiers == ((1, (Shape(3, 2, 6),)), (4, (OFF,)))  # TOML
+    assert t.reserve == 8 + 7 and [t.tier(b) for b in (1, 7, 8, 31, 32, 99)] == [0, 0, 1, 1, 2, 2]
+    assert t.describe().startswith("b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off | b>=32: off; ema alpha 0.5")
+    spec = SpecConfig(algorithm="eagle", adaptive=y)
+    assert spec.adaptive == t.as_dict() and spec.table == t and spec.reserve_per_req == 15
+
+
+@pytest.mark.parametrize("value,needle", [
+    ({1: ["3x1x3"]}, "with topk=1 num_draft_tokens must be num_steps+1=4"),
+    ({1: ["3x2x20"]}, "exceeds the candidate count"),
+    ({1: ["0x1x1"]}, "needs num_steps >= 1"),
+    ({1: ["fast"]}, "shape 'fast' is not 'SxKxN'"),
+    ({0: ["off"]}, "batch size 0 must be an integer >= 1"),
+    ({"big": ["off"]}, "key 'big' is neither a batch size nor 'ema'"),
+    ({1: []}, "tier 1 lists no shape"),
+    ({1: ["off"], "ema": {"alpha": 2}}, "alpha must be in (0, 1]"),
+    ({1: ["off"], "ema": {"alpha": 0.5, "down": 0.6, "up": 0.4}}, "need 0 <= down < up <= 1"),
+    ({1: ["off"], "ema": {"down": 0.1}}, "alpha required"),
+    ([1, 2], "must be a mapping"),
+])
+def test_table_errors_are_one_line(value, needle):
+    with pytest.raises(ConfigError) as e:
+        SpecConfig(algorithm="eagle", adaptive=value)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+def test_policy_tiers_ema_hysteresis_and_probe():
+    t = AdaptiveTable.parse({1: ["4x1x5", "2x1x3", "off"], 8: ["off"],
+                             "ema": {"alpha": 0.5, "down": 0.3, "up": 0.6, "probe": 3}})
+    pol = AdaptivePolicy(t)
+    assert pol.choose(1) == Shape(4, 1, 5) and pol.choose(9) == OFF and pol.dwell == 2
+    pol.observe(0, Shape(4, 1, 5), [1, 1])            # rate 0: ema 0.45 -> 0.225, the step waits for the dwell
+    assert pol.choose(1) == Shape(4, 1, 5) and pol.ema == pytest.approx(0.225)
+    pol.observe(0, Shape(4, 1, 5), [1, 1])            # ema 0.1125 < down after 2 rounds: one step cheaper
+    assert pol.choose(1) == Shape(2, 1, 3)
+    pol.observe(0, Shape(2, 1, 3), [2])               # rate 0.5: ema 0.306, inside the band (and the dwell)
+    pol.observe(0, Shape(2, 1, 3), [2])               # ema 0.403: inside the band: no step
+    assert pol.choose(1) == Shape(2, 1, 3)
+    pol.observe(0, Shape(2, 1, 3), [3, 3])            # rate 1: ema 0.70 > up: one step richer
+    assert pol.choose(1) == Shape(4, 1, 5)
+    pol.pos[0] = 2
+    for _ in range(2):
+        pol.observe(0, OFF, [1])
+    assert pol.choose(1) == OFF
+    pol.observe(0, OFF, [1])                          # probe: 3 rounds off step back, ema restarts mid-band
+    assert pol.choose(1) == Shape(2, 1, 3) and pol.ema == pytest.approx(0.45)
+
+
+def test_commit_checks_the_relayed_shape():
+    pol = AdaptivePolicy(AdaptiveTable.parse({1: ["3x1x4"], 2: ["off"]}))
+    pol.slot_shape[0] = (Shape(3, 1, 4), 0)
+    res = StepResult("verify", 0, [5], torch.zeros(1, 2, dtype=torch.int64), accept_lens=torch.tensor([1]),
+                     shape=OFF)
+    with pytest.raises(RelayError, match="slot 0: verify result of shape off, scheduled 3x1x4"):
+        pol.commit(res)
+
+
+def test_fit_tree_keeps_a_chain_prefix_and_falls_back_for_trees():
+    chain = DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]))
+    short = fit_tree(chain, Shape(3, 1, 4), Shape(2, 1, 3))
+    assert short.tokens.tolist() == [9, 1, 2] and short.parent_list.tolist() == [-1, 0]
+    long = fit_tree(chain, Shape(3, 1, 4), Shape(5, 1, 6))
+    assert long.tokens.tolist() == [9, 1, 2, 3, 0, 0] and long.top_scores_index.tolist() == [0, 1, 2, 3, 4]
+    off = fit_tree(chain, Shape(3, 1, 4), OFF)
+    assert off.tokens.tolist() == [9] and off.parent_list.numel() == 0 and off.top_scores_index.numel() == 0
+    tree = fit_tree(chain, Shape(3, 1, 4), Shape(2, 2, 4))
+    assert tree.tokens.tolist() == [9, 0, 0, 0] and tree.parent_list.shape == (3,)
+    assert fit_tree(chain, Shape(3, 1, 4), Shape(3, 1, 4)) is chain
+
+
+# ------------------------------------------------------------------------------ the engine (tiny model)
+
+SHORT, LONG = 5, 20
+
+
+def _gen(model, draft, prompts, params, adaptive=None, pp=1, shape=(3, 1, 4), **kw):
+    spec = SpecConfig(algorithm="eagle", draft=draft, pp_spec=True, adaptive=adaptive,
+                      **dict(zip(("num_steps", "topk", "num_draft_tokens"), shape)))
+    with LLM(EngineConfig(model=model, spec=spec, pp=pp, **kw)) as llm:
+        return llm.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def two(tiny_prompts):
+    """A short and a long request: two run together (tier 2) until the short one finishes, then one (tier 1)."""
+    return [tiny_prompts[2], tiny_prompts[4]], [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                for n in (SHORT, LONG)]
+
+
+@pytest.mark.parametrize("shape,table", [((3, 1, 4), {1: ["3x1x4"]}), ((2, 2, 4), {1: ["2x2x4"]})])
+def test_one_tier_equals_the_fixed_shape(tiny_model_dir, tiny_draft_dir, two, shape, table):
+    prompts, params = two
+    fixed = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, shape=shape)
+    ad = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, shape=shape)
+    assert [o.token_ids for o in ad] == [o.token_ids for o in fixed]
+    assert [o.accept_lengths for o in ad] == [o.accept_lengths for o in fixed]
+    assert all(set(o.round_shapes) == {"x".join(map(str, shape))} for o in ad)
+
+
+def test_off_then_on_keeps_the_draft_current(tiny_model_dir, tiny_draft_dir, two):
+    """Off while both run, a chain once the short one finished: the long request's rounds after the first chain
+    round (whose tree was drafted off and padded) accept exactly what a fresh request re-prefilled at that
+    position accepts; a draft whose KV missed the off rounds would draft from stale context."""
+    prompts, params = two
+    fixed = _gen(tiny_model_dir, tiny_draft_dir, prompts, params)
+    ad = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive={1: ["3x1x4"], 2: ["off"]})
+    assert [o.token_ids for o in ad] == [o.token_ids for o in fixed]
+    long = ad[1]
+    m = long.round_shapes.index("3x1x4")
+    assert m >= 2 and set(long.round_shapes[:m]) == {"off"} and set(long.round_shapes[m:]) == {"3x1x4"}
+    assert long.accept_lengths[:m] == [1] * m
+    q = 1 + sum(long.accept_lengths[:m + 1])                   # tokens out after the first chain round
+    ref = _gen(tiny_model_dir, tiny_draft_dir, [prompts[1] + long.token_ids[:q - 1]],
+               [SamplingParams(max_new_tokens=LONG - q + 1, ignore_eos=True)])[0]
+    assert ref.token_ids == long.token_ids[q - 1:]
+    assert long.accept_lengths[m + 1:] == ref.accept_lengths
+    assert sum(ref.accept_lengths) / len(ref.accept_lengths) > 1.5        # the draft does accept
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pp_equals_pp1_across_tiers(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp):
+    """Finishes and joins (at most 2 running of 4) move the running batch across tiers mid-run; every PP stage
+    schedules the same shapes (a mismatch raises RelayError) and PP2 / PP3 equal PP1 token for token and round for
+    round."""
+    prompts = tiny_prompts[:4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 14, 9, 12)]
+    table = {1: ["4x1x5"], 2: ["2x1x3", "off"]}
+    ref = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, max_running_requests=2)
+    outs = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, pp=pp, max_running_requests=2,
+                debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert {"4x1x5", "2x1x3"} <= {s for o in ref for s in o.round_shapes}
