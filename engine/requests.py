@@ -117,6 +117,7 @@ class Req:
     tree_shape: object | None = None      # adaptive speculation: the Shape ``tree`` was drafted at
     accept_lengths: list[int] = field(default_factory=list)
     round_shapes: list[str] = field(default_factory=list)   # adaptive: each verify round's shape ("3x1x4", "off")
+    round_tiers: list[int] = field(default_factory=list)    # adaptive: each verify round's tier (its smallest batch size)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_retractions: int = 0
@@ -163,6 +164,7 @@ class RequestOutput:
     error: str | None = None               # finish_reason "error": why the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last admission)
     round_shapes: list[str] = field(default_factory=list)    # adaptive speculation: each verify round's shape
+    round_tiers: list[int] = field(default_factory=list)     # ... and its tier (the tier's smallest batch size)
 
 
 def stop_string_hit(r: Req, detok) -> bool:

@@ -244,8 +244,7 @@ class Scheduler:
         toks = out.tokens.tolist()
         if kind == "verify":
             n = out.tree_width if out.shape is None else out.shape.num_draft_tokens
-            if self.policy is not None:
-                self.policy.commit(out)
+            tier = self.policy.commit(out) if self.policy is not None else None
             perm = commit_order(out.accept_nodes, out.accept_lens, n)     # all rows at once (numpy)
             alens = out.accept_lens.tolist()
             rt = self._rt_np
@@ -274,7 +273,9 @@ class Scheduler:
                 rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
                 r.tree, r.tree_shape = trees[i] if trees is not None else None, out.next_shape   # None: on the device
-                r.round_shapes += [str(out.shape)] if out.shape is not None else []
+                if tier is not None:
+                    r.round_shapes.append(str(out.shape))
+                    r.round_tiers.append(tier)
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:

@@ -95,6 +95,8 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
         else:
             typer.echo("spec off" if spec_d is None else
                        f"spec {sp.algorithm} {sp.draft}: S={sp.num_steps} k={sp.topk} n={sp.num_draft_tokens}"
-                       + (f", token map {sp.token_map}" if sp.token_map else "")
-                       + (f"; adaptive {sp.table.describe()}" if sp.table is not None else ""))
+                       + (f", token map {sp.token_map}" if sp.token_map else ""))
+            if sp.table is not None:
+                typer.echo("adaptive shapes (SxKxN) by running batch size:")
+                typer.echo("\n".join(sp.table.lines()))
             typer.echo(p.describe())

@@ -48,6 +48,32 @@ def test_table_errors_are_one_line(value, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_plan_lines_name_each_tier_range():
+    t = AdaptiveTable.parse({1: ["7x1x8", "3x1x4"], 2: ["3x1x4"], 8: ["off"], "ema": {"alpha": 0.25}})
+    assert t.lines() == ["  b=1       7x1x8 > 3x1x4", "  b=2-7     3x1x4", "  b>=8      off",
+                         "  ema: alpha 0.25, step cheaper below 0.3, richer above 0.6 (accept rate), at most every 4 "
+                         "rounds; off probes after 32"]
+    assert AdaptiveTable.parse({4: "2x1x3"}).lines()[-1] == "  no ema: each tier runs its first shape"
+
+
+def test_summary_histogram_by_tier_and_shape():
+    from types import SimpleNamespace
+
+    from harness.stats import serving_summary, shape_detail, shape_stats
+    outs = [SimpleNamespace(accept_lengths=[3, 1, 1, 2], round_shapes=["3x1x4", "off", "off", "2x1x3"],
+                            round_tiers=[1, 4, 4, 1], arrival_time=0.0, token_times=[1.0, 2.0], token_ids=[0] * 8),
+            SimpleNamespace(accept_lengths=[5, 2], round_shapes=["off"], round_tiers=[4], arrival_time=0.0,
+                            token_times=[1.0], token_ids=[0] * 8)]       # a round before the table's first: unaligned
+    sh = shape_stats(outs)
+    assert sh["tiers"] == {"b>=1": {"rounds": 2, "accept_length": 2.5, "shapes": {"2x1x3": 1, "3x1x4": 1}},
+                           "b>=4": {"rounds": 3, "accept_length": 4 / 3, "shapes": {"off": 3}}}
+    assert sh["shapes"]["off"] == {"rounds": 3, "accept_length": 4 / 3}
+    assert shape_detail(sh) == "b>=1: 2 rounds (2x1x3 1, 3x1x4 1), accept 2.50 | b>=4: 3 rounds (off 3), accept 1.33"
+    assert serving_summary(outs, 1.0)["adaptive"] == sh
+    assert "adaptive" not in serving_summary([SimpleNamespace(accept_lengths=[2], arrival_time=0.0,
+                                                              token_times=[1.0], token_ids=[0, 1])], 1.0)
+
+
 # ------------------------------------------------------------------------------ the policy
 
 
@@ -122,6 +148,7 @@ def test_one_tier_equals_the_fixed_shape(tiny_model_dir, tiny_draft_dir, two, sh
     assert [o.token_ids for o in ad] == [o.token_ids for o in fixed]
     assert [o.accept_lengths for o in ad] == [o.accept_lengths for o in fixed]
     assert all(set(o.round_shapes) == {"x".join(map(str, shape))} for o in ad)
+    assert all(o.round_tiers == [1] * len(o.accept_lengths) for o in ad)
 
 
 def test_off_then_on_keeps_the_draft_current(tiny_model_dir, tiny_draft_dir, two):

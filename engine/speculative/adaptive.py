@@ -174,6 +174,21 @@ class AdaptiveTable:
             out["ema"] = {"alpha": self.alpha, "down": self.down, "up": self.up, "probe": self.probe}
         return out
 
+    def lines(self) -> list[str]:
+        """The table for ``ppspec plan``: one line per tier (its batch-size range and shapes, first = start), then the
+        EMA's line."""
+        out = []
+        for i, (bs, ss) in enumerate(self.tiers):
+            hi = self.tiers[i + 1][0] - 1 if i + 1 < len(self.tiers) else None
+            rng = f"b={bs}" if hi == bs else f"b={bs}-{hi}" if hi is not None else f"b>={bs}"
+            out.append(f"  {rng:<9} " + " > ".join(map(str, ss)))
+        if self.alpha is not None:
+            out.append(f"  ema: alpha {self.alpha}, step cheaper below {self.down}, richer above {self.up} "
+                       f"(accept rate), at most every {math.ceil(1 / self.alpha)} rounds; off probes after {self.probe}")
+        else:
+            out.append("  no ema: each tier runs its first shape")
+        return out
+
     def describe(self) -> str:
         """One line: ``b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off`` (+ the EMA)."""
         tiers = " | ".join(f"b>={bs}: " + " > ".join(map(str, ss)) for bs, ss in self.tiers)
@@ -209,14 +224,16 @@ class AdaptivePolicy:
         a later change makes the guess miss)."""
         return self.choose(active(reqs))
 
-    def commit(self, out) -> None:
+    def commit(self, out) -> int:
         """Apply a relayed verify result (a ``StepResult``): its shape checked against the one scheduled for its
-        slot (RelayError otherwise), then the EMA step (:meth:`observe`) of that batch's tier."""
+        slot (RelayError otherwise), then the EMA step (:meth:`observe`) of that batch's tier. Returns the tier's
+        key (its smallest batch size)."""
         want, t = self.slot_shape.get(out.slot, (None, 0))
         if out.shape != want:
             from ..messages import RelayError
             raise RelayError(f"slot {out.slot}: verify result of shape {out.shape}, scheduled {want}")
         self.observe(t, out.shape, out.accept_lens.tolist())
+        return self.table.tiers[t][0]
 
     def choose(self, batch_size: int) -> Shape:
         """The shape of a running batch of ``batch_size`` requests (no state change)."""
