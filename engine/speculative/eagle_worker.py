@@ -123,6 +123,14 @@ class EagleWorker:
                                                      num_draft_tokens=shape.num_draft_tokens, adaptive=None)
         return self._specs[shape]
 
+    def graphs_for(self, spec):
+        """The draft graphs (``DraftGraphRunner``) captured at ``spec``'s shape, or None: ``draft_graphs`` is one
+        runner at ``self.spec``'s shape, or under adaptive speculation a dict of runners by :class:`Shape`."""
+        g = self.draft_graphs
+        if isinstance(g, dict):
+            return g.get(Shape.of(spec))
+        return g if spec is self.spec else None
+
     # ------------------------------------------------------------------------------------ draft model
     @torch.inference_mode()
     def draft_forward(self, ids, features, pos, ctx, planned: bool = False) -> torch.Tensor:
@@ -171,8 +179,8 @@ class EagleWorker:
             return with_root(root, none, none, none)
         spec = self.spec_of(shape)
         S, k, dev = spec.num_steps, spec.topk, self.device
-        graphs = self.draft_graphs
-        if graphs is not None and graphs.can_run(B) and spec is self.spec:
+        graphs = self.graphs_for(spec)
+        if graphs is not None and graphs.can_run(B):
             drafts, parent_list, tsi = graphs.run(last_hidden, rows, L_new)
         else:
             scratch = scratch_slots(rows, L_new, k, S)
@@ -270,10 +278,10 @@ class EagleWorker:
         pos = (Ls.unsqueeze(1) + torch.arange(W)).reshape(-1)
         locs = torch.cat(locs)
         last = torch.arange(B) * W + alen - 1
-        graphs = self.draft_graphs
-        base = Shape.of(self.spec)
-        if graphs is not None and graphs.extend and graphs.can_run(B) and shape in (None, base) and next_shape in (
-                None, base):
+        vs, ns = shape or Shape.of(self.spec), next_shape or Shape.of(self.spec)
+        # a captured round extends W rows of its own shape, then drafts at it
+        graphs = self.graphs_for(self.spec_of(ns)) if vs == ns and not ns.off else None
+        if graphs is not None and graphs.extend and graphs.can_run(B):
             nxt = with_root(bonus, *graphs.run_round(dfeat, fidx, ids, pos, locs, kv, last, rows, L_new))
         else:
             hid = self.draft_extend(ids, dfeat[h2d(fidx, dfeat.device)], pos, locs, kv,
