@@ -186,3 +186,50 @@ def test_pp_equals_pp1_across_tiers(tiny_model_dir, tiny_draft_dir, tiny_prompts
     assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
     assert {"4x1x5", "2x1x3"} <= {s for o in ref for s in o.round_shapes}
+
+
+@pytest.fixture(scope="module")
+def e3_dir(tiny_model_dir):
+    """The tiny target's EAGLE-3 head (tools.tiny.make_tiny_eagle3, cached)."""
+    from tiny import cached_tiny_eagle3
+    return cached_tiny_eagle3()
+
+
+def _gen_algo(model, draft, algorithm, prompts, params, table, **kw):
+    spec = SpecConfig(algorithm=algorithm, draft=draft, pp_spec=True, adaptive=table, num_steps=3, topk=1,
+                      num_draft_tokens=4)
+    with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
+        return llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("algorithm,tp,pp", [("eagle3", 1, 2), ("eagle", 2, 2)], ids=["eagle3-pp2", "eagle-tp2xpp2"])
+def test_topologies_equal_pp1_with_a_tree_chain_off_table(tiny_model_dir, tiny_draft_dir, e3_dir, tiny_prompts,
+                                                          algorithm, tp, pp):
+    """A tree tier, an off tier and a chain tier crossed by finishes and joins (three running of five): EAGLE-3 at
+    PP2 and EAGLE-2 at TP2 x PP2 equal their PP1 TP1 runs token for token, shape for shape and round for round."""
+    draft = e3_dir if algorithm == "eagle3" else tiny_draft_dir
+    prompts = tiny_prompts[:5]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 30, 9, 22, 7)]
+    table = {1: ["3x2x6"], 2: ["off"], 3: ["2x1x3"]}
+    ref = _gen_algo(tiny_model_dir, draft, algorithm, prompts, params, table, max_running_requests=3)
+    outs = _gen_algo(tiny_model_dir, draft, algorithm, prompts, params, table, max_running_requests=3, tp=tp, pp=pp,
+                     debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert {"3x2x6", "off", "2x1x3"} <= {s for o in ref for s in o.round_shapes}
+    assert max(a for o in ref for s, a in zip(o.round_shapes, o.accept_lengths) if s != "off") > 1   # drafts accepted
+
+
+def test_ema_under_pp_is_lossless_and_steps(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """The EMA at PP2 with a one-round dwell: every stage steps the same way (a stage that disagreed would raise
+    RelayError on the relayed shape), the greedy tokens equal plain decoding's, and the shapes change mid-request."""
+    prompts = tiny_prompts[:3]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 20, 16)]
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        plain = llm.generate(prompts, params)
+    table = {1: ["4x1x5", "2x1x3", "off"], "ema": {"alpha": 1.0, "down": 0.45, "up": 0.55, "probe": 2}}
+    outs = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, pp=2, debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(1 + sum(o.accept_lengths) == len(o.token_ids) for o in outs)
+    assert len({s for o in outs for s in o.round_shapes}) >= 2
