@@ -233,3 +233,31 @@ def test_ema_under_pp_is_lossless_and_steps(tiny_model_dir, tiny_draft_dir, tiny
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(1 + sum(o.accept_lengths) == len(o.token_ids) for o in outs)
     assert len({s for o in outs for s in o.round_shapes}) >= 2
+
+
+# ------------------------------------------------------------------------------ the sweep's proposal
+
+
+def test_sweep_proposes_the_best_shape_per_batch_then_fallbacks_and_merges_tiers():
+    from tools.adaptive_sweep import propose, shape_overrides
+    plain = {"gsm8k-test": {1: 1000.0, 8: 7000.0, 32: 12000.0}, "specbench": {1: 1000.0, 8: 7000.0, 32: 12000.0}}
+    res = {"off": plain,
+           "8x1x9": {"gsm8k-test": {1: 2500.0, 8: 7500.0, 32: 9000.0}, "specbench": {1: 1600.0, 8: 5000.0, 32: 7000.0}},
+           "3x1x4": {"gsm8k-test": {1: 2100.0, 8: 8700.0, 32: 13500.0}, "specbench": {1: 1700.0, 8: 6800.0, 32: 11700.0}}}
+    out = propose(res, [1, 8, 32])
+    # b=1: 8x1x9 scores sqrt(2.5*1.6)=2.0 > 3x1x4's 1.89; on specbench (its worse set) 3x1x4 is best
+    assert out["scores"][1]["8x1x9"] == pytest.approx(2.0) and out["table"][1] == ["8x1x9", "3x1x4"]
+    # b=8: 3x1x4 scores sqrt(8700/7000 * 6800/7000) = 1.099 and loses 2.9 % to plain on specbench: off appended
+    assert out["table"][8] == ["3x1x4", "off"]
+    # b=32: 3x1x4 (x1.047; specbench 2.5 % under plain): the same list, merged into the tier of 8
+    assert 32 not in out["table"] and list(out["table"]) == [1, 8]
+    # nothing beats plain by the margin: off alone
+    flat = {"off": plain, "3x1x4": {p: {b: v * 1.01 for b, v in r.items()} for p, r in plain.items()}}
+    assert propose(flat, [1, 8])["table"] == {1: ["off"]}
+    assert AdaptiveTable.parse(out["table"]).tiers[0][1] == (Shape(8, 1, 9), Shape(3, 1, 4))
+    with pytest.raises(ValueError, match="plain row"):
+        propose({"3x1x4": res["3x1x4"]}, [1])
+    assert shape_overrides("off") == {"spec": {"algorithm": None}}
+    assert shape_overrides("4x4x12") == {"spec": {"num_steps": 4, "topk": 4, "num_draft_tokens": 12}}
+    with pytest.raises(ConfigError, match="--shapes"):
+        shape_overrides("3x1x3")
