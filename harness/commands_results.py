@@ -104,4 +104,5 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
                     typer.echo("  graphs per tier: verify widths n=" + ", ".join(
                         str(n) for n in sorted({s.num_draft_tokens for s in shapes}, reverse=True))
                         + "; draft " + (", ".join(str(s) for s in shapes if not s.off) or "none"))
+                typer.echo("  rounds: host (the device and stage rounds are captured for one shape)")
             typer.echo(p.describe())
