@@ -202,12 +202,21 @@ def _gen_algo(model, draft, algorithm, prompts, params, table, **kw):
         return llm.generate(prompts, params)
 
 
-@pytest.mark.parametrize("algorithm,tp,pp", [("eagle3", 1, 2), ("eagle", 2, 2)], ids=["eagle3-pp2", "eagle-tp2xpp2"])
-def test_topologies_equal_pp1_with_a_tree_chain_off_table(tiny_model_dir, tiny_draft_dir, e3_dir, tiny_prompts,
-                                                          algorithm, tp, pp):
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_model_dir, tmp_path_factory):
+    """A DeepSeek-nextn MTP head for the tiny target (tools.tiny_mtp)."""
+    from tools.tiny_mtp import make_tiny_mtp
+    return str(make_tiny_mtp(tiny_model_dir, tmp_path_factory.mktemp("mtp") / "nextn", "deepseek_nextn"))
+
+
+@pytest.mark.parametrize("algorithm,tp,pp", [("eagle3", 1, 2), ("eagle", 2, 2), ("mtp", 1, 3)],
+                         ids=["eagle3-pp2", "eagle-tp2xpp2", "mtp-pp3"])
+def test_topologies_equal_pp1_with_a_tree_chain_off_table(tiny_model_dir, tiny_draft_dir, e3_dir, mtp_dir,
+                                                          tiny_prompts, algorithm, tp, pp):
     """A tree tier, an off tier and a chain tier crossed by finishes and joins (three running of five): EAGLE-3 at
-    PP2 and EAGLE-2 at TP2 x PP2 equal their PP1 TP1 runs token for token, shape for shape and round for round."""
-    draft = e3_dir if algorithm == "eagle3" else tiny_draft_dir
+    PP2, EAGLE-2 at TP2 x PP2 and an MTP head at PP3 equal their PP1 TP1 runs token for token, shape for shape and
+    round for round."""
+    draft = {"eagle3": e3_dir, "eagle": tiny_draft_dir, "mtp": mtp_dir}[algorithm]
     prompts = tiny_prompts[:5]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 30, 9, 22, 7)]
     table = {1: ["3x2x6"], 2: ["off"], 3: ["2x1x3"]}
