@@ -151,6 +151,15 @@ def shape_stats(outputs: Sequence) -> dict | None:
             "shapes": {k: {"rounds": len(v), "accept_length": sum(v) / len(v)} for k, v in sorted(shapes.items())}}
 
 
+class RoundsView:
+    """A per-request record (dict with ``accept_lengths`` and, under adaptive speculation, ``round_shapes`` /
+    ``round_tiers``) seen as an output by :func:`shape_stats`."""
+
+    def __init__(self, rec: dict):
+        self.accept_lengths = rec.get("accept_lengths") or []
+        self.round_shapes, self.round_tiers = rec.get("round_shapes") or [], rec.get("round_tiers") or []
+
+
 def shape_detail(sh: dict | None) -> str:
     """One line of :func:`shape_stats`: ``b>=1: 412 rounds (7x1x8 400, off 12), accept 3.10 | b>=8: ...``."""
     if not sh:

@@ -70,6 +70,10 @@ def test_summary_histogram_by_tier_and_shape():
     assert sh["shapes"]["off"] == {"rounds": 3, "accept_length": 4 / 3}
     assert shape_detail(sh) == "b>=1: 2 rounds (2x1x3 1, 3x1x4 1), accept 2.50 | b>=4: 3 rounds (off 3), accept 1.33"
     assert serving_summary(outs, 1.0)["adaptive"] == sh
+    from harness.stats import RoundsView
+    recs = [{"accept_lengths": o.accept_lengths, "round_shapes": o.round_shapes, "round_tiers": o.round_tiers}
+            for o in outs] + [{"accept_lengths": [3], "round_shapes": None, "round_tiers": None}]   # a resumed plain row
+    assert shape_stats([RoundsView(r) for r in recs]) == sh
     assert "adaptive" not in serving_summary([SimpleNamespace(accept_lengths=[2], arrival_time=0.0,
                                                               token_times=[1.0], token_ids=[0, 1])], 1.0)
 
