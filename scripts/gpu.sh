@@ -92,8 +92,9 @@
 #   adaptive-bench       one sitting, same cells at b=1/8/32: plain, fixed S4 n5 (the suite's), S3 n4, S8 n9, and
 #                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml
 #                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
-#                        b=8 of results/README.md "Draft depth against speed"), then the same table with the EMA
-#                        and off appended to each tier; sweep.md compares every row to plain per cell.
+#                        b=8 of results/README.md "Draft depth against speed"), S4 n5 on the host round (what a
+#                        table runs: the device round is one shape's), then the table with the EMA and off appended
+#                        to each tier; sweep.md compares every row to plain per cell.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -336,7 +337,7 @@ adaptive-bench)
   TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items()}; t['ema'] = {'alpha': 0.25, 'down': 0.3, 'up': 0.6, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
-  C="$C;adaptive=spec.adaptive=$T;adaptive_ema=spec.adaptive=$TE"
+  C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false;adaptive_ema=spec.adaptive=$TE"
   run bench 520 python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s 420 --batch-sizes 1,8,32 \
       --configs "$C" --prompts gsm8k-test,specbench --set bench.input_lens=[1024] --set bench.output_len=128 \
       --set bench.runs=2 --set bench.warmup=1 --out "$RUNS/bench"
