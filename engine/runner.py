@@ -226,7 +226,7 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
         table = self.spec.table if self.spec else None
-        if table is not None:                          # adaptive: a verify graph per tier width, a draft graph per shape
+        if table is not None:                          # adaptive: a verify graph per width, a draft graph per shape
             from .graphs import VerifyGraphSet
             self.graphs = VerifyGraphSet(self, max_bs, [s.num_draft_tokens for s in table.shapes])
         else:

@@ -72,7 +72,7 @@ def test_summary_histogram_by_tier_and_shape():
     assert serving_summary(outs, 1.0)["adaptive"] == sh
     from harness.stats import RoundsView
     recs = [{"accept_lengths": o.accept_lengths, "round_shapes": o.round_shapes, "round_tiers": o.round_tiers}
-            for o in outs] + [{"accept_lengths": [3], "round_shapes": None, "round_tiers": None}]   # a resumed plain row
+            for o in outs] + [{"accept_lengths": [3], "round_shapes": None, "round_tiers": None}]   # resumed, plain
     assert shape_stats([RoundsView(r) for r in recs]) == sh
     assert "adaptive" not in serving_summary([SimpleNamespace(accept_lengths=[2], arrival_time=0.0,
                                                               token_times=[1.0], token_ids=[0, 1])], 1.0)
@@ -256,7 +256,8 @@ def test_sweep_proposes_the_best_shape_per_batch_then_fallbacks_and_merges_tiers
     plain = {"gsm8k-test": {1: 1000.0, 8: 7000.0, 32: 12000.0}, "specbench": {1: 1000.0, 8: 7000.0, 32: 12000.0}}
     res = {"off": plain,
            "8x1x9": {"gsm8k-test": {1: 2500.0, 8: 7500.0, 32: 9000.0}, "specbench": {1: 1600.0, 8: 5000.0, 32: 7000.0}},
-           "3x1x4": {"gsm8k-test": {1: 2100.0, 8: 8700.0, 32: 13500.0}, "specbench": {1: 1700.0, 8: 6800.0, 32: 11700.0}}}
+           "3x1x4": {"gsm8k-test": {1: 2100.0, 8: 8700.0, 32: 13500.0},
+                     "specbench": {1: 1700.0, 8: 6800.0, 32: 11700.0}}}
     out = propose(res, [1, 8, 32])
     # b=1: 8x1x9 scores sqrt(2.5*1.6)=2.0 > 3x1x4's 1.89; on specbench (its worse set) 3x1x4 is best
     assert out["scores"][1]["8x1x9"] == pytest.approx(2.0) and out["table"][1] == ["8x1x9", "3x1x4"]

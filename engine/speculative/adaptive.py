@@ -184,7 +184,8 @@ class AdaptiveTable:
             out.append(f"  {rng:<9} " + " > ".join(map(str, ss)))
         if self.alpha is not None:
             out.append(f"  ema: alpha {self.alpha}, step cheaper below {self.down}, richer above {self.up} "
-                       f"(accept rate), at most every {math.ceil(1 / self.alpha)} rounds; off probes after {self.probe}")
+                       f"(accept rate), at most every {math.ceil(1 / self.alpha)} rounds; "
+                       f"off probes after {self.probe}")
         else:
             out.append("  no ema: each tier runs its first shape")
         return out
