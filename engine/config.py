@@ -25,8 +25,8 @@ def check_spec_fits(cfg: ModelConfig, spec: "SpecConfig") -> None:
     per-request reserve (num_draft_tokens + topk * num_steps KV slots) above the model's positions."""
     if not spec.enabled:
         return
-    if spec.topk > cfg.vocab_size:
-        raise ConfigError(f"spec.topk={spec.topk} is larger than the vocabulary ({cfg.vocab_size} tokens)")
+    if (k := max([spec.topk] + [s.topk for s in spec.table.shapes] if spec.table else [spec.topk])) > cfg.vocab_size:
+        raise ConfigError(f"spec.topk={k} is larger than the vocabulary ({cfg.vocab_size} tokens)")
     if spec.reserve_per_req > cfg.max_position_embeddings:
         raise ConfigError(f"spec: the per-request reserve num_draft_tokens + topk * num_steps = {spec.reserve_per_req}"
                           f" KV slots exceeds the model's {cfg.max_position_embeddings} positions; lower spec.topk, "
@@ -102,6 +102,7 @@ class SpecConfig:
                                           # drafts are mapped back to target ids, so PP relays target ids
     mtp_layout: str | None = None         # "mtp": deepseek_nextn / mimo / qwen3_next (engine.speculative.mtp); None: from
                                           # the checkpoint's tensor names
+    adaptive: dict | None = None          # shapes by batch size (engine.speculative.adaptive): {1: ["7x1x8"], 8: [off]}
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -129,6 +130,14 @@ class SpecConfig:
             if self.mtp_layout not in MTP_LAYOUTS:
                 raise ConfigError(f"spec.mtp_layout {self.mtp_layout!r}: unknown layout (supported: "
                                   f"{', '.join(MTP_LAYOUTS)})")
+        if self.adaptive is not None:
+            object.__setattr__(self, "adaptive", self.table.as_dict())
+
+    @property
+    def table(self):
+        """The parsed ``adaptive`` table (:class:`engine.speculative.adaptive.AdaptiveTable`), or None."""
+        from .speculative.adaptive import AdaptiveTable
+        return AdaptiveTable.parse(self.adaptive) if self.adaptive is not None and self.enabled else None
 
     @property
     def enabled(self) -> bool:
@@ -146,8 +155,9 @@ class SpecConfig:
 
     @property
     def reserve_per_req(self) -> int:
-        """KV slots reserved past seq_len per request: verify (n) plus tail-draft scratch (k*S)."""
-        return self.num_draft_tokens + self.topk * self.num_steps
+        """KV slots reserved past seq_len per request: verify (n) plus tail-draft scratch (k*S); the largest of the
+        adaptive table's shapes and this one."""
+        return max(self.num_draft_tokens + self.topk * self.num_steps, self.table.reserve if self.table else 0)
 
 
 @dataclass(frozen=True)

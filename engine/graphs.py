@@ -145,10 +145,11 @@ class CudaGraphRunner(_StageBuffers):
     """Captured decode / verify forwards of one stage (``runner.model``) over a batch-size ladder.
 
     Args: runner (the ModelRunner), max_bs (largest captured batch), verify_n (tokens per request of a verify
-    forward, or None), decode (capture decode graphs). Raises RuntimeError if the backend is not FlashInfer.
+    forward, or None), decode (capture decode graphs), pool (a CUDA graph memory pool shared with runners that
+    never replay concurrently; None: its own). Raises RuntimeError if the backend is not FlashInfer.
     """
 
-    def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True):
+    def __init__(self, runner, max_bs: int, verify_n: int | None, decode: bool = True, pool=None):
         model = runner.model
         self._bind(runner, model.layers[0].self_attn)
         self.backend.set_plan_key(runner.kv_pool, self.key)
@@ -157,6 +158,7 @@ class CudaGraphRunner(_StageBuffers):
         self.q_len = {**({"decode": 1} if decode else {}), **({"verify": verify_n} if verify_n else {})}
         max_q = max(self.q_len.values())
         self._init_buffers(model, self.max_bs * max_q)
+        self.pool = pool
         d, i64 = self.dev, torch.int64
         max_kv = runner.max_model_len + runner.reserve + max_q + 8
         self.attn = StageGraphAttention(self.backend, self.key, d, max_bs=self.max_bs, q_len=self.q_len,
@@ -232,6 +234,37 @@ class CudaGraphRunner(_StageBuffers):
         self.graphs[(kind, bs)].replay()
         self.num_replays += 1
         return self._outputs((kind, bs), t, aux)
+
+
+class VerifyGraphSet:
+    """The verify graphs of one stage under adaptive speculation: a :class:`CudaGraphRunner` per verify width
+    (num_draft_tokens of each table shape; off: 1), captured widest first into one shared memory pool; a batch
+    replays the runner whose width its requests have (``can_run`` / ``run`` / ``num_replays`` as one runner)."""
+
+    def __init__(self, runner, max_bs: int, widths):
+        self.runners: dict[int, CudaGraphRunner] = {}
+        pool = None
+        for n in sorted(set(widths), reverse=True):
+            g = CudaGraphRunner(runner, max_bs, verify_n=n, decode=False, pool=pool)
+            pool = g.pool
+            self.runners[n] = g
+
+    def _for(self, ctx: ForwardContext):
+        qo = ctx.qo_indptr
+        return self.runners.get(qo[1] - qo[0]) if ctx.mode == "verify" and len(qo) > 1 else None
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        g = self._for(ctx)
+        return g is not None and g.can_run(ctx)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
+            aux: list | None = None):
+        """:meth:`CudaGraphRunner.run` of the runner of ``ctx``'s width (see :meth:`can_run`)."""
+        return self._for(ctx).run(ids, pos, ctx, hidden, residual, aux)
+
+    @property
+    def num_replays(self) -> int:
+        return sum(g.num_replays for g in self.runners.values())
 
 
 class PrefillGraphRunner(_StageBuffers):

@@ -245,7 +245,7 @@ class LLM:
                     text = text[:text.index(s)]
         return RequestOutput(r.rid, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "length",
                              r.arrival_time, list(r.token_times), list(r.accept_lengths), r.num_retractions,
-                             r.error, r.num_cached_tokens)
+                             r.error, r.num_cached_tokens, list(r.round_shapes), list(r.round_tiers))
 
     def shutdown(self) -> None:
         """Stop and reap every rank (:func:`engine.ranks.reap`), then release the queues. Idempotent."""

@@ -123,7 +123,8 @@ class StepResult:
     chunks (prefill): per request (start, end, is_last). accept_nodes [B, S+1] and accept_lens [B] int64 (spec):
     accepted node ids (column 0 = root, -1 pad) and the number of tokens emitted. next_tree: the next verify
     trees (spec; None when they stay on the device, then ``num_draft_tokens`` gives n). error: the failure text
-    of a failed batch ("Type: first line").
+    of a failed batch ("Type: first line"). shape / next_shape (adaptive speculation): the verified round's shape
+    (accept_nodes [B, S+1]) and the next trees' shape; None: the SpecConfig's.
     """
 
     kind: str
@@ -136,6 +137,8 @@ class StepResult:
     next_tree: DraftTree | None = None
     num_draft_tokens: int | None = None
     error: str | None = None
+    shape: object | None = None           # adaptive (engine.speculative.adaptive.Shape): the verified round's shape
+    next_shape: object | None = None      # ... and next_tree's (None: the SpecConfig's)
 
     @staticmethod
     def failed(slot: int, rids: list[int], e: Exception) -> StepResult:
@@ -156,7 +159,7 @@ class StepResult:
         nodes = next(it) if self.accept_nodes is not None else None
         lens = next(it).view(-1) if self.accept_lens is not None else None
         return StepResult(self.kind, self.slot, self.rids, tokens, self.chunks, nodes, lens, self.next_tree,
-                          self.num_draft_tokens, self.error)
+                          self.num_draft_tokens, self.error, self.shape, self.next_shape)
 
     @property
     def tree_width(self) -> int:
@@ -194,12 +197,13 @@ class StepResult:
             raise RelayError(f"relay prefill carries {len(self.chunks) if isinstance(self.chunks, list) else 'no'} "
                              f"chunks for {B} requests")
         if spec is not None:
-            S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
+            vs, ns = self.shape or spec, self.next_shape or spec
+            S, k, n = ns.num_steps, ns.topk, ns.num_draft_tokens
             t = self.next_tree
             shapes = {"next_tree.tokens": (t.tokens, (B, n)),
-                      "next_tree.parent_list": (t.parent_list, (B, k * (S - 1) + 1)),
+                      "next_tree.parent_list": (t.parent_list, (B, k * (S - 1) + 1 if S else 0)),
                       "next_tree.top_scores_index": (t.top_scores_index, (B, n - 1)),
-                      "accept_nodes": (self.accept_nodes, (B, S + 1)), "accept_lens": (self.accept_lens, (B,))}
+                      "accept_nodes": (self.accept_nodes, (B, vs.num_steps + 1)), "accept_lens": (self.accept_lens, (B,))}
             for key, (x, shp) in shapes.items():
                 if tuple(x.shape) != shp:
                     raise RelayError(f"relay {key} has shape {tuple(x.shape)}, expected {shp}")

@@ -131,10 +131,12 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         staged = cuda and _visible_gpus(config.world_size) < config.world_size
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
-    rounds = config._auto_for(config.spec_overlap, dev)
+    adaptive = bool(spec) and spec.adaptive is not None      # per-round shapes: host-synchronous rounds, host trees
+    rounds = config._auto_for(config.spec_overlap, dev) and not adaptive
     spec_overlap = bool(spec) and rounds and pp1 and config.tp == 1
     stage_round = bool(spec) and not spec_overlap and rounds
-    device_tree = bool(spec) and (config._auto_for(config.spec_device_tree, dev) or spec_overlap or stage_round)
+    device_tree = bool(spec) and not adaptive and (config._auto_for(config.spec_device_tree, dev) or spec_overlap
+                                                    or stage_round)
     round_ = None if not spec else "device" if spec_overlap else "stage" if stage_round else "host"
     overlap = config._auto_for(config.overlap_schedule, dev) and pp1 and spec is None
     loop = "lookahead" if overlap else "spec_rounds" if spec_overlap else "plain" if pp1 else "ring"

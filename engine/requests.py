@@ -114,7 +114,10 @@ class Req:
                                           # outputs but the last, which becomes the root again)
     prefilled: int = 0
     tree: DraftTree | None = None         # next verify tree (one row: tokens [n], col 0 = root)
+    tree_shape: object | None = None      # adaptive speculation: the Shape ``tree`` was drafted at
     accept_lengths: list[int] = field(default_factory=list)
+    round_shapes: list[str] = field(default_factory=list)   # adaptive: each verify round's shape ("3x1x4", "off")
+    round_tiers: list[int] = field(default_factory=list)    # adaptive: each verify round's tier (its smallest batch size)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_retractions: int = 0
@@ -136,6 +139,7 @@ class ScheduledBatch:
     slot: int
     reqs: list[Req]
     chunks: list[tuple[int, int, bool]] = field(default_factory=list)   # prefill: (start, end, is_last)
+    shape: object | None = None           # verify under adaptive speculation: the round's Shape (else the SpecConfig's)
 
     @property
     def rids(self) -> list[int]:
@@ -159,6 +163,8 @@ class RequestOutput:
     num_retractions: int = 0
     error: str | None = None               # finish_reason "error": why the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last admission)
+    round_shapes: list[str] = field(default_factory=list)    # adaptive speculation: each verify round's shape
+    round_tiers: list[int] = field(default_factory=list)     # ... and its tier (the tier's smallest batch size)
 
 
 def stop_string_hit(r: Req, detok) -> bool:

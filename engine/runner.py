@@ -119,7 +119,7 @@ class ModelRunner:
         detok = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.sched = Scheduler(self.capacity, config.max_running_requests, self.max_model_len, self.reserve,
                                bool(self.spec), config.max_prefill_tokens, s.pp_size, eos, detok, record_times,
-                               PREFIX_BLOCK if config.prefix_cache else 0)
+                               PREFIX_BLOCK if config.prefix_cache else 0, spec.table)
         # every stage rebuilds verify trees: on the device (plan.device_tree), else on the host
         self.tree_ops = None
         if self.spec:
@@ -225,21 +225,35 @@ class ModelRunner:
         from .graphs import CudaGraphRunner
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         n = self.spec.num_draft_tokens if self.spec else None
-        self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
+        table = self.spec.table if self.spec else None
+        if table is not None:                          # adaptive: a verify graph per width, a draft graph per shape
+            from .graphs import VerifyGraphSet
+            self.graphs = VerifyGraphSet(self, max_bs, [s.num_draft_tokens for s in table.shapes])
+        else:
+            self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)
         max_tok = min(cfg.cuda_graph_prefill_max_tokens, cfg.max_prefill_tokens, self.max_model_len)
         if "prefill" in kinds and max_tok > 0:
             from .graphs import PrefillGraphRunner
             self.prefill_graphs = PrefillGraphRunner(self, max_tok)
         if self.draft is not None:
             from .speculative.draft_graphs import DraftGraphRunner
-            self.draft_graphs = DraftGraphRunner(self, max_bs, extend="draft_extend" in kinds)
+            extend = "draft_extend" in kinds
+            if table is None:
+                self.draft_graphs = DraftGraphRunner(self, max_bs, extend=extend)
+            else:                                      # largest reserve first: the others reuse its pool
+                self.draft_graphs, pool = {}, None
+                for s in sorted((s for s in table.shapes if not s.off), key=lambda s: -s.reserve):
+                    g = DraftGraphRunner(self, max_bs, extend=extend, spec=self.eagle.spec_of(s), pool=pool)
+                    self.draft_graphs[s], pool = g, g.pool
 
     def graph_replays(self) -> dict:
         """Cumulative CUDA-graph replays of this rank by runner: ``stage`` (decode / verify), ``prefill``, ``draft``
         (tail draft), ``draft_round`` (draft extend + tail draft); runners not captured are left out."""
         g, p, d = self.graphs, self.prefill_graphs, self.draft_graphs
+        ds = list(d.values()) if isinstance(d, dict) else [d] if d is not None else []
         return {k: v for k, v in (("stage", g and g.num_replays), ("prefill", p and p.num_replays),
-                                  ("draft", d and d.num_replays), ("draft_round", d and d.num_round_replays))
+                                  ("draft", sum(x.num_replays for x in ds) if ds else None),
+                                  ("draft_round", sum(x.num_round_replays for x in ds) if ds else None))
                 if v is not None}
 
     def aux_slots(self, proxy) -> list | None:

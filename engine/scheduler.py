@@ -9,6 +9,7 @@ import time
 import torch
 
 from .config import ConfigError
+from .speculative.adaptive import AdaptivePolicy
 from .speculative.tree_host import commit_order
 from .kv_manager import KVManager
 from .messages import StepResult
@@ -22,7 +23,7 @@ class Scheduler:
 
     def __init__(self, capacity: int, max_reqs: int, max_model_len: int, reserve: int, spec: bool,
                  max_prefill_tokens: int, num_slots: int, eos_ids: tuple[int, ...], detok=None,
-                 record_times: bool = False, prefix_block: int = 0):
+                 record_times: bool = False, prefix_block: int = 0, adaptive=None):
         self.kv = KVManager(capacity, max_reqs, max_model_len + reserve + 1, prefix_block)
         self.allocator, self.rows, self.cache = self.kv.allocator, self.kv.rows, self.kv.cache
         self._rt_np = self.kv.rt_np
@@ -33,6 +34,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.pending = Arrivals()            # deferred requests not yet arrived (open-loop load)
         self.max_concurrency = max_reqs
+        self.policy = AdaptivePolicy(adaptive) if adaptive is not None else None    # adaptive speculation
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -116,7 +118,14 @@ class Scheduler:
             self._retract(running.pop())
         if not running:
             return None
-        return ScheduledBatch("verify" if self.spec else "decode", slot, running)
+        batch = ScheduledBatch("verify" if self.spec else "decode", slot, running)
+        if self.policy is not None:
+            self.policy.assign(batch, self.reqs.values())
+        return batch
+
+    def predict_shape(self, slot: int):
+        """Adaptive: the shape to draft ``slot``'s next trees at (``AdaptivePolicy.predict``), else None."""
+        return self.policy.predict(self.reqs.values()) if self.policy is not None else None
 
     def _schedule_prefill(self, slot: int) -> ScheduledBatch | None:
         """Admit waiting requests into ``slot`` and give its prefilling requests their next chunks, within the
@@ -234,7 +243,8 @@ class Scheduler:
         out = out.on_host()                       # one device->host copy for a result still on the device
         toks = out.tokens.tolist()
         if kind == "verify":
-            n = out.tree_width
+            n = out.tree_width if out.shape is None else out.shape.num_draft_tokens
+            tier = self.policy.commit(out) if self.policy is not None else None
             perm = commit_order(out.accept_nodes, out.accept_lens, n)     # all rows at once (numpy)
             alens = out.accept_lens.tolist()
             rt = self._rt_np
@@ -251,7 +261,7 @@ class Scheduler:
                     continue                      # a middle chunk's token is a placeholder: no token, no tree
                 r.status = "running"
                 if self.spec:
-                    r.tree = trees[i]
+                    r.tree, r.tree_shape = trees[i], out.next_shape
                     r.trees_seeded += 1
                 if not r.output_ids:              # a re-prefill after a retraction emits nothing (_retract)
                     self._emit(r, toks[i][:1], accept_length=None)
@@ -262,7 +272,10 @@ class Scheduler:
                 L, alen = r.seq_len, alens[i]
                 rt[r.row, L:L + n] = rt[r.row, L:L + n][perm[i]]
                 r.seq_len = L + alen
-                r.tree = trees[i] if trees is not None else None    # None: kept on the device
+                r.tree, r.tree_shape = trees[i] if trees is not None else None, out.next_shape   # None: on the device
+                if tier is not None:
+                    r.round_shapes.append(str(out.shape))
+                    r.round_tiers.append(tier)
                 self._emit(r, toks[i][:alen], accept_length=alen)
 
     def _emit(self, r: Req, toks: list[int], accept_length: int | None) -> None:

@@ -88,7 +88,8 @@ class Worker:
         if r.stage_rounds is not None and r.stage_rounds.can_run(batch):
             return self._stage_round(batch, inbox)
         eagle = r.eagle                                  # last stage only
-        tree = r.tree_ops.build(batch.reqs, self.spec.topk) if batch.kind == "verify" else None
+        shape = batch.shape                              # adaptive speculation: this verify round's Shape
+        tree = (r.tree_ops.build(batch.reqs, (shape or self.spec).topk) if batch.kind == "verify" else None)
         thash = tree_input_hash(tree) if tree is not None and self.config.debug_hash_rebuild else None
         if thash is not None and inbox.get("tree_hash") not in (None, thash):
             raise RelayError(f"stage {s.pp_rank}: rebuilt verify input differs from stage {s.pp_rank - 1}")
@@ -104,7 +105,8 @@ class Worker:
         qo = ctx.qo_indptr
         dfeat = r.draft_features(aux)                    # EAGLE-3: the draft's [T, 3H] feature, else None
         if batch.kind == "verify":
-            return eagle.verify(batch, hidden, tree, qo, draft_feature=dfeat)
+            return eagle.verify(batch, hidden, tree, qo, draft_feature=dfeat, shape=shape,
+                                next_shape=self.sched.predict_shape(batch.slot))
         out = StepResult(batch.kind, batch.slot, batch.rids, None)
         if batch.kind == "prefill":
             out.chunks = batch.chunks
@@ -122,7 +124,9 @@ class Worker:
         if self.spec is not None:
             # the draft's prefill is launched before the sampled tokens are read back (EagleWorker.after_prefill)
             B, S = len(batch.reqs), self.spec.num_steps
-            out.next_tree = eagle.after_prefill(batch, hidden if dfeat is None else dfeat, done, sampled, qo)
+            out.next_shape = self.sched.predict_shape(batch.slot)
+            out.next_tree = eagle.after_prefill(batch, hidden if dfeat is None else dfeat, done, sampled, qo,
+                                                out.next_shape)
             out.accept_nodes = torch.full((B, S + 1), -1, dtype=torch.int64)
             out.accept_lens = torch.zeros(B, dtype=torch.int64)
         if done:

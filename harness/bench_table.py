@@ -85,6 +85,10 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                          + "per position: share of "
                          "rounds accepting at least that many drafted tokens); tokens per round "
                          + ", ".join(f"{k}: {v}" for k, v in acc["hist"].items()))
+    for c in summary["cells"]:
+        if c["pooled"].get("adaptive"):
+            notes.append(f"adaptive speculation, input {c['input_len']} batch {c['batch_size']}: verify rounds "
+                         f"(per request) by tier, shape: {stats.shape_detail(c['pooled']['adaptive'])}")
     cat_rend, cat_md = ([], "")
     if summary.get("accept_by_category"):
         cat_rend, cat_md = prompt_sets.render_categories(summary["accept_by_category"],

@@ -183,6 +183,8 @@ def _overall(cfg: RunConfig, fmt: PromptFormat, runs: list[dict], records: list[
         "failed_requests_per_run": [r.get("failed_requests", 0) for r in runs],
         "first_error": next((r["first_error"] for r in runs if r.get("first_error")), None),
     })
+    if sh := stats.shape_stats([stats.RoundsView(d) for d in records]):
+        overall["adaptive"] = sh
     return {"kind": "gsm8k", "task": fmt.local_task, "num_fewshot": fmt.num_fewshot, "format": fmt.as_dict(),
             "limit": cfg.gsm8k.limit,
             "engine_info": info, "runs": runs, "overall": overall}

@@ -49,6 +49,9 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
     if o["accept_length"].get("per_position"):
         md2 += (f"\naccept length (all runs) {stats.accept_detail(o['accept_length'])}: "
                 + ("95% bootstrap CI over requests; " if o["accept_length"].get("ci95") else "") + "per position = share of rounds accepting at least that many drafted tokens\n")
+    if o.get("adaptive"):
+        md2 += ("\nadaptive speculation, verify rounds (per request) by tier, shape: "
+                f"{stats.shape_detail(o['adaptive'])}\n")
     agree = (f"run-to-run agreement (identical output): {fmt(o['agreement'], 'pct')}; "
              if o["runs"] > 1 and o.get("agreement") is not None else "")
     system = f"system instruction: {form['system_instruction']!r}; " if form.get("system_instruction") else ""

@@ -78,7 +78,8 @@ class PPSpecLM(LM):
         self.reset(order_seed=order_seed, seed=seed)
 
     METRICS = ("arrival_rank", "prompt_tokens", "cached_tokens", "output_tokens", "finish_reason", "error",
-               "accept_lengths", "ttft", "tpot", "e2e")   # error: why the engine failed it (finish_reason "error")
+               "accept_lengths", "ttft", "tpot", "e2e",   # error: why the engine failed it (finish_reason "error")
+               "round_shapes", "round_tiers")             # adaptive speculation only: each verify round's shape, tier
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PPSpecLM":
@@ -187,7 +188,9 @@ class PPSpecLM(LM):
                 rec = {"arrival_rank": rank[i], "prompt_tokens": len(o.prompt_token_ids),
                        "cached_tokens": o.num_cached_tokens, "output_tokens": len(o.token_ids),
                        "finish_reason": o.finish_reason, "error": getattr(o, "error", None),
-                       "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"]}
+                       "accept_lengths": list(o.accept_lengths), "ttft": m["ttft"], "tpot": m["tpot"], "e2e": m["e2e"],
+                       **({"round_shapes": list(o.round_shapes), "round_tiers": list(o.round_tiers)}
+                          if getattr(o, "round_shapes", None) else {})}
                 self.records[(inst.task_name, inst.doc_id)] = rec
                 items.append((inst, results[i], rec))
             finished += len(batch)

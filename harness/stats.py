@@ -120,7 +120,52 @@ def serving_summary(outputs: Sequence, wall_time: float, positions: int | None =
         "ttft": summarize([p["ttft"] for p in per]), "tpot": summarize([p["tpot"] for p in per]),
         "itl": summarize([x for p in per for x in p["itl"]]), "e2e": summarize([p["e2e"] for p in per]),
         "accept_length": accept_stats([o.accept_lengths for o in outputs], positions),
+        **({"adaptive": shapes} if (shapes := shape_stats(outputs)) else {}),
     }
+
+
+def shape_stats(outputs: Sequence) -> dict | None:
+    """Adaptive speculation: the verify rounds by tier and shape, from each output's ``round_tiers`` and
+    ``round_shapes`` (one entry per verify round, aligned with the last ``accept_lengths``).
+
+    Returns ``{"tiers": {"b>=8": {"rounds", "accept_length", "shapes": {"3x1x4": rounds, "off": rounds}}},
+    "shapes": {"3x1x4": {"rounds", "accept_length"}}}``, tiers by their smallest batch size, ``rounds`` counted per
+    request (a round of 8 requests counts 8), ``accept_length`` their mean; None when no output recorded shapes.
+    """
+    tiers: dict[int, dict] = {}
+    shapes: dict[str, list[int]] = {}
+    for o in outputs:
+        rs, rt = getattr(o, "round_shapes", None) or [], getattr(o, "round_tiers", None) or []
+        alens = o.accept_lengths[len(o.accept_lengths) - len(rs):]
+        for i, (shape, a) in enumerate(zip(rs, alens)):
+            shapes.setdefault(shape, []).append(a)
+            if i < len(rt):
+                t = tiers.setdefault(rt[i], {"rounds": 0, "sum": 0, "shapes": Counter()})
+                t["rounds"] += 1
+                t["sum"] += a
+                t["shapes"][shape] += 1
+    if not shapes:
+        return None
+    return {"tiers": {f"b>={k}": {"rounds": v["rounds"], "accept_length": v["sum"] / v["rounds"],
+                                  "shapes": dict(sorted(v["shapes"].items()))} for k, v in sorted(tiers.items())},
+            "shapes": {k: {"rounds": len(v), "accept_length": sum(v) / len(v)} for k, v in sorted(shapes.items())}}
+
+
+class RoundsView:
+    """A per-request record (dict with ``accept_lengths`` and, under adaptive speculation, ``round_shapes`` /
+    ``round_tiers``) seen as an output by :func:`shape_stats`."""
+
+    def __init__(self, rec: dict):
+        self.accept_lengths = rec.get("accept_lengths") or []
+        self.round_shapes, self.round_tiers = rec.get("round_shapes") or [], rec.get("round_tiers") or []
+
+
+def shape_detail(sh: dict | None) -> str:
+    """One line of :func:`shape_stats`: ``b>=1: 412 rounds (7x1x8 400, off 12), accept 3.10 | b>=8: ...``."""
+    if not sh:
+        return "-"
+    return " | ".join(f"{k}: {v['rounds']} rounds (" + ", ".join(f"{s} {n}" for s, n in v["shapes"].items())
+                      + f"), accept {v['accept_length']:.2f}" for k, v in sh["tiers"].items())
 
 
 def bootstrap_ci(values: Sequence[float], stat: Callable = np.mean, n_boot: int = 10_000,

@@ -84,6 +84,17 @@
 #                        starts (ARGS: --set ...). OUTDIR gets the checkpoint's JSON (per-epoch held-out accept length
 #                        per Spec-Bench category and on GSM8K test), then (if time is left) bench --prompts specbench
 #                        and gsm8k-test at b=1 with the best-epoch head, and that head in pieces.
+#   adaptive-sweep       tools.adaptive_sweep on the h200 suite (EAGLE-3 head, bf16, CUDA graphs): fixed shapes SHAPES
+#                        (default off 2x1x3 3x1x4 4x1x5 6x1x7 8x1x9 4x4x12; off = plain) x batch 1/2/4/8/16/32 x
+#                        prompts gsm8k-test and specbench, 1024-token prompts, 128 tokens, 2 runs after 1 warm-up;
+#                        one engine per shape, shapes left when 430 s are spent are skipped. OUTDIR gets sweep.json,
+#                        sweep.md and proposed_table.yaml (the spec.adaptive the sweep supports: tools.adaptive_sweep).
+#   adaptive-bench       one sitting, same cells at b=1/8/32: plain, fixed S4 n5 (the suite's), S3 n4, S8 n9, and
+#                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml
+#                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
+#                        b=8 of results/README.md "Draft depth against speed"), S4 n5 on the host round (what a
+#                        table runs: the device round is one shape's), then the table with the EMA and off appended
+#                        to each tier; sweep.md compares every row to plain per cell.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -96,7 +107,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 qwen-record selfgen-data train-eagle3-mixed"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 qwen-record selfgen-data train-eagle3-mixed adaptive-sweep adaptive-bench"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -306,6 +317,31 @@ spec-vs-plain)
   cell eagle3_chain && bench eagle3_chain 100 $H200 $B18 $EAGLE3 $(shape 3 1 4)
   cell eagle3_s5n6 && bench eagle3_s5n6 100 $H200 $B18 $EAGLE3 $(shape 5 1 6)
   cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 $(shape 4 4 12) ;;
+adaptive-sweep)
+  need gguf
+  run sweep 520 python3 -m tools.adaptive_sweep --config h200 --budget-s 430 --batch-sizes 1,2,4,8,16,32 \
+      --shapes "$(echo ${SHAPES:-off 2x1x3 3x1x4 4x1x5 6x1x7 8x1x9 4x4x12} | tr ' ' ,)" --prompts gsm8k-test,specbench \
+      --set bench.input_lens=[1024] --set bench.output_len=128 --set bench.runs=2 --set bench.warmup=1 \
+      --out "$RUNS/sweep"
+  cp "$RUNS"/sweep/sweep.json "$RUNS"/sweep/sweep.md "$out/" 2>/dev/null
+  cp "$RUNS"/sweep/proposed_table.yaml "$out/" 2>/dev/null ;;
+adaptive-bench)
+  need gguf
+  if [ -n "${TABLE:-}" ]; then
+    [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
+    T=$(python3 -c "import sys, yaml; print(yaml.safe_dump(yaml.safe_load(open(sys.argv[1]))['adaptive'], default_flow_style=True, width=10000).strip())" "$TABLE") \
+        || die "TABLE=$TABLE has no adaptive: table"
+  else
+    T="{1: [8x1x9], 8: [3x1x4]}"
+  fi
+  TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items()}; t['ema'] = {'alpha': 0.25, 'down': 0.3, 'up': 0.6, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
+  say "adaptive table: $T; with the EMA: $TE"
+  C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
+  C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false;adaptive_ema=spec.adaptive=$TE"
+  run bench 520 python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s 420 --batch-sizes 1,8,32 \
+      --configs "$C" --prompts gsm8k-test,specbench --set bench.input_lens=[1024] --set bench.output_len=128 \
+      --set bench.runs=2 --set bench.warmup=1 --out "$RUNS/bench"
+  cp "$RUNS"/bench/sweep.json "$RUNS"/bench/sweep.md "$out/" 2>/dev/null ;;
 llama8b-shape)
   need
   NP=$([ "$PEER" = 1 ] || echo --no-peer)

@@ -457,9 +457,9 @@ def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monke
         hid.append(hidden.clone())
         return real_greedy(self, hidden)
 
-    def after_prefill(self, batch, feature, done, sampled, qo):
+    def after_prefill(self, batch, feature, done, sampled, qo, *rest):
         hid.clear()
-        t = real_prefill(self, batch, feature, done, sampled, qo)
+        t = real_prefill(self, batch, feature, done, sampled, qo, *rest)
         for b, i in enumerate(done):
             chains.setdefault(batch.rids[i], []).append((t.tokens[i].tolist(), [h[b] for h in hid]))
         return t

@@ -18,6 +18,8 @@ CI_CASES = {
     750: "pp2-plain-stops-seeded",
     221: "pp1-plain-lookahead-context-cut-seeded",
     235: "pp2-tree-n2-below-steps-ahead-rounds-context-cut-chunk24-stops",
+    156: "pp2-adaptive-off-tree-chain-lockstep-pp1-parity-seeded-stops",
+    228: "tp2xpp2-adaptive-off-chain-wide-tree-lockstep-pp1-parity-seeded",
 }
 TIMEOUT_S = 120
 
@@ -28,7 +30,7 @@ def test_draw_is_reproducible_and_valid(tiny_model_dir):
         c = draw_case(seed, mc, tok)
         assert c == draw_case(seed, mc, tok)
         if c.spec is not None:
-            spec = SpecConfig("eagle", draft="x", **c.spec)          # validates the shape
+            spec = SpecConfig("eagle", draft="x", adaptive=c.adaptive, **c.spec)   # validates the shape and table
             reserve = spec.reserve_per_req
         else:
             reserve = 1
@@ -38,6 +40,18 @@ def test_draw_is_reproducible_and_valid(tiny_model_dir):
         assert c.max_model_len is None or c.max_model_len > max(len(r.prompt) for r in c.reqs)
         assert c.rounds in (("host", "device", "ahead") if c.spec else ("host", "lookahead") if c.pp == c.tp == 1
                             else ("host",))
+
+
+def test_adaptive_draws_leave_the_ci_cases_and_cover_tiers(tiny_model_dir):
+    from tools.fuzz import lockstep
+    mc, tok = load_model_config(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    cases = [draw_case(s, mc, tok) for s in range(300)]
+    ad = [c for c in cases if c.adaptive is not None]
+    assert all(draw_case(s, mc, tok).adaptive is None for s in CI_CASES if s not in (156, 228))
+    assert all(c.spec is not None and c.rounds == "host" and 1 in c.adaptive for c in ad)
+    assert any("ema" in c.adaptive for c in ad) and any("off" in v for c in ad for v in c.adaptive.values())
+    assert any(lockstep(c) and c.pp > 1 and "ema" not in c.adaptive for c in ad)
+    assert all(draw_case(s, mc, tok).adaptive is not None and lockstep(draw_case(s, mc, tok)) for s in (156, 228))
 
 
 def test_expected_output_rules():

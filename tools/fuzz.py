@@ -15,7 +15,13 @@ process of its own (``--child``), killed with its process group after ``--timeou
   near-tie or not from the target's top-2 logits at the first differing position);
 - a stop that fires gives finish_reason "stop", token ids ending where the stop completes, and text without the
   stop string ("stop");
-- seeded sampled outputs equal the same request run alone on the same engine ("seeded");
+- seeded sampled outputs equal the same request run alone on the same engine ("seeded"; under an adaptive table
+  only where the request ran the same shapes alone: the coins a round consumes follow its shape);
+- adaptive speculation (``spec.adaptive``, a tier table drawn over the case's shape, other chains and trees and
+  ``off``, with or without the EMA): one shape and tier per verify round, each the table's, an accept length
+  within the shape (1 when off) ("shape"); without the EMA, in a case whose requests all enter the first prefill
+  batch (:func:`lockstep`), the requests at PP > 1 run the shapes and accept lengths of the same case at PP1
+  (TP1), round for round, unless either run retracted ("parity");
 - ``1 + sum(accept_lengths) == len(token_ids)`` for every speculative request ("accept");
 - zero KV slots and zero ``req_to_token`` rows held at idle (the engine's own check at the end of every
   ``generate``, every rank), and nothing left queued after a rejected
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("hang", "error", "leak", "mismatch", "seeded", "stop", "accept", "finish", "poison")
+KINDS = ("hang", "error", "leak", "mismatch", "seeded", "stop", "accept", "finish", "poison", "shape", "parity")
 SUMMARY_NAMES = {"hang": "hangs", "error": "errors", "leak": "leaks", "mismatch": "mismatches"}
 
 
@@ -75,11 +81,16 @@ class Case:
                                         # round, else the stage round); plain at pp=1 tp=1:
                                         # host | lookahead (decode step t+1 launched before step t is read back)
     max_model_len: int | None = None    # a context shorter than some prompt + max_new (None: the model's)
+    adaptive: dict | None = None        # spec.adaptive: {batch size: [shapes]} (+ ema); host rounds
 
     def describe(self) -> str:
         sp = "plain" if self.spec is None else (
             f"chain(S{self.spec['num_steps']})" if self.spec["topk"] == 1 else
             "tree(S{num_steps} k{topk} n{num_draft_tokens})".format(**self.spec))
+        if self.adaptive is not None:
+            sp += " adaptive{" + "; ".join(f"{k}: {','.join(v) if isinstance(v, list) else v}"
+                                           for k, v in self.adaptive.items() if k != "ema") + "}"
+            sp += " ema" if "ema" in self.adaptive else ""
         if self.spec is not None and self.rounds != "host":
             sp += f" {self.rounds}-rounds"
         elif self.rounds == "lookahead":
@@ -165,7 +176,46 @@ def draw_case(seed: int, mc, tok, with_spec: bool = True) -> Case:
         case.max_model_len = max(len(r.prompt) for r in reqs) + ctx.randint(1, 40)
         if case.poison == "too_big":
             case.poison = "bad_id"
+    ad = random.Random(seed * 7919 + 39)     # (salt 39: the CI cases of tests/test_fuzz.py draw no table)
+    if spec is not None and ad.random() < 0.35:
+        draw_adaptive(case, ad, reserve)
     return case
+
+
+def _shape_str(rng: random.Random, spec: dict) -> str:
+    """A chain or tree near ``spec`` (or spec itself), as 'SxKxN'."""
+    kind = rng.choice(["own", "chain", "tree"])
+    if kind == "own":
+        return "{num_steps}x{topk}x{num_draft_tokens}".format(**spec)
+    if kind == "chain":
+        S = rng.randint(1, 5)
+        return f"{S}x1x{S + 1}"
+    k, S = rng.randint(2, 3), rng.randint(2, 4)
+    return f"{S}x{k}x{rng.randint(2, 1 + k + (S - 1) * k * k)}"
+
+
+def draw_adaptive(case: Case, rng: random.Random, reserve: int) -> None:
+    """Give ``case`` an adaptive table: tier 1 and 1-2 larger tiers up to 6 (so a running batch of 1-8 requests
+    crosses them), each 1-2 shapes from the case's own, other chains and trees, and ``off``; half the time an EMA
+    that steps often. The pool grows by the table's extra reserve, rounds are host rounds. Half the PP cases
+    without the EMA are made :func:`lockstep` (every request running, one prefill batch, a large pool)."""
+    keys = [1] + sorted(rng.sample(range(2, 7), rng.randint(1, 2)))
+    table = {}
+    for k in keys:
+        shapes = [_shape_str(rng, case.spec) if rng.random() < 0.75 else "off" for _ in range(rng.randint(1, 2))]
+        table[k] = list(dict.fromkeys(shapes))
+    if rng.random() < 0.5:
+        table["ema"] = {"alpha": rng.choice([0.25, 0.5, 1.0]), "down": 0.3, "up": 0.6, "probe": rng.randint(2, 8)}
+    from engine.speculative.adaptive import AdaptiveTable
+    extra = AdaptiveTable.parse(table).reserve - reserve
+    if extra > 0 and case.max_num_tokens < 16384:
+        case.max_num_tokens += extra
+    case.adaptive, case.rounds = table, "host"
+    if "ema" not in table and case.pp > 1 and len(case.reqs) <= 8 and rng.random() < 0.5:
+        case.max_running_requests, case.max_prefill_tokens, case.max_num_tokens = len(case.reqs), 2048, 16384
+        case.pool_kind = "large"                    # lockstep: the PP1 parity twin runs (_check_pp1_parity)
+        if case.poison == "too_big":
+            case.poison = "bad_id"
 
 
 def choose_stops(case: Case, refs: dict[int, list[int]], eos: set[int], detok) -> None:
@@ -312,7 +362,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
     choose_stops(case, refs, eos, detok)
     res["desc"] = case.describe()
     params = [params_of(r) for r in case.reqs]
-    spec = SpecConfig("eagle", draft=draft, pp_spec=True, **case.spec) if case.spec else SpecConfig()
+    spec = (SpecConfig("eagle", draft=draft, pp_spec=True, adaptive=case.adaptive, **case.spec) if case.spec
+            else SpecConfig())
     cfg = EngineConfig(model=model, tp=case.tp, pp=case.pp, max_num_tokens=case.max_num_tokens,
                        max_prefill_tokens=case.max_prefill_tokens,
                        max_running_requests=case.max_running_requests, spec=spec,
@@ -337,6 +388,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
             res["retractions"] = sum(o.num_retractions for o in outs)
             for i, (r, p, o) in enumerate(zip(case.reqs, params, outs)):
                 _check_output(i, r, p, o, refs.get(i), case, eos, detok, fail, diagnose)
+                if case.adaptive is not None:
+                    _check_shapes(i, o, case, fail)
             if (why := idle_problem(llm)) is not None:
                 fail("leak", f"after generate: {why}")
             for i, (r, p, o) in enumerate(zip(case.reqs, params, outs)):
@@ -348,6 +401,8 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
                 except Exception as e:                      # noqa: BLE001
                     fail(_classify(e), f"req {i} alone: {_one_line(e)}")
                     break
+                if case.adaptive is not None and alone.round_shapes != o.round_shapes:
+                    continue                        # other shapes consume other coins: no equality to expect
                 if alone.token_ids != o.token_ids:
                     k = next((j for j, (a, b) in enumerate(zip(alone.token_ids, o.token_ids)) if a != b),
                              min(len(alone.token_ids), len(o.token_ids)))
@@ -358,6 +413,9 @@ def run_case(seed: int, model: str, draft: str | None, result: str | Path | None
             phase("poison")
             _poison(case, llm, refs, greedy, eos, detok, fail)
     phase("shutdown")
+    if outs is not None and case.adaptive is not None and "ema" not in case.adaptive and case.pp > 1:
+        phase("pp1 twin")
+        _check_pp1_parity(case, model, cfg, params, outs, fail)
     for i, k, want, got in diagnose:
         try:
             why = top2_diagnosis(model, case.reqs[i].prompt + refs[i][:k], want, got)
@@ -398,6 +456,64 @@ def _check_output(i, r: ReqDraw, p, o, ref, case: Case, eos, detok, fail, diagno
     fail("mismatch", f"req {i}: greedy output differs from PP1 at token {k} (got {got[k]}, PP1 {ref[k]}; "
                      f"prompt {len(r.prompt)} tokens, retractions {o.num_retractions})")
     diagnose.append((i, k, ref[k], got[k]))
+
+
+def _check_shapes(i: int, o, case: Case, fail) -> None:
+    """Adaptive: one table shape and tier per verify round, accept lengths within the shape (see the module doc)."""
+    from engine.speculative.adaptive import AdaptiveTable, Shape
+    table = AdaptiveTable.parse(case.adaptive)
+    shapes = {str(s): s for s in table.shapes}
+    keys = {bs for bs, _ in table.tiers}
+    if len(o.round_shapes) != len(o.accept_lengths) or len(o.round_tiers) != len(o.accept_lengths):
+        fail("shape", f"req {i}: {len(o.round_shapes)} round shapes and {len(o.round_tiers)} tiers for "
+                      f"{len(o.accept_lengths)} verify rounds")
+        return
+    for j, (sh, t, a) in enumerate(zip(o.round_shapes, o.round_tiers, o.accept_lengths)):
+        if sh not in shapes or t not in keys or sh not in {str(s) for s in dict(table.tiers)[t]}:
+            fail("shape", f"req {i} round {j}: shape {sh} tier {t} is not the table's")
+            return
+        s: Shape = shapes[sh]
+        if not 0 <= a <= s.num_steps + 1:
+            fail("shape", f"req {i} round {j}: accept length {a} at shape {sh}")
+            return
+
+
+def lockstep(case: Case) -> bool:
+    """Whether the case's requests all enter the first prefill batch whole (at most ``max_running_requests`` of
+    them, their prompts within one chunk budget, a pool that holds them all): then PP1 and every PP depth run them
+    as one batch round for round, and only finishes move it across tiers. Elsewhere the tier of a round is
+    timeline-dependent: a prefill step stalls PP1's whole batch but one micro-batch of a PP ring, so a request can
+    cross a tier a round earlier or later than at PP1 (lossless either way)."""
+    need = sum(min(len(r.prompt) + r.max_new, case.max_model_len or 1 << 30) for r in case.reqs)
+    return (len(case.reqs) <= case.max_running_requests and case.poison != "too_big"
+            and sum(len(r.prompt) for r in case.reqs) <= case.max_prefill_tokens
+            and need + 64 * len(case.reqs) <= case.max_num_tokens)
+
+
+def _check_pp1_parity(case: Case, model: str, cfg, params, outs, fail) -> None:
+    """Adaptive without the EMA: the case at PP1 TP1 (every request, the same parameters) gives every request the
+    same round shapes and accept lengths as at ``case.pp`` (the tier follows the running batch, which the PP ring
+    keeps in PP1's order)."""
+    import dataclasses
+
+    from engine import LLM
+    if not lockstep(case) or any(o.num_retractions for o in outs):
+        return                                      # a retraction is timed by the pool: PP1's may differ
+    try:
+        with LLM(dataclasses.replace(cfg, pp=1, tp=1)) as llm:
+            twin = llm.generate([r.prompt for r in case.reqs], params)
+    except Exception as e:                                  # noqa: BLE001
+        fail("error", f"pp1 twin: {_one_line(e)}")
+        return
+    if any(o.num_retractions for o in twin):
+        return
+    for i, (o, t) in enumerate(zip(outs, twin)):
+        if (o.round_shapes, o.accept_lengths) != (t.round_shapes, t.accept_lengths):
+            j = next((j for j, (a, b) in enumerate(zip(o.round_shapes, t.round_shapes)) if a != b), None)
+            fail("parity", f"req {i}: pp{case.pp} rounds {len(o.round_shapes)} vs pp1 {len(t.round_shapes)}, "
+                           + (f"first shape difference at round {j} ({o.round_shapes[j]} vs {t.round_shapes[j]})"
+                              if j is not None else f"accept lengths differ {o.accept_lengths} vs {t.accept_lengths}"))
+            return
 
 
 def _poison(case: Case, llm, refs, greedy, eos, detok, fail) -> None:

@@ -21,16 +21,18 @@ class DraftGraphRunner:
     slot 0.
 
     Args: runner (ModelRunner with ``draft``, ``draft_pool``, ``spec``), max_bs (largest captured batch),
-    extend (also capture draft extend + beam search per batch size, :meth:`run_round`).
+    extend (also capture draft extend + beam search per batch size, :meth:`run_round`), spec (the shape to capture,
+    a SpecConfig; default ``runner.spec``: adaptive speculation captures one runner per shape), pool (a CUDA graph
+    memory pool to share with runners that never replay concurrently with this one; None: its own).
     Raises RuntimeError if the attention backend is not FlashInfer.
     """
 
-    def __init__(self, runner, max_bs: int, extend: bool = False):
+    def __init__(self, runner, max_bs: int, extend: bool = False, spec=None, pool=None):
         self.r = runner
         self.dev, self.dtype = runner.device, runner.dtype
         self.backend = graph_backend()
         self.key = plan_key(runner.draft.layer.self_attn, self.dtype)
-        spec = runner.spec
+        self.spec = spec = spec or runner.spec
         self.S, self.k = spec.num_steps, spec.topk
         self.W = min(self.S + 1, spec.num_draft_tokens)     # draft-extend rows per request after a verify
         self.extend = extend
@@ -53,7 +55,7 @@ class DraftGraphRunner:
             self.e_last = torch.zeros(self.max_bs, dtype=i64, device=d)
         self.graphs: dict = {}
         self.outputs: dict = {}
-        self.pool = None
+        self.pool = pool
         self.num_replays = 0
         self.num_round_replays = 0
         for bs in reversed(self.bs_list):
@@ -122,7 +124,7 @@ class DraftGraphRunner:
         ctx = ForwardContext(list(range(0, T + 1, self.W)), None, None, self.e_in[2, :T], self.r.draft_pool, "extend")
         self.attn.bind_extend(ctx, bs)
         hid = self.r.eagle.draft_forward(self.e_in[0, :T], self.e_feat[:T], self.e_in[1, :T], ctx, planned=True)
-        return draft_beam_search(self.r.eagle, hid[self.e_last[:bs]], self.scratch[:bs], step_inputs)
+        return draft_beam_search(self.r.eagle, hid[self.e_last[:bs]], self.scratch[:bs], step_inputs, self.spec)
 
     @torch.inference_mode()
     def _capture(self, bs: int, with_extend: bool = False) -> None:
@@ -139,7 +141,7 @@ class DraftGraphRunner:
                 return self._round_body(bs, step_inputs)
         else:
             def body():
-                return draft_beam_search(self.r.eagle, self.last_h[:bs], self.scratch[:bs], step_inputs)
+                return draft_beam_search(self.r.eagle, self.last_h[:bs], self.scratch[:bs], step_inputs, self.spec)
         g, out, self.pool = capture(body, self.dev, self.pool)
         key = ("round" if with_extend else "beam", bs)
         self.graphs[key] = g

@@ -4,15 +4,18 @@ nodes come first in path order; every stage's scheduler applies it to ``req_to_t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..attention.backend import ForwardContext, d2h, get_backend, h2d, set_context
 from ..messages import DraftTree, StepResult
+from .adaptive import Shape
 from .tree_host import commit_order
 from .tree import draft_step_select, organize_draft_results, over_accept, verify_tree_sampling
 
 
-def draft_beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+def draft_beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs, spec=None):
     """EAGLE-2 beam search of the draft (SGLang ``draft_forward``), free of host syncs.
 
     last_hidden [B, H] (draft output of the last extend row), scratch [B, k, S-1] int64 on the same
@@ -20,19 +23,20 @@ def draft_beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_
     ancestry of scratch slots (``hist``).
     ``step_inputs(s, hist_s [B, k, s]) -> (positions [B*k], ForwardContext, planned)`` lays out step s's attention.
     Returns (draft_tokens [B, n-1], parent_list [B, k(S-1)+1], top_scores_index [B, n-1]), int64.
-    ``w``: the :class:`EagleWorker`.
+    ``w``: the :class:`EagleWorker`; ``spec``: the shape to draft (default ``w.spec``).
     """
-    if w.spec.is_chain:
-        return _chain_search(w, last_hidden, scratch, step_inputs)
-    return _beam_search(w, last_hidden, scratch, step_inputs)
+    spec = spec or w.spec
+    if spec.is_chain:
+        return _chain_search(w, last_hidden, scratch, step_inputs, spec)
+    return _beam_search(w, last_hidden, scratch, step_inputs, spec)
 
 
-def _beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+def _beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs, spec=None):
     """The general EAGLE-2 beam search of :func:`draft_beam_search` (any k; a chain too, as the reference)."""
-    spec = w.spec
+    spec = spec or w.spec
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, H = last_hidden.shape
-    p, t = w.draft_topk(last_hidden)
+    p, t = w.draft_topk(last_hidden, spec)
     beam_scores, beam_tok, _, s_rec, t_rec, p_rec = draft_step_select(0, k, None, p.unsqueeze(1), t.unsqueeze(1))
     scores, tokens, parents = [s_rec], [t_rec], [p_rec]
     beam_hid = last_hidden.unsqueeze(1).expand(B, k, H)
@@ -41,7 +45,7 @@ def _beam_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_input
         hist_s = torch.cat([hist, scratch[:, :, s - 1:s]], dim=2)
         pos, ctx, planned = step_inputs(s, hist_s)
         out = w.draft_forward(beam_tok.reshape(-1), beam_hid.reshape(B * k, H), pos, ctx, planned=planned)
-        p, t = w.draft_topk(out)
+        p, t = w.draft_topk(out, spec)
         beam_scores, beam_tok, parent_beam, s_rec, t_rec, p_rec = draft_step_select(
             s, k, beam_scores, p.view(B, k, k), t.view(B, k, k))
         scores.append(s_rec), tokens.append(t_rec), parents.append(p_rec)
@@ -66,10 +70,10 @@ def chain_constants(B: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]
 _CHAIN_CONSTANTS: dict = {}
 
 
-def _chain_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs):
+def _chain_search(w, last_hidden: torch.Tensor, scratch: torch.Tensor, step_inputs, spec=None):
     """:func:`draft_beam_search` for a chain (k = 1, n = S + 1): S greedy draft tokens, one per step; the
     identity beam bookkeeping is skipped (same outputs as :func:`_beam_search`)."""
-    S = w.spec.num_steps
+    S = (spec or w.spec).num_steps
     B = last_hidden.shape[0]
     tok = w.draft_greedy(last_hidden)
     drafts, hid = [tok], last_hidden
@@ -108,6 +112,24 @@ class EagleWorker:
         self.hot_head, self.probs, self.coins, self.drop_tree = hot_head, probs, coins, drop_tree
         self.over_accept = over_accept
         self.draft_graphs = None
+        self._specs = {}                                  # adaptive: the SpecConfig of each drafted Shape
+
+    def spec_of(self, shape):
+        """The SpecConfig drafting at ``shape`` (an adaptive Shape, not off; None: ``spec`` itself)."""
+        if shape is None or Shape.of(self.spec) == shape:
+            return self.spec
+        if shape not in self._specs:
+            self._specs[shape] = dataclasses.replace(self.spec, num_steps=shape.num_steps, topk=shape.topk,
+                                                     num_draft_tokens=shape.num_draft_tokens, adaptive=None)
+        return self._specs[shape]
+
+    def graphs_for(self, spec):
+        """The draft graphs (``DraftGraphRunner``) captured at ``spec``'s shape, or None: ``draft_graphs`` is one
+        runner at ``self.spec``'s shape, or under adaptive speculation a dict of runners by :class:`Shape`."""
+        g = self.draft_graphs
+        if isinstance(g, dict):
+            return g.get(Shape.of(spec))
+        return g if spec is self.spec else None
 
     # ------------------------------------------------------------------------------------ draft model
     @torch.inference_mode()
@@ -122,17 +144,18 @@ class EagleWorker:
         finally:
             set_context(None)
 
-    def draft_topk(self, hidden: torch.Tensor):
+    def draft_topk(self, hidden: torch.Tensor, spec=None):
         """(top-k probabilities [R, k] float32, their token ids [R, k] int64) of the draft's next-token
         distribution (a chain, k = 1: ones and the argmax). With ``hot_head`` the scores cover the hot subset and the
-        ids are mapped to target ids."""
-        if self.spec.is_chain:
+        ids are mapped to target ids. ``spec``: the drafted shape (default ``self.spec``)."""
+        spec = spec or self.spec
+        if spec.is_chain:
             idx = self.draft_greedy(hidden).view(-1, 1)
             return torch.ones(idx.shape, dtype=torch.float32, device=idx.device), idx
         if self.hot_head is not None:
-            return self.hot_head.topk(hidden, self.spec.topk)
+            return self.hot_head.topk(hidden, spec.topk)
         logits = self.target.compute_logits(hidden)
-        top, idx = logits.topk(self.spec.topk, dim=-1)
+        top, idx = logits.topk(spec.topk, dim=-1)
         return torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), idx
 
     def draft_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,12 +169,17 @@ class EagleWorker:
         return self.draft_forward(h2d(ids, dev), features, h2d(pos, dev), ctx)     # (h2d: no-op for device ids)
 
     def tail_draft(self, rows: list[torch.Tensor], L_new: list[int], root: torch.Tensor,
-                   last_hidden: torch.Tensor) -> DraftTree:
+                   last_hidden: torch.Tensor, shape=None) -> DraftTree:
         """Draft the next tree of each request. rows: committed req_to_token rows (host; slots valid up to
-        L_new + k*(S-1)); root [B] int64 (the bonus token); last_hidden [B, H]. Returns trees on the drafts' device."""
-        S, k, dev = self.spec.num_steps, self.spec.topk, self.device
+        L_new + k*(S-1)); root [B] int64 (the bonus token); last_hidden [B, H]; ``shape``: the adaptive Shape to
+        draft at (off: the root alone; None: ``spec``). Returns trees on the drafts' device."""
         B = last_hidden.shape[0]
-        graphs = self.draft_graphs
+        if shape is not None and shape.off:
+            none = torch.zeros(B, 0, dtype=torch.int64, device=last_hidden.device)
+            return with_root(root, none, none, none)
+        spec = self.spec_of(shape)
+        S, k, dev = spec.num_steps, spec.topk, self.device
+        graphs = self.graphs_for(spec)
         if graphs is not None and graphs.can_run(B):
             drafts, parent_list, tsi = graphs.run(last_hidden, rows, L_new)
         else:
@@ -164,22 +192,22 @@ class EagleWorker:
                 return pos, ForwardContext(list(range(B * k + 1)), kv, None, hist_s[:, :, -1].reshape(-1), None,
                                            "decode"), False
 
-            drafts, parent_list, tsi = draft_beam_search(self, last_hidden, h2d(scratch, dev), step_inputs)
+            drafts, parent_list, tsi = draft_beam_search(self, last_hidden, h2d(scratch, dev), step_inputs, spec)
         return with_root(root, drafts, parent_list, tsi)
 
-    def _fault(self, tree: DraftTree, root: torch.Tensor) -> DraftTree:
+    def _fault(self, tree: DraftTree, root: torch.Tensor, shape=None) -> DraftTree:
         """``drop_tree``: a degenerate chain with zero drafts instead of ``tree`` (harness sensitivity check)."""
-        return DraftTree.degenerate(d2h(root), self.spec) if self.drop_tree else tree
+        return DraftTree.degenerate(d2h(root), shape or self.spec) if self.drop_tree else tree
 
     # ------------------------------------------------------------------------------------ rounds
     def after_prefill(self, batch, feature: torch.Tensor, done: list[int], sampled: torch.Tensor | None,
-                      qo: list[int]) -> DraftTree:
+                      qo: list[int], shape=None) -> DraftTree:
         """Draft extend over every prefill chunk, then tail-draft the first tree of prompts that completed.
 
         done: batch indices of the requests whose prompt completed in this batch; sampled [len(done)] int64: the
         tokens sampled at their ends, on the target's device (None when ``done`` is empty). A middle chunk's
         shifted input ends with the next real prompt token (SGLang #26329). Returns host trees [B, ...]
-        (degenerate rows for requests not done).
+        (degenerate rows for requests not done) at ``shape`` (adaptive; None: ``spec``).
         """
         rt, dev = self.req_to_token, self.device
         ids, kv, locs, pos = [], [], [], []
@@ -196,23 +224,24 @@ class EagleWorker:
             last_rows = h2d(torch.tensor([qo[i + 1] - 1 for i in done]), dev)    # each completed chunk's last row
             ids_d[last_rows] = root
         hid = self.draft_extend(ids_d, feature, torch.cat(pos), torch.cat(locs), kv, qo)
-        out = DraftTree.degenerate(torch.zeros(len(batch.reqs), dtype=torch.int64), self.spec)
+        out = DraftTree.degenerate(torch.zeros(len(batch.reqs), dtype=torch.int64), shape or self.spec)
         if not done:
             return out
         if self.spec.draft_after_prefill:
             rows = [rt[batch.reqs[i].row] for i in done]
-            tree = self.tail_draft(rows, [batch.chunks[i][1] for i in done], root, hid[last_rows])
+            tree = self.tail_draft(rows, [batch.chunks[i][1] for i in done], root, hid[last_rows], shape)
         else:
-            tree = DraftTree.degenerate(d2h(root), self.spec)
-        return out.with_rows(done, self._fault(tree, root).to_host())
+            tree = DraftTree.degenerate(d2h(root), shape or self.spec)
+        return out.with_rows(done, self._fault(tree, root, shape).to_host())
 
     def verify(self, batch, feature: torch.Tensor, tree, qo: list[int],
-               draft_feature: torch.Tensor | None = None) -> StepResult:
+               draft_feature: torch.Tensor | None = None, shape=None, next_shape=None) -> StepResult:
         """Verify the batch's trees (``tree``: their TreeInfo), draft-extend the accepted path and tail-draft the
         next trees; feature [B*n, H]: the target's last hidden state per tree node; draft_feature [B*n, F]: what the
-        draft reads per node (default ``feature``; EAGLE-3: the aux features, 3H)."""
+        draft reads per node (default ``feature``; EAGLE-3: the aux features, 3H). Adaptive: ``shape`` is the
+        verified trees' Shape (off: the root alone, S = 0), ``next_shape`` the one to draft (None: ``spec``)."""
         dfeat = feature if draft_feature is None else draft_feature
-        spec, reqs = self.spec, batch.reqs
+        spec, reqs = shape or self.spec, batch.reqs
         S, n, B = spec.num_steps, spec.num_draft_tokens, len(reqs)
         logits = self.target.compute_logits(feature)                           # [B*n, V]
         if all(r.params.greedy for r in reqs):
@@ -249,15 +278,18 @@ class EagleWorker:
         pos = (Ls.unsqueeze(1) + torch.arange(W)).reshape(-1)
         locs = torch.cat(locs)
         last = torch.arange(B) * W + alen - 1
-        graphs = self.draft_graphs
+        vs, ns = shape or Shape.of(self.spec), next_shape or Shape.of(self.spec)
+        # a captured round extends W rows of its own shape, then drafts at it
+        graphs = self.graphs_for(self.spec_of(ns)) if vs == ns and not ns.off else None
         if graphs is not None and graphs.extend and graphs.can_run(B):
             nxt = with_root(bonus, *graphs.run_round(dfeat, fidx, ids, pos, locs, kv, last, rows, L_new))
         else:
             hid = self.draft_extend(ids, dfeat[h2d(fidx, dfeat.device)], pos, locs, kv,
                                     list(range(0, B * W + 1, W)))
-            nxt = self.tail_draft(rows, L_new, bonus, hid[h2d(last, hid.device)])
+            nxt = self.tail_draft(rows, L_new, bonus, hid[h2d(last, hid.device)], next_shape)
         return StepResult("verify", batch.slot, batch.rids, emitted, accept_nodes=accept_nodes, accept_lens=alen,
-                          next_tree=self.tree_ops.relay(self._fault(nxt, bonus)))
+                          next_tree=self.tree_ops.relay(self._fault(nxt, bonus, next_shape)), shape=shape,
+                          next_shape=next_shape)
 
 
 def with_root(root: torch.Tensor, drafts: torch.Tensor, parent_list: torch.Tensor, tsi: torch.Tensor) -> DraftTree:

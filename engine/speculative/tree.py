@@ -170,7 +170,7 @@ def verify_result(tree: TreeInfo, accept_nodes: Tensor, num: Tensor, bonus: Tens
     B, W = accept_nodes.shape
     cols = torch.arange(W, device=num.device)
     drafts = tree.candidates.gather(1, accept_nodes[:, 1:].clamp(min=0))
-    drafts = torch.cat([drafts, drafts[:, :1]], dim=1)
+    drafts = torch.cat([drafts, tree.candidates[:, :1]], dim=1)      # the bonus column's filler (W = 1: off)
     emitted = torch.where(cols < num.unsqueeze(1), drafts, -1)
     emitted = torch.where(cols == num.unsqueeze(1), bonus.unsqueeze(1), emitted)
     return VerifyResult(accept_nodes, num, num + 1, emitted, bonus)

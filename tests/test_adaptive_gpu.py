@@ -1,0 +1,84 @@
+"""GPU only: adaptive speculation (``spec.adaptive``) with CUDA graphs per tier against its eager twin.
+
+Under an adaptive table each stage captures a verify graph per table width (num_draft_tokens; ``off``: 1) and the
+last stage a draft graph set (beam search, draft extend + beam search) per drafted shape
+(engine.graphs.VerifyGraphSet, engine.speculative.draft_graphs.DraftGraphRunner). The replayed run must give the
+eager run's tokens, accept lengths and round shapes exactly, at pp=1 and pp=2 (two ranks on this GPU), for a
+chain <-> tree table and a tree <-> off table, while the running batch crosses tiers (two running of four requests
+with different lengths, then one).
+
+Fixture: the 4-layer random bf16 Llama of :data:`helpers.TINY_GPU` shape and its EAGLE-3 head
+(:func:`tools.tiny.make_tiny_eagle3`), as tests/test_eagle3_gpu.py; captured batch sizes 1 and 2 (no padded replay).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+TABLES = {"chain-tree": {1: ["3x1x4"], 2: ["3x2x6"]}, "tree-off": {1: ["3x2x6"], 2: ["off"]}}
+LENS = (128, 256, 64, 128)
+NEW = (16, 40, 24, 32)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from helpers import make_model, write_word_tokenizer
+    from tools.tiny import EAGLE3_RECIPE, make_tiny_eagle3
+    d = tmp_path_factory.mktemp("adaptive_graphs")
+    cfg = make_model(d / "model", layers=4)
+    write_word_tokenizer(d / "model", cfg.vocab_size)
+    make_tiny_eagle3(d / "model", d / "eagle3", **EAGLE3_RECIPE)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in LENS]
+    return d / "model", d / "eagle3", prompts
+
+
+def _run(setup, table: dict, graph: bool, pp: int):
+    model, draft, prompts = setup
+    spec = SpecConfig(algorithm="eagle3", draft=str(draft), pp_spec=True, num_steps=3, topk=1, num_draft_tokens=4,
+                      adaptive=table)
+    cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16", attention_backend="flashinfer", spec=spec,
+                       pp=pp, cuda_graph=graph, cuda_graph_max_bs=2, max_running_requests=2, max_num_tokens=8192,
+                       max_prefill_tokens=128, dist_timeout_s=120)
+    try:
+        with LLM(cfg) as llm:
+            outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW])
+            return ([o.token_ids for o in outs], [o.accept_lengths for o in outs], [o.round_shapes for o in outs],
+                    llm.last_stage_stats, llm.plan)
+    finally:
+        set_backend(TorchBackend())
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("table", list(TABLES))
+def test_adaptive_graphs_per_tier_equal_eager(setup, table, pp):
+    eager = _run(setup, TABLES[table], False, pp)
+    graph = _run(setup, TABLES[table], True, pp)
+    assert graph[4].round == "host" and "verify" in graph[4].graphs and "draft" in graph[4].graphs, graph[4]
+    reps = [s["graph_replays"] for s in sorted(graph[3], key=lambda s: s["pp_rank"])]
+    shapes = {s for rs in graph[2] for s in rs}
+    print(f"adaptive {table} pp={pp}: graph replays per stage {reps}; shapes {sorted(shapes)}")
+    assert shapes == {s for ss in TABLES[table].values() for s in ss}, shapes      # both tiers ran
+    assert all(r["stage"] > 0 for r in reps) and reps[-1]["draft"] > 0, reps
+    assert eager[2] == graph[2], "round shapes differ between graph replay and eager"
+    if eager[:2] != graph[:2]:
+        from helpers import divergences, reference_logits
+        model, _, prompts = setup
+        try:
+            divergences(f"adaptive {table} pp={pp}", prompts, eager[0], graph[0], reference_logits(model),
+                        near_best=True)
+            kind = "bf16 near-ties only"
+        except AssertionError as e:
+            kind = f"beyond bf16 near-ties ({e})"
+        finally:
+            set_backend(TorchBackend())
+        pytest.fail(f"adaptive {table} pp={pp}: graph replay differs from eager (tokens equal {eager[0] == graph[0]}, "
+                    f"accept lengths equal {eager[1] == graph[1]}); {kind}")

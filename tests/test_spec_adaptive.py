@@ -1,0 +1,277 @@
+"""Adaptive speculation (engine.speculative.adaptive): the tier table's syntax and errors, the EMA policy, tree
+fitting, and on the tiny model: a one-tier table equals the fixed shape, tier changes keep the greedy output and the
+draft's acceptance (off keeps the draft KV current), PP2 equals PP1."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from engine import LLM, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from engine.messages import DraftTree, RelayError, StepResult
+from engine.speculative.adaptive import OFF, AdaptivePolicy, AdaptiveTable, Shape, fit_tree
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def test_table_syntax_yaml_toml_and_canonical_form():
+    y = yaml.safe_load("{1: [7x1x8, 3x1x4], 8: [[3, 1, 4], off], 32: off, ema: {alpha: 0.5, down: 0.2, up: 0.5}}")
+    t = AdaptiveTable.parse(y)
+    assert [bs for bs, _ in t.tiers] == [1, 8, 32]
+    assert t.tiers[0][1] == (Shape(7, 1, 8), Shape(3, 1, 4)) and t.tiers[1][1] == (Shape(3, 1, 4), OFF)
+    assert t.tiers[2][1] == (OFF,) and t.alpha == 0.5 and t.probe == 32
+    assert AdaptiveTable.parse(t.as_dict()) == t
+    assert AdaptiveTable.parse({"1": ["3x2x6"], "4": "off"}).tiers == ((1, (Shape(3, 2, 6),)), (4, (OFF,)))  # TOML
+    assert t.reserve == 8 + 7 and [t.tier(b) for b in (1, 7, 8, 31, 32, 99)] == [0, 0, 1, 1, 2, 2]
+    assert t.describe().startswith("b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off | b>=32: off; ema alpha 0.5")
+    spec = SpecConfig(algorithm="eagle", adaptive=y)
+    assert spec.adaptive == t.as_dict() and spec.table == t and spec.reserve_per_req == 15
+
+
+@pytest.mark.parametrize("value,needle", [
+    ({1: ["3x1x3"]}, "with topk=1 num_draft_tokens must be num_steps+1=4"),
+    ({1: ["3x2x20"]}, "exceeds the candidate count"),
+    ({1: ["0x1x1"]}, "needs num_steps >= 1"),
+    ({1: ["fast"]}, "shape 'fast' is not 'SxKxN'"),
+    ({0: ["off"]}, "batch size 0 must be an integer >= 1"),
+    ({"big": ["off"]}, "key 'big' is neither a batch size nor 'ema'"),
+    ({1: []}, "tier 1 lists no shape"),
+    ({1: ["off"], "ema": {"alpha": 2}}, "alpha must be in (0, 1]"),
+    ({1: ["off"], "ema": {"alpha": 0.5, "down": 0.6, "up": 0.4}}, "need 0 <= down < up <= 1"),
+    ({1: ["off"], "ema": {"down": 0.1}}, "alpha required"),
+    ([1, 2], "must be a mapping"),
+])
+def test_table_errors_are_one_line(value, needle):
+    with pytest.raises(ConfigError) as e:
+        SpecConfig(algorithm="eagle", adaptive=value)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_lines_name_each_tier_range():
+    t = AdaptiveTable.parse({1: ["7x1x8", "3x1x4"], 2: ["3x1x4"], 8: ["off"], "ema": {"alpha": 0.25}})
+    assert t.lines() == ["  b=1       7x1x8 > 3x1x4", "  b=2-7     3x1x4", "  b>=8      off",
+                         "  ema: alpha 0.25, step cheaper below 0.3, richer above 0.6 (accept rate), at most every 4 "
+                         "rounds; off probes after 32"]
+    assert AdaptiveTable.parse({4: "2x1x3"}).lines()[-1] == "  no ema: each tier runs its first shape"
+
+
+def test_summary_histogram_by_tier_and_shape():
+    from types import SimpleNamespace
+
+    from harness.stats import serving_summary, shape_detail, shape_stats
+    outs = [SimpleNamespace(accept_lengths=[3, 1, 1, 2], round_shapes=["3x1x4", "off", "off", "2x1x3"],
+                            round_tiers=[1, 4, 4, 1], arrival_time=0.0, token_times=[1.0, 2.0], token_ids=[0] * 8),
+            SimpleNamespace(accept_lengths=[5, 2], round_shapes=["off"], round_tiers=[4], arrival_time=0.0,
+                            token_times=[1.0], token_ids=[0] * 8)]       # a round before the table's first: unaligned
+    sh = shape_stats(outs)
+    assert sh["tiers"] == {"b>=1": {"rounds": 2, "accept_length": 2.5, "shapes": {"2x1x3": 1, "3x1x4": 1}},
+                           "b>=4": {"rounds": 3, "accept_length": 4 / 3, "shapes": {"off": 3}}}
+    assert sh["shapes"]["off"] == {"rounds": 3, "accept_length": 4 / 3}
+    assert shape_detail(sh) == "b>=1: 2 rounds (2x1x3 1, 3x1x4 1), accept 2.50 | b>=4: 3 rounds (off 3), accept 1.33"
+    assert serving_summary(outs, 1.0)["adaptive"] == sh
+    from harness.stats import RoundsView
+    recs = [{"accept_lengths": o.accept_lengths, "round_shapes": o.round_shapes, "round_tiers": o.round_tiers}
+            for o in outs] + [{"accept_lengths": [3], "round_shapes": None, "round_tiers": None}]   # resumed, plain
+    assert shape_stats([RoundsView(r) for r in recs]) == sh
+    assert "adaptive" not in serving_summary([SimpleNamespace(accept_lengths=[2], arrival_time=0.0,
+                                                              token_times=[1.0], token_ids=[0, 1])], 1.0)
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+def test_policy_tiers_ema_hysteresis_and_probe():
+    t = AdaptiveTable.parse({1: ["4x1x5", "2x1x3", "off"], 8: ["off"],
+                             "ema": {"alpha": 0.5, "down": 0.3, "up": 0.6, "probe": 3}})
+    pol = AdaptivePolicy(t)
+    assert pol.choose(1) == Shape(4, 1, 5) and pol.choose(9) == OFF and pol.dwell == 2
+    pol.observe(0, Shape(4, 1, 5), [1, 1])            # rate 0: ema 0.45 -> 0.225, the step waits for the dwell
+    assert pol.choose(1) == Shape(4, 1, 5) and pol.ema == pytest.approx(0.225)
+    pol.observe(0, Shape(4, 1, 5), [1, 1])            # ema 0.1125 < down after 2 rounds: one step cheaper
+    assert pol.choose(1) == Shape(2, 1, 3)
+    pol.observe(0, Shape(2, 1, 3), [2])               # rate 0.5: ema 0.306, inside the band (and the dwell)
+    pol.observe(0, Shape(2, 1, 3), [2])               # ema 0.403: inside the band: no step
+    assert pol.choose(1) == Shape(2, 1, 3)
+    pol.observe(0, Shape(2, 1, 3), [3, 3])            # rate 1: ema 0.70 > up: one step richer
+    assert pol.choose(1) == Shape(4, 1, 5)
+    pol.pos[0] = 2
+    for _ in range(2):
+        pol.observe(0, OFF, [1])
+    assert pol.choose(1) == OFF
+    pol.observe(0, OFF, [1])                          # probe: 3 rounds off step back, ema restarts mid-band
+    assert pol.choose(1) == Shape(2, 1, 3) and pol.ema == pytest.approx(0.45)
+
+
+def test_commit_checks_the_relayed_shape():
+    pol = AdaptivePolicy(AdaptiveTable.parse({1: ["3x1x4"], 2: ["off"]}))
+    pol.slot_shape[0] = (Shape(3, 1, 4), 0)
+    res = StepResult("verify", 0, [5], torch.zeros(1, 2, dtype=torch.int64), accept_lens=torch.tensor([1]),
+                     shape=OFF)
+    with pytest.raises(RelayError, match="slot 0: verify result of shape off, scheduled 3x1x4"):
+        pol.commit(res)
+
+
+def test_fit_tree_keeps_a_chain_prefix_and_falls_back_for_trees():
+    chain = DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]))
+    short = fit_tree(chain, Shape(3, 1, 4), Shape(2, 1, 3))
+    assert short.tokens.tolist() == [9, 1, 2] and short.parent_list.tolist() == [-1, 0]
+    long = fit_tree(chain, Shape(3, 1, 4), Shape(5, 1, 6))
+    assert long.tokens.tolist() == [9, 1, 2, 3, 0, 0] and long.top_scores_index.tolist() == [0, 1, 2, 3, 4]
+    off = fit_tree(chain, Shape(3, 1, 4), OFF)
+    assert off.tokens.tolist() == [9] and off.parent_list.numel() == 0 and off.top_scores_index.numel() == 0
+    tree = fit_tree(chain, Shape(3, 1, 4), Shape(2, 2, 4))
+    assert tree.tokens.tolist() == [9, 0, 0, 0] and tree.parent_list.shape == (3,)
+    assert fit_tree(chain, Shape(3, 1, 4), Shape(3, 1, 4)) is chain
+
+
+# ------------------------------------------------------------------------------ the engine (tiny model)
+
+SHORT, LONG = 5, 20
+
+
+def _gen(model, draft, prompts, params, adaptive=None, pp=1, shape=(3, 1, 4), **kw):
+    spec = SpecConfig(algorithm="eagle", draft=draft, pp_spec=True, adaptive=adaptive,
+                      **dict(zip(("num_steps", "topk", "num_draft_tokens"), shape)))
+    with LLM(EngineConfig(model=model, spec=spec, pp=pp, **kw)) as llm:
+        return llm.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def two(tiny_prompts):
+    """A short and a long request: two run together (tier 2) until the short one finishes, then one (tier 1)."""
+    return [tiny_prompts[2], tiny_prompts[4]], [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                for n in (SHORT, LONG)]
+
+
+@pytest.mark.parametrize("shape,table", [((3, 1, 4), {1: ["3x1x4"]}), ((2, 2, 4), {1: ["2x2x4"]})])
+def test_one_tier_equals_the_fixed_shape(tiny_model_dir, tiny_draft_dir, two, shape, table):
+    prompts, params = two
+    fixed = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, shape=shape)
+    ad = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, shape=shape)
+    assert [o.token_ids for o in ad] == [o.token_ids for o in fixed]
+    assert [o.accept_lengths for o in ad] == [o.accept_lengths for o in fixed]
+    assert all(set(o.round_shapes) == {"x".join(map(str, shape))} for o in ad)
+    assert all(o.round_tiers == [1] * len(o.accept_lengths) for o in ad)
+
+
+def test_off_then_on_keeps_the_draft_current(tiny_model_dir, tiny_draft_dir, two):
+    """Off while both run, a chain once the short one finished: the long request's rounds after the first chain
+    round (whose tree was drafted off and padded) accept exactly what a fresh request re-prefilled at that
+    position accepts; a draft whose KV missed the off rounds would draft from stale context."""
+    prompts, params = two
+    fixed = _gen(tiny_model_dir, tiny_draft_dir, prompts, params)
+    ad = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive={1: ["3x1x4"], 2: ["off"]})
+    assert [o.token_ids for o in ad] == [o.token_ids for o in fixed]
+    long = ad[1]
+    m = long.round_shapes.index("3x1x4")
+    assert m >= 2 and set(long.round_shapes[:m]) == {"off"} and set(long.round_shapes[m:]) == {"3x1x4"}
+    assert long.accept_lengths[:m] == [1] * m
+    q = 1 + sum(long.accept_lengths[:m + 1])                   # tokens out after the first chain round
+    ref = _gen(tiny_model_dir, tiny_draft_dir, [prompts[1] + long.token_ids[:q - 1]],
+               [SamplingParams(max_new_tokens=LONG - q + 1, ignore_eos=True)])[0]
+    assert ref.token_ids == long.token_ids[q - 1:]
+    assert long.accept_lengths[m + 1:] == ref.accept_lengths
+    assert sum(ref.accept_lengths) / len(ref.accept_lengths) > 1.5        # the draft does accept
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pp_equals_pp1_across_tiers(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp):
+    """Finishes and joins (at most 2 running of 4) move the running batch across tiers mid-run; every PP stage
+    schedules the same shapes (a mismatch raises RelayError) and PP2 / PP3 equal PP1 token for token and round for
+    round."""
+    prompts = tiny_prompts[:4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 14, 9, 12)]
+    table = {1: ["4x1x5"], 2: ["2x1x3", "off"]}
+    ref = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, max_running_requests=2)
+    outs = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, pp=pp, max_running_requests=2,
+                debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert {"4x1x5", "2x1x3"} <= {s for o in ref for s in o.round_shapes}
+
+
+@pytest.fixture(scope="module")
+def e3_dir(tiny_model_dir):
+    """The tiny target's EAGLE-3 head (tools.tiny.make_tiny_eagle3, cached)."""
+    from tiny import cached_tiny_eagle3
+    return cached_tiny_eagle3()
+
+
+def _gen_algo(model, draft, algorithm, prompts, params, table, **kw):
+    spec = SpecConfig(algorithm=algorithm, draft=draft, pp_spec=True, adaptive=table, num_steps=3, topk=1,
+                      num_draft_tokens=4)
+    with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
+        return llm.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_model_dir, tmp_path_factory):
+    """A DeepSeek-nextn MTP head for the tiny target (tools.tiny_mtp)."""
+    from tools.tiny_mtp import make_tiny_mtp
+    return str(make_tiny_mtp(tiny_model_dir, tmp_path_factory.mktemp("mtp") / "nextn", "deepseek_nextn"))
+
+
+@pytest.mark.parametrize("algorithm,tp,pp", [("eagle3", 1, 2), ("eagle", 2, 2), ("mtp", 1, 3)],
+                         ids=["eagle3-pp2", "eagle-tp2xpp2", "mtp-pp3"])
+def test_topologies_equal_pp1_with_a_tree_chain_off_table(tiny_model_dir, tiny_draft_dir, e3_dir, mtp_dir,
+                                                          tiny_prompts, algorithm, tp, pp):
+    """A tree tier, an off tier and a chain tier crossed by finishes and joins (three running of five): EAGLE-3 at
+    PP2, EAGLE-2 at TP2 x PP2 and an MTP head at PP3 equal their PP1 TP1 runs token for token, shape for shape and
+    round for round."""
+    draft = {"eagle3": e3_dir, "eagle": tiny_draft_dir, "mtp": mtp_dir}[algorithm]
+    prompts = tiny_prompts[:5]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 30, 9, 22, 7)]
+    table = {1: ["3x2x6"], 2: ["off"], 3: ["2x1x3"]}
+    ref = _gen_algo(tiny_model_dir, draft, algorithm, prompts, params, table, max_running_requests=3)
+    outs = _gen_algo(tiny_model_dir, draft, algorithm, prompts, params, table, max_running_requests=3, tp=tp, pp=pp,
+                     debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert {"3x2x6", "off", "2x1x3"} <= {s for o in ref for s in o.round_shapes}
+    assert max(a for o in ref for s, a in zip(o.round_shapes, o.accept_lengths) if s != "off") > 1   # drafts accepted
+
+
+def test_ema_under_pp_is_lossless_and_steps(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """The EMA at PP2 with a one-round dwell: every stage steps the same way (a stage that disagreed would raise
+    RelayError on the relayed shape), the greedy tokens equal plain decoding's, and the shapes change mid-request."""
+    prompts = tiny_prompts[:3]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 20, 16)]
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        plain = llm.generate(prompts, params)
+    table = {1: ["4x1x5", "2x1x3", "off"], "ema": {"alpha": 1.0, "down": 0.45, "up": 0.55, "probe": 2}}
+    outs = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, pp=2, debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(1 + sum(o.accept_lengths) == len(o.token_ids) for o in outs)
+    assert len({s for o in outs for s in o.round_shapes}) >= 2
+
+
+# ------------------------------------------------------------------------------ the sweep's proposal
+
+
+def test_sweep_proposes_the_best_shape_per_batch_then_fallbacks_and_merges_tiers():
+    from tools.adaptive_sweep import propose, shape_overrides
+    plain = {"gsm8k-test": {1: 1000.0, 8: 7000.0, 32: 12000.0}, "specbench": {1: 1000.0, 8: 7000.0, 32: 12000.0}}
+    res = {"off": plain,
+           "8x1x9": {"gsm8k-test": {1: 2500.0, 8: 7500.0, 32: 9000.0}, "specbench": {1: 1600.0, 8: 5000.0, 32: 7000.0}},
+           "3x1x4": {"gsm8k-test": {1: 2100.0, 8: 8700.0, 32: 13500.0},
+                     "specbench": {1: 1700.0, 8: 6800.0, 32: 11700.0}}}
+    out = propose(res, [1, 8, 32])
+    # b=1: 8x1x9 scores sqrt(2.5*1.6)=2.0 > 3x1x4's 1.89; on specbench (its worse set) 3x1x4 is best
+    assert out["scores"][1]["8x1x9"] == pytest.approx(2.0) and out["table"][1] == ["8x1x9", "3x1x4"]
+    # b=8: 3x1x4 scores sqrt(8700/7000 * 6800/7000) = 1.099 and loses 2.9 % to plain on specbench: off appended
+    assert out["table"][8] == ["3x1x4", "off"]
+    # b=32: 3x1x4 (x1.047; specbench 2.5 % under plain): the same list, merged into the tier of 8
+    assert 32 not in out["table"] and list(out["table"]) == [1, 8]
+    # nothing beats plain by the margin: off alone
+    flat = {"off": plain, "3x1x4": {p: {b: v * 1.01 for b, v in r.items()} for p, r in plain.items()}}
+    assert propose(flat, [1, 8])["table"] == {1: ["off"]}
+    assert AdaptiveTable.parse(out["table"]).tiers[0][1] == (Shape(8, 1, 9), Shape(3, 1, 4))
+    with pytest.raises(ValueError, match="plain row"):
+        propose({"3x1x4": res["3x1x4"]}, [1])
+    assert shape_overrides("off") == {"spec": {"algorithm": None}}
+    assert shape_overrides("4x4x12") == {"spec": {"num_steps": 4, "topk": 4, "num_draft_tokens": 12}}
+    with pytest.raises(ConfigError, match="--shapes"):
+        shape_overrides("3x1x3")

@@ -1,0 +1,197 @@
+"""Sweep fixed draft shapes over batch sizes and prompt sets, and propose an adaptive table (``spec.adaptive``).
+
+``python -m tools.adaptive_sweep --config h200 --shapes off,3x1x4,4x1x5,8x1x9 --batch-sizes 1,8,32
+--prompts gsm8k-test,specbench --out DIR [--set KEY=VALUE ...]``
+
+For each shape (``off``: plain decoding, no draft) one engine is started from the suite (``--set`` as the CLI's), and
+``harness.bench.run_bench`` runs every batch size on every prompt set with it (floors and peer off). DIR gets
+``sweep.json`` (per shape, prompt set and batch size: tok/s of each run, accept length, TPOT), ``sweep.md`` (tok/s
+and the ratio to plain per cell) and ``proposed_table.yaml`` (:func:`propose`) with the measurements it came from.
+``--budget-s``: shapes not started within that many seconds of the start are skipped (named in sweep.json).
+
+``--mode bench`` runs whole configurations instead of shapes (``--configs "NAME=SETS;NAME=SETS"``, each SETS a
+``|``-separated list of KEY=VALUE overrides, e.g. ``adaptive=spec.adaptive={1: [8x1x9], 8: [3x1x4]}``), for the
+adaptive-vs-fixed sitting; the tables then compare each configuration to the first (plain) per cell.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def shape_overrides(shape: str) -> dict:
+    """The ``spec`` overrides of a shape name: ``off`` turns speculation off, ``SxKxN`` sets the three numbers."""
+    from engine.speculative.adaptive import Shape
+    s = Shape.parse(shape, "--shapes")
+    if s.off:
+        return {"spec": {"algorithm": None}}
+    return {"spec": {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens}}
+
+
+def propose(results: dict, batch_sizes: list[int], margin: float = 0.02) -> dict:
+    """The adaptive table a sweep supports.
+
+    ``results[shape][prompt_set][batch_size]`` = tok/s (``off`` = plain must be present). Per batch size each
+    shape's score is the geometric mean over prompt sets of its tok/s over plain's; the tier's list starts with the
+    best-scoring shape, then (for the EMA to step to when acceptance drops) the shape that is best on the prompt
+    set where the first one does worst, if another, then ``off`` when plain beats the first shape on some prompt set
+    by more than ``margin``. A best shape within ``margin`` of plain on the geometric mean is replaced by ``off``.
+    Consecutive batch sizes with the same list merge into one tier (keyed by the smallest). Returns
+    ``{"table": {bs: [shapes]}, "scores": {bs: {shape: score}}}``.
+
+    Raises:
+        ValueError: no ``off`` row, or a batch size missing from a prompt set of a shape.
+    """
+    import math
+    if "off" not in results:
+        raise ValueError("the sweep needs the plain row ('off') to score shapes against")
+    sets = sorted(results["off"])
+    table, scores = {}, {}
+    for b in batch_sizes:
+        ratio = {sh: {p: results[sh][p][b] / results["off"][p][b] for p in sets} for sh in results}
+        score = {sh: math.exp(sum(math.log(r[p]) for p in sets) / len(sets)) for sh, r in ratio.items()}
+        scores[b] = {sh: round(v, 4) for sh, v in score.items()}
+        best = max(score, key=lambda sh: (score[sh], sh == "off"))
+        if best != "off" and score[best] < 1 + margin:
+            best = "off"
+        tier = [best]
+        if best != "off":
+            worst = min(sets, key=lambda p: ratio[best][p])
+            alt = max(ratio, key=lambda sh: ratio[sh][worst])
+            if alt not in tier and alt != "off":
+                tier.append(alt)
+            if any(ratio[best][p] < 1 - margin for p in sets):
+                tier.append("off")
+        table[b] = tier
+    merged: dict[int, list[str]] = {}
+    for b in batch_sizes:
+        if not merged or list(merged.values())[-1] != table[b]:
+            merged[b] = table[b]
+    return {"table": merged, "scores": scores}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], prompt_sets: list[str], sets: dict,
+        out: Path, budget_s: float, log=print) -> dict:
+    """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict."""
+    from engine import LLM
+    from harness.bench import run_bench
+    from harness.resolve import merge, resolve
+    t0 = time.perf_counter()
+    res = {"config": config, "batch_sizes": batch_sizes, "prompt_sets": prompt_sets, "overrides": sets,
+           "rows": {}, "skipped": []}
+    for name, ov in entries:
+        if time.perf_counter() - t0 > budget_s:
+            res["skipped"].append(name)
+            log(f"{name}: skipped (budget {budget_s:.0f} s spent)")
+            continue
+        base = merge(sets, ov)
+        cfgs = {p: resolve(config, merge(base, {"bench": {"prompts": p, "batch_sizes": batch_sizes, "floors": False,
+                                                          "peer": False}}))
+                for p in prompt_sets}
+        first = cfgs[prompt_sets[0]]
+        t1 = time.perf_counter()
+        row = res["rows"].setdefault(name, {})
+        with LLM(first.engine) as llm:
+            start = time.perf_counter() - t1
+            for p, cfg in cfgs.items():
+                summary, _ = run_bench(cfg, llm=llm)
+                row[p] = {str(c["batch_size"]): {
+                    "tok_s": _mean(c["pooled"]["output_throughput_runs"]),
+                    "tok_s_runs": c["pooled"]["output_throughput_runs"],
+                    "accept_length": c["pooled"]["accept_length"]["mean"],
+                    "tpot_ms": None if c["pooled"]["tpot"]["mean"] is None else c["pooled"]["tpot"]["mean"] * 1e3,
+                    **({"adaptive": c["pooled"]["adaptive"]} if c["pooled"].get("adaptive") else {})}
+                    for c in summary["cells"]}
+                log(f"{name} {p}: " + ", ".join(f"b={b} {v['tok_s']:.0f} tok/s" for b, v in row[p].items()
+                                                if v["tok_s"] is not None))
+        row["_start_s"] = round(start, 1)
+        (out / "sweep.json").write_text(json.dumps(res, indent=1))
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def render(res: dict, base: str) -> str:
+    """sweep.md: per prompt set a table of tok/s (x ``base``) and accept length, a column per batch size."""
+    lines = [f"# {res['config']}: tok/s (x {base}), accept length; overrides {res['overrides']}", ""]
+    bs = [str(b) for b in res["batch_sizes"]]
+    for p in res["prompt_sets"]:
+        lines += [f"## prompts {p}", "", "| config | " + " | ".join(f"b={b}" for b in bs) + " |",
+                  "|---|" + "---:|" * len(bs)]
+        ref = res["rows"].get(base, {}).get(p, {})
+        for name, row in res["rows"].items():
+            cells = []
+            for b in bs:
+                c = row.get(p, {}).get(b)
+                if not c or c["tok_s"] is None:
+                    cells.append("-")
+                    continue
+                r = ref.get(b, {}).get("tok_s")
+                acc = c["accept_length"]
+                cells.append(f"{c['tok_s']:,.0f}" + (f" ({c['tok_s'] / r:.2f}x)" if r else "")
+                             + (f", {acc:.2f}" if acc and name != "off" else ""))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if res.get("skipped"):
+        lines.append(f"skipped (budget): {', '.join(res['skipped'])}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.adaptive_sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="h200")
+    ap.add_argument("--mode", choices=["sweep", "bench"], default="sweep")
+    ap.add_argument("--shapes", default="off,2x1x3,3x1x4,4x1x5,6x1x7,8x1x9")
+    ap.add_argument("--configs", default="", help="--mode bench: NAME=KEY=VALUE|KEY=VALUE;NAME=...")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--prompts", default="gsm8k-test,specbench")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE override (repeatable)")
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    from harness.cli_common import parse_sets
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bs = [int(x) for x in a.batch_sizes.split(",")]
+    prompts = a.prompts.split(",")
+    sets = parse_sets(a.sets)
+    if a.mode == "sweep":
+        entries = [(s.strip(), shape_overrides(s.strip())) for s in a.shapes.split(",")]
+    else:
+        entries = []
+        for item in filter(None, a.configs.split(";")):
+            name, _, kv = item.partition("=")
+            entries.append((name.strip(), parse_sets([x for x in kv.split("|") if x]) if kv else {}))
+    log = lambda m: print(m, flush=True)       # noqa: E731
+    res = run(a.config, entries, bs, prompts, sets, out, a.budget_s, log)
+    (out / "sweep.json").write_text(json.dumps(res, indent=1))
+    base = entries[0][0]
+    (out / "sweep.md").write_text(render(res, base))
+    if a.mode == "sweep":
+        got = {n: {p: {int(b): c["tok_s"] for b, c in row[p].items()} for p in prompts}
+               for n, row in res["rows"].items() if all(p in row for p in prompts)}
+        done = [b for b in bs if all(got[n][p].get(b) for n in got for p in prompts)]
+        if "off" in got and done:
+            prop = propose(got, done, a.margin)
+            import yaml
+            (out / "proposed_table.yaml").write_text(
+                "# proposed spec.adaptive from tools.adaptive_sweep (geometric mean over "
+                f"{', '.join(prompts)} of tok/s over plain, margin {a.margin})\n"
+                + yaml.safe_dump({"adaptive": {int(k): v for k, v in prop["table"].items()}}, default_flow_style=None)
+                + "# scores (x plain) per batch size:\n"
+                + "".join(f"#   b={b}: {json.dumps(s)}\n" for b, s in prop["scores"].items()))
+            log("proposed: " + json.dumps(prop["table"]))
+    print((out / "sweep.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
