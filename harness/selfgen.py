@@ -52,7 +52,8 @@ def generate_turns(model: str, o: dict, *, device: str, dtype: str, backend: str
     ``o["seed"]`` + i at ``temperature`` / ``top_p``, at most ``max_user_tokens`` tokens, stopping at the
     end-of-turn text or EOS. Returns [{"i", "text", "tokens", "finish"}] in order. With ``cache`` the turns are
     appended there chunk by chunk (4 x ``max_running`` turns each) and a later call with the same key reads them and
-    generates only the rest; another key: ConfigError. ``time_budget_s``: stop starting chunks once spent and
+    generates only the rest; another key: ConfigError. ``time_budget_s``: wall seconds of generation, counted from
+    the engine being ready (its load and any kernel compilation not included); stop starting chunks once spent and
     return the turns so far; the cache then records the stop (a ``{"budget_spent": count}`` line) and later calls
     use its turns as they are (a call cut off without that line continues where it stopped)."""
     t0 = time.perf_counter()
@@ -74,6 +75,7 @@ def generate_turns(model: str, o: dict, *, device: str, dtype: str, backend: str
     with LLM(EngineConfig(model=model, device=device, dtype=dtype, max_running_requests=max_running,
                           attention_backend=backend, max_prefill_tokens=16384,
                           max_num_tokens=max_running * (len(ids) + o["max_user_tokens"] + 16))) as llm:
+        t0 = time.perf_counter()                   # the budget is generation time: the engine's start is not in it
         while len(turns) < o["n"] and (time_budget_s is None or time.perf_counter() - t0 < time_budget_s):
             idx = range(len(turns), min(o["n"], len(turns) + 4 * max_running))   # 4 x: the batch stays full
             sps = [SamplingParams(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_user_tokens"],

@@ -170,3 +170,23 @@ def test_heldout_split_refuses_a_list_of_heldout_sets_of_another_size_before_gen
         heldout_split("smollm2", [{"source": "gsm8k"}], 4, None, 0, **kw)
     with pytest.raises(ConfigError, match="expected source gsm8k or selfgen"):
         heldout_split("smollm2", [{"source": "sharegpt"}], None, None, 0, **kw)
+
+
+def test_the_turn_budget_counts_from_the_engine_being_ready(monkeypatch):
+    """A time budget shorter than the engine's start still generates: the budget is generation time (a GPU call
+    once spent its whole 45 s on the model's load and the first kernel compilation and got no turn)."""
+    import time as _time
+
+    import engine
+    real = engine.LLM
+
+    class SlowStart(real):
+        def __init__(self, *a, **k):
+            _time.sleep(1.5)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(engine, "LLM", SlowStart)
+    o = selfgen.options({"n": 2, "max_user_tokens": 4, "seed": 3})
+    got = selfgen.generate_turns("smollm2", o, device="cpu", dtype="float32", max_running=2, time_budget_s=1.0,
+                                 log=lambda s: None)
+    assert len(got) == 2
