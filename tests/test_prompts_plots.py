@@ -176,7 +176,7 @@ def test_help_shows_effective_defaults_suites_and_an_example(tmp_path, monkeypat
     assert "[default: 128 from ppspec.toml]" in r.output and "[default: 1,8 from ppspec.toml]" in r.output
     assert "tiny_cpu" in r.output and "Example: ppspec bench" in r.output
     r = runner.invoke(app, ["gsm8k", "--config", "no_such_suite"])
-    assert r.exit_code == 2 and "run configs: gate, h200" in r.output and "matrix_cpu" not in r.output
+    assert r.exit_code == 2 and "run configs: gate, gate_qwen05b, h200" in r.output and "matrix_cpu" not in r.output
     # regression: an unknown --matrix listed every suite, run configs included
     r = runner.invoke(app, ["sweep", "--matrix", "no_such_matrix"])
     assert r.exit_code == 2 and "sweep matrices: matrix_cpu, pp_vs_tp, pp_vs_tp_cpu" in r.output
