@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,11 @@ def test_every_suite_resolves_dry_run_on_cpu(path):
         m = load_matrix(path)
         for c in m["cells"]:
             assert check_cell(c) is None, (c["name"], check_cell(c))
+        return
+    draft = (raw.get("spec") or {}).get("draft")
+    if draft and str(draft).startswith(".cache/") and not (REPO / draft).exists():
+        with pytest.raises(HarnessConfigError, match=re.escape(str(draft))):   # a locally built head, not built here:
+            _resolve_here(path)                                                 # one line naming it
         return
     cfg = _resolve_here(path, "train" if "train" in raw else "run")
     if "train" not in raw:
