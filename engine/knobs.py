@@ -121,7 +121,7 @@ REGISTRY: tuple[Knob, ...] = (
     Knob("PPSPEC_CPU_KV_TOKENS", "int", 0, _B, "KV pool tokens on CPU when max_num_tokens is unset (0: a share of "
          "the free host memory, engine.kv_cache.CPU_KV_SHARE)", "engine/kv_cache.py", "cpu_kv_tokens", minimum=0),
     Knob("PPSPEC_TOML", "str", "", _B, "path of ppspec.toml (empty: cwd and its parents, then the checkout)",
-         "harness/suites.py", "toml"),
+         "harness/core/suites.py", "toml"),
     Knob("PPSPEC_CACHE_DIR", "str", "", _B, "ppspec's cache: models/NAME/model.gguf, tokenizers/ (empty: "
          "$XDG_CACHE_HOME/ppspec, else ~/.cache/ppspec)", "engine/model/registry.py", "cache_dir"),
     Knob("PPSPEC_DEBUG", "bool", False, _D, "print the failing rank's traceback", "engine/llm.py", "debug"),

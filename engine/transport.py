@@ -188,7 +188,7 @@ PHASES = ("process", "schedule", "forward", "send", "recv")
 
 class StageStats:
     """Counters of one rank over one run; :meth:`finish` returns them as a JSON-able dict (summarised per stage by
-    ``harness.pp_metrics``)."""
+    ``harness.bench.pp_metrics``)."""
 
     def __init__(self, pp_rank: int, tp_rank: int, device: torch.device, loop: str, replays):
         """``loop``: the executor's name; ``replays``: a callable returning the rank's cumulative graph replay counts

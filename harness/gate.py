@@ -16,11 +16,11 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
-from harness import stats
-from harness.config import HarnessConfigError, RunConfig
-from harness.gsm8k import run_gsm8k
-from harness.gsm8k_task import FILTERS
-from harness.tables import both, fmt
+from harness.core import stats
+from harness.core.config import HarnessConfigError, RunConfig
+from harness.eval.gsm8k import run_gsm8k
+from harness.eval.task import FILTERS
+from harness.core.tables import both, fmt
 
 
 def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
@@ -42,7 +42,7 @@ def gate_configs(cfg: RunConfig) -> tuple[RunConfig, RunConfig]:
     base = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.baseline_pp, fault=None))
     cand = dataclasses.replace(cfg, gsm8k=work, engine=cfg.engine.replace(pp=g.candidate_pp))
     # both topologies are checked before the baseline runs (a refused candidate must not waste the baseline's run)
-    from .dryrun import check_topology
+    from harness.bench.dryrun import check_topology
     for c in (base, cand):
         check_topology(c)
     return base, cand

@@ -18,11 +18,11 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> None:
     """Run lm-eval's CLI with ``ppspec`` registered and the bundled-data gsm8k tasks on the include path."""
-    from harness.gsm8k_format import TASK_FILES
-    from harness.gsm8k_task import materialize_task, quiet_lm_eval
+    from harness.core.gsm8k_format import TASK_FILES
+    from harness.eval.task import materialize_task, quiet_lm_eval
     quiet_lm_eval()
-    import harness.lmeval_model  # noqa: F401  (registers "ppspec")
-    from harness.resolve import resolve
+    import harness.eval.lmeval_model  # noqa: F401  (registers "ppspec")
+    from harness.core.resolve import resolve
     from lm_eval.__main__ import cli_evaluate
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="ppspec-task-") as tmp:

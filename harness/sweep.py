@@ -6,14 +6,14 @@ Matrix file::
     base: tiny_cpu                   # run config every cell starts from (suite name or path)
     commands: [gsm8k, bench]         # what each cell runs
     set: {gsm8k: {runs: 2}}          # overrides for every cell (optional)
-    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/resolve.py): the entry
+    # base, set and each cell may hold a devices: {cpu: {...}, cuda: {...}} block (harness/core/resolve.py): the entry
     # for the cell's device is applied over that layer, under the layers after it
     axes: {pp: [1, 2], spec.algorithm: [eagle, null]}   # cartesian product (optional)
     cells:                           # explicit cells (optional); a cell may run its own commands
       - {name: tp3pp1-spec, set: {tp: 3}}
       - {name: tp3pp1-nospec, set: {tp: 3, spec: {algorithm: null}}, commands: [bench]}
 
-Each (cell, command) runs ``python -m harness.cli COMMAND --config <cell.yaml> --out <dir>`` in
+Each (cell, command) runs ``python -m harness.cli.app COMMAND --config <cell.yaml> --out <dir>`` in
 its own subprocess (a topology needs a fresh process group). A cell whose summary.json exists is
 skipped, so an interrupted sweep resumes where it stopped.
 """
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer
-from harness.resolve import apply_devices, layers_device, merge, resolve
-from harness.suites import find_config, find_toml, load_yaml, suite_kind
+from harness.core.config import PACKAGE_ROOT, HarnessConfigError, check_layer
+from harness.core.resolve import apply_devices, layers_device, merge, resolve
+from harness.core.suites import find_config, find_toml, load_yaml, suite_kind
 
 COMMANDS = ("gsm8k", "bench")
 MATRIX_KEYS = {"name", "description", "base", "commands", "set", "axes", "cells"}
@@ -122,7 +122,7 @@ def check_cell(cell: dict) -> str | None:
     """Resolve a matrix cell's config and check its topology against the model, as its run would before any work;
     returns the one-line error, or None when the cell would start (``sweep --dry-run``)."""
     from engine.config import ConfigError
-    from .dryrun import check_topology
+    from harness.bench.dryrun import check_topology
     try:
         check_topology(resolve(None, cell["config"]))
     except (HarnessConfigError, ConfigError, FileNotFoundError) as e:
@@ -152,7 +152,7 @@ def run_sweep(matrix: dict, out_dir: Path, raw_dir: Path, only: list[str] | None
                 on_event and on_event(cell["name"], cmd, "skip")
                 continue
             on_event and on_event(cell["name"], cmd, "start")
-            argv = [sys.executable, "-m", "harness.cli", cmd, "--config", str(cfg_path), "--out", str(dest),
+            argv = [sys.executable, "-m", "harness.cli.app", cmd, "--config", str(cfg_path), "--out", str(dest),
                     "--no-progress", *(extra_args or [])]
             raw_dir.mkdir(parents=True, exist_ok=True)
             log = raw_dir / f"{cell['name']}-{cmd}.log"
@@ -183,7 +183,7 @@ def run_matrix(matrix: str | Path, out: Path | None = None, only: list[str] | No
     Returns (status rows, rich renderables, sweep directory); default directory ``results/<matrix name>``
     (subprocess logs in ``results/raw/<matrix name>``; with ``out``: ``out/logs``).
     """
-    from harness.compare import run_compare
+    from harness.report.compare import run_compare
     m = load_matrix(matrix)
     results = Path(resolve(None, {}).paths.results)
     d = Path(out) if out else results / m["name"]

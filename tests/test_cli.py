@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 import engine
-from harness.cli import app, parse_sets
-from harness.config import HarnessConfigError
-from harness.resolve import resolve
+from harness.cli.app import app, parse_sets
+from harness.core.config import HarnessConfigError
+from harness.core.resolve import resolve
 
 runner = CliRunner()
 COMMANDS = ["gsm8k", "bench", "sweep", "compare", "gate", "generate", "train-draft"]
@@ -64,7 +64,7 @@ class FakeLLM:
 def fake_engine(monkeypatch):
     FakeLLM.instances = []
     monkeypatch.setattr(engine, "LLM", FakeLLM)
-    monkeypatch.setattr("harness.commands_run.check_prompt", lambda engine_config, prompt: None)   # no tokenizer load
+    monkeypatch.setattr("harness.cli.run.check_prompt", lambda engine_config, prompt: None)   # no tokenizer load
     return FakeLLM
 
 
@@ -119,7 +119,7 @@ def test_precedence_through_the_cli(tmp_path, monkeypatch):
     run_yaml = _write(tmp_path / "run.yaml", "gsm8k:\n  limit: 20\n")
     monkeypatch.setenv("PPSPEC_TOML", str(toml))
     seen = []
-    import harness.gsm8k as g
+    import harness.eval.gsm8k as g
 
     def fake_run(cfg, llm=None, progress=None, run_dir=None, resume=False):
         seen.append(cfg)
@@ -217,7 +217,7 @@ def test_comma_lists_refuse_an_empty_item(fake_engine, tmp_path, option, value):
 
 
 def test_overrides_from_flags():
-    from harness.cli import overrides
+    from harness.cli.app import overrides
     assert overrides(tp=2, spec=False, draft="d", sets=["tp=4", "spec.num_steps=2"], gsm8k={"limit": 3, "runs": None}) == {
         "tp": 2, "spec": {"num_steps": 2, "draft": "d", "algorithm": None}, "gsm8k": {"limit": 3}}
     assert overrides() == {}
@@ -243,7 +243,7 @@ def test_parse_sets_reads_nan_inf_and_exponents_as_floats():
 def test_train_draft_bad_lr_is_the_value_checks_line(value, tmp_path, monkeypatch):
     """Regression: ``train-draft --set train.lr=nan`` (or inf) said "train.lr = 'nan' should be float"; every bad lr
     now gets the trainer's value check's line (exit 2), before any training data is read."""
-    import harness.train_data as td
+    import harness.train.data as td
 
     def no_data(path):
         raise AssertionError("training data read")
@@ -265,7 +265,7 @@ def test_set_empty_value_for_an_int_field_names_it():
 
 def test_parse_sets_bad_yaml_is_one_line():
     """Regression (QA, session 9): an unparsable --set value printed yaml's ParserError traceback."""
-    from harness.config import HarnessConfigError
+    from harness.core.config import HarnessConfigError
     for bad, why in (("tp=[1", "expected ',' or ']'"), ("tp=@x", "cannot start any token"),
                      ("bench.batch_sizes=[1,", "expected")):
         with pytest.raises(HarnessConfigError, match=r"^--set [a-z_.]+: .* is not a valid YAML value \(.*" + why):
@@ -383,7 +383,7 @@ def test_gsm8k_reports_failed_requests(tmp_path, fake_engine, draft_dir, monkeyp
         (0, "error", "injected failure"), (1, "stop", None), (2, "stop", None)}
     md = (out / "summary.md").read_text()
     assert "2 failed request(s) scored as wrong" in md and "| failed |" in md and line[len("Warning: "):] in md
-    from harness.compare import comparison_table
+    from harness.report.compare import comparison_table
     _, md = comparison_table([{"name": "g", "dir": "g", "gsm8k": s}])
     assert "| failed requests | 2 |  |" in md.splitlines()
     # without failures: no failed column, no warning
@@ -445,9 +445,9 @@ def test_generate_and_train_draft(fake_engine, monkeypatch, tmp_path):
     assert "#### 18" in r.output and fake_engine.instances[-1].config.pp == 2
     assert "accept length" not in r.output          # regression: plain decoding printed "accept length 1.00"
     got = {}
-    mod = ModuleType("harness.train_draft")
+    mod = ModuleType("harness.train.draft")
     mod.train_draft = lambda **kw: got.update(kw) or "trained"
-    monkeypatch.setitem(sys.modules, "harness.train_draft", mod)
+    monkeypatch.setitem(sys.modules, "harness.train.draft", mod)
     r = runner.invoke(app, ["train-draft", "--out", str(tmp_path / "d"), "--set", "train.epochs=2"])
     assert r.exit_code == 0, r.output
     assert callable(got.pop("progress"))
@@ -504,8 +504,8 @@ def test_generate_prints_the_completion_unwrapped(fake_engine, monkeypatch):
 def test_train_section_checked_before_training():
     """Regression: an unknown train.* key gave a traceback, a mistyped one failed only after the
     (minutes-long) self-distillation generation."""
-    from harness.train_draft import train_draft as real
-    from harness.cli import check_train_kwargs
+    from harness.train.draft import train_draft as real
+    from harness.cli.app import check_train_kwargs
     base = {"model": "m", "data": "d", "out": "o"}
     check_train_kwargs(real, {**base, "epochs": 2, "lr": 2e-3, "device": "cuda", "prompt_weight": 0.1})
     with pytest.raises(HarnessConfigError, match=r"unknown key train.nonsense"):
@@ -548,7 +548,7 @@ def test_spec_shape_parser():
     named message (QA, session 5)."""
     import argparse
 
-    from harness.config import spec_shape
+    from harness.core.config import spec_shape
     assert spec_shape("3,1,4") == (3, 1, 4) and spec_shape(" 4, 4,12") == (4, 4, 12)
     for bad in ("3,1", "3,x", "0,1,4", "\u00b3,1,4", "1,2,3,4", "-1,2,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected num_steps,topk,num_draft_tokens \(e.g. 3,1,4\)"):
@@ -574,8 +574,8 @@ def test_bad_inputs_refused_before_any_work(fake_engine, tmp_path):
 @pytest.mark.parametrize("suite", ["h200", "h200_llama3_8b", "h200_llama3_8b_spec", "tiny_cpu", "tp1pp2", "tp4pp2",
                                    "tp2pp4", "tp8", "tp2pp2_llama3_8b", "tp4pp2_llama3_8b", "tp8_llama3_8b"])
 def test_shipped_bench_cells_fit_the_context(suite):
-    from harness.bench_cells import check_cells_fit
-    from harness.resolve import resolve
+    from harness.bench.cells import check_cells_fit
+    from harness.core.resolve import resolve
     check_cells_fit(resolve(suite, {"device": "cpu", "dtype": "float32"}))     # the GPU suites, checked here
 
 
@@ -625,7 +625,7 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path, fake_engine, kind):
 
 
 def test_writable_out_check_leaves_no_trace(tmp_path):
-    from harness.cli import check_writable
+    from harness.cli.app import check_writable
     check_writable(tmp_path / "a" / "b")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "c").mkdir()
@@ -724,7 +724,7 @@ def test_training_recipe_as_run_config_is_refused(command, fake_engine):
 def test_training_recipes_listed_for_train_draft_only(tmp_path):
     """--config's help and a not-found error offer the run commands run configs only, train-draft training recipes
     only; train-draft resolves a recipe; a sweep matrix cannot take one as its base."""
-    from harness.clihelp import _root_and_toml, suites
+    from harness.cli.help import _root_and_toml, suites
     _root_and_toml.cache_clear(), suites.cache_clear()      # an earlier test's PPSPEC_TOML may be cached
     run, train = suites("run"), suites("train")
     assert "tiny_cpu" in run and "train_smollm2_eagle3" in train
@@ -822,8 +822,8 @@ def test_help_breaks_no_word_and_no_sentence(command):
 @pytest.mark.parametrize("bad", ["nan", "inf", "-0.1"])
 def test_gate_refuses_a_non_finite_or_negative_margin(bad):
     """A nan margin failed every check and an inf one passed every check: both are refused up front, one line."""
-    from harness.config import HarnessConfigError
-    from harness.resolve import resolve
+    from harness.core.config import HarnessConfigError
+    from harness.core.resolve import resolve
     for key in ("accuracy_margin", "accept_length_margin"):
         with pytest.raises(HarnessConfigError, match=f"gate.{key} must be a finite number >= 0"):
             resolve("gate", parse_sets([f"gate.{key}={bad}"]))
@@ -852,7 +852,7 @@ def test_empty_draft_in_a_run_config_is_refused(tmp_path):
 def test_eagle3_at_a_tp_its_head_cannot_take_is_refused_up_front(fake_engine, tmp_path):
     """Regression: EAGLE-3 at tp=2 was refused only after the model loaded. The shipped head (9 q / 3 kv heads) is
     read from its config.json during config resolution: one line naming the TP sizes that fit, no engine built."""
-    from harness.config import PACKAGE_ROOT
+    from harness.core.config import PACKAGE_ROOT
     head = PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
     e3 = ["--set", "spec.algorithm=eagle3", "--set", f"spec.draft={head}"]
     for tp in (["--tp", "2"], ["--set", "tp=2"]):
@@ -875,7 +875,7 @@ def test_eagle3_at_a_tp_its_head_cannot_take_is_refused_up_front(fake_engine, tm
 def test_draft_head_kind_and_path_messages(tmp_path):
     """Regressions: a draft path naming a file said '.../config.json/config.json'; eagle3 with the default (EAGLE-2)
     draft hinted 'use eagle' at engine start instead of naming the EAGLE-3 head to give."""
-    from harness.config import PACKAGE_ROOT
+    from harness.core.config import PACKAGE_ROOT
     e2, e3 = PACKAGE_ROOT / "drafts" / "smollm2-eagle", PACKAGE_ROOT / "drafts" / "smollm2-eagle3"
     with pytest.raises(HarnessConfigError) as e:
         resolve(None, parse_sets([f"spec.draft={e3}/config.json", "spec.algorithm=eagle3"]))
@@ -905,7 +905,7 @@ def test_run_config_given_to_train_draft_is_named():
 def test_stage_two_recipe_without_stage_one_head_names_the_command(tmp_path, monkeypatch):
     """Regression: the stage-2 EAGLE-3 recipe without the stage-1 head failed with 'draft checkpoint not found:
     .../config.json'; it names train.init_from and the recipe that writes it, before any work."""
-    from harness.config import PACKAGE_ROOT
+    from harness.core.config import PACKAGE_ROOT
     monkeypatch.chdir(tmp_path)                  # init_from and the recipes' train.out are relative to the cwd
     monkeypatch.setenv("PPSPEC_TOML", str(PACKAGE_ROOT / "ppspec.toml"))
     r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_long", "--out", str(tmp_path / "o")])
@@ -938,7 +938,7 @@ def test_gsm8k_results_are_written_before_the_tables(tmp_path, fake_engine, draf
     """Regression: ``ppspec gsm8k ... | head`` closed stdout while the table printed (BrokenPipeError) before
     summary.json was written, so the finished run kept only its records. Now the summary, the markdown and the
     plots are written first. Without --out the run directory is named up front (a stopped run resumes there)."""
-    import harness.commands_run as cr
+    import harness.cli.run as cr
     real_show = cr.show
 
     def closed(_):

@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_cli_help_does_not_import_torch():
-    code = ("import sys\nfrom typer.testing import CliRunner\nfrom harness.cli import app\n"
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom harness.cli.app import app\n"
             "r = CliRunner().invoke(app, ['--help'])\nassert r.exit_code == 0, r.output\n"
             "r = CliRunner().invoke(app, ['bench', '--bogus-option'])\nassert r.exit_code == 2, r.output\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -24,7 +24,7 @@ def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch
     The one prompt of generate is "the prompt" (the engine's messages carry an index, for calls of several)."""
     import engine
     from typer.testing import CliRunner
-    from harness.cli import app
+    from harness.cli.app import app
 
     def no_engine(*a, **kw):
         raise AssertionError("the engine was built for a bad prompt")
@@ -44,7 +44,7 @@ def test_generate_refuses_bad_prompts_before_loading(tiny_model_dir, monkeypatch
 
 def test_console_script_runs_main_with_the_signal_handlers():
     """The installed ``ppspec`` must enter ``harness.entry.main`` (which holds SIGINT / SIGTERM while the CLI imports,
-    then runs ``harness.cli.main``: its handlers, the one-line interruption), not the bare Typer app: an entry point
+    then runs ``harness.cli.app.main``: its handlers, the one-line interruption), not the bare Typer app: an entry point
     on ``app`` exited 130 silently and died by SIGTERM with leaked-semaphore warnings."""
     import tomllib
     from importlib.metadata import entry_points
@@ -58,7 +58,7 @@ def test_console_script_runs_main_with_the_signal_handlers():
 
 def test_entry_point_imports_only_signal_before_the_cli():
     """The window under Python's default SIGINT handler is the interpreter's start only: importing the entry point
-    (and the harness package) pulls in no third-party module and not harness.cli."""
+    (and the harness package) pulls in no third-party module and not harness.cli.app."""
     code = ("import sys\nbefore = set(sys.modules)\nimport harness.entry\n"
             "new = set(sys.modules) - before\nassert new <= {'harness', 'harness.entry', 'signal'}, new\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -67,7 +67,7 @@ def test_entry_point_imports_only_signal_before_the_cli():
 
 def test_sigint_while_the_cli_imports_ends_with_the_interrupt_line(tmp_path):
     """Regression: a Ctrl-C in the first second of a command (while Typer, Rich and the command modules import,
-    before harness.cli installed its handler) ended with Python's KeyboardInterrupt traceback. The entry point holds
+    before harness.cli.app installed its handler) ended with Python's KeyboardInterrupt traceback. The entry point holds
     it; the CLI then ends at once with the one line and 130, running no command (``--help`` prints nothing)."""
     script = tmp_path / "run_entry.py"
     script.write_text(
@@ -75,7 +75,7 @@ def test_sigint_while_the_cli_imports_ends_with_the_interrupt_line(tmp_path):
         "import harness.entry\n"
         "real = builtins.__import__\n"
         "def imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
-        "    if name == 'harness' and fromlist and 'cli' in fromlist and 'harness.cli' not in sys.modules:\n"
+        "    if name == 'harness.cli' and fromlist and 'app' in fromlist and 'harness.cli.app' not in sys.modules:\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "    return real(name, globals, locals, fromlist, level)\n"
         "builtins.__import__ = imp\n"
@@ -94,7 +94,7 @@ def test_interrupt_surfacing_as_another_exception_ends_with_the_interrupt_line(m
 
     import pytest
 
-    import harness.cli as cli
+    import harness.cli.app as cli
 
     def command():                       # the handler's Interrupted swallowed, another error raised after it
         try:
@@ -127,13 +127,13 @@ def test_interrupt_surfacing_as_another_exception_ends_with_the_interrupt_line(m
 
 
 def _run_main(tmp_path, command_src: str, watchdog_s: float | None = None):
-    """Run ``harness.cli.main`` in a child process with the Typer app replaced by ``command()`` (defined by
+    """Run ``harness.cli.app.main`` in a child process with the Typer app replaced by ``command()`` (defined by
     ``command_src``, with os, signal and time imported and ``tmp_path`` on sys.path); returns the CompletedProcess.
     The timeout only bounds a hang."""
     script = tmp_path / "run_main.py"
     script.write_text("import os, signal, sys, time\n"
                       f"sys.path.insert(0, {str(tmp_path)!r})\n"
-                      "import harness.cli as cli\n"
+                      "import harness.cli.app as cli\n"
                       + (f"cli.WATCHDOG_S = {watchdog_s}\n" if watchdog_s is not None else "")
                       + command_src
                       + "cli.app = lambda prog_name: command()\nsys.argv = ['ppspec']\ncli.main()\n")

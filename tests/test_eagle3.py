@@ -268,7 +268,7 @@ def test_plan_graphs_eagle3_like_eagle():
 def test_train_eagle3_smoke(tiny_model_dir, tmp_path):
     """train_draft(algorithm="eagle3") on given text (no generation): the loss falls, the saved head loads into the
     engine and decodes losslessly."""
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     from tiny import gsm8k_prompts
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": t * 2}) for t in gsm8k_prompts(8, 0)))
@@ -287,8 +287,8 @@ def test_train_eagle3_smoke(tiny_model_dir, tmp_path):
 def test_train_eagle3_time_budget_and_schedule(tiny_model_dir, tmp_path):
     """A spent time budget stops training before the first step (the head is still written); the learning-rate
     factor warms up linearly, then follows a cosine to 0 at progress 1."""
-    from harness.train_draft import train_draft
-    from harness.train_eagle3 import lr_factor
+    from harness.train.draft import train_draft
+    from harness.train.eagle3 import lr_factor
     from tiny import gsm8k_prompts
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": t}) for t in gsm8k_prompts(4, 0)))
@@ -338,7 +338,7 @@ def _engine_forward(d, ids, feats, pos, lens):
 def test_ttt_mask_structure():
     """Step j's mask is [n, (j+1) n]: the step-0 block causal (row t sees rows 0..t), every later block the identity
     (row t sees only its own row of that step); step 0 is the causal mask."""
-    from harness.train_eagle3 import ttt_mask
+    from harness.train.eagle3 import ttt_mask
     n = 6
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(ttt_mask(n, 0), causal)
@@ -354,7 +354,7 @@ def test_ttt_mask_structure():
 def test_ttt_step0_equals_causal_forward(tiny_model_dir):
     """Training-time-test step 0 on padded rows equals the draft's forward through the engine's causal attention on
     the packed sequences (plain causal training)."""
-    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    from harness.train.eagle3 import padded_rows, ttt_forward, ttt_mask
     d = _random_draft(tiny_model_dir)
     H = d.fc.out_features
     g = torch.Generator().manual_seed(1)
@@ -379,7 +379,7 @@ def test_ttt_steps_equal_inference_chain(tiny_model_dir):
     """Step j at row t equals draft depth j+1 at inference: the draft run causally over the context rows 0..t (target
     features) followed by its own chain (x_{t+2}, h_t) .. at positions t+1 .. t+j, each chain row fed the previous
     depth's output at that row. The context rows go in as fc(aux) (the draft's first op on a 3H feature)."""
-    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    from harness.train.eagle3 import padded_rows, ttt_forward, ttt_mask
     d = _random_draft(tiny_model_dir, seed=2)
     H = d.fc.out_features
     g = torch.Generator().manual_seed(3)
@@ -418,7 +418,7 @@ def test_ttt_steps_equal_inference_chain(tiny_model_dir):
 def test_ttt_differs_from_causal_unroll(tiny_model_dir):
     """The exact mask matters: at step 1, attending causally over step 1's own rows (the earlier approximation) gives
     other outputs than the training-time-test mask."""
-    from harness.train_eagle3 import padded_rows, ttt_forward, ttt_mask
+    from harness.train.eagle3 import padded_rows, ttt_forward, ttt_mask
     d = _random_draft(tiny_model_dir, seed=4)
     H = d.fc.out_features
     g = torch.Generator().manual_seed(5)
@@ -445,8 +445,8 @@ def test_engine_chain_proposals_equal_ttt(tiny_model_dir, e3_dir, prompts, monke
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights
     from engine.speculative import eagle_worker as ew
-    from harness.train_eagle import dense_ctx as _dense_ctx
-    from harness.train_eagle3 import padded_rows, target_aux_features, ttt_forward, ttt_mask
+    from harness.train.eagle import dense_ctx as _dense_ctx
+    from harness.train.eagle3 import padded_rows, target_aux_features, ttt_forward, ttt_mask
     S = CHAIN["num_steps"]
     chains: dict[int, list] = {}           # rid -> per proposed chain: (tokens, root first; hidden of each depth)
     real_prefill, real_verify, real_greedy = (ew.EagleWorker.after_prefill, ew.EagleWorker.verify,
@@ -522,7 +522,7 @@ def test_train_eagle3_init_from(tiny_model_dir, tmp_path):
     vocabulary, aux layers) and records where it came from; a head of other aux layers or draft vocabulary size,
     a missing head, or algorithm eagle is refused (one line) before any data is read."""
     from safetensors.torch import load_file
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     from tiny import gsm8k_prompts
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": t * 2}) for t in gsm8k_prompts(6, 0)))

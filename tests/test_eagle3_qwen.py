@@ -25,7 +25,7 @@ def tiny_qwen2():
 def _greedy(target, ids: list[int], n: int) -> list[int]:
     """``ids`` followed by the target's ``n`` greedy next tokens (full recompute per token: a tiny model)."""
     from engine.attention.backend import set_context
-    from harness.train_eagle import dense_ctx
+    from harness.train.eagle import dense_ctx
     for _ in range(n):
         set_context(dense_ctx([len(ids)]))
         try:
@@ -41,7 +41,7 @@ def _target_and_draft(model_dir, vocab=300, inter=96):
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights, load_model_config, resolve_model_path
     from engine.attention.backend import TorchBackend, set_backend
-    from harness.train_eagle3_run import _build_draft
+    from harness.train.eagle3_run import _build_draft
 
     set_ps(ParallelState())
     set_backend(TorchBackend())                    # the dense training contexts, as train_draft sets it
@@ -61,10 +61,10 @@ def _target_and_draft(model_dir, vocab=300, inter=96):
 def test_fused_soft_ce_equals_the_reference_loss_and_gradients(tiny_qwen2):
     """The fused, chunked soft cross-entropy (chunks of 7 rows, uneven) gives the reference's loss, per-step stats
     and gradients of every trained draft tensor (fp32), on a GQA 14/2 draft with a 300-token draft vocabulary."""
-    from harness.train_data import row_weights
-    from harness.train_eagle import dense_ctx
-    from harness.train_eagle3 import target_aux_features
-    from harness.train_eagle3_loss import eagle3_loss
+    from harness.train.data import row_weights
+    from harness.train.eagle import dense_ctx
+    from harness.train.eagle3 import target_aux_features
+    from harness.train.eagle3_loss import eagle3_loss
 
     mc, target, draft, seqs = _target_and_draft(tiny_qwen2)
     assert (draft.layer.self_attn.num_heads, draft.layer.self_attn.num_kv_heads) == (14, 2)
@@ -103,9 +103,9 @@ def test_qwen_recipe_trains_saves_and_serves_a_lossless_head(tiny_qwen2, tmp_pat
     from engine.config import EngineConfig, SpecConfig
     from engine.speculative.eagle3 import eagle3_config
     from engine.model.loader import load_model_config, load_tokenizer
-    from harness.draft_cache import draft_dir, named_out
-    from harness.resolve import resolve
-    from harness.train_draft import train_draft
+    from harness.core.draft_cache import draft_dir, named_out
+    from harness.core.resolve import resolve
+    from harness.train.draft import train_draft
     from tiny import gsm8k_prompts
 
     monkeypatch.setenv("PPSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -143,8 +143,8 @@ def test_qwen_recipe_trains_saves_and_serves_a_lossless_head(tiny_qwen2, tmp_pat
 def test_named_draft_resolution_and_recipe_key_checks(tmp_path, monkeypatch):
     """A named draft: the cache directory when no path of that name exists (PPSPEC_CACHE_DIR), a one-line error
     naming the directory and the recipe when it holds no head; the recipe's new keys are checked by name."""
-    from harness.draft_cache import DRAFTS, draft_dir, named_out, resolve_named_draft
-    from harness.train_checks import check_train_values
+    from harness.core.draft_cache import DRAFTS, draft_dir, named_out, resolve_named_draft
+    from harness.train.checks import check_train_values
 
     monkeypatch.setenv("PPSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 def test_walk_rounds_steps_by_each_rounds_length():
     """A round at row t commits length[t] tokens, cut to the sequence's end (the last selected row), and the next
     starts at t + length[t]; rows before the first continuation row are never a round's start."""
-    from harness.train_eagle3 import walk_rounds
+    from harness.train.eagle3 import walk_rounds
     length = torch.tensor([[9., 2., 1., 3., 4., 1., 2., 9.],
                            [1., 1., 1., 1., 1., 1., 1., 1.],
                            [4., 4., 4., 4., 4., 4., 4., 4.]])
@@ -33,8 +33,8 @@ def test_val_rounds_equal_engine_chain_rounds(tiny_model_dir, tiny_prompts, n_pr
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights, load_model_config
     from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
-    from harness.train_eagle import dense_ctx
-    from harness.train_eagle3 import teacher_forced_lengths, val_accept_length, walk_rounds
+    from harness.train.eagle import dense_ctx
+    from harness.train.eagle3 import teacher_forced_lengths, val_accept_length, walk_rounds
     from safetensors.torch import load_file
 
     e3 = cached_tiny_eagle3()
@@ -122,7 +122,7 @@ def test_heldout_accept_keys_its_caches_as_train_draft_does(recipe, want):
     """Regression: tools.heldout_accept passed ``backend=None`` for a recipe without ``train.gen_backend`` (the CPU
     recipes), so the caches ``ppspec train-draft`` had written under its default "torch" were refused as made with
     other settings; a key the recipe leaves out now takes train_draft's default."""
-    from harness.resolve import resolve
+    from harness.core.resolve import resolve
     from tools.heldout_accept import split_settings
     assert split_settings(resolve(recipe, {}, kind="train").train) == want
 
@@ -132,7 +132,7 @@ def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
     """Regression: a garbage sequences cache (a --sequences file or train.sequences_cache) ended in an
     UnpicklingError / JSONDecodeError traceback; now a ConfigError naming the file."""
     from engine.config import ConfigError
-    from harness.train_cache import load_cache
+    from harness.train.cache import load_cache
     p = tmp_path / "seqs.pt"
     p.write_bytes(content)
     with pytest.raises(ConfigError, match="is not a sequences cache"):
@@ -140,7 +140,7 @@ def test_a_file_that_is_not_a_sequences_cache_is_one_line(tmp_path, content):
 
 
 def test_mixed_val_reports_each_category_and_chooses_on_the_gsm8k_specbench_mean(tiny_model_dir, tiny_prompts):
-    """harness.train_eagle3_run.mixed_val: each category's figure is val_accept_length on that category's sequences
+    """harness.train.eagle3_run.mixed_val: each category's figure is val_accept_length on that category's sequences
     alone; accept_length (the best-epoch criterion) = mean(gsm8k, mean of the other categories); pooled = tokens per
     round over all."""
     from tiny import cached_tiny_eagle3
@@ -149,10 +149,10 @@ def test_mixed_val_reports_each_category_and_chooses_on_the_gsm8k_specbench_mean
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights, load_model_config
     from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
-    from harness.train_data import token_batches
-    from harness.train_eagle import dense_ctx
-    from harness.train_eagle3 import val_accept_length
-    from harness.train_eagle3_run import mixed_val
+    from harness.train.data import token_batches
+    from harness.train.eagle import dense_ctx
+    from harness.train.eagle3 import val_accept_length
+    from harness.train.eagle3_run import mixed_val
     from safetensors.torch import load_file
 
     e3 = cached_tiny_eagle3()

@@ -1,4 +1,4 @@
-"""Hardware floors (harness/floors.py), the transformers peer (harness/peer.py) and their bench wiring, on CPU."""
+"""Hardware floors (harness/bench/floors.py), the transformers peer (harness/bench/peer.py) and their bench wiring, on CPU."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.config import ModelConfig
-from harness import floors as F
-from harness.cli import app
-from harness.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer
-from harness.resolve import resolve
-from harness.suites import load_yaml
+from harness.bench import floors as F
+from harness.cli.app import app
+from harness.core.config import ENGINE_KEYS, PACKAGE_ROOT, BenchConfig, HarnessConfigError, check_layer
+from harness.core.resolve import resolve
+from harness.core.suites import load_yaml
 
 runner = CliRunner()
 
@@ -135,7 +135,7 @@ def test_h200_suites(name, cells, dummy):
 # ---------------------------------------------------------------------------------------------
 
 def test_vs_format():
-    from harness.bench_table import vs
+    from harness.bench.table import vs
     assert vs(0.004, 0.002) == "4.00 / 2.00 (2x)"
     assert vs(0.0123, 0.000456) == "12.3 / 0.456 (27x)"
     assert vs(250.0, 1000.0, "tps") == "250 / 1000 (0.25x)"
@@ -214,7 +214,7 @@ def test_peer_on_bundled_gguf_matches_engine():
     """SmolLM2 GGUF -> the engine's dequantised tensors as a temp HF checkpoint -> transformers; greedy agrees."""
     from engine import LLM, EngineConfig, SamplingParams
     from engine.model.loader import load_tokenizer, resolve_model_path
-    from harness.peer import load_peer, measure_cell, prefix_match
+    from harness.bench.peer import load_peer, measure_cell, prefix_match
     ids = load_tokenizer(resolve_model_path("smollm2")).encode("Question: What is 7*6?\nAnswer:", add_special_tokens=False)
     cfg = EngineConfig()
     with load_peer(cfg) as (model, info):

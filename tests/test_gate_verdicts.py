@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from engine import EngineConfig
-from harness.cli import app
+from harness.cli.app import app
 from harness.gate import evaluate_gate, exact_parity, render
 
 runner = CliRunner()

@@ -10,9 +10,9 @@ import yaml
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from harness import gsm8k, gsm8k_table, gsm8k_task  # noqa: E402
-from harness.resolve import resolve  # noqa: E402
-from harness.lmeval_model import PPSpecLM, _cut  # noqa: E402
+from harness.eval import gsm8k, table as gsm8k_table, task as gsm8k_task  # noqa: E402
+from harness.core.resolve import resolve  # noqa: E402
+from harness.eval.lmeval_model import PPSpecLM, _cut  # noqa: E402
 
 GSM8K_YAML = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
 
@@ -178,7 +178,7 @@ def test_run_gsm8k_plumbing_with_fake_engine():
 def test_single_run_reports_no_run_to_run_agreement():
     """Regression: one run printed 'run-to-run agreement (identical output): 100.0%' (a run agreeing with itself);
     with one run there is nothing to agree with: agreement is None, the notes leave it out and compare shows n/a."""
-    from harness.compare import comparison_table
+    from harness.report.compare import comparison_table
     summary, _ = gsm8k.run_gsm8k(resolve(None, {"gsm8k": {"limit": 2, "runs": 1}}), llm=AnswerLLM())
     assert summary["overall"]["runs"] == 1 and summary["overall"]["agreement"] is None
     _, md = gsm8k_table.render(summary)

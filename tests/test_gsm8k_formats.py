@@ -16,11 +16,11 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from harness import gsm8k, gsm8k_table, gsm8k_task  # noqa: E402
-from harness.cli import app  # noqa: E402
-from harness.config import HarnessConfigError  # noqa: E402
-from harness.gsm8k_format import FORMATS, TASK_FILES, differing_keys, resolve_format, summary_format  # noqa: E402
-from harness.resolve import resolve  # noqa: E402
+from harness.eval import gsm8k, table as gsm8k_table, task as gsm8k_task  # noqa: E402
+from harness.cli.app import app  # noqa: E402
+from harness.core.config import HarnessConfigError  # noqa: E402
+from harness.core.gsm8k_format import FORMATS, TASK_FILES, differing_keys, resolve_format, summary_format  # noqa: E402
+from harness.core.resolve import resolve  # noqa: E402
 
 runner = CliRunner()
 TASKS_DIR = Path(lm_eval.__file__).parent / "tasks" / "gsm8k"
@@ -192,7 +192,7 @@ def test_resume_refuses_another_format(chat_tok, tmp_path):
 
 
 def test_compare_flags_results_of_different_formats(chat_tok):
-    from harness.compare import comparison_table, compare_entries
+    from harness.report.compare import comparison_table, compare_entries
     plain, _, _ = _run(chat_tok)
     chat, _, _ = _run(chat_tok, format="chat-8shot")
     legacy = {k: v for k, v in plain.items() if k != "format"}   # written before formats were recorded
@@ -295,7 +295,7 @@ def test_chat_cot_training_prompts_are_the_prompts_the_eval_sends(chat_tok):
     chat-cot-zeroshot` sends it (lm-eval's gsm8k_cot_zeroshot turn through the chat template), so a head trained on
     it is trained on the evaluated layout; without a chat template it is one ConfigError."""
     from engine.config import ConfigError
-    from harness.train_data import PROMPT_FORMATS
+    from harness.train.rows import PROMPT_FORMATS
     _, _, llm = _run(chat_tok, limit=3, format="chat-cot-zeroshot")
     rows = [json.loads(x) for x in (DATA / "test.jsonl").read_text().splitlines()[:3]]
     train = [r["prompt"] for r in PROMPT_FORMATS["chat-cot-zeroshot"](rows, None, tokenizer=chat_tok)]

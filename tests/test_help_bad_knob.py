@@ -1,5 +1,5 @@
 """A malformed knob is the command's one-line error (exit 2), not a traceback raised while the help machinery
-reads ppspec.toml (``harness.clihelp`` used to let the knob registry's ConfigError escape before the command ran)."""
+reads ppspec.toml (``harness.cli.help`` used to let the knob registry's ConfigError escape before the command ran)."""
 from __future__ import annotations
 
 import os

@@ -37,6 +37,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.llm",),
     ("engine",),                                              # the package face (engine/__init__.py)
     ("harness",),
+    ("harness.core",),
+    ("harness.eval",),
+    ("harness.bench",),
+    ("harness.report",),
+    ("harness.train",),
+    ("harness.gate", "harness.sweep"),
+    ("harness.cli",),
+    ("harness.entry", "harness.__main__", "harness.lm_eval"),
     ("tools",),
 )
 

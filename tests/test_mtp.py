@@ -128,7 +128,7 @@ def load_draft(d, stated=None):
 
 def run_draft(draft, ids, feat, pos):
     from engine.attention.backend import TorchBackend, set_backend, set_context
-    from harness.train_eagle import dense_ctx
+    from harness.train.eagle import dense_ctx
     set_backend(TorchBackend())
     set_context(dense_ctx([len(ids)]))
     try:
@@ -276,7 +276,7 @@ def test_train_draft_writes_an_mtp_head(tiny_model_dir, tmp_path, prompts, greed
     target's LM head), loaded by spec.algorithm mtp with its layout detected, decoding losslessly."""
     from safetensors import safe_open
 
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     from tiny import gsm8k_prompts
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in gsm8k_prompts(6)))

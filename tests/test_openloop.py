@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from harness import openloop, stats
-from harness.cli import app
-from harness.resolve import resolve
+from harness.bench import openloop
+from harness.core import stats
+from harness.cli.app import app
+from harness.core.resolve import resolve
 
 runner = CliRunner()
 
@@ -55,8 +56,8 @@ def test_single_sample_shows_no_ci():
 @pytest.mark.parametrize("pp", [1, 2])
 def test_open_loop_bench_same_tokens_as_closed_loop(tiny_model_dir, pp):
     from engine import LLM, SamplingParams
-    from harness.bench import run_bench
-    from harness.bench_cells import build_prompts, load_texts
+    from harness.bench.run import run_bench
+    from harness.bench.cells import build_prompts, load_texts
     cfg = resolve("tiny_cpu", {"model": str(tiny_model_dir), "pp": pp, "spec": {"algorithm": None},
                                "bench": {"input_lens": [24], "output_len": 6, "num_prompts": 5, "runs": 1,
                                          "warmup": 0, "request_rates": [40.0, float("inf")],
@@ -129,7 +130,7 @@ def test_inf_rate_is_strict_json(tmp_path):
     """summary.json stays strict JSON with an all-at-once rate: the config's inf is written "inf"."""
     import json
 
-    from harness.cli_common import save
+    from harness.cli.common import save
     cfg = resolve("tiny_cpu", {"bench": {"request_rates": [2.0, float("inf")]}})
     d = save(cfg, "bench", {"cells": []}, [], "x", tmp_path / "run")
     text = (d / "summary.json").read_text()
@@ -137,7 +138,7 @@ def test_inf_rate_is_strict_json(tmp_path):
 
 
 def test_bad_config_rate_is_refused():
-    from harness.config import HarnessConfigError
+    from harness.core.config import HarnessConfigError
     with pytest.raises(HarnessConfigError, match="request_rates"):
         resolve("tiny_cpu", {"bench": {"request_rates": [1.0, 0.0]}})
     cfg = resolve("tiny_cpu", {"bench": {"request_rates": [1.0]}})

@@ -65,7 +65,7 @@ def test_fault_drop_tree_pp2(tiny_model_dir, tiny_draft_dir, tiny_prompts, pp1):
     al = [a for o in outs for a in o.accept_lengths]
     assert sum(al) / len(al) < 1.1
     # the harness's per-position acceptance sees the collapse at every draft position
-    from harness.stats import accept_stats
+    from harness.core.stats import accept_stats
     dropped = accept_stats([o.accept_lengths for o in outs], TREE["num_steps"])["per_position"]
     kept = accept_stats([o.accept_lengths for o in pp1["tree"]], TREE["num_steps"])["per_position"]
     assert len(dropped) == TREE["num_steps"] and max(dropped) < 0.1 and kept[0] > 0.5

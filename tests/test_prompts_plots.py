@@ -12,8 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 import engine
-from harness import plots, plots_latency, prompt_sets, stats
-from harness.cli import app
+from harness.report import plots, plots_latency
+from harness.bench import prompt_sets
+from harness.core import stats
+from harness.cli.app import app
 
 runner = CliRunner()
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -85,7 +87,7 @@ def test_wilson_interval_known_values_and_mdd_display():
 
 
 def test_sub_millisecond_figures_keep_three_significant_digits():
-    from harness.tables import fmt
+    from harness.core.tables import fmt
     assert [fmt(x, "ms") for x in (0.000383, 0.0000412, 0.00119, 0.0123, 0.1234)] == \
         ["0.383", "0.0412", "1.19", "12.3", "123.4"]
 
@@ -168,7 +170,7 @@ def test_bench_dry_run_prints_the_cells_and_runs_nothing(tmp_path, tiny_model_di
 
 
 def test_help_shows_effective_defaults_suites_and_an_example(tmp_path, monkeypatch):
-    from harness import clihelp
+    from harness.cli import help as clihelp
     monkeypatch.setenv("COLUMNS", "200")
     clihelp._root_and_toml.cache_clear()
     r = runner.invoke(app, ["bench", "--help"])
@@ -193,8 +195,8 @@ def test_help_shows_effective_defaults_suites_and_an_example(tmp_path, monkeypat
 
 
 def test_progress_totals_and_the_sweep_reporter():
-    from harness.resolve import resolve
-    from harness.progress import SweepReporter, bench_total
+    from harness.core.resolve import resolve
+    from harness.bench.progress import SweepReporter, bench_total
     cfg = resolve(None, {"bench": {"batch_sizes": [1, 4], "runs": 3}, "spec": {"algorithm": None}})
     assert bench_total(cfg) == (1 + 4) * 3
     lines, now = [], iter([0.0, 10.0, 10.0, 40.0])
@@ -207,7 +209,7 @@ def test_progress_totals_and_the_sweep_reporter():
 
 
 def test_git_info_hashes_the_uncommitted_diff(tmp_path):
-    from harness.results import git_info
+    from harness.report.results import git_info
 
     def git(*a):
         return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout
@@ -225,9 +227,9 @@ def test_git_info_hashes_the_uncommitted_diff(tmp_path):
 def test_bench_default_prompts_are_gsm8k_test_text_and_named_in_summary_and_title(tmp_path, tiny_model_dir):
     """The default prompts are held-out GSM8K test text (the shipped heads trained on GSM8K train); gsm8k is its
     alias and gsm8k-train the old text; the summary and the table title name the set."""
-    from harness import bench_table
-    from harness.bench_cells import load_texts
-    from harness.config import BenchConfig
+    from harness.bench import table as bench_table
+    from harness.bench.cells import load_texts
+    from harness.core.config import BenchConfig
     assert BenchConfig().prompts == "gsm8k-test"
     assert [prompt_sets.source(n) for n in ("gsm8k", "gsm8k-test", "gsm8k-train", "specbench")] == \
         ["gsm8k-test", "gsm8k-test", "gsm8k-train", "specbench"]

@@ -1,4 +1,4 @@
-"""Self-generated training data (harness.selfgen, harness.selfgen_text, harness.train_mix): the chat frame, the
+"""Self-generated training data (harness.train.selfgen, harness.train.selfgen_text, harness.train.mix): the chat frame, the
 filters and their counts, MinHash dedup against its all-pairs twin, the held-out overlap check on the training
 text a mixed recipe selects, the proportional interleave, and the resumable turn cache on the real SmolLM2."""
 import json
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from harness import selfgen, selfgen_text as st, train_mix
+from harness.train import selfgen, selfgen_text as st, mix as train_mix
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_a_budget_stop_in_the_turn_cache_is_final(tmp_path, tok):
 
 def test_heldout_split_refuses_a_list_of_heldout_sets_of_another_size_before_generating():
     from engine.config import ConfigError
-    from harness.train_data import heldout_split
+    from harness.train.data import heldout_split
     kw = dict(device="cpu", dtype="float32", max_new_tokens=8, max_len=256, log=lambda s: None)
     with pytest.raises(ConfigError, match="equal to their size \\(10\\)"):
         heldout_split("smollm2", [{"source": "gsm8k", "limit": 4}], None, [{"source": "specbench", "per_category": 1}],

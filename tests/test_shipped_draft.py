@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def questions():
-    from harness.prompts import lmeval_contexts
+    from harness.eval.prompts import lmeval_contexts
     return lmeval_contexts("harness/data/gsm8k", 8)            # exact lm-eval 8-shot contexts
 
 
@@ -24,7 +24,7 @@ def default_config():
     """ppspec.toml's defaults in float32: ``dtype: auto`` resolves bfloat16 on AMX CPUs, where greedy spec and plain
     decoding may part at bf16 near-ties (verify and decode batches round differently); lossless means equal tokens in
     float32."""
-    from harness.resolve import resolve
+    from harness.core.resolve import resolve
     return resolve(None).engine.replace(dtype="float32")
 
 

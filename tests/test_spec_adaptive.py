@@ -59,7 +59,7 @@ def test_plan_lines_name_each_tier_range():
 def test_summary_histogram_by_tier_and_shape():
     from types import SimpleNamespace
 
-    from harness.stats import serving_summary, shape_detail, shape_stats
+    from harness.core.stats import serving_summary, shape_detail, shape_stats
     outs = [SimpleNamespace(accept_lengths=[3, 1, 1, 2], round_shapes=["3x1x4", "off", "off", "2x1x3"],
                             round_tiers=[1, 4, 4, 1], arrival_time=0.0, token_times=[1.0, 2.0], token_ids=[0] * 8),
             SimpleNamespace(accept_lengths=[5, 2], round_shapes=["off"], round_tiers=[4], arrival_time=0.0,
@@ -70,7 +70,7 @@ def test_summary_histogram_by_tier_and_shape():
     assert sh["shapes"]["off"] == {"rounds": 3, "accept_length": 4 / 3}
     assert shape_detail(sh) == "b>=1: 2 rounds (2x1x3 1, 3x1x4 1), accept 2.50 | b>=4: 3 rounds (off 3), accept 1.33"
     assert serving_summary(outs, 1.0)["adaptive"] == sh
-    from harness.stats import RoundsView
+    from harness.core.stats import RoundsView
     recs = [{"accept_lengths": o.accept_lengths, "round_shapes": o.round_shapes, "round_tiers": o.round_tiers}
             for o in outs] + [{"accept_lengths": [3], "round_shapes": None, "round_tiers": None}]   # resumed, plain
     assert shape_stats([RoundsView(r) for r in recs]) == sh

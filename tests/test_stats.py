@@ -1,4 +1,4 @@
-"""harness.stats on synthetic timestamps and known distributions (no timing, no engine)."""
+"""harness.core.stats on synthetic timestamps and known distributions (no timing, no engine)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness import stats
+from harness.core import stats
 
 
 def test_request_metrics_with_multi_token_spec_steps():

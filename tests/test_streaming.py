@@ -1,5 +1,5 @@
 """Token streaming: ``LLM.generate(stream=...)`` reports every committed token once, in order, step by step (not all at
-the end), at pp=1 and pp=2, with and without EAGLE; ``harness.textstream.TextStream`` prints the same text the
+the end), at pp=1 and pp=2, with and without EAGLE; ``harness.core.textstream.TextStream`` prints the same text the
 completion holds, a multi-byte character split across tokens once whole."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import io
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-from harness.textstream import TextStream
+from harness.core.textstream import TextStream
 
 
 @pytest.mark.parametrize("pp,spec", [(1, False), (1, True), (2, False), (2, True)])

@@ -16,13 +16,13 @@ from rich.table import Table
 from typer.testing import CliRunner
 
 from engine.config import ConfigError, EngineConfig, resolve_device
-from harness.cli import app
-from harness.compare import comparison_table, load_entry, run_compare
-from harness.pairing import bootstrap_winner, mcnemar_winner
-from harness.config import PACKAGE_ROOT, HarnessConfigError, check_layer
-from harness.resolve import apply_devices, layers_device, resolve
-from harness.suites import load_yaml
-from harness.tables import fit_table, rich_table
+from harness.cli.app import app
+from harness.report.compare import comparison_table, load_entry, run_compare
+from harness.report.pairing import bootstrap_winner, mcnemar_winner
+from harness.core.config import PACKAGE_ROOT, HarnessConfigError, check_layer
+from harness.core.resolve import apply_devices, layers_device, resolve
+from harness.core.suites import load_yaml
+from harness.core.tables import fit_table, rich_table
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "data" / "compare"
@@ -119,7 +119,7 @@ def _resolve_here(path: Path, kind: str = "run"):
 
 @pytest.mark.parametrize("path", SUITES, ids=[p.stem for p in SUITES])
 def test_every_suite_resolves_dry_run_on_cpu(path):
-    from harness.dryrun import bench_cells
+    from harness.bench.dryrun import bench_cells
     from harness.sweep import MATRIX_KEYS, check_cell, load_matrix
     raw = load_yaml(path)
     if {"base", "axes", "cells", "commands"} & set(raw) and set(raw) <= MATRIX_KEYS:
@@ -313,7 +313,7 @@ def test_compare_pairs_from_the_summary_alone(tmp_path):
     line): with records.jsonl deleted, compare gives the same table, winners and paired tests as with it."""
     import shutil
 
-    from harness.results import load_records, write_run
+    from harness.report.results import load_records, write_run
     dirs = []
     for name in ("tiny_pp1", "tiny_pp2"):
         shutil.copytree(FIXTURES / name, tmp_path / name)
@@ -370,7 +370,8 @@ def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
     included) and from the fixtures: within 80 columns, nothing cut to an ellipsis."""
     import json
 
-    from harness import bench_table, gsm8k_table
+    from harness.bench import table as bench_table
+    from harness.eval import table as gsm8k_table
     paths = sorted((REPO / "results").rglob("summary.json")) + sorted(FIXTURES.rglob("summary.json"))
     seen = 0
     for p in paths:
@@ -386,7 +387,7 @@ def test_bench_and_gsm8k_tables_of_committed_results_fit_80_columns():
 
 def test_compare_shows_open_loop_rows(tmp_path):
     """Regression: an open-loop bench compared with only its engine, KV and memory rows."""
-    from harness.compare import comparison_table, load_entry
+    from harness.report.compare import comparison_table, load_entry
     import io
     from rich.console import Console
     a = load_entry("results/cpu/openloop", "now")
@@ -394,7 +395,7 @@ def test_compare_shows_open_loop_rows(tmp_path):
     t, md = comparison_table([a, b])
     assert "goodput r=0.05 in64" in md and "75.0%" in md and "100.0%" in md
     assert "req/s r=inf in64" in md and "TTFT ms mean/p99 r=0.2 in64" in md
-    from harness.tables import fit_table
+    from harness.core.tables import fit_table
     buf = io.StringIO()
     for panel in fit_table(t, 80):
         Console(file=buf, width=80).print(panel)
@@ -404,7 +405,7 @@ def test_compare_shows_open_loop_rows(tmp_path):
 def test_engine_line_of_a_committed_result():
     """summary.md's engine line names speculative decoding and TP head padding (the tp4pp2 result's engine_info), and
     says when speculative decoding is off."""
-    from harness.cli_common import engine_line
+    from harness.cli.common import engine_line
     info = json.loads((REPO / "results" / "cpu" / "suites" / "tp4pp2-bench" / "summary.json").read_text())["engine_info"]
     assert engine_line(info) == ("engine: tp=4 pp=2; speculative decoding eagle on (S=3 k=1 n=4, PP x spec); heads "
                                  "padded for TP 4: 9 q / 3 kv -> 12 / 4 (25% of attention is padding)")
@@ -415,7 +416,7 @@ def test_engine_line_of_a_committed_result():
 def test_compare_engine_names_the_plan_loop():
     """Regression (QA): two results that differ only in the loop (rounds launched ahead or not) had the same engine
     label in ``ppspec compare``; the label now ends with the recorded plan's loop (none when not recorded)."""
-    from harness.compare import _engine_desc
+    from harness.report.compare import _engine_desc
     eng = {"tp": 1, "pp": 2, "dtype": "float32", "device": "cpu",
            "spec": {"algorithm": "eagle", "num_steps": 3, "topk": 1, "num_draft_tokens": 4}}
     entry = {"bench": {"config": {"engine": eng}, "meta": {"plan": {"loop": "ring_rounds"}}}}

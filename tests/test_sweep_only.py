@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from harness.cli import app
+from harness.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -181,8 +181,8 @@ def test_token_map_config_errors(tiny_model_dir, tiny_draft_dir, tmp_path):
 
 
 def test_harness_resolves_token_map_next_to_the_draft(tiny_draft_dir, tmp_path):
-    from harness.config import HarnessConfigError
-    from harness.resolve import resolve
+    from harness.core.config import HarnessConfigError
+    from harness.core.resolve import resolve
     from pathlib import Path
     write_map(Path(tiny_draft_dir) / "hot_test.json", [1, 2, 3])
     cfg = resolve(overrides={"spec": {"algorithm": "eagle", "draft": tiny_draft_dir, "token_map": "hot_test.json"}})
@@ -196,7 +196,7 @@ def test_a_token_map_with_eagle3_is_refused_for_the_pair_not_the_path():
     name is looked up beside the draft, and the EAGLE-3 head has none); the pair itself is the error."""
     from pathlib import Path
     from engine.config import ConfigError
-    from harness.resolve import resolve
+    from harness.core.resolve import resolve
     repo = Path(__file__).resolve().parents[1]
     with pytest.raises(ConfigError, match="an EAGLE-3 head has its own draft vocabulary"):
         resolve(overrides={"device": "cpu", "spec": {"algorithm": "eagle3", "draft": str(repo / "drafts/smollm2-eagle3"),
@@ -206,7 +206,7 @@ def test_a_token_map_with_eagle3_is_refused_for_the_pair_not_the_path():
 def test_shipped_smollm2_map(tmp_path):
     """The shipped map: 8,192 ids, EOS inside, and the CLI's builder reproduces it exactly from GSM8K train."""
     from pathlib import Path
-    from harness.token_map import make_token_map
+    from harness.train.token_map import make_token_map
     repo = Path(__file__).resolve().parents[1]
     shipped = json.loads((repo / "drafts/smollm2-eagle/hot_tokens_8k.json").read_text())
     ids = load_token_map(repo / "drafts/smollm2-eagle/hot_tokens_8k.json", 49152)

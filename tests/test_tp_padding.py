@@ -150,8 +150,8 @@ def test_smollm2_padded_tp_logits_equal_tp1(smollm2_path, smol_ids, tp):
 def test_smollm2_tp2pp2_spec_equals_tp1_spec():
     """Shipped head, 4 GSM8K questions (lm-eval 8-shot contexts): TP2 x PP2 + spec gives TP1 x PP1 + spec's tokens
     and per-request accept lengths (spec decoding is lossless, so these are the greedy tokens: TP2 greedy = TP1's)."""
-    from harness.resolve import resolve
-    from harness.prompts import lmeval_contexts
+    from harness.core.resolve import resolve
+    from harness.eval.prompts import lmeval_contexts
     qs = lmeval_contexts("harness/data/gsm8k", 4)
     prompts = [q["prompt"] for q in qs]
     params = [SamplingParams(max_new_tokens=40, stop=tuple(q["until"])) for q in qs]

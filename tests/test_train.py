@@ -9,8 +9,8 @@ from engine.dist import ParallelState, set_ps
 from engine.model.loader import iter_weights, load_model_config
 from engine.model.llama import LlamaForCausalLM
 from engine.speculative.eagle import EagleDraft
-from harness.train_data import row_weights, token_batches as _token_batches
-from harness.train_eagle import _init_from_target, draft_loss, target_features
+from harness.train.data import row_weights, token_batches as _token_batches
+from harness.train.eagle import _init_from_target, draft_loss, target_features
 
 
 def test_row_weights_values():
@@ -60,12 +60,12 @@ def test_weighted_loss_matches_unweighted_and_ignores_zero_rows(tiny_model_dir):
 
 
 def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
-    """The shipped recipe's data file is gzip jsonl; its prompts are exactly harness.prompts.train_prompts."""
+    """The shipped recipe's data file is gzip jsonl; its prompts are exactly harness.eval.prompts.train_prompts."""
     import gzip
     import json
 
-    from harness.train_data import read_jsonl
-    from harness.prompts import train_prompts
+    from harness.train.rows import read_jsonl
+    from harness.eval.prompts import train_prompts
 
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_read_jsonl_gz_and_shipped_prompts_are_train_questions(tmp_path):
 def test_tf32_flag_restored_after_cuda_training_scope():
     """Regression: train_draft left TF32 on for the whole process, so the quick accept-length eval run
     after it on the GPU was not fp32 (2.780 vs 2.705 on CPU for the same 20 questions)."""
-    from harness.train_draft import tf32_matmul
+    from harness.train.draft import tf32_matmul
     torch.backends.cuda.matmul.allow_tf32 = False
     with tf32_matmul("cuda"):
         assert torch.backends.cuda.matmul.allow_tf32 is True
@@ -96,7 +96,7 @@ def test_shipped_test_contexts_are_lmeval_contexts():
     import json
     from pathlib import Path
 
-    from harness.prompts import TEST200, read_contexts
+    from harness.eval.prompts import TEST200, read_contexts
     rows = read_contexts(TEST200)
     assert [r["doc_id"] for r in rows] == list(range(200))
     root = Path(__file__).resolve().parents[1]
@@ -107,14 +107,14 @@ def test_shipped_test_contexts_are_lmeval_contexts():
         import lm_eval  # noqa: F401
     except ImportError:
         return
-    from harness.prompts import lmeval_contexts
+    from harness.eval.prompts import lmeval_contexts
     assert lmeval_contexts(root / "harness/data/gsm8k", 4) == rows[:4]
 
 
 def test_build_sequences_time_budget_keeps_a_prefix(tiny_model_dir):
     """With a spent time budget generation stops after the first chunk (a prefix of the prompts); without one every
     prompt gets its continuation, and the first chunk's sequences are the same either way."""
-    from harness.train_data import build_sequences
+    from harness.train.data import build_sequences
     rows = [{"prompt": f"Question: {i} plus {i} is\nAnswer:"} for i in range(6)]
     lines = []
     s1, p1 = build_sequences(tiny_model_dir, rows, "cpu", "float32", 8, 128, time_budget_s=1e-6, first_chunk=2,
@@ -129,8 +129,8 @@ def test_gsm8k_layout_rows_make_the_shipped_prompts():
     shipped EAGLE-2 prompt set, all 1,500 of them."""
     from pathlib import Path
 
-    from harness.prompts import fewshot_prompts
-    from harness.train_data import read_jsonl
+    from harness.eval.prompts import fewshot_prompts
+    from harness.train.rows import read_jsonl
     root = Path(__file__).resolve().parents[1]
     rows = read_jsonl(root / "harness/data/gsm8k/train.jsonl")
     shipped = read_jsonl(root / "drafts/smollm2-eagle/train_prompts.jsonl.gz")
@@ -143,8 +143,8 @@ def test_shipped_train_recipes_pass_the_train_section_check():
 
     import yaml
 
-    from harness.commands_drafts import check_train_kwargs
-    from harness.train_draft import train_draft
+    from harness.cli.drafts import check_train_kwargs
+    from harness.train.draft import train_draft
     root = Path(__file__).resolve().parents[1]
     recipes = sorted((root / "suites").glob("train_*.yaml"))
     assert {p.stem for p in recipes} >= {"train_smollm2_draft", "train_smollm2_eagle3", "train_qwen05b_eagle3"}
@@ -155,7 +155,7 @@ def test_shipped_train_recipes_pass_the_train_section_check():
 def test_trim_context_keeps_the_continuation_and_the_last_prompt_tokens():
     """context_tokens cuts only the prompt's far end: [last C prompt tokens] + the whole continuation; text rows
     (prompt length 0) and prompts already within C stay whole."""
-    from harness.train_data import trim_context
+    from harness.train.data import trim_context
     seqs = [list(range(10)), [7, 8, 9], list(range(5))]
     plens = [6, 0, 2]
     s, p = trim_context(seqs, plens, 3)
@@ -167,7 +167,7 @@ def test_train_draft_refuses_a_bad_context_tokens(tmp_path):
     import pytest
 
     from engine.config import ConfigError
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     for bad in (0, -3, 2.5, True, "384"):
         with pytest.raises(ConfigError, match="context_tokens must be an integer >= 1"):
             train_draft("smollm2", tmp_path / "none.jsonl", tmp_path / "out", context_tokens=bad)
@@ -178,7 +178,7 @@ def test_train_draft_refuses_bad_values_before_generating(tmp_path):
     import pytest
 
     from engine.config import ConfigError
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "Question: 1+1?\\nAnswer:"}\n')
     cases = [({"aux_layers": [1, 14, 99]}, r"train.aux_layers \[1, 14, 99\]: need three strictly increasing"),
@@ -195,7 +195,7 @@ def test_sequences_cache_keeps_whole_prompts(tiny_model_dir, tmp_path):
     """The sequences cache holds the whole generated sequences; context_tokens trims what is trained on, both when
     the cache is written and when it is read, so one generated set serves every context length."""
     import json as _json
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     rows = [{"prompt": f"Question: {i} plus {i} plus {i} is what number\nAnswer:"} for i in range(3)]
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(_json.dumps(r) for r in rows))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.config import ConfigError
-from harness import train_state
-from harness.pieces import ensure_whole, join_file, main as pieces_main, split_file
-from harness.train_draft import train_draft
+from harness.train import state as train_state
+from harness.core.pieces import ensure_whole, join_file, main as pieces_main, split_file
+from harness.train.draft import train_draft
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_pieces_split_join_and_errors(tmp_path):
 def test_sequences_cache_is_reused_keyed_and_joined_from_pieces(tiny_model_dir, tmp_path, monkeypatch):
     """Generated continuations are cached: a second call reads them (no generation), also from the cache's pieces;
     a cache made with other settings is refused naming the field."""
-    import harness.train_data as td
+    import harness.train.data as td
     rows = [{"prompt": f"Question: {i} plus {i} is\nAnswer:"} for i in range(3)]
     cache = tmp_path / "seqs.pt"
     s1, p1 = td.build_sequences(tiny_model_dir, rows, "cpu", "float32", 6, 128, cache=cache)
@@ -194,7 +194,7 @@ def test_resume_from_an_unreadable_checkpoint_is_one_line(content, why, tmp_path
     EOFError ("Abort") or UnpicklingError traceback; it is one line naming the file, exit 2."""
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from harness.cli.app import app
     p = tmp_path / "run" / "checkpoint" / "state.pt"
     p.parent.mkdir(parents=True)
     if content is None:
@@ -245,7 +245,7 @@ def _split_manifest(tmp_path):
     (lambda man: man.update(size=1), None),
 ])
 def test_pieces_join_refuses_a_bad_manifest_in_one_line(tmp_path, capsys, edit, why):
-    """Regression: ``python -m harness.pieces join`` on a manifest with a piece named ``../x`` (ValueError), a piece
+    """Regression: ``python -m harness.core.pieces join`` on a manifest with a piece named ``../x`` (ValueError), a piece
     without size or sha256 (KeyError) or pieces that are not a list of objects (TypeError) ended in a traceback; it
     is one ``Error: pieces: ...`` line, exit 2, and nothing is read outside the manifest's directory or written."""
     f, m, man = _split_manifest(tmp_path)
@@ -303,7 +303,7 @@ def test_pieces_errors_all_carry_the_prefix(tmp_path, capsys):
 def test_heldout_rows_take_their_shots_from_the_training_file():
     """GSM8K held-out rows: the last n questions of the validation file, each after 8 shots drawn from the training
     file, so no held-out question is a shot in a training prompt and every shot is a training question."""
-    from harness.train_data import heldout_rows, prompt_rows
+    from harness.train.data import heldout_rows, prompt_rows
     train = [{"question": f"train question {i}?", "answer": f"#### {i}"} for i in range(20)]
     val = [{"question": f"test question {i}?", "answer": f"#### {i}"} for i in range(15)]
     rows = heldout_rows(val, 4, train)
@@ -322,7 +322,7 @@ def test_heldout_rows_take_their_shots_from_the_training_file():
 def test_heldout_split_with_and_without_val_data(tiny_model_dir, tmp_path):
     """With val_data the held-out sequences are its last val_sequences rows and every row of data trains; without,
     the last val_sequences sequences of data are held out. train.val_data without val_sequences is refused."""
-    from harness.train_data import heldout_split
+    from harness.train.data import heldout_split
     from tiny import gsm8k_prompts
     texts = gsm8k_prompts(9, 0)
     data, val_data = tmp_path / "d.jsonl", tmp_path / "v.jsonl"
@@ -346,7 +346,7 @@ def test_sampled_continuations_add_training_data_and_are_cached(tiny_model_dir, 
     train.gen_temperature, after the greedy ones; the held-out sequences stay the greedy ones; the sampled set has
     its own cache beside the greedy one (a second call generates nothing); a recipe with gen_samples 1 records
     neither key (checkpoints from before sampling resume); bad values are refused in one line."""
-    import harness.train_data as td
+    import harness.train.data as td
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Question: {i} plus {i} is\nAnswer:"}) for i in range(4)))
     cache = tmp_path / "seqs.pt"

@@ -8,7 +8,7 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
 from engine.messages import DraftTree, StepResult
 from engine.transport import decode, encode, encode_reference, field_bytes
-from harness import pp_metrics
+from harness.bench import pp_metrics
 
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 

@@ -4,7 +4,7 @@
 --prompts gsm8k-test,specbench --out DIR [--set KEY=VALUE ...]``
 
 For each shape (``off``: plain decoding, no draft) one engine is started from the suite (``--set`` as the CLI's), and
-``harness.bench.run_bench`` runs every batch size on every prompt set with it (floors and peer off). DIR gets
+``harness.bench.run.run_bench`` runs every batch size on every prompt set with it (floors and peer off). DIR gets
 ``sweep.json`` (per shape, prompt set and batch size: tok/s of each run, accept length, TPOT), ``sweep.md`` (tok/s
 and the ratio to plain per cell) and ``proposed_table.yaml`` (:func:`propose`) with the measurements it came from.
 ``--budget-s``: shapes not started within that many seconds of the start are skipped (named in sweep.json).
@@ -82,8 +82,8 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
         out: Path, budget_s: float, log=print) -> dict:
     """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict."""
     from engine import LLM
-    from harness.bench import run_bench
-    from harness.resolve import merge, resolve
+    from harness.bench.run import run_bench
+    from harness.core.resolve import merge, resolve
     t0 = time.perf_counter()
     res = {"config": config, "batch_sizes": batch_sizes, "prompt_sets": prompt_sets, "overrides": sets,
            "rows": {}, "skipped": []}
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from harness.cli_common import parse_sets
+    from harness.cli.common import parse_sets
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     bs = [int(x) for x in a.batch_sizes.split(",")]

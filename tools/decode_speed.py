@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.config import spec_shape
+from harness.core.config import spec_shape
 
 
 def emit(rows: list[dict], row: dict) -> None:
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from harness.stats import request_metrics
+    from harness.core.stats import request_metrics
     S, k, n = a.shape
     spec = SpecConfig(a.algorithm, a.draft, S, k, n, token_map=a.token_map) if a.draft else SpecConfig()
     bmax = max(a.batch or [1])

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=200)
     ap.add_argument("--try", dest="tries", action="append", default=[])
     a = ap.parse_args()
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     from tools.speceval import evaluate
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 Reads the recipe's sequences cache (``train.sequences_cache``, or ``--sequences``: e.g. the ``seqs.pt`` of a
 ``scripts/gpu.sh train-eagle3`` bundle), takes its held-out sequences as ``ppspec train-draft`` does
-(:func:`harness.train_data.heldout_split`: whole prompts), and measures each ``--draft`` head on them with
-:func:`harness.train_eagle3.val_accept_length`: chain S=3 rounds walked along each continuation (what a decode
+(:func:`harness.train.data.heldout_split`: whole prompts), and measures each ``--draft`` head on them with
+:func:`harness.train.eagle3.val_accept_length`: chain S=3 rounds walked along each continuation (what a decode
 makes of the target's own greedy continuation) and the per-row mean beside it. The target runs in float32 on
 ``--device``.
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         ap.error(f"--device {a.device}: {e}")
 
-    from harness.config import HarnessConfigError
+    from harness.core.config import HarnessConfigError
     try:
         return _run(a, ap)
     except (ConfigError, HarnessConfigError, FileNotFoundError) as e:
@@ -55,10 +55,10 @@ def main(argv=None) -> int:
 def split_settings(t: dict) -> dict:
     """The generation settings of a recipe's ``train`` section that key its caches (dtype, max_new_tokens, max_len,
     attention backend, batched requests, prompt format), a key the recipe leaves out taking
-    :func:`harness.train_draft.train_draft`'s default, so the caches ``ppspec train-draft`` wrote are the ones read."""
+    :func:`harness.train.draft.train_draft`'s default, so the caches ``ppspec train-draft`` wrote are the ones read."""
     import inspect
 
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     d = {k: p.default for k, p in inspect.signature(train_draft).parameters.items()}
     get = lambda k: t[k] if t.get(k) is not None else d[k]     # noqa: E731
     return {"dtype": t.get("gen_dtype") or get("dtype"), "max_new_tokens": get("max_new_tokens"),
@@ -74,10 +74,10 @@ def _run(a, ap) -> int:
     from engine.model.llama import LlamaForCausalLM
     from engine.model.loader import iter_weights, load_model_config, resolve_model_path
     from engine.speculative.eagle3 import Eagle3Draft, eagle3_config
-    from harness.resolve import resolve
-    from harness.train_data import heldout_split, token_batches
-    from harness.train_eagle import dense_ctx
-    from harness.train_eagle3 import val_accept_length
+    from harness.core.resolve import resolve
+    from harness.train.data import heldout_split, token_batches
+    from harness.train.eagle import dense_ctx
+    from harness.train.eagle3 import val_accept_length
 
     t = resolve(a.config, {}, kind="train").train
     path = resolve_model_path(t["model"])
@@ -93,7 +93,7 @@ def _run(a, ap) -> int:
     val_data = t.get("val_data") if a.val_data is None else (None if a.val_data == "none" else a.val_data)
     _, _, val, _ = heldout_split(t["model"], t["data"], t.get("limit"), val_data, int(t["val_sequences"]),
                               a.device, **split_settings(t), time_budget_s=0, log=print, cache=cache)
-    cats = val[2] if len(val) == 3 else None          # a list of held-out sets: categories (harness.train_mix)
+    cats = val[2] if len(val) == 3 else None          # a list of held-out sets: categories (harness.train.mix)
     val = list(zip(*val[:2]))[:a.limit]
     set_ps(ParallelState(device=torch.device(a.device)))
     set_backend(TorchBackend())
@@ -112,7 +112,7 @@ def _run(a, ap) -> int:
                                  for k, v in load_file(str(Path(d) / "model.safetensors")).items())
         draft.to(a.device).eval()
         if cats is not None:
-            from harness.train_eagle3_run import mixed_val
+            from harness.train.eagle3_run import mixed_val
             r = mixed_val(draft, target, ([s for s, _ in val], [p for _, p in val], cats[:len(val)]),
                           int(t["batch_tokens"]), a.device)
             out[d] = {"sequences": len(val), **r}

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from harness.config import spec_shape
+from harness.core.config import spec_shape
 
 STUB_VOCAB = 512
 

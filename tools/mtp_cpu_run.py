@@ -27,7 +27,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-tokens", type=int, default=48)
     a = ap.parse_args(argv)
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
     from tools.tiny import gsm8k_prompts
 
     out = Path(a.out)

@@ -1,7 +1,7 @@
 """Build a ``ppspec train-draft`` recipe's data without training: the self-generated user turns and their filter
-report (:mod:`harness.selfgen`), the held-out and training continuations (greedy, plus the sampled ones with
+report (:mod:`harness.train.selfgen`), the held-out and training continuations (greedy, plus the sampled ones with
 ``train.gen_samples`` > 1) in the recipe's caches, exactly as the recipe's training call would make them
-(:func:`harness.train_data.heldout_split`), so a later training call (another machine, the caches carried) reads
+(:func:`harness.train.data.heldout_split`), so a later training call (another machine, the caches carried) reads
 them instead of generating.
 
 Usage: ``python -m tools.selfgen_data --config train_smollm2_eagle3_mixed [--set train.KEY=VALUE ...]``. Prints the
@@ -21,10 +21,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="train.KEY=VALUE override (repeatable)")
     a = ap.parse_args(argv)
     from engine.config import ConfigError
-    from harness.cli_common import parse_sets
-    from harness.config import HarnessConfigError
-    from harness.resolve import resolve
-    from harness.train_data import heldout_split
+    from harness.cli.common import parse_sets
+    from harness.core.config import HarnessConfigError
+    from harness.core.resolve import resolve
+    from harness.train.data import heldout_split
     try:
         t = resolve(a.config, parse_sets(a.sets), kind="train").train
         if not t.get("sequences_cache"):

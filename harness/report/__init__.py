@@ -1,0 +1,1 @@
+"""Results on disk, pairing of requests, ``ppspec compare`` and the plots."""
