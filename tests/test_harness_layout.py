@@ -6,8 +6,8 @@ from pathlib import Path
 from test_import_direction import LAYERS, graph, upward
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = {'report', 'eval', 'train', 'bench', 'core', 'cli'}
-TOP = {'__init__', 'lm_eval', 'gate', '__main__', 'sweep', 'entry'}
+SUBPACKAGES = {"bench", "cli", "core", "eval", "report", "train"}
+TOP = {"__init__", "__main__", "entry", "gate", "lm_eval", "sweep"}
 
 
 def test_every_harness_module_is_in_a_declared_place():
