@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import knobs
 from .knobs import ConfigError, check_fault
+from .device import auto_dtype, check_device, resolve_device  # noqa: F401  (re-exported)
 from .model.config import SUPPORTED_ARCHS, ModelConfig  # noqa: F401  (re-exported)
 
 def check_topology(cfg: ModelConfig, tp: int, pp: int) -> None:
@@ -51,36 +52,6 @@ def token_map_file(path: str | Path) -> Path:
     if not p.is_file():
         raise ConfigError(f"spec.token_map: {'a directory, not a file' if p.is_dir() else 'file not found'}: {p}")
     return p
-
-
-def resolve_device(device: str = "auto") -> str:
-    """``device`` with ``auto`` resolved: ``cuda`` when torch sees a CUDA device, else ``cpu``; any other value
-    (``cpu``, ``cuda``, ``cuda:N``) is returned unchanged. Imports torch only for ``auto``."""
-    if device != "auto":
-        return device
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(device: str) -> None:
-    """ConfigError (one line) for a device that is neither ``cpu`` nor ``cuda`` / ``cuda:N``, or ``cuda`` where this
-    torch build sees no CUDA device. Imports torch only for ``cuda``."""
-    dev = device.split(":")[0]
-    if dev not in ("cpu", "cuda"):
-        raise ConfigError(f"device: {device!r} (supported: cpu, cuda, cuda:N, auto)")
-    if dev == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("device=cuda but this torch build sees no CUDA device")
-
-
-def auto_dtype(device: str) -> str:
-    """The dtype ``auto`` means on ``device``: bfloat16 on CUDA and on CPUs with AMX bfloat16 tiles, else float32."""
-    if device.split(":")[0] == "cuda":
-        return "bfloat16"
-    import torch
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return "bfloat16" if amx() else "float32"
 
 
 ALGORITHMS = ("eagle", "eagle3", "mtp")
@@ -136,7 +107,7 @@ class SpecConfig:
     @property
     def table(self):
         """The parsed ``adaptive`` table (:class:`engine.speculative.adaptive.AdaptiveTable`), or None."""
-        from .speculative.adaptive import AdaptiveTable
+        from .spec_table import AdaptiveTable
         return AdaptiveTable.parse(self.adaptive) if self.adaptive is not None and self.enabled else None
 
     @property

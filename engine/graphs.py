@@ -236,37 +236,6 @@ class CudaGraphRunner(_StageBuffers):
         return self._outputs((kind, bs), t, aux)
 
 
-class VerifyGraphSet:
-    """The verify graphs of one stage under adaptive speculation: a :class:`CudaGraphRunner` per verify width
-    (num_draft_tokens of each table shape; off: 1), captured widest first into one shared memory pool; a batch
-    replays the runner whose width its requests have (``can_run`` / ``run`` / ``num_replays`` as one runner)."""
-
-    def __init__(self, runner, max_bs: int, widths):
-        self.runners: dict[int, CudaGraphRunner] = {}
-        pool = None
-        for n in sorted(set(widths), reverse=True):
-            g = CudaGraphRunner(runner, max_bs, verify_n=n, decode=False, pool=pool)
-            pool = g.pool
-            self.runners[n] = g
-
-    def _for(self, ctx: ForwardContext):
-        qo = ctx.qo_indptr
-        return self.runners.get(qo[1] - qo[0]) if ctx.mode == "verify" and len(qo) > 1 else None
-
-    def can_run(self, ctx: ForwardContext) -> bool:
-        g = self._for(ctx)
-        return g is not None and g.can_run(ctx)
-
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, hidden=None, residual=None,
-            aux: list | None = None):
-        """:meth:`CudaGraphRunner.run` of the runner of ``ctx``'s width (see :meth:`can_run`)."""
-        return self._for(ctx).run(ids, pos, ctx, hidden, residual, aux)
-
-    @property
-    def num_replays(self) -> int:
-        return sum(g.num_replays for g in self.runners.values())
-
-
 class PrefillGraphRunner(_StageBuffers):
     """Captured one-request prefill forwards of one stage over token buckets (``PREFILL_BUCKETS`` below ``max_tokens``, then it).
 

@@ -9,48 +9,16 @@ from .attention.ragged import RaggedTorchBackend
 from .config import ConfigError, EngineConfig, check_topology, model_source
 from .knobs import rank_fault
 from .dist import all_reduce_min_int, ps
-from .kernels.argmax import argmax_rows
 from .kv_cache import KVPool, rank_kv_tokens
 from .plan import resolve_plan
 from .model.loader import dummy_weights, iter_weights, load_tokenizer
 from .model.layers import Kernels, use_kernels
 from .model.llama import LlamaForCausalLM, stage_layer_range
-from .model.sampling import coin_seed, request_coins, sample_from_probs, target_probs
+from .model.sampling import Sampler  # noqa: F401  (re-exported)
 from .model.tp_pad import tp_head_padding
 from .kv_manager import PREFIX_BLOCK
 from .requests import Req
 from .scheduler import ScheduledBatch, Scheduler
-
-
-class Sampler:
-    """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded top-k / top-p
-    sampling with per-request coins (:mod:`engine.model.sampling`), so every rank draws the same tokens."""
-
-    def __init__(self, device: torch.device, seed: int, argmax: bool):
-        self.device, self.seed, self.argmax = device, seed, argmax      # argmax: the Triton row argmax may run
-
-    def sampling_tensors(self, reqs: list[Req], repeat: int = 1):
-        """(temperature [R] float32, top_k [R] int64, top_p [R] float32) on the device, each request's values
-        repeated ``repeat`` times (R = len(reqs) * repeat)."""
-        return tuple(h2d(torch.tensor([getattr(r.params, f) for r in reqs], dtype=dt).repeat_interleave(repeat),
-                         self.device) for f, dt in (("temperature", torch.float32), ("top_k", torch.int64),
-                                                    ("top_p", torch.float32)))
-
-    def target_probs(self, logits: torch.Tensor, reqs: list[Req], repeat: int = 1) -> torch.Tensor:
-        """logits [R, V] -> per-row target distribution [R, V] float32 (greedy rows one-hot on the argmax)."""
-        return target_probs(logits, *self.sampling_tensors(reqs, repeat))
-
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
-        if all(r.params.greedy for r in reqs):
-            return argmax_rows(logits) if self.argmax else logits.argmax(-1)
-        probs = self.target_probs(logits, reqs)
-        coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
-        return sample_from_probs(probs, coins.to(probs.device))
-
-    def coins(self, r: Req, count: int) -> torch.Tensor:
-        """``count`` sampling coins [count] float32 for ``r``'s next output position."""
-        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids), count)
 
 
 class ModelRunner:
@@ -227,7 +195,7 @@ class ModelRunner:
         n = self.spec.num_draft_tokens if self.spec else None
         table = self.spec.table if self.spec else None
         if table is not None:                          # adaptive: a verify graph per width, a draft graph per shape
-            from .graphs import VerifyGraphSet
+            from .speculative.adaptive import VerifyGraphSet
             self.graphs = VerifyGraphSet(self, max_bs, [s.num_draft_tokens for s in table.shapes])
         else:
             self.graphs = CudaGraphRunner(self, max_bs, verify_n=n, decode=self.spec is None)

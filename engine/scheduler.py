@@ -1,7 +1,6 @@
 """Continuous-batching scheduler, replicated identically on every rank (SGLang's PP design): the same requests and
 relayed results give the same admission, chunking, KV allocation, retraction and finish decisions on all stages.
-A request stays in one micro-batch slot from admission to finish.
-"""
+A request stays in one micro-batch slot from admission to finish."""
 from __future__ import annotations
 
 import time

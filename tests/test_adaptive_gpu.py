@@ -2,7 +2,7 @@
 
 Under an adaptive table each stage captures a verify graph per table width (num_draft_tokens; ``off``: 1) and the
 last stage a draft graph set (beam search, draft extend + beam search) per drafted shape
-(engine.graphs.VerifyGraphSet, engine.speculative.draft_graphs.DraftGraphRunner). The replayed run must give the
+(engine.speculative.adaptive.VerifyGraphSet, engine.speculative.draft_graphs.DraftGraphRunner). The replayed run must give the
 eager run's tokens, accept lengths and round shapes exactly, at pp=1 and pp=2 (two ranks on this GPU), for a
 chain <-> tree table and a tree <-> off table, while the running batch crosses tiers (two running of four requests
 with different lengths, then one).

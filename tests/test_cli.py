@@ -732,8 +732,8 @@ def test_training_recipes_listed_for_train_draft_only(tmp_path):
     r = runner.invoke(app, ["generate", "hi", "--config", "no_such_suite"])
     assert r.exit_code == 2 and "; run configs: " in r.output and "train_smollm2" not in r.output
     r = runner.invoke(app, ["train-draft", "--config", "no_such_suite"])
-    assert r.exit_code == 2 and r.output.rstrip().endswith(
-        "; training recipes: train_smollm2_draft, train_smollm2_eagle3, train_smollm2_eagle3_long")
+    assert r.exit_code == 2 and r.output.rstrip().endswith("; training recipes: " + ", ".join(train))
+    assert {"train_qwen05b_eagle3", "train_smollm2_draft", "train_smollm2_eagle3_long"} <= set(train)
     assert resolve("train_smollm2_eagle3", {}, kind="train").train["algorithm"] == "eagle3"
     m = _write(tmp_path / "m.yaml", "base: train_smollm2_eagle3\naxes: {pp: [1]}\n")
     r = runner.invoke(app, ["sweep", "--matrix", str(m), "--dry-run"])
@@ -895,11 +895,12 @@ def test_draft_head_kind_and_path_messages(tmp_path):
 def test_run_config_given_to_train_draft_is_named():
     """Regression: train-draft --config tp1pp1 said train.model was missing; a run config is named as one, with the
     training recipes listed (the mirror of a recipe given to a run command)."""
+    from harness.cli.help import suites
     r = runner.invoke(app, ["train-draft", "--config", "tp1pp1"])
     assert r.exit_code == 2 and r.output.splitlines() == [
         "Error: --config tp1pp1 is a run config, not a training recipe (it has no train: section): use it with "
-        "ppspec gsm8k / bench / gate / generate --config tp1pp1; training recipes: train_smollm2_draft, "
-        "train_smollm2_eagle3, train_smollm2_eagle3_long"], r.output
+        "ppspec gsm8k / bench / gate / generate --config tp1pp1; training recipes: " + ", ".join(suites("train"))
+    ], r.output
 
 
 def test_stage_two_recipe_without_stage_one_head_names_the_command(tmp_path, monkeypatch):

@@ -113,8 +113,10 @@ def test_qwen_recipe_trains_saves_and_serves_a_lossless_head(tiny_qwen2, tmp_pat
     with pytest.raises(Exception, match=r"no trained head in .*qwen05b-eagle3.*train_qwen05b_eagle3"):
         resolve(overrides={"model": tiny_qwen2, "spec": {"algorithm": "eagle3", "draft": "qwen05b-eagle3"}})
     rec = yaml.safe_load((ROOT / "suites/train_qwen05b_eagle3.yaml").read_text())["train"]
-    assert rec["prompt_format"] == "lmeval-8shot" and rec["out"] == "qwen05b-eagle3"
-    rec.update(model=tiny_qwen2, out=named_out(rec["out"]), device="cpu", gen_dtype="float32", gen_backend="torch",
+    assert [d.get("format") for d in rec["data"]] == [None, "chat-cot-zeroshot", None]
+    assert rec["out"] == "qwen05b-eagle3"
+    rec.update(data="harness/data/gsm8k/train.jsonl", val_data="harness/data/gsm8k/test.jsonl",   # the 8-shot source
+               model=tiny_qwen2, out=named_out(rec["out"]), device="cpu", gen_dtype="float32", gen_backend="torch",
                limit=6, val_sequences=1, max_new_tokens=24, max_len=320, context_tokens=48, batch_tokens=256,
                epochs=2, time_budget_s=None, gen_time_budget_s=None, sequences_cache=str(tmp_path / "seqs.pt"),
                aux_layers=[0, 2, 3], draft_vocab_size=512, draft_intermediate_size=96, save_dtype="float32",

@@ -159,12 +159,12 @@ def test_mixed_val_reports_each_category_and_chooses_on_the_gsm8k_specbench_mean
     set_ps(ParallelState())
     set_backend(TorchBackend())
     mc = load_model_config(tiny_model_dir)
-    target = LlamaForCausalLM(mc, torch.float32, 128)
+    target = LlamaForCausalLM(mc, torch.float32, 1024)
     target.load_weights(iter_weights(tiny_model_dir, dtype=torch.float32))
     target.eval()
     spec = eagle3_config(mc, e3)
     target.aux_layers = spec.aux_layers
-    draft = Eagle3Draft(spec, torch.float32, 128)
+    draft = Eagle3Draft(spec, torch.float32, 1024)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
     draft.load_draft_weights((k, v.float() if v.is_floating_point() else v)

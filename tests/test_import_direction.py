@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.messages",),                                     # the relay's types, host/device copy helpers
     ("engine.model.config",),                                 # ModelConfig (a checkpoint's shape)
     ("engine.model.checkpoint", "engine.model.gguf", "engine.model.registry", "engine.model.loader"),   # reading a checkpoint
+    ("engine.spec_table", "engine.device"),                   # the adaptive speculation table; device and dtype
     ("engine.config",),                                       # EngineConfig, SpecConfig, faults, topology checks
     ("engine.dist",),                                         # process groups, TP collectives
     ("engine.kernels",),

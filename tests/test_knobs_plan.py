@@ -99,7 +99,6 @@ def test_fault_values():
         with pytest.raises(ConfigError, match="it would never fire"):
             EngineConfig(fault=bad, **kw)
     assert EngineConfig(fault="fail_rank:3", tp=2, pp=2).fault == "fail_rank:3"
-    assert "adaptive" not in {f.name for f in dataclasses.fields(SpecConfig)}
     assert "eagle_version" not in {f.name for f in dataclasses.fields(SpecConfig)}
 
 

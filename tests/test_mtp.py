@@ -118,7 +118,7 @@ def reference(layout, w, cfg, E, ids, feat, pos, *, swap=False, zero=None):
 def load_draft(d, stated=None):
     from engine.config import ModelConfig
     from engine.dist import ParallelState, set_ps
-    from engine.speculative.mtp import build_mtp_draft
+    from engine.speculative.mtp_checkpoint import build_mtp_draft
     set_ps(ParallelState())
     cfg = json.loads((d / "config.json").read_text())
     target = ModelConfig.from_hf(cfg)

@@ -1,7 +1,9 @@
 """Model shape: :class:`ModelConfig`, read from a Hugging Face ``config.json`` (or a GGUF's metadata mapped to one)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..knobs import ConfigError
@@ -113,3 +115,24 @@ def is_eagle3_config(d: dict) -> bool:
     before anything heavy is imported)."""
     return (any("Eagle3" in a for a in d.get("architectures") or ()) or "draft_vocab_size" in d
             or d.get("eagle_version") == 3)
+
+
+def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
+    """Read the draft's config.json and check it matches the target (hidden size = feature width)."""
+    p = Path(draft_dir) / "config.json"
+    if not p.exists():
+        raise ConfigError(f"draft checkpoint not found: {p}")
+    d = json.loads(p.read_text())
+    if int(d.get("hidden_size", -1)) != target.hidden_size:
+        raise ConfigError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {target.hidden_size}")
+    if is_eagle3_config(d) or "d2t" in d:
+        raise ConfigError(f"{p}: an EAGLE-3 checkpoint; use spec.algorithm: eagle3 (the EAGLE-1/2 module would read "
+                          "the wrong feature)")
+    fields = target.to_hf()
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "attention_bias"):
+        if key in d:
+            fields[key] = d[key]
+    fields["num_hidden_layers"] = 1
+    fields["architectures"] = [target.architecture]
+    return ModelConfig.from_hf(fields, eos_token_ids=target.eos_token_ids)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.backend import h2d
 from ..config import ConfigError
+from ..kernels.argmax import argmax_rows
 
 
 def _tuple_of(name: str, value, kind: type, what: str) -> tuple:
@@ -123,3 +125,34 @@ def request_coins(seed: int, step: int, count: int) -> torch.Tensor:
     (``coin_seed``): identical on every rank for the same inputs."""
     g = torch.Generator().manual_seed((seed + step * 104_729) % (2 ** 63))
     return torch.rand(count, generator=g)
+
+
+class Sampler:
+    """Token sampling of one rank (the nano-vllm / SGLang ``Sampler``): greedy argmax or seeded top-k / top-p
+    sampling with per-request coins (:mod:`engine.model.sampling`), so every rank draws the same tokens."""
+
+    def __init__(self, device: torch.device, seed: int, argmax: bool):
+        self.device, self.seed, self.argmax = device, seed, argmax      # argmax: the Triton row argmax may run
+
+    def sampling_tensors(self, reqs: list["Req"], repeat: int = 1):
+        """(temperature [R] float32, top_k [R] int64, top_p [R] float32) on the device, each request's values
+        repeated ``repeat`` times (R = len(reqs) * repeat)."""
+        return tuple(h2d(torch.tensor([getattr(r.params, f) for r in reqs], dtype=dt).repeat_interleave(repeat),
+                         self.device) for f, dt in (("temperature", torch.float32), ("top_k", torch.int64),
+                                                    ("top_p", torch.float32)))
+
+    def target_probs(self, logits: torch.Tensor, reqs: list["Req"], repeat: int = 1) -> torch.Tensor:
+        """logits [R, V] -> per-row target distribution [R, V] float32 (greedy rows one-hot on the argmax)."""
+        return target_probs(logits, *self.sampling_tensors(reqs, repeat))
+
+    def sample(self, logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
+        """logits [R, V] -> tokens [R] int64 (greedy argmax or seeded sampling, identical on every rank)."""
+        if all(r.params.greedy for r in reqs):
+            return argmax_rows(logits) if self.argmax else logits.argmax(-1)
+        probs = self.target_probs(logits, reqs)
+        coins = torch.stack([self.coins(r, 1)[0] for r in reqs])
+        return sample_from_probs(probs, coins.to(probs.device))
+
+    def coins(self, r: "Req", count: int) -> torch.Tensor:
+        """``count`` sampling coins [count] float32 for ``r``'s next output position."""
+        return request_coins(coin_seed(r.params, r.rid, self.seed), len(r.output_ids), count)

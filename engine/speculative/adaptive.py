@@ -22,179 +22,10 @@ vLLM per-batch-size num_speculative_tokens, TensorRT-LLM draft_len_schedule.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
 
-from ..knobs import ConfigError
-
-
-@dataclass(frozen=True, order=True)
-class Shape:
-    """One draft shape; ``off`` is (0, 1, 1)."""
-
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-
-    @property
-    def off(self) -> bool:
-        return self.num_steps == 0
-
-    @property
-    def is_chain(self) -> bool:
-        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
-
-    @property
-    def reserve(self) -> int:
-        """KV slots past seq_len per request: n verify rows + k*S tail-draft scratch."""
-        return self.num_draft_tokens + self.topk * self.num_steps
-
-    @property
-    def parents_width(self) -> int:
-        """parent_list columns: k(S-1)+1 (0 when off)."""
-        return 0 if self.off else self.topk * (self.num_steps - 1) + 1
-
-    def __str__(self) -> str:
-        return "off" if self.off else f"{self.num_steps}x{self.topk}x{self.num_draft_tokens}"
-
-    @staticmethod
-    def of(spec) -> Shape:
-        return Shape(spec.num_steps, spec.topk, spec.num_draft_tokens)
-
-    @staticmethod
-    def parse(value, where: str = "spec.adaptive") -> Shape:
-        """A shape from ``SxKxN``, ``off`` / false, [S, k, n] or a dict of the three SpecConfig names.
-
-        Raises:
-            ConfigError: one line naming ``where`` and the bad value or the violated rule.
-        """
-        if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
-            return OFF
-        if isinstance(value, str) and (m := re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*", value)):
-            S, k, n = map(int, m.groups())
-        elif isinstance(value, (list, tuple)) and len(value) == 3 and all(type(v) is int for v in value):
-            S, k, n = value
-        elif isinstance(value, dict) and set(value) == {"num_steps", "topk", "num_draft_tokens"}:
-            S, k, n = value["num_steps"], value["topk"], value["num_draft_tokens"]
-        else:
-            raise ConfigError(f"{where}: shape {value!r} is not 'SxKxN' (num_steps x topk x num_draft_tokens, "
-                              "e.g. 3x1x4), [S, k, n] or off")
-        if S < 1 or k < 1 or n < 2:
-            raise ConfigError(f"{where}: shape {S}x{k}x{n} needs num_steps >= 1, topk >= 1, num_draft_tokens >= 2")
-        if n - 1 > k + (S - 1) * k * k:
-            raise ConfigError(f"{where}: shape {S}x{k}x{n}: num_draft_tokens-1={n - 1} exceeds the candidate count "
-                              f"topk+(num_steps-1)*topk^2={k + (S - 1) * k * k}")
-        if k == 1 and n != S + 1:
-            raise ConfigError(f"{where}: shape {S}x{k}x{n}: with topk=1 num_draft_tokens must be num_steps+1={S + 1}")
-        return Shape(S, k, n)
-
-
-OFF = Shape(0, 1, 1)
-
-
-@dataclass(frozen=True)
-class AdaptiveTable:
-    """``tiers``: ((smallest batch size, shapes), ...) by batch size; the EMA (``alpha`` None: none)."""
-
-    tiers: tuple[tuple[int, tuple[Shape, ...]], ...]
-    alpha: float | None = None
-    down: float = 0.3
-    up: float = 0.6
-    probe: int = 32
-
-    @staticmethod
-    def parse(value) -> AdaptiveTable:
-        """The table of ``spec.adaptive`` (module doc). Raises ConfigError (one line) on any malformed part."""
-        if isinstance(value, AdaptiveTable):
-            return value
-        if not isinstance(value, dict) or not value:
-            raise ConfigError(f"spec.adaptive must be a mapping {{batch size: [shapes]}}, got {value!r}"[:200])
-        tiers, ema = {}, None
-        for key, shapes in value.items():
-            if key == "ema":
-                ema = shapes
-                continue
-            try:
-                bs = int(key)
-            except (TypeError, ValueError):
-                raise ConfigError(f"spec.adaptive: key {key!r} is neither a batch size nor 'ema'") from None
-            if bs < 1 or isinstance(key, bool) or (isinstance(key, float) and key != bs):
-                raise ConfigError(f"spec.adaptive: batch size {key!r} must be an integer >= 1")
-            if bs in tiers:
-                raise ConfigError(f"spec.adaptive: batch size {bs} given twice")
-            items = shapes if isinstance(shapes, (list, tuple)) and not (
-                len(shapes) == 3 and all(type(v) is int for v in shapes)) else [shapes]
-            if not items:
-                raise ConfigError(f"spec.adaptive: tier {bs} lists no shape")
-            tiers[bs] = tuple(Shape.parse(s, f"spec.adaptive[{bs}]") for s in items)
-        if not tiers:
-            raise ConfigError("spec.adaptive: no tier (keys are batch sizes)")
-        kw = {}
-        if ema is not None:
-            if not isinstance(ema, dict) or not set(ema) <= {"alpha", "down", "up", "probe"} or "alpha" not in ema:
-                raise ConfigError(f"spec.adaptive.ema must be {{alpha, down, up, probe}} (alpha required), got {ema!r}")
-            kw = {k: ema[k] for k in ("alpha", "down", "up", "probe") if k in ema}
-        table = AdaptiveTable(tuple(sorted(tiers.items())), **kw)
-        table.check()
-        return table
-
-    def check(self) -> None:
-        if self.alpha is not None:
-            if not 0 < self.alpha <= 1:
-                raise ConfigError(f"spec.adaptive.ema.alpha must be in (0, 1], got {self.alpha}")
-            if not 0 <= self.down < self.up <= 1:
-                raise ConfigError(f"spec.adaptive.ema: need 0 <= down < up <= 1 (accept rates), got down={self.down} "
-                                  f"up={self.up}")
-            if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 1:
-                raise ConfigError(f"spec.adaptive.ema.probe must be an integer >= 1 (rounds), got {self.probe!r}")
-
-    @property
-    def shapes(self) -> tuple[Shape, ...]:
-        """Every distinct shape of the table, in first-seen order."""
-        return tuple(dict.fromkeys(s for _, ss in self.tiers for s in ss))
-
-    @property
-    def reserve(self) -> int:
-        return max(s.reserve for s in self.shapes)
-
-    def tier(self, batch_size: int) -> int:
-        """Index of the tier serving ``batch_size`` requests."""
-        i = 0
-        for j, (bs, _) in enumerate(self.tiers):
-            if bs <= batch_size:
-                i = j
-        return i
-
-    def as_dict(self) -> dict:
-        """The canonical ``spec.adaptive`` value (parse(as_dict()) == self)."""
-        out = {bs: [str(s) for s in ss] for bs, ss in self.tiers}
-        if self.alpha is not None:
-            out["ema"] = {"alpha": self.alpha, "down": self.down, "up": self.up, "probe": self.probe}
-        return out
-
-    def lines(self) -> list[str]:
-        """The table for ``ppspec plan``: one line per tier (its batch-size range and shapes, first = start), then the
-        EMA's line."""
-        out = []
-        for i, (bs, ss) in enumerate(self.tiers):
-            hi = self.tiers[i + 1][0] - 1 if i + 1 < len(self.tiers) else None
-            rng = f"b={bs}" if hi == bs else f"b={bs}-{hi}" if hi is not None else f"b>={bs}"
-            out.append(f"  {rng:<9} " + " > ".join(map(str, ss)))
-        if self.alpha is not None:
-            out.append(f"  ema: alpha {self.alpha}, step cheaper below {self.down}, richer above {self.up} "
-                       f"(accept rate), at most every {math.ceil(1 / self.alpha)} rounds; "
-                       f"off probes after {self.probe}")
-        else:
-            out.append("  no ema: each tier runs its first shape")
-        return out
-
-    def describe(self) -> str:
-        """One line: ``b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off`` (+ the EMA)."""
-        tiers = " | ".join(f"b>={bs}: " + " > ".join(map(str, ss)) for bs, ss in self.tiers)
-        ema = f"; ema alpha {self.alpha} down {self.down} up {self.up} probe {self.probe}" if self.alpha else ""
-        return tiers + ema
+from ..spec_table import OFF, AdaptiveTable, Shape  # noqa: F401  (the table lives below engine.config)
 
 
 class AdaptivePolicy:
@@ -284,3 +115,35 @@ def fit_tree(tree, have: Shape, want: Shape):
         m = min(have.num_draft_tokens, want.num_draft_tokens)
         tokens = torch.cat([tree.tokens[:m], tokens[m:]])
     return DraftTree(tokens, parents, tsi)
+
+
+class VerifyGraphSet:
+    """The verify graphs of one stage under adaptive speculation: a :class:`engine.graphs.CudaGraphRunner` per verify width
+    (num_draft_tokens of each table shape; off: 1), captured widest first into one shared memory pool; a batch
+    replays the runner whose width its requests have (``can_run`` / ``run`` / ``num_replays`` as one runner)."""
+
+    def __init__(self, runner, max_bs: int, widths):
+        from ..graphs import CudaGraphRunner
+        self.runners: dict = {}
+        pool = None
+        for n in sorted(set(widths), reverse=True):
+            g = CudaGraphRunner(runner, max_bs, verify_n=n, decode=False, pool=pool)
+            pool = g.pool
+            self.runners[n] = g
+
+    def _for(self, ctx):
+        qo = ctx.qo_indptr
+        return self.runners.get(qo[1] - qo[0]) if ctx.mode == "verify" and len(qo) > 1 else None
+
+    def can_run(self, ctx) -> bool:
+        g = self._for(ctx)
+        return g is not None and g.can_run(ctx)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx, hidden=None, residual=None,
+            aux: list | None = None):
+        """:meth:`engine.graphs.CudaGraphRunner.run` of the runner of ``ctx``'s width (see :meth:`can_run`)."""
+        return self._for(ctx).run(ids, pos, ctx, hidden, residual, aux)
+
+    @property
+    def num_replays(self) -> int:
+        return sum(g.num_replays for g in self.runners.values())

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig, SpecConfig
-from ..model.config import is_eagle3_config
+from ..model.config import draft_config, is_eagle3_config  # noqa: F401  (draft_config: re-exported)
 from ..model.layers import RotaryEmbedding, VocabParallelEmbedding
 from ..model.llama import DecoderLayer, load_layer_weight
 from ..model.loader import dummy_weights
@@ -68,27 +68,6 @@ class EagleDraft(nn.Module):
             seen.add(name)
         if "fc.weight" not in seen:
             raise ConfigError("draft checkpoint has no fc.weight: not an EAGLE-1/2 checkpoint")
-
-
-def draft_config(target: ModelConfig, draft_dir: str | Path) -> ModelConfig:
-    """Read the draft's config.json and check it matches the target (hidden size = feature width)."""
-    p = Path(draft_dir) / "config.json"
-    if not p.exists():
-        raise ConfigError(f"draft checkpoint not found: {p}")
-    d = json.loads(p.read_text())
-    if int(d.get("hidden_size", -1)) != target.hidden_size:
-        raise ConfigError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {target.hidden_size}")
-    if is_eagle3_config(d) or "d2t" in d:
-        raise ConfigError(f"{p}: an EAGLE-3 checkpoint; use spec.algorithm: eagle3 (the EAGLE-1/2 module would read "
-                          "the wrong feature)")
-    fields = target.to_hf()
-    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "rope_theta", "attention_bias"):
-        if key in d:
-            fields[key] = d[key]
-    fields["num_hidden_layers"] = 1
-    fields["architectures"] = [target.architecture]
-    return ModelConfig.from_hf(fields, eos_token_ids=target.eos_token_ids)
 
 
 def has_draft_weights(draft_dir: str | Path) -> bool:
@@ -179,7 +158,7 @@ def build_draft(spec: SpecConfig, target: ModelConfig, eagle3, dtype: torch.dtyp
         raise ConfigError("spec.draft: speculative decoding needs a draft checkpoint path")
     random_weights = dummy and not has_draft_weights(spec.draft)
     if spec.algorithm == "mtp":
-        from .mtp import build_mtp_draft
+        from .mtp_checkpoint import build_mtp_draft
         return build_mtp_draft(spec, target, dtype, device, max_pos, tp_size=tp_size, random_weights=random_weights,
                                seed=seed)
     if eagle3 is not None:

@@ -163,7 +163,7 @@ def mtp_config(target: ModelConfig, draft_dir: str | Path, stated: str | None = 
             is not the config's ``num_hidden_layers``, a tensor of the layer the dense block does not have, or a
             missing one (each one line).
     """
-    from .eagle import draft_config
+    from ..model.config import draft_config
     p = Path(draft_dir) / "config.json"
     if not p.exists():
         raise ConfigError(f"draft checkpoint not found: {p}")
@@ -262,26 +262,6 @@ def iter_mtp_weights(spec: MtpSpec, dtype=torch.float32):
         with safe_open(str(f), "pt") as fh:
             for n in names:
                 yield n, fh.get_tensor(n).to(dtype)
-
-
-def build_mtp_draft(spec_cfg, target: ModelConfig, dtype: torch.dtype, device, max_pos: int, *, tp_size: int,
-                    random_weights: bool, seed: int) -> MtpDraft:
-    """The MTP draft of ``spec_cfg`` (a SpecConfig with ``draft`` and ``mtp_layout``); random weights (``seed``)
-    for a config-only draft next to a random target. ConfigError when ``tp_size`` does not divide the block's heads
-    or MLP (MTP blocks are not padded)."""
-    from ..model.tp_pad import tp_head_padding
-    from .mtp_checkpoint import random_mtp_spec, random_mtp_weights
-    if random_weights:
-        spec = random_mtp_spec(target, spec_cfg.draft, spec_cfg.mtp_layout)
-    else:
-        spec = mtp_config(target, spec_cfg.draft, spec_cfg.mtp_layout)
-    if tp_head_padding(spec.cfg, tp_size):
-        raise ConfigError(f"spec.algorithm mtp: tp={tp_size} does not divide the MTP block's heads or MLP "
-                          f"({spec.cfg.num_attention_heads} q, {spec.cfg.num_key_value_heads} kv)")
-    draft = MtpDraft(spec.cfg, spec.layout, dtype, max_pos, spec.own_head)
-    draft.load_mtp_weights(spec, random_mtp_weights(spec, seed, dtype) if random_weights
-                           else iter_mtp_weights(spec, dtype))
-    return draft
 
 
 class MtpHead:

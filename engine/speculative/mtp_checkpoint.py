@@ -1,7 +1,8 @@
 """MTP checkpoints written and made up: the published-layout state dict of a trained
 :class:`~engine.speculative.mtp.MtpDraft` (:func:`mtp_state_dict`), writing it (:func:`save_mtp`: config.json +
 model.safetensors) and random weights for a config-only draft under ``load_format=dummy``
-(:func:`random_mtp_weights`). Reading is :func:`engine.speculative.mtp.mtp_config` and
+(:func:`random_mtp_weights`), and the draft a run builds from a checkpoint or from those
+(:func:`build_mtp_draft`). Reading is :func:`engine.speculative.mtp.mtp_config` and
 :meth:`~engine.speculative.mtp.MtpDraft.load_mtp_weights`."""
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, ModelConfig
-from .mtp import LAYOUTS, MtpDraft, MtpSpec, expected_shapes, is_norm
+from .mtp import LAYOUTS, MtpDraft, MtpSpec, expected_shapes, is_norm, iter_mtp_weights, mtp_config
 
 
 def random_mtp_spec(target: ModelConfig, draft_dir, stated: str | None) -> MtpSpec:
     """An :class:`MtpSpec` for a config-only draft directory (``load_format=dummy``): the stated layout or the
     config's ``mtp_layout`` (default deepseek_nextn), no own head."""
-    from .eagle import draft_config
+    from ..model.config import draft_config
     d = json.loads((Path(draft_dir) / "config.json").read_text())
     name = stated or d.get("mtp_layout") or "deepseek_nextn"
     if name not in LAYOUTS:
@@ -86,3 +87,22 @@ def save_mtp(out_dir: str | Path, target: ModelConfig, draft: MtpDraft, head: to
     prefix = draft.layout.prefix.format(L=target.num_hidden_layers)
     state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in mtp_state_dict(draft, prefix, head).items()}
     save_file(state, str(out / "model.safetensors"))
+
+
+def build_mtp_draft(spec_cfg, target: ModelConfig, dtype: torch.dtype, device, max_pos: int, *, tp_size: int,
+                    random_weights: bool, seed: int) -> MtpDraft:
+    """The MTP draft of ``spec_cfg`` (a SpecConfig with ``draft`` and ``mtp_layout``); random weights (``seed``)
+    for a config-only draft next to a random target. ConfigError when ``tp_size`` does not divide the block's heads
+    or MLP (MTP blocks are not padded)."""
+    from ..model.tp_pad import tp_head_padding
+    if random_weights:
+        spec = random_mtp_spec(target, spec_cfg.draft, spec_cfg.mtp_layout)
+    else:
+        spec = mtp_config(target, spec_cfg.draft, spec_cfg.mtp_layout)
+    if tp_head_padding(spec.cfg, tp_size):
+        raise ConfigError(f"spec.algorithm mtp: tp={tp_size} does not divide the MTP block's heads or MLP "
+                          f"({spec.cfg.num_attention_heads} q, {spec.cfg.num_key_value_heads} kv)")
+    draft = MtpDraft(spec.cfg, spec.layout, dtype, max_pos, spec.own_head)
+    draft.load_mtp_weights(spec, random_mtp_weights(spec, seed, dtype) if random_weights
+                           else iter_mtp_weights(spec, dtype))
+    return draft

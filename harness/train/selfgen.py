@@ -17,7 +17,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.model.loader import load_tokenizer, resolve_model_path
 from harness.train import selfgen_text as st
 
-SENTINEL = "\x00PPSPEC_USER_TURN\x00"
+SENTINEL = "\x00USER_TURN_SENTINEL\x00"
 DEFAULTS = {"n": 1024, "seed": 0, "temperature": 1.0, "top_p": 0.99, "max_user_tokens": 128, "min_words": 4,
             "min_latin": 0.9, "near_threshold": 0.7, "overlap_ngram": 8, "time_budget_s": None}
 
