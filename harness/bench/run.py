@@ -70,7 +70,7 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "",
                                 "finish_reason": o.finish_reason, "ttft": m["ttft"], "tpot": m["tpot"],
                                 "e2e": m["e2e"], "itl": m["itl"], "accept_lengths": list(o.accept_lengths),
                                 **({"round_shapes": list(o.round_shapes), "round_tiers": list(o.round_tiers)}
-                                   if o.round_shapes else {}),
+                                   if getattr(o, "round_shapes", None) else {}),
                                 **({"prompt_id": meta[i]["id"], "category": meta[i]["category"]} if meta else {})})
         if error is not None:
             failed_cells.append({"input_len": L, "batch_size": B, "error": error})
