@@ -162,7 +162,8 @@ class PPSpecLM(LM):
             key = (requests[i].task_name, requests[i].doc_id)
             if key in self.done:
                 results[i] = self.done[key]["response"]
-                self.records[key] = {k: self.done[key].get(k) for k in self.METRICS}
+                self.records[key] = {k: self.done[key].get(k) for k in self.METRICS      # the adaptive keys only
+                                     if k in self.done[key] or k not in ("round_shapes", "round_tiers")}   # if kept
             else:
                 todo.append(i)
         total, finished = len(requests), len(requests) - len(todo)
