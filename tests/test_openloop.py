@@ -57,6 +57,7 @@ def test_single_sample_shows_no_ci():
 def test_open_loop_bench_same_tokens_as_closed_loop(tiny_model_dir, pp):
     from engine import LLM, SamplingParams
     from harness.bench.run import run_bench
+    from harness.bench import prompt_sets
     from harness.bench.cells import build_prompts, load_texts
     cfg = resolve("tiny_cpu", {"model": str(tiny_model_dir), "pp": pp, "spec": {"algorithm": None},
                                "bench": {"input_lens": [24], "output_len": 6, "num_prompts": 5, "runs": 1,
@@ -64,7 +65,8 @@ def test_open_loop_bench_same_tokens_as_closed_loop(tiny_model_dir, pp):
                                          "max_concurrency": 3, "slo_ttft_ms": 60_000.0}})
     with LLM(cfg.engine) as llm:
         summary, records = run_bench(cfg, llm=llm)
-        prompts = build_prompts(llm.tokenizer, 5, 24, cfg.bench.seed + 24, load_texts(cfg.paths.data))
+        texts = load_texts(cfg.paths.data, prompt_sets.gsm8k_split(cfg.bench.prompts))   # the bench's prompt source
+        prompts = build_prompts(llm.tokenizer, 5, 24, cfg.bench.seed + 24, texts)
         closed = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
                               max_concurrency=5)
     rows = summary["open_loop"]["rows"]
