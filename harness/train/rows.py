@@ -49,12 +49,14 @@ def _chat_cot_zeroshot(rows: list[dict], limit: int | None, shots_from: list[dic
     return out
 
 
-PROMPT_FORMATS = {"lmeval-8shot": _lmeval_8shot, "chat-cot-zeroshot": _chat_cot_zeroshot}
-"""The layouts GSM8K rows are prompted in (``train.prompt_format``): name -> fn(rows, limit, shots_from, tokenizer)
--> prompt rows ({"prompt", ...}), shots drawn from the other rows or from ``shots_from``. "lmeval-8shot": lm-eval
-gsm8k's 8-shot plain text (:func:`harness.eval.prompts.fewshot_prompts`); "chat-cot-zeroshot": the question as lm-eval's
-``gsm8k_cot_zeroshot`` user turn rendered by the model's chat template with the generation prompt (the prompt
-``ppspec gsm8k --format chat-cot-zeroshot`` sends; ConfigError without a chat template)."""
+PROMPT_FORMATS = {"lmeval-8shot": _lmeval_8shot, "plain-8shot": _lmeval_8shot,
+                  "chat-cot-zeroshot": _chat_cot_zeroshot}
+"""The layouts GSM8K rows are prompted in (``train.prompt_format``): name -> fn(rows, limit, shots_from, tokenizer) ->
+prompt rows ({"prompt", ...}), shots drawn from the other rows or from ``shots_from``. "lmeval-8shot" (also
+"plain-8shot", the name ``ppspec gsm8k --format`` gives it): lm-eval gsm8k's 8-shot plain text
+(:func:`harness.eval.prompts.fewshot_prompts`); "chat-cot-zeroshot": the question as lm-eval's ``gsm8k_cot_zeroshot``
+user turn rendered by the model's chat template with the generation prompt (the prompt ``ppspec gsm8k --format
+chat-cot-zeroshot`` sends; ConfigError without a chat template)."""
 CHAT_FORMATS = frozenset({"chat-cot-zeroshot"})
 
 
