@@ -367,3 +367,24 @@ def divergences(name, prompts, ref, got, logits, near_best: bool = False):
             tie = {d["ref_token"], d["got_token"]} == set(d["fp32_top2"]) and abs(d["fp32_gap"]) <= lim
         assert tie, f"{name}: divergence that is not a bf16 near-tie: {d}"
     return rows
+
+
+def lm_eval_scores(task_yaml, response: str, target: str) -> dict:
+    """lm-eval's own filter ensembles and exact_match for ``task_yaml`` (its filter_list and metric_list)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters import build_filter_ensemble
+    import yaml
+    task = yaml.safe_load(task_yaml.read_text())
+    metric = {k: v for k, v in task["metric_list"][0].items() if k not in ("metric", "aggregation", "higher_is_better")}
+    out = {}
+    for fl in task["filter_list"]:
+        ens = build_filter_ensemble(fl["name"], [(f["function"], {k: v for k, v in f.items() if k != "function"})
+                                                  for f in fl["filter"]])
+        inst = Instance(request_type="generate_until", doc={"answer": target}, arguments=("", {}), idx=0)
+        inst.resps = [response]
+        ens.apply([inst])
+        ext = inst.filtered_resps[fl["name"]]
+        out[fl["name"]] = {"extracted": ext, "exact_match": int(exact_match_hf_evaluate([ext], [target], **metric)
+                                                                 ["exact_match"])}
+    return out

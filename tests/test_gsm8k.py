@@ -37,22 +37,8 @@ FIXTURES = [
 
 def _lm_eval_scores(response: str, target: str) -> dict:
     """lm-eval's own filter ensembles and exact_match, configured from its gsm8k.yaml."""
-    from lm_eval.api.instance import Instance
-    from lm_eval.api.metrics import exact_match_hf_evaluate
-    from lm_eval.filters import build_filter_ensemble
-    task = yaml.safe_load(GSM8K_YAML.read_text())
-    metric = {k: v for k, v in task["metric_list"][0].items() if k not in ("metric", "aggregation", "higher_is_better")}
-    out = {}
-    for fl in task["filter_list"]:
-        ens = build_filter_ensemble(fl["name"], [(f["function"], {k: v for k, v in f.items() if k != "function"})
-                                                  for f in fl["filter"]])
-        inst = Instance(request_type="generate_until", doc={"answer": target}, arguments=("", {}), idx=0)
-        inst.resps = [response]
-        ens.apply([inst])
-        ext = inst.filtered_resps[fl["name"]]
-        em = exact_match_hf_evaluate([ext], [target], **metric)["exact_match"]
-        out[fl["name"]] = {"extracted": ext, "exact_match": int(em)}
-    return out
+    from helpers import lm_eval_scores
+    return lm_eval_scores(GSM8K_YAML, response, target)
 
 
 @pytest.mark.parametrize("response,target", FIXTURES)

@@ -216,35 +216,16 @@ COT_FIXTURES = [("So 9 * 2 = 18. The answer is 18.", "#### 18"), ("The answer is
                 ("The final answer is -4.", "#### -4")]
 
 
-def _lm_eval_scores(task_yaml: Path, response: str, target: str) -> dict:
-    """lm-eval's own filter ensembles and exact_match for ``task_yaml`` (its filter_list and metric_list)."""
-    from lm_eval.api.instance import Instance
-    from lm_eval.api.metrics import exact_match_hf_evaluate
-    from lm_eval.filters import build_filter_ensemble
-    task = yaml.safe_load(task_yaml.read_text())
-    metric = {k: v for k, v in task["metric_list"][0].items() if k not in ("metric", "aggregation", "higher_is_better")}
-    out = {}
-    for fl in task["filter_list"]:
-        ens = build_filter_ensemble(fl["name"], [(f["function"], {k: v for k, v in f.items() if k != "function"})
-                                                  for f in fl["filter"]])
-        inst = Instance(request_type="generate_until", doc={"answer": target}, arguments=("", {}), idx=0)
-        inst.resps = [response]
-        ens.apply([inst])
-        ext = inst.filtered_resps[fl["name"]]
-        out[fl["name"]] = {"extracted": ext, "exact_match": int(exact_match_hf_evaluate([ext], [target], **metric)
-                                                                 ["exact_match"])}
-    return out
-
-
 @pytest.mark.parametrize("task", sorted(TASK_FILES))
 def test_each_tasks_scorer_equals_lm_evals_filters(task):
+    from helpers import lm_eval_scores
     spec = yaml.safe_load((TASKS_DIR / TASK_FILES[task]).read_text())
     for fl in spec["filter_list"]:
         rx = fl["filter"][0]
         assert gsm8k_task.TASK_FILTERS[task][fl["name"]] == (rx["regex_pattern"], rx.get("group_select", 0))
     for response, target in COT_FIXTURES:
         assert gsm8k_task.score_response(response, target, task) == \
-            _lm_eval_scores(TASKS_DIR / TASK_FILES[task], response, target), (task, response)
+            lm_eval_scores(TASKS_DIR / TASK_FILES[task], response, target), (task, response)
 
 
 def test_chat_run_through_the_real_engine(tmp_path_factory):
