@@ -228,6 +228,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(), persistent=False)
 
+    @classmethod
+    def for_model(cls, cfg, max_pos: int) -> "RotaryEmbedding":
+        """The RoPE of a ``ModelConfig`` (its head_dim, rope_theta and rope_scaling) cached for ``max_pos``
+        positions: the one a target stage and its draft layers share the layout of."""
+        return cls(cfg.head_dim, max_pos, cfg.rope_theta, dict(cfg.rope_scaling) if cfg.rope_scaling else None)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] int64 -> rotated (q, k), same dtype
         (on CUDA bf16/fp16 rotated in place by FlashInfer's kernel)."""

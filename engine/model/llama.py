@@ -243,8 +243,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i - self.start, dtype) for i in range(self.start, self.end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype) if self.is_last else None
-        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        self.rotary = RotaryEmbedding.for_model(cfg, max_pos)
         for layer in self.layers:
             layer.self_attn.rotary = self.rotary
         self.aux_layers: tuple[int, ...] = ()     # EAGLE-3 capture (global layer ids), set by the owner

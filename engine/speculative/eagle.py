@@ -35,8 +35,7 @@ class EagleDraft(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, dtype)
         self.fc = nn.Linear(2 * H, H, bias=True, dtype=dtype)
         self.layer = DecoderLayer(cfg, 0, dtype, input_norm=False)
-        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        self.rotary = RotaryEmbedding.for_model(cfg, max_pos)
         self.layer.self_attn.rotary = self.rotary
         for p in self.parameters():
             p.requires_grad_(False)

@@ -140,8 +140,7 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False, dtype=dtype)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
-        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        self.rotary = RotaryEmbedding.for_model(cfg, max_pos)
         self.layer.self_attn.rotary = self.rotary
         for p in self.parameters():
             p.requires_grad_(False)

@@ -206,8 +206,7 @@ class MtpDraft(nn.Module):
         self.layer = DecoderLayer(cfg, 0, dtype)
         self.final_norm = RMSNorm(H, eps, dtype)
         self.head = nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype) if own_head else None
-        rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, rs)
+        self.rotary = RotaryEmbedding.for_model(cfg, max_pos)
         self.layer.self_attn.rotary = self.rotary
         for p in self.parameters():
             p.requires_grad_(False)
