@@ -159,12 +159,15 @@ class LookaheadExecutor(RingExecutor):
 @dataclass
 class Segment:
     """Requests whose rounds run on the device: their ``RoundState`` (None once closed), the rows still running,
-    3 pinned result buffers used in turn (at most 2 rounds in flight)."""
+    3 pinned result buffers used in turn (at most 2 rounds in flight), the round runner, and under adaptive
+    speculation the segment's Shape (None: the SpecConfig's)."""
 
     reqs: list[Req]
     st: object
     bufs: list
     live: list[int]
+    rr: object
+    shape: object = None
     launched: int = 0
     inflight: int = 0
 
@@ -173,7 +176,11 @@ class SpecRoundExecutor(RingExecutor):
     """One-stage EAGLE at tp = 1 with overlapped rounds (``engine.speculative.device_round``): a greedy verify batch
     of trees (no fault injection) within the captured sizes, with ``Scheduler.reserve_ahead`` slots, becomes a
     segment whose rounds run on the device. A finished request stays as a padding row until a smaller captured size
-    would do; then, or when a waiting request could be admitted, the segment closes. Other batches run eagerly."""
+    would do; then, or when a waiting request could be admitted, the segment closes. Other batches run eagerly.
+    Adaptive speculation (``runner.round_runner`` a :class:`engine.speculative.tier_rounds.TierRounds`): a batch
+    whose shape is verified and drafted next takes that shape's runner; a round is launched ahead only where no
+    commit in flight can change the shape or its tier (``AdaptivePolicy.settled``), else after the commit, and the
+    segment closes when the policy picks another shape (its next round fits the trees and runs as the host would)."""
 
     name, depth = "spec_rounds", 2
 
@@ -182,8 +189,10 @@ class SpecRoundExecutor(RingExecutor):
         self.rr = runner.round_runner
 
     def launch(self, batch, arrived=None):
-        rr = self.rr
-        if (batch is None or batch.kind != "verify" or len(batch.reqs) > rr.max_bs or self.fault is not None
+        rr = None
+        if batch is not None and batch.kind == "verify" and self.fault is None:
+            rr = self.rr.for_batch(batch, self.sched.predict_shape(batch.slot))
+        if (rr is None or len(batch.reqs) > rr.max_bs
                 or not all(r.params.greedy and r.tree is not None for r in batch.reqs)
                 or self.sched.reserve_ahead(batch.reqs, rr.S + 1) is None):
             return super().launch(batch, arrived)
@@ -191,15 +200,26 @@ class SpecRoundExecutor(RingExecutor):
         def first_round():
             st = rr.load(batch.reqs, self.sched.req_to_token)     # after the first round's slots were allocated
             bufs = [torch.zeros(st.out.shape, dtype=torch.int64, pin_memory=st.out.is_cuda) for _ in range(3)]
-            return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs)))))
+            return self._round(Segment(batch.reqs, st, bufs, list(range(len(batch.reqs))), rr, batch.shape))
         return self.failing(batch.slot, batch.rids, first_round)
 
+    def _keeps_shape(self, g: Segment) -> bool:
+        """Adaptive: whether the segment's next round runs at its shape, as ``Scheduler.schedule`` would assign it
+        (with rounds in flight: whatever they commit; without: the policy's pick, then set as the slot's)."""
+        pol = self.sched.policy
+        if g.shape is None or pol is None:
+            return True
+        if g.inflight:
+            return pol.settled(g.shape, self.sched.num_active(), g.inflight)
+        return pol.keep(0, g.shape, self.sched.num_active())
+
     def chain(self, prev):
-        """The segment's next round (rows of requests finished since retired), or None (no KV, or a smaller captured
-        size would do); then with no round in flight the segment closes."""
-        g, rr = prev.seg if isinstance(prev, Step) else None, self.rr
+        """The segment's next round (rows of requests finished since retired), or None (no KV, a smaller captured
+        size would do, or another adaptive shape); then with no round in flight the segment closes."""
+        g = prev.seg if isinstance(prev, Step) else None
         if g is None or g.st is None:
             return None
+        rr = g.rr
         dead = [b for b in g.live if g.reqs[b].status != "running"]
         if dead:
             rr.retire(g.st, dead)                       # stream-ordered after the rounds already launched
@@ -207,7 +227,7 @@ class SpecRoundExecutor(RingExecutor):
             g.live = [b for b in g.live if g.reqs[b].status == "running"]
         # KV for one more round (at most S+1 positions) with g.inflight in flight, mirrored to the device rows
         new = None
-        if g.live and rr.pick(len(g.live)) == g.st.bs:
+        if g.live and rr.pick(len(g.live)) == g.st.bs and self._keeps_shape(g):
             new = self.sched.reserve_ahead([g.reqs[b] for b in g.live], (rr.S + 1) * (g.inflight + 1))
         if new is not None:
 
@@ -231,14 +251,15 @@ class SpecRoundExecutor(RingExecutor):
     def collect(self, h):
         if not isinstance(h, Step):
             return super().collect(h)
-        h.seg.inflight -= 1
+        g = h.seg
+        g.inflight -= 1
         self.num_overlap_rounds += 1
-        c, res = self.rr.S + 1, h.wait()[:len(h.reqs)]
+        c, res = g.rr.S + 1, h.wait()[:len(h.reqs)]
         return StepResult("verify", 0, [r.rid for r in h.reqs], res[:, c + 1:2 * c + 1], accept_nodes=res[:, :c],
-                          accept_lens=res[:, c], num_draft_tokens=self.rr.n)
+                          accept_lens=res[:, c], num_draft_tokens=g.rr.n, shape=g.shape, next_shape=g.shape)
 
     def _round(self, g: Segment) -> Step:
         buf = g.bufs[g.launched % len(g.bufs)]
         g.launched += 1
         g.inflight += 1
-        return Step(g.reqs, buf, self.rr.launch(g.st, buf), seg=g)
+        return Step(g.reqs, buf, g.rr.launch(g.st, buf), seg=g)

@@ -131,8 +131,8 @@ def resolve_plan(config: EngineConfig, device: str | None = None, staged: bool |
         staged = cuda and _visible_gpus(config.world_size) < config.world_size
     spec = config.spec if config.spec.enabled else None
     pp1 = config.pp == 1
-    adaptive = bool(spec) and spec.adaptive is not None      # per-round shapes: host-synchronous rounds, host trees
-    rounds = config._auto_for(config.spec_overlap, dev) and not adaptive
+    adaptive = bool(spec) and spec.adaptive is not None      # per-round shapes: a round per shape, host trees between
+    rounds = config._auto_for(config.spec_overlap, dev)
     spec_overlap = bool(spec) and rounds and pp1 and config.tp == 1
     stage_round = bool(spec) and not spec_overlap and rounds
     device_tree = bool(spec) and not adaptive and (config._auto_for(config.spec_device_tree, dev) or spec_overlap

@@ -104,18 +104,9 @@ class ModelRunner:
         self._init_cuda_graphs()
         if self.eagle is not None:
             self.eagle.draft_graphs = self.draft_graphs
-        self.round_runner = self.stage_rounds = None    # plan round "device" (pp=1 tp=1) or "stage"
+        from .speculative.tier_rounds import build_rounds   # plan round "device" (pp=1 tp=1) or "stage"
         max_bs = min(config.cuda_graph_max_bs if self.device.type == "cuda" else 1 << 30, config.max_running_requests)
-        if self.spec_overlap and self.draft is not None:
-            from .speculative.device_round import SpecRoundRunner
-            self.round_runner = SpecRoundRunner(self, max_bs, use_graphs="spec_rounds" in self.plan.graphs)
-        if self.plan.round == "stage":
-            from .speculative.stage_round import StageRoundRunner
-            self.stage_rounds = StageRoundRunner(self, max_bs, use_graphs="stage_rounds" in self.plan.graphs,
-                                                 keep_tree=config.debug_hash_rebuild)
-        for rr in (self.round_runner, self.stage_rounds):
-            if rr is not None and rr.use_graphs:
-                rr.capture_all()
+        self.round_runner, self.stage_rounds = build_rounds(self, max_bs)
 
     def _init_backend(self) -> None:
         if self.plan.backend == "flashinfer":

@@ -139,7 +139,7 @@ class Worker:
         stage, or on the last stage the batch's result (device tensors, read back by whoever processes it)."""
         s = ps()
         proxy = inbox.get("proxy") if not s.is_first_stage else None
-        n = self.spec.num_draft_tokens
+        n = (batch.shape or self.spec).num_draft_tokens      # adaptive: the round's shape
         if proxy is not None and proxy[0].shape[0] != len(batch.reqs) * n:
             raise RelayError(f"proxy has {proxy[0].shape[0]} rows, batch has {len(batch.reqs) * n} tokens")
         out, kept = self.runner.stage_rounds.run(batch, proxy)

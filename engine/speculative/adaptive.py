@@ -67,6 +67,25 @@ class AdaptivePolicy:
         self.observe(t, out.shape, out.accept_lens.tolist())
         return self.table.tiers[t][0]
 
+    def keep(self, slot: int, shape: Shape, batch_size: int) -> bool:
+        """Whether :meth:`assign` would give ``slot``'s next verify batch ``shape`` with ``batch_size`` requests
+        running; if so it is recorded as the slot's (the trees are at it already: no fit)."""
+        t = self.table.tier(batch_size)
+        if self.table.tiers[t][1][self.pos[t]] != shape:
+            return False
+        self.slot_shape[slot] = (shape, t)
+        return True
+
+    def settled(self, shape: Shape, batch_size: int, pending: int) -> bool:
+        """Whether the next verify round of a running batch of ``batch_size`` requests runs at ``shape`` in the same
+        tier whatever the ``pending`` rounds in flight commit (requests may finish, none joins): every batch size
+        from 1 to ``batch_size`` is in one tier, at ``shape``, and without the EMA or with no step possible before
+        the tier's dwell ends (``since + pending < dwell``)."""
+        t = self.table.tier(batch_size)
+        if self.table.tier(1) != t or self.table.tiers[t][1][self.pos[t]] != shape:
+            return False
+        return self.ema is None or self.since[t] + pending < self.dwell
+
     def choose(self, batch_size: int) -> Shape:
         """The shape of a running batch of ``batch_size`` requests (no state change)."""
         t = self.table.tier(batch_size)

@@ -21,11 +21,14 @@ class SpecRoundRunner:
     """Per batch size (the CUDA-graph ladder): a :class:`RoundState` and, on CUDA with graphs, the captured
     :func:`spec_round`. ``launch`` runs one round and queues the copy of its result row to pinned host memory;
     ``load`` / ``append_slots`` / ``trees`` move state between the scheduler's host view and the device.
+    ``spec``: the drafted shape's SpecConfig (default ``runner.spec``; adaptive speculation builds one runner per
+    table shape, :mod:`engine.speculative.tier_rounds`); ``pool``: the CUDA-graph memory pool to capture into
+    (None: its own).
     """
 
-    def __init__(self, runner, max_bs: int, use_graphs: bool):
-        spec = runner.spec
-        self.r = runner
+    def __init__(self, runner, max_bs: int, use_graphs: bool, spec=None, pool=None):
+        spec = spec if spec is not None else runner.spec
+        self.r, self.spec = runner, spec
         self.S, self.k, self.n = spec.num_steps, spec.topk, spec.num_draft_tokens
         self.P = self.k * (self.S - 1) + 1
         self.bs_list = ladder(max_bs)
@@ -34,7 +37,11 @@ class SpecRoundRunner:
         self.use_graphs = use_graphs and runner.device.type == "cuda"
         self.states: dict[int, RoundState] = {}
         self.graphs: dict = {}
-        self.pool = None
+        self.pool = pool
+
+    def for_batch(self, batch, next_shape=None):
+        """The runner of ``batch``'s rounds: this one (a fixed shape; :class:`TierRounds` picks per shape)."""
+        return self
 
     def pick(self, B: int) -> int:
         return pick(self.bs_list, B)
@@ -54,7 +61,7 @@ class SpecRoundRunner:
         """A state of batch size ``bs`` (``key``: its graph's key, default ``bs``), all padding: slot 0, seq_len 0,
         not live, the ``chain_fallback`` tree in every row."""
         st = RoundState(bs, self.max_len, self.n, self.P, self.S, self.r.device, k=self.k,
-                        chain=self.r.spec.is_chain)
+                        chain=self.spec.is_chain, spec=self.spec)
         st.key = bs if key is None else key
         tokens, parents, tsi = chain_fallback(torch.zeros(bs, dtype=torch.int64, device=self.r.device),
                                               self.S, self.k, self.n)

@@ -20,7 +20,8 @@ from .tree_kernels import build_tree_any, commit_order_device, verify_tree_greed
 class RoundState:
     """Device state of a segment of ``bs`` requests (padding rows: seq_len 0, slot 0 everywhere)."""
 
-    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1, chain: bool = False):
+    def __init__(self, bs: int, max_len: int, n: int, P: int, S: int, device, k: int = 1, chain: bool = False,
+                 spec=None):
         i64 = dict(dtype=torch.int64, device=device)
         W = min(S + 1, n)
         # constants of the round, built outside the captured graph
@@ -28,6 +29,7 @@ class RoundState:
         self.causal = torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(bs, W, W)
         self.step_mask = torch.ones(bs * k, 1, max(S - 1, 1), dtype=torch.bool, device=device)
         self.chain = chain                              # spec.is_chain: parent_list / tsi are constants
+        self.spec = spec                                # the drafted shape's SpecConfig (None: the runner's spec)
         self.bs = bs
         self.rt = torch.zeros(bs, max_len, **i64)
         self.rows = torch.arange(bs, device=device)
@@ -68,7 +70,8 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
     ``hidden`` / ``residual`` [bs*n, H]: the previous PP stage's proxies (None on the first stage). ``aux``
     (EAGLE-3): the slots [bs*n, H] received, appended to as :meth:`LlamaForCausalLM.forward` does; None: no capture.
     Returns (TreeInfo, this stage's output [bs*n, H] (the EAGLE feature on the last stage), residual or None)."""
-    k, n = runner.spec.topk, runner.spec.num_draft_tokens
+    spec = st.spec or runner.spec
+    k, n = spec.topk, spec.num_draft_tokens
     B, L = st.bs, st.seq_lens
     tree = build_tree_any(st.tokens[:, 0], st.parents, st.tsi, st.tokens[:, 1:], L, k)
     seg = st.rt.gather(1, L.view(B, 1) + st.ar[:n])                       # the verify segment's slots [B, n]
@@ -88,7 +91,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
     """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit,
     draft extend, tail draft into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row into ``st.out``.
     ``draft_feature`` [bs*n, F]: the draft extend's input (default ``feature``; EAGLE-3: F = 3H). No host sync."""
-    spec, model = runner.spec, runner.model
+    spec, model = st.spec or runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
     B, L, ar = st.bs, st.seq_lens, st.ar
     vpos = L.view(B, 1) + ar[:n]
@@ -123,7 +126,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
                            device_layout=lay_s)
         return lane_L + (s - 1), c, True
 
-    drafts, parent_list, tsi = draft_beam_search(runner.eagle, last_h, scratch.contiguous(), step_inputs)
+    drafts, parent_list, tsi = draft_beam_search(runner.eagle, last_h, scratch.contiguous(), step_inputs, spec)
     st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
     st.tokens[:, 0].copy_(res.bonus)
     st.tokens[:, 1:].copy_(drafts)

@@ -56,8 +56,8 @@ class StageRoundRunner(SpecRoundRunner):
     """Per captured batch size: a :class:`RoundState` with this stage's proxy buffers and, on CUDA with graphs, the
     captured :func:`stage_round`. ``can_run`` decides (from the batch alone) whether a verify batch takes this path."""
 
-    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False):
-        super().__init__(runner, max_bs, use_graphs)
+    def __init__(self, runner, max_bs: int, use_graphs: bool, keep_tree: bool = False, spec=None, pool=None):
+        super().__init__(runner, max_bs, use_graphs, spec, pool)
         s = ps()
         self.first, self.last = s.is_first_stage, s.is_last_stage
         self.keep_tree = keep_tree
@@ -131,7 +131,7 @@ class StageRoundRunner(SpecRoundRunner):
         c = self.S + 1
         out = st.out[:B].clone()
         bonus = out[:, 2 * c + 1]
-        tree = (DraftTree.degenerate(bonus, self.r.spec) if self.drop_tree else
+        tree = (DraftTree.degenerate(bonus, self.spec) if self.drop_tree else
                 DraftTree(st.tokens[:B], st.parents[:B], st.tsi[:B]).to_host(to_host=False))
         return StepResult("verify", batch.slot, batch.rids, out[:, c + 1:2 * c + 1], accept_nodes=out[:, :c],
                           accept_lens=out[:, c], next_tree=tree), kept
