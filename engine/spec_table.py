@@ -171,6 +171,24 @@ class AdaptiveTable:
             out.append("  no ema: each tier runs its first shape")
         return out
 
+    def graph_lines(self, graphs, round_: str | None) -> list[str]:
+        """``ppspec plan``'s lines on what runs per tier under a plan whose captured graph kinds are ``graphs`` and
+        whose spec round is ``round_`` (``host``, ``device`` or ``stage``): the verify widths and draft shapes
+        captured, then which round each drafted shape takes."""
+        drafted = [str(s) for s in self.shapes if not s.off] or ["none"]
+        out = []
+        if "verify" in graphs:
+            widths = sorted({s.num_draft_tokens for s in self.shapes}, reverse=True)
+            out.append(f"  graphs per tier: verify widths n={', '.join(map(str, widths))}; draft {', '.join(drafted)}")
+        if round_ in ("device", "stage"):
+            kind = "spec_rounds" if round_ == "device" else "stage_rounds"
+            how = "one graph per shape and batch size, one pool" if kind in graphs else "eager"
+            out.append(f"  rounds: {round_} round per drafted shape ({', '.join(drafted)}; {how}) where a round "
+                       "verifies and drafts one shape; shape changes and off: host round")
+        else:
+            out.append("  rounds: host")
+        return out
+
     def describe(self) -> str:
         """One line: ``b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off`` (+ the EMA)."""
         tiers = " | ".join(f"b>={bs}: " + " > ".join(map(str, ss)) for bs, ss in self.tiers)

@@ -99,10 +99,5 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
             if sp.table is not None:
                 typer.echo("adaptive shapes (SxKxN) by running batch size:")
                 typer.echo("\n".join(sp.table.lines()))
-                if "verify" in p.graphs:
-                    shapes = sp.table.shapes
-                    typer.echo("  graphs per tier: verify widths n=" + ", ".join(
-                        str(n) for n in sorted({s.num_draft_tokens for s in shapes}, reverse=True))
-                        + "; draft " + (", ".join(str(s) for s in shapes if not s.off) or "none"))
-                typer.echo("  rounds: host (the device and stage rounds are captured for one shape)")
+                typer.echo("\n".join(sp.table.graph_lines(p.graphs, p.round)))
             typer.echo(p.describe())

@@ -1,0 +1,141 @@
+"""Adaptive speculation on the device round and the stage round (engine.speculative.tier_rounds): one round runner per
+drafted table shape; a round verified and drafted at one shape runs it, a shape change or an off round the host
+round. On CPU the rounds run eagerly (the torch reference attention over a device layout), fp32 on the tiny random
+models: tokens, accept lengths and round shapes must equal the host round's exactly (chain and tree tables, EAGLE-2
+and EAGLE-3, PP1 and PP2, joins and finishes moving the batch across tiers, the EMA stepping), and a one-tier table
+must equal its fixed shape on the same round."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.plan import resolve_plan
+from engine.speculative.adaptive import OFF, AdaptivePolicy, AdaptiveTable, Shape
+
+LENS = (4, 14, 9, 12)
+
+
+def gen(model, draft, prompts, params, shape=(3, 1, 4), algorithm="eagle", **kw):
+    """(outputs, plan, device rounds: pp=1 the overlapped rounds and those launched ahead, else per-rank stage
+    rounds) of one engine run."""
+    spec = SpecConfig(algorithm=algorithm, draft=draft, pp_spec=True, adaptive=kw.pop("adaptive", None),
+                      **dict(zip(("num_steps", "topk", "num_draft_tokens"), shape)))
+    with LLM(EngineConfig(model=model, spec=spec, **kw)) as llm:
+        outs = llm.generate(prompts, params)
+        ex = getattr(llm, "_worker", None) and llm._worker.executor
+        rounds = ((ex.num_overlap_rounds, ex.num_round_lookahead) if ex is not None and ex.name == "spec_rounds"
+                  else [s["device_rounds"] for s in llm.last_stage_stats])
+        return outs, llm.plan, rounds
+
+
+def same(a, b, shapes=True):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+    if shapes:
+        assert [o.round_shapes for o in a] == [o.round_shapes for o in b]
+        assert [o.round_tiers for o in a] == [o.round_tiers for o in b]
+
+
+@pytest.fixture(scope="module")
+def e3_dir(tiny_model_dir):
+    from tiny import cached_tiny_eagle3
+    return cached_tiny_eagle3()
+
+
+def test_plan_takes_the_rounds_under_a_table(tiny_model_dir, tiny_draft_dir):
+    spec = SpecConfig(algorithm="eagle", draft=tiny_draft_dir, pp_spec=True, adaptive={1: ["3x1x4"], 2: ["off"]})
+    p1 = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=True))
+    p2 = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, spec_overlap=True))
+    assert (p1.round, p1.loop, p1.tree) == ("device", "spec_rounds", "host")       # host trees between rounds
+    assert (p2.round, p2.tree) == ("stage", "host")
+    cuda = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, pp=2, dtype="bfloat16"), device="cuda",
+                        staged=True)
+    assert cuda.round == "stage" and "stage_rounds" in cuda.graphs
+    lines = AdaptiveTable.parse({1: ["4x1x5", "2x2x4"], 8: ["off"]}).graph_lines(cuda.graphs, cuda.round)
+    assert lines == ["  graphs per tier: verify widths n=5, 4, 1; draft 4x1x5, 2x2x4",
+                     "  rounds: stage round per drafted shape (4x1x5, 2x2x4; one graph per shape and batch size, one "
+                     "pool) where a round verifies and drafts one shape; shape changes and off: host round"]
+    host = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=False))
+    assert host.round == "host" and AdaptiveTable.parse({1: ["off"]}).graph_lines((), "host") == ["  rounds: host"]
+
+
+def test_policy_keep_and_settled():
+    t = AdaptiveTable.parse({1: ["4x1x5", "2x1x3"], 3: ["2x1x3"], "ema": {"alpha": 0.5}})
+    pol = AdaptivePolicy(t)
+    assert pol.dwell == 2
+    assert pol.settled(Shape(4, 1, 5), 2, 1)                  # tier b=1-2, no step before the dwell
+    assert not pol.settled(Shape(4, 1, 5), 2, 2)              # the second commit could step
+    assert not pol.settled(Shape(2, 1, 3), 3, 1)              # a finish drops b=3 into the other tier
+    assert not pol.settled(Shape(2, 1, 3), 1, 1)              # not the tier's shape
+    pol.since[0] = 1
+    assert not pol.settled(Shape(4, 1, 5), 1, 1)
+    assert AdaptivePolicy(AdaptiveTable.parse({1: ["4x1x5"]})).settled(Shape(4, 1, 5), 9, 5)     # no EMA, one tier
+    assert not pol.keep(0, Shape(2, 1, 3), 1) and 0 not in pol.slot_shape
+    assert pol.keep(0, Shape(2, 1, 3), 4) and pol.slot_shape[0] == (Shape(2, 1, 3), 1)
+    assert AdaptivePolicy(AdaptiveTable.parse({1: ["off"]})).keep(1, OFF, 1)        # the executor runs no off round
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("shape", [(3, 1, 4), (2, 2, 4)], ids=["chain", "tree"])
+def test_one_tier_table_equals_the_fixed_shape_on_the_device_round(tiny_model_dir, tiny_draft_dir, tiny_prompts,
+                                                                   pp, shape):
+    prompts = tiny_prompts[:4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LENS]
+    kw = dict(pp=pp, spec_overlap=True, max_running_requests=2)
+    fixed, _, fr = gen(tiny_model_dir, tiny_draft_dir, prompts, params, shape, **kw)
+    ad, plan, ar = gen(tiny_model_dir, tiny_draft_dir, prompts, params, shape,
+                       adaptive={1: ["x".join(map(str, shape))]}, **kw)
+    same(ad, fixed, shapes=False)
+    assert plan.round == ("device" if pp == 1 else "stage")
+    assert ar == fr and (ar[0] if pp == 1 else min(ar)) > 0, (ar, fr)        # the same rounds ran on the device
+
+
+CASES = {"chain-off": {1: ["4x1x5"], 2: ["2x1x3", "off"]}, "tree-chain": {1: ["3x2x6"], 2: ["2x1x3"]},
+         "tree-off-chain": {1: ["3x2x6"], 2: ["off"], 3: ["2x1x3"]}}
+
+
+@pytest.mark.parametrize("algorithm,table", [("eagle", "chain-off"), ("eagle", "tree-chain"),
+                                             ("eagle3", "tree-off-chain")])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tier_rounds_equal_the_host_round(tiny_model_dir, tiny_draft_dir, e3_dir, tiny_prompts, algorithm, table,
+                                          pp):
+    """Finishes and joins (two or three running of five) move the batch across tiers; every round the device
+    (stage) round takes equals the host round's, as do the host rounds of the shape changes between."""
+    draft = e3_dir if algorithm == "eagle3" else tiny_draft_dir
+    prompts = tiny_prompts[:5]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 24, 9, 18, 7)]
+    kw = dict(algorithm=algorithm, adaptive=CASES[table], pp=pp, max_running_requests=3 if "off-chain" in table
+              else 2, debug_hash_rebuild=pp > 1)
+    host, hp, _ = gen(tiny_model_dir, draft, prompts, params, spec_overlap=False, **kw)
+    dev, dp, rounds = gen(tiny_model_dir, draft, prompts, params, spec_overlap=True, **kw)
+    assert hp.round == "host" and dp.round == ("device" if pp == 1 else "stage")
+    same(dev, host)
+    drafted = {s for o in host for s in o.round_shapes if s != "off"}
+    assert len({s for o in host for s in o.round_shapes}) >= 2 and drafted, CASES[table]    # tiers crossed
+    assert max(a for o in host for a in o.accept_lengths) > 1                                 # drafts accepted
+    assert (rounds[0] if pp == 1 else min(rounds)) > 0, rounds
+
+
+def test_ema_steps_on_the_device_round(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """The EMA steps between shapes at PP1 on the device round: the rounds launched ahead are only those no
+    commit in flight could re-shape (AdaptivePolicy.settled), so the steps, tokens and accept lengths equal the
+    host round's."""
+    prompts = tiny_prompts[:3]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 16)]
+    table = {1: ["4x1x5", "2x1x3", "off"], "ema": {"alpha": 0.5, "down": 0.45, "up": 0.55, "probe": 2}}
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, spec_overlap=False)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, spec_overlap=True)
+    same(dev, host)
+    assert len({s for o in host for s in o.round_shapes}) >= 2 and rounds > 0
+
+
+def test_one_request_rounds_launch_ahead(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Batch 1 in the lowest tier without the EMA: nothing a commit brings can change the shape, so the device
+    rounds overlap (launched ahead) as the fixed shape's do."""
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    table = {1: ["3x1x4"], 2: ["3x2x6"]}
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, [tiny_prompts[3]], params, adaptive=table, spec_overlap=False)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, [tiny_prompts[3]], params, adaptive=table,
+                                  spec_overlap=True)
+    same(dev, host)
+    assert rounds >= len(host[0].accept_lengths) and ahead >= rounds // 2, (rounds, ahead)
