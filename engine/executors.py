@@ -209,8 +209,11 @@ class SpecRoundExecutor(RingExecutor):
         pol = self.sched.policy
         if g.shape is None or pol is None:
             return True
-        if g.inflight:
-            return pol.settled(g.shape, self.sched.num_active(), g.inflight)
+        if g.inflight:              # the most requests the commits in flight can leave running (finishes, joins)
+            sched, most = self.sched, self.sched.num_active()
+            if sched.waiting or sched.pending:
+                most = max(most, min(sched.max_concurrency, sched.max_reqs))
+            return pol.settled(g.shape, most, g.inflight)
         return pol.keep(0, g.shape, self.sched.num_active())
 
     def chain(self, prev):

@@ -95,11 +95,11 @@
 #   adaptive-bench       one sitting, same cells at b=1/8/32: plain, fixed S4 n5 (the suite's), S3 n4, S8 n9, and
 #                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml
 #                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
-#                        b=8 of results/README.md "Draft depth against speed"), S4 n5 on the host round (what a
-#                        table runs: the device round is one shape's), then the table with the EMA and off appended
-#                        to each tier; sweep.md compares every row to plain per cell. TABLE defaults to the table
-#                        adaptive-sweep proposed on this machine; CELLS: a subset of "plain s4n5 s3n4 s8n9 adaptive
-#                        s4n5_host adaptive_ema"; BENCH_S: the bench's budget (420 s).
+#                        b=8 of results/README.md "Draft depth against speed"; each drafted shape on its own device
+#                        round), S4 n5 and the table on the host round (spec_overlap=false), then the table with the
+#                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. TABLE
+#                        defaults to the table adaptive-sweep proposed on this machine; CELLS: a subset of "plain s4n5
+#                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -360,10 +360,11 @@ adaptive-bench)
   TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items()}; t['ema'] = {'alpha': 0.25, 'down': 0.3, 'up': 0.6, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
-  C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false;adaptive_ema=spec.adaptive=$TE"
+  C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false"
+  C="$C;adaptive_host=spec.adaptive=$T|spec_overlap=false;adaptive_ema=spec.adaptive=$TE"
   if [ -n "${CELLS:-}" ]; then    # a subset of the configurations, in their order (plain first: the rows' baseline)
     C=$(python3 -c "import sys; keep = sys.argv[2].split(); print(';'.join(c for c in sys.argv[1].split(';') if c.split('=', 1)[0] in keep))" "$C" "$CELLS")
-    [ -n "$C" ] || die "CELLS=$CELLS names none of plain s4n5 s3n4 s8n9 adaptive s4n5_host adaptive_ema"
+    [ -n "$C" ] || die "CELLS=$CELLS names none of plain s4n5 s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"
   fi
   BS=${BENCH_S:-420}
   run bench $((BS + 100)) python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s "$BS" --batch-sizes 1,8,32 \

@@ -77,8 +77,8 @@ class AdaptivePolicy:
         return True
 
     def settled(self, shape: Shape, batch_size: int, pending: int) -> bool:
-        """Whether the next verify round of a running batch of ``batch_size`` requests runs at ``shape`` in the same
-        tier whatever the ``pending`` rounds in flight commit (requests may finish, none joins): every batch size
+        """Whether the next verify round runs at ``shape`` in the same tier whatever the ``pending`` rounds in flight
+        commit, ``batch_size`` being the most requests they can leave running (finishes and joins): every batch size
         from 1 to ``batch_size`` is in one tier, at ``shape``, and without the EMA or with no step possible before
         the tier's dwell ends (``since + pending < dwell``)."""
         t = self.table.tier(batch_size)

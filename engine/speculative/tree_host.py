@@ -195,14 +195,27 @@ def check_roots(reqs, tokens: torch.Tensor) -> None:
             raise RuntimeError(f"request {r.rid}: relayed tree root {t} != last emitted token {r.root_token}")
 
 
+def host_trees(rows: list[DraftTree]) -> DraftTree:
+    """[B, ...] host trees from per-request rows on the host or on a device (adaptive speculation: a device round
+    of one shape, then a host round); the device rows come back in one device->host copy."""
+    dev = [i for i, r in enumerate(rows) if r.tokens.device.type != "cpu"]
+    if dev:
+        back = DraftTree.stack([rows[i] for i in dev]).to_host().rows()
+        rows = list(rows)
+        for j, i in enumerate(dev):
+            rows[i] = back[j]
+    return DraftTree.stack(rows)
+
+
 class HostTreeOps:
     """Trees as host data (relayed round the PP ring)."""
 
     device_tree = False
 
     def build(self, reqs, topk: int) -> TreeInfo:
-        """The verify ``TreeInfo`` of ``reqs`` from their host tree rows (``r.tree``), roots checked."""
-        tree = DraftTree.stack([r.tree for r in reqs])
+        """The verify ``TreeInfo`` of ``reqs`` from their tree rows (``r.tree``; rows a device round left on the
+        device are read back in one copy, :func:`host_trees`), roots checked."""
+        tree = host_trees([r.tree for r in reqs])
         check_roots(reqs, tree.tokens)
         seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
         return build_tree_host(tree.tokens[:, 0], tree.parent_list, tree.top_scores_index, tree.tokens[:, 1:],
