@@ -139,3 +139,20 @@ def test_one_request_rounds_launch_ahead(tiny_model_dir, tiny_draft_dir, tiny_pr
                                   spec_overlap=True)
     same(dev, host)
     assert rounds >= len(host[0].accept_lengths) and ahead >= rounds // 2, (rounds, ahead)
+
+
+@pytest.mark.parametrize("table", [{1: ["3x1x4"], 3: ["2x1x3"]}, {1: ["3x1x4"], 3: ["2x2x4"]}], ids=["chain", "tree"])
+def test_tier_rounds_with_kv_limited_joins(tiny_model_dir, tiny_draft_dir, tiny_prompts, table):
+    """A small pool admits by KV, not by the request limit: the long prompt finishing frees room for two waiting
+    requests, so the batch of two (the lower tier, where rounds launch ahead) becomes three (the upper tier) right
+    after that commit; a round launched ahead of it would run the lower tier's shape where the host round runs the
+    upper's. The device round's tokens, accept lengths, shapes and tiers equal the host round's."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 40, 6, 10)]
+    kw = dict(adaptive=table, max_running_requests=4, max_num_tokens=180)     # room for B's rounds ahead, not C
+    prompts = [tiny_prompts[i] for i in (5, 0, 3, 2)]                        # A 120 tokens, B 5, C 64, D 40
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=False, **kw)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=True, **kw)
+    same(dev, host)
+    b = host[1].round_tiers
+    assert b[:4] == [1] * 4 and b[4] == 3, b           # B: with A in the lower tier, then with C and D in the upper
+    assert rounds > 0 and ahead > 0, (rounds, ahead)
