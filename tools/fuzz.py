@@ -81,7 +81,7 @@ class Case:
                                         # round, else the stage round); plain at pp=1 tp=1:
                                         # host | lookahead (decode step t+1 launched before step t is read back)
     max_model_len: int | None = None    # a context shorter than some prompt + max_new (None: the model's)
-    adaptive: dict | None = None        # spec.adaptive: {batch size: [shapes]} (+ ema); host rounds
+    adaptive: dict | None = None        # spec.adaptive: {batch size: [shapes]} (+ ema)
 
     def describe(self) -> str:
         sp = "plain" if self.spec is None else (
@@ -197,7 +197,7 @@ def _shape_str(rng: random.Random, spec: dict) -> str:
 def draw_adaptive(case: Case, rng: random.Random, reserve: int) -> None:
     """Give ``case`` an adaptive table: tier 1 and 1-2 larger tiers up to 6 (so a running batch of 1-8 requests
     crosses them), each 1-2 shapes from the case's own, other chains and trees, and ``off``; half the time an EMA
-    that steps often. The pool grows by the table's extra reserve, rounds are host rounds. Half the PP cases
+    that steps often. The pool grows by the table's extra reserve; the case keeps its drawn rounds. Half the PP cases
     without the EMA are made :func:`lockstep` (every request running, one prefill batch, a large pool)."""
     keys = [1] + sorted(rng.sample(range(2, 7), rng.randint(1, 2)))
     table = {}
@@ -210,7 +210,7 @@ def draw_adaptive(case: Case, rng: random.Random, reserve: int) -> None:
     extra = AdaptiveTable.parse(table).reserve - reserve
     if extra > 0 and case.max_num_tokens < 16384:
         case.max_num_tokens += extra
-    case.adaptive, case.rounds = table, "host"
+    case.adaptive = table                     # the drawn rounds: host, or the device / stage round per shape
     if "ema" not in table and case.pp > 1 and len(case.reqs) <= 8 and rng.random() < 0.5:
         case.max_running_requests, case.max_prefill_tokens, case.max_num_tokens = len(case.reqs), 2048, 16384
         case.pool_kind = "large"                    # lockstep: the PP1 parity twin runs (_check_pp1_parity)
