@@ -109,6 +109,7 @@
 # call cut short keeps what finished). Each command's timeout grows by JIT_S (120) while FlashInfer's JIT cache is
 # empty and is cut to what is left of BUDGET_S (560) from the mode's start. PEER=1 adds the transformers peer to
 # spec-vs-plain's plain run and to llama8b-shape.
+# The steps several modes share (say, die, gather_pieces, train_or_resume) are scripts/gpu_lib.sh's, sourced here.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -120,8 +121,7 @@ case " $MODES " in *" $mode "*) ;; *) echo "gpu.sh: unknown mode '$mode' (modes:
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 LOG=$out/$mode.log
 : > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-die() { say "gpu.sh $mode: $*"; exit 2; }
+. "$ROOT/scripts/gpu_lib.sh"   # say, die, gather_pieces, train_or_resume
 
 # ------------------------------------------------------------------------------------------------ here: prep
 split_gguf() {   # FILE DIR: FILE in N chunks DIR/part-K-of-N, each small enough that tree + chunk < 64 MiB; DIR/manifest.txt
@@ -435,19 +435,11 @@ train-eagle3)
   W=/tmp/e3 E3=${E3:-results/raw/e3_bundle}
   mkdir -p $W /tmp/e3in
   if [ ! -f $W/head/checkpoint/state.pt ] && [ -f "$E3/bundle.tar.pieces.json" ]; then
-    # the bundle travels in pieces, one or more a call (the tree plus all of it can pass 64 MiB): gather them here
-    cp "$E3"/bundle.tar.pieces.json "$E3"/bundle.tar.part* /tmp/e3in/ 2>/dev/null
-    want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/e3in/bundle.tar.pieces.json)
-    have=$(ls /tmp/e3in/bundle.tar.part* 2>/dev/null | wc -l)
-    if [ "$have" -lt "$want" ]; then say "bundle: $have of $want pieces on this machine"; exit 0; fi
-    python3 -m harness.core.pieces join /tmp/e3in/bundle.tar && tar -C $W -xf /tmp/e3in/bundle.tar || die "bad bundle in $E3"
+    gather_pieces bundle.tar "$E3" /tmp/e3in bundle
+    tar -C $W -xf /tmp/e3in/bundle.tar || die "bad bundle in $E3"
   fi
-  if [ -f $W/head/checkpoint/state.pt ]; then    # a checkpoint on this machine: from this sitting, or joined above
-    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-430}" --no-progress
-  else
-    run train 560 python3 -m harness train-draft --config train_smollm2_eagle3 --out $W/head \
-        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress "$@"
-  fi
+  train_or_resume $W/head "${TRAIN_S:-430}" --config train_smollm2_eagle3 --out $W/head \
+      --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" --no-progress "$@"
   [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
   cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
   [ "${BUNDLE:-1}" = 0 ] && { say "no bundle (BUNDLE=0): the checkpoint stays on this machine"; exit 0; }
@@ -495,13 +487,9 @@ train-qwen-eagle3)
   python3 -c "import sys; from engine.model.loader import resolve_model_path as r; r(sys.argv[1])" "$Q" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "no Qwen GGUF '$Q' on this machine: place it with setup (or name it with QWEN=FILE)"
   mkdir -p $W
-  if [ -f $W/head/checkpoint/state.pt ]; then    # this machine's checkpoint: continue it (Adam's moments kept)
-    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-300}" --no-progress
-  else
-    run train 560 python3 -m harness train-draft --config train_qwen05b_eagle3 --set train.model="$Q" \
-        --set train.out=$W/head --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" \
-        --no-progress "$@"
-  fi
+  train_or_resume $W/head "${TRAIN_S:-300}" --config train_qwen05b_eagle3 --set train.model="$Q" \
+      --set train.out=$W/head --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-300}" \
+      --no-progress "$@"
   R=$W/head
   [ -f $W/head/best/model.safetensors ] && R=$W/head/best   # the best-validated epoch's head
   [ -f "$R/model.safetensors" ] || die "no head was written"
@@ -562,19 +550,12 @@ train-eagle3-mixed)
   W=/tmp/sg SG=${SG:-results/raw/sg_bundle}
   mkdir -p $W /tmp/sgin
   if [ ! -f $W/head/checkpoint/state.pt ] && [ ! -f $W/seqs.pt ] && [ -f "$SG/sgdata.tar.pieces.json" ]; then
-    cp "$SG"/sgdata.tar.pieces.json "$SG"/sgdata.tar.part* /tmp/sgin/ 2>/dev/null
-    want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/sgin/sgdata.tar.pieces.json)
-    have=$(ls /tmp/sgin/sgdata.tar.part* 2>/dev/null | wc -l)
-    if [ "$have" -lt "$want" ]; then say "data bundle: $have of $want pieces on this machine"; exit 0; fi
-    python3 -m harness.core.pieces join /tmp/sgin/sgdata.tar && tar -C $W -xf /tmp/sgin/sgdata.tar || die "bad bundle in $SG"
+    gather_pieces sgdata.tar "$SG" /tmp/sgin "data bundle"
+    tar -C $W -xf /tmp/sgin/sgdata.tar || die "bad bundle in $SG"
   fi
   [ -f $W/seqs.pt ] || [ -f $W/head/checkpoint/state.pt ] || say "no data bundle here: the training call generates it"
-  if [ -f $W/head/checkpoint/state.pt ]; then
-    run train 560 python3 -m harness train-draft --resume $W/head --time-budget "${TRAIN_S:-380}" --no-progress
-  else
-    run train 560 python3 -m harness train-draft --config train_smollm2_eagle3_mixed --out $W/head \
-        --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-380}" --no-progress "$@"
-  fi
+  train_or_resume $W/head "${TRAIN_S:-380}" --config train_smollm2_eagle3_mixed --out $W/head \
+      --set train.sequences_cache=$W/seqs.pt --time-budget "${TRAIN_S:-380}" --no-progress "$@"
   [ -f $W/head/checkpoint/state.pt ] || die "no checkpoint was written"
   cp $W/head/checkpoint/*.json "$out/" 2>/dev/null
   H=$W/head

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures; tests/kernel_tests left out of the collection where its kernels cannot run."""
+"""Shared pytest fixtures (the GPU and real-model skip fixtures are tests/gpu_fixtures.py's, imported here);
+tests/kernel_tests left out of the collection where its kernels cannot run."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parents[1]))          # the tools package (tools.tiny, tools.fuzz)
+
+from gpu_fixtures import cuda_device, flashinfer_module, qwen05b_gguf  # noqa: E402,F401
 
 KERNELS = Path(__file__).resolve().parent / "kernel_tests"
 

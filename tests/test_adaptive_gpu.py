@@ -18,14 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("flashinfer")
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine.attention.backend import TorchBackend, set_backend
+from gpu_fixtures import GPU_FLASHINFER
 
-from engine import LLM, EngineConfig, SamplingParams, SpecConfig  # noqa: E402
-from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_FLASHINFER
 TABLES = {"chain-tree": {1: ["3x1x4"], 2: ["3x2x6"]}, "tree-off": {1: ["3x2x6"], 2: ["off"]}}
 LENS = (128, 256, 64, 128)
 NEW = (16, 40, 24, 32)

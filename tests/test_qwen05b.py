@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
-from helpers import prompt_logits, qwen05b_draft, qwen05b_path
+from helpers import prompt_logits, qwen05b_draft
 
 pytestmark = pytest.mark.slow
 P = SamplingParams(max_new_tokens=28, ignore_eos=True)
@@ -17,12 +17,9 @@ CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    p = qwen05b_path()
-    if p is None:
-        pytest.skip("Qwen2.5-Coder-0.5B GGUF not on disk (ppspec model fetch qwen2.5-coder-0.5b, or "
-                    "~/.cache/ppspec/models/qwen2.5-coder-0.5b/model.gguf)")
-    return str(p)
+def qwen(qwen05b_gguf):
+    """The GGUF's path (the shared fixture tests/gpu_fixtures.py qwen05b_gguf: skipped when it is not on disk)."""
+    return qwen05b_gguf
 
 
 @pytest.fixture(scope="module")

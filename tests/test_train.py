@@ -152,6 +152,21 @@ def test_shipped_train_recipes_pass_the_train_section_check():
         check_train_kwargs(train_draft, yaml.safe_load(p.read_text())["train"])
 
 
+def test_shipped_train_recipes_pass_the_data_check(monkeypatch):
+    """Every suites/train_*.yaml train.data / train.val_data passes harness.train.mix.check_data (run from the
+    repository root, where their relative paths point)."""
+    from pathlib import Path
+
+    import yaml
+
+    from harness.train.mix import check_data
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    for p in sorted((root / "suites").glob("train_*.yaml")):
+        t = yaml.safe_load(p.read_text())["train"]
+        check_data(t["data"], t.get("val_data"))
+
+
 def test_trim_context_keeps_the_continuation_and_the_last_prompt_tokens():
     """context_tokens cuts only the prompt's far end: [last C prompt tokens] + the whole continuation; text rows
     (prompt length 0) and prompts already within C stay whole."""

@@ -107,6 +107,14 @@ def load(config: str | None, ov: dict, kind: str = "run") -> RunConfig:
     return cfg
 
 
+def check_model(model) -> None:
+    """Locate ``model``'s files (:func:`engine.model.loader.resolve_model_path`: a registry model must be fetched
+    and intact) before a command prints its run directory or creates anything, so a missing model is the command's
+    first and only line. Raises ConfigError (one line: the ``ppspec model fetch NAME`` command)."""
+    from engine.model.loader import resolve_model_path
+    resolve_model_path(model)
+
+
 def check_writable(d: str | Path, what: str = "--out") -> None:
     """Check, before any work starts, that result files can be written in directory ``d``: create it (and missing
     parents) if needed, write and delete a probe file, then remove the directories this check created (the run

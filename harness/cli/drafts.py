@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from harness.cli.common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_out, check_writable, console, load,
-                                overrides, parse_sets, progress_bars, user_errors)
+from harness.cli.common import (ConfigOpt, ModelOpt, ProgressOpt, SetOpt, check_model, check_out, check_writable,
+                                console, load, overrides, parse_sets, progress_bars, user_errors)
 from harness.core.config import HarnessConfigError
 from harness.core.resolve import merge
 
@@ -40,6 +40,7 @@ def train_draft(config: RecipeOpt = "train_smollm2_draft",
         for k in ("model", "data", "out"):
             if k not in kwargs:
                 raise HarnessConfigError(f"train-draft: missing train.{k} (config or --{k})")
+        check_model(kwargs["model"])
         from harness.core.draft_cache import named_out
         kwargs["out"] = named_out(kwargs["out"])          # a named draft (qwen05b-eagle3): its cache directory
         check_train_kwargs(_train, kwargs)

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from harness.cli.common import (ConfigOpt, DeviceOpt, DraftOpt, DtypeOpt, ModelOpt, OutOpt, PpOpt, PpSpecOpt,
-                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_out, console, done_line, err, load, overrides,
-                                run_dir, save, show, user_errors, write_run_plots)
+                                ProgressOpt, SetOpt, SpecOpt, TpOpt, check_model, check_out, console, done_line, err, load,
+                                overrides, run_dir, save, show, user_errors, write_run_plots)
 from harness.core.config import HarnessConfigError
 from harness.core.textstream import TextStream
 
@@ -79,6 +79,7 @@ def gsm8k(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
             limit=limit, runs=runs, num_fewshot=num_fewshot, max_new_tokens=max_new_tokens, max_concurrency=max_concurrency,
             format=format_, chat_template=chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
             system_instruction=system_instruction)))
+        check_model(cfg.engine.model)
         from harness.eval.gsm8k import check_gsm8k
         check_gsm8k(cfg)                              # before the run directory is named
         d = run_dir(cfg, "gsm8k", out)
@@ -153,6 +154,7 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
                 console.print(f"{bad} cell(s) would fail", markup=False, highlight=False)
                 raise typer.Exit(1)
             return
+        check_model(cfg.engine.model)
         d = run_dir(cfg, "bench", out)
         from harness.bench.progress import bench_total, job_progress
         with job_progress(progress, bench_total(cfg), err) as cb:
@@ -181,6 +183,7 @@ def gate(config: ConfigOpt = "gate", model: ModelOpt = None, draft: DraftOpt = N
         check_out(out)
         cfg = load(config, overrides(model, draft, tp, None, dtype, device, None, None, set_, gate=dict(
             limit=limit, accuracy_margin=accuracy_margin, accept_length_margin=accept_length_margin)))
+        check_model(cfg.engine.model)
         d = run_dir(cfg, "gate", out)
         from harness.bench.progress import gsm8k_total, job_progress
         with job_progress(progress, gsm8k_total(cfg, 2, cfg.gate.limit, 1), err) as cb:
@@ -205,6 +208,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")], config
             raise HarnessConfigError("the prompt is empty")
         from engine import LLM, SamplingParams
         cfg = load(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
+        check_model(cfg.engine.model)
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
         fit = check_prompt(cfg.engine, prompt)
         if fit is not None and max_new_tokens > fit[1] - fit[0]:

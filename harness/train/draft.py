@@ -86,7 +86,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
     training or ``step_budget`` steps are spent; a checkpoint is also written every ``checkpoint_every`` steps.
     resume: continue the run whose checkpoint is in ``out`` (its recipe must equal these arguments but for
     time_budget_s, step_budget, checkpoint_every and device): the same head as one uninterrupted run.
-    Raises ConfigError for a bad model path, data file, value or checkpoint.
+    Raises ConfigError for a bad model path, value or checkpoint, and (before any data is read) for a ``data`` or
+    ``val_data`` that is neither a file nor a list of known sources (:func:`harness.train.mix.check_data`).
     """
     recipe = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items() if k not in NOT_RECIPE}
     if gen_samples == 1:                           # greedy data only: the recipe of a checkpoint from before sampling
@@ -106,6 +107,8 @@ def train_draft(model: str, data: str | Path, out: str | Path, *, device: str = 
                        time_budget_s=time_budget_s, step_budget=step_budget, val_sequences=val_sequences,
                        gen_samples=gen_samples, gen_temperature=gen_temperature, limit=limit,
                        prompt_format=prompt_format, draft_intermediate_size=draft_intermediate_size)
+    from harness.train.mix import check_data
+    check_data(data, val_data)
     if val_sequences and algorithm != "eagle3":
         raise ConfigError("train-draft: train.val_sequences is for algorithm eagle3")
     if val_data is not None and not val_sequences:

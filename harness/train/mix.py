@@ -29,6 +29,87 @@ GSM8K_TRAIN = "harness/data/gsm8k/train.jsonl"
 GSM8K_TEST = "harness/data/gsm8k/test.jsonl"
 
 
+TRAIN_SOURCES = {"gsm8k": ("path", "limit", "format")}
+"""The keys of each ``train.data`` source but selfgen (whose keys are :data:`harness.train.selfgen.DEFAULTS` and
+``cache``)."""
+HELDOUT_SETS = {"gsm8k": ("path", "n", "format"), "specbench": ("per_category",)}
+"""The keys of each ``train.val_data`` held-out set."""
+
+
+def _train_sources() -> dict[str, tuple[str, ...]]:
+    from harness.train.selfgen import DEFAULTS
+    return {**TRAIN_SOURCES, "selfgen": (*DEFAULTS, "cache")}
+
+
+def accepted(key: str) -> str:
+    """What ``train.data`` (``key`` "data") or ``train.val_data`` ("val_data") accepts, as the tail of a one-line
+    error: a jsonl file, or a list of sources / held-out sets with their keys."""
+    file = 'a jsonl file of {"prompt"} / {"text"} / GSM8K {"question", "answer"} lines'
+    if key == "data":
+        kinds = _train_sources()
+        what = "sources"
+    else:
+        kinds, what = HELDOUT_SETS, "held-out sets"
+    listed = " or ".join("{source: %s%s}" % (k, "".join(f", {x}" for x in keys)) for k, keys in kinds.items())
+    return f"train.{key} takes {file}, or a list of {what}: {listed}"
+
+
+def _int_at_least(v, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _entry_problem(key: str, src, kinds: dict) -> str | None:
+    """Why one list entry of ``train.<key>`` is refused, or None."""
+    if not isinstance(src, dict):
+        return f"is {type(src).__name__} {src!r}, not a mapping"
+    kind = src.get("source")
+    if kind not in kinds:
+        return ("has no source" if kind is None else f"has unknown source {kind!r}") + \
+            f" (expected source {' or '.join(kinds)})"
+    extra = sorted(set(src) - set(kinds[kind]) - {"source"}, key=str)
+    if extra:
+        return f"({kind}) has unknown key(s) {extra}"
+    if "path" in src and not (isinstance(src["path"], (str, Path)) and Path(src["path"]).is_file()):
+        return f"({kind}) path {src['path']!r} is not a file"
+    if "format" in src and src["format"] is not None:
+        from harness.train.rows import PROMPT_FORMATS
+        if src["format"] not in PROMPT_FORMATS:
+            return f"({kind}) format {src['format']!r} is not one of {', '.join(PROMPT_FORMATS)}"
+    for k, low in (("limit", 1), ("n", 1), ("per_category", 1)):
+        if k in src and not (src[k] is None and k == "limit") and not _int_at_least(src[k], low):
+            return f"({kind}) {k} must be an integer >= {low}, got {src[k]!r}"
+    if kind == "selfgen":
+        from harness.train.selfgen import options
+        try:
+            options(src)
+        except ConfigError as e:
+            return f"(selfgen): {str(e).removeprefix('train-draft: ')}"
+    return None
+
+
+def check_data(data, val_data=None) -> None:
+    """Refuse, before any data is read or generated, a ``train.data`` or ``train.val_data`` (None: not given) that
+    is neither an existing file nor a list of known sources / held-out sets with known keys (module docstring;
+    selfgen values: :func:`harness.train.selfgen.options`): ConfigError, one line naming the key, what is wrong and
+    what it accepts (:func:`accepted`)."""
+    for key, value in (("data", data), ("val_data", val_data)):
+        if value is None and key == "val_data":
+            continue
+        kinds = _train_sources() if key == "data" else HELDOUT_SETS
+        if isinstance(value, (str, Path)) and not isinstance(value, bool):
+            why = None if Path(value).is_file() else f"{str(value)!r} is not a file"
+        elif isinstance(value, list):
+            why = "is an empty list" if not value else next(
+                (f"entry {i + 1} {w}" for i, src in enumerate(value)
+                 if (w := _entry_problem(key, src, kinds)) is not None), None)
+        elif isinstance(value, dict):
+            why = f"is a single mapping {value!r}, not a list of them"
+        else:
+            why = f"is {type(value).__name__} {value!r}"
+        if why is not None:
+            raise ConfigError(f"train-draft: train.{key} {why}; {accepted(key)}")
+
+
 def interleave(groups: list[list]) -> list:
     """The items of ``groups`` merged so that item k of a group of n sits at fraction (k + 0.5) / n of the output
     (ties: the earlier group first): every prefix holds the groups in about their overall ratio."""
