@@ -65,8 +65,10 @@ def _device_rounds(run, pp: int) -> int:
     return run[5] if pp == 1 else min(s["device_rounds"] for s in run[3])
 
 
-def _same_or_near_ties(what: str, setup, a, b) -> None:
-    """a == b in tokens and accept lengths, else fail naming whether the divergence is a bf16 near-tie only."""
+def _same_or_near_ties(what: str, setup, a, b, ties_ok: bool = False) -> None:
+    """a == b in tokens and accept lengths; else, with ``ties_ok`` (two different programs in bf16: the host round's
+    kernels against the round graphs), pass when every first divergence is a bf16 near-tie (helpers.divergences,
+    near_best), and fail naming the kind otherwise."""
     if a[:2] == b[:2]:
         return
     from helpers import divergences, reference_logits
@@ -74,6 +76,8 @@ def _same_or_near_ties(what: str, setup, a, b) -> None:
     try:
         divergences(what, prompts, a[0], b[0], reference_logits(model), near_best=True)
         kind = "bf16 near-ties only"
+        if ties_ok:
+            return
     except AssertionError as e:
         kind = f"beyond bf16 near-ties ({e})"
     finally:
@@ -98,7 +102,7 @@ def test_adaptive_graphs_per_tier_equal_eager(setup, table, pp):
     assert all(r["stage"] > 0 for r in reps) and reps[-1]["draft"] > 0, reps
     assert _device_rounds(graph, pp) > 0 and _device_rounds(eager, pp) > 0
     _same_or_near_ties(f"adaptive {table} pp={pp}: {rk} round graph replay vs eager", setup, eager, graph)
-    _same_or_near_ties(f"adaptive {table} pp={pp}: {rk} round vs host round", setup, host, graph)
+    _same_or_near_ties(f"adaptive {table} pp={pp}: {rk} round vs host round", setup, host, graph, ties_ok=True)
     assert eager[2] == graph[2] == host[2], "round shapes differ between graph replay, eager and the host round"
 
 
