@@ -93,7 +93,7 @@
 #                        also kept in /tmp/adaptive/ for adaptive-bench on this machine. SWEEP_S: the sweep's budget
 #                        (430 s); BATCHES: the batch sizes (1,2,4,8,16,32).
 #   adaptive-bench       one sitting, same cells at b=1/8/32: plain, fixed S4 n5 (the suite's), S3 n4, S8 n9, and
-#                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml
+#                        adaptive with TABLE (a YAML file with an `adaptive:` key, e.g. a sweep's proposed_table.yaml, or a suite's spec.adaptive
 #                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
 #                        b=8 of results/README.md "Draft depth against speed"; each drafted shape on its own device
 #                        round), S4 n5 and the table on the host round (spec_overlap=false), then the table with the
@@ -352,8 +352,8 @@ adaptive-bench)
   [ -z "${TABLE:-}" ] && [ -f /tmp/adaptive/proposed_table.yaml ] && TABLE=/tmp/adaptive/proposed_table.yaml
   if [ -n "${TABLE:-}" ]; then
     [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
-    T=$(python3 -c "import sys, yaml; print(yaml.safe_dump(yaml.safe_load(open(sys.argv[1]))['adaptive'], default_flow_style=True, width=10000).strip())" "$TABLE") \
-        || die "TABLE=$TABLE has no adaptive: table"
+    T=$(python3 -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); print(yaml.safe_dump(d['adaptive'] if 'adaptive' in d else d['spec']['adaptive'], default_flow_style=True, width=10000).strip())" "$TABLE") \
+        || die "TABLE=$TABLE has no adaptive: (or spec.adaptive:) table"
   else
     T="{1: [8x1x9], 8: [3x1x4]}"
   fi
