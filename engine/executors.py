@@ -14,6 +14,7 @@ from .dist import ps
 from .kv_cache import KVCacheError
 from .messages import DraftTree, RelayError, StepResult, h2d
 from .scheduler import Req, ScheduledBatch
+from .speculative.adaptive import may_finish
 from .transport import ring_exchange
 
 FATAL = (RelayError, KVCacheError)     # engine invariants: never blamed on a request's batch
@@ -205,16 +206,21 @@ class SpecRoundExecutor(RingExecutor):
 
     def _keeps_shape(self, g: Segment) -> bool:
         """Adaptive: whether the segment's next round runs at its shape, as ``Scheduler.schedule`` would assign it
-        (with rounds in flight: whatever they commit; without: the policy's pick, then set as the slot's)."""
-        pol = self.sched.policy
+        (with rounds in flight: whatever they commit, ``AdaptivePolicy.settled``; without: the policy's pick, then
+        set as the slot's). A join is possible when a request waits (or is yet to arrive) and either one of the
+        segment's may finish in the rounds in flight (freeing KV and a place) or the scheduler would admit it now."""
+        sched, pol = self.sched, self.sched.policy
         if g.shape is None or pol is None:
             return True
-        if g.inflight:              # the most requests the commits in flight can leave running (finishes, joins)
-            sched, most = self.sched, self.sched.num_active()
-            if sched.waiting or sched.pending:
-                most = max(most, min(sched.max_concurrency, sched.max_reqs))
-            return pol.settled(g.shape, most, g.inflight)
-        return pol.keep(0, g.shape, self.sched.num_active())
+        B = sched.num_active()
+        if not g.inflight:
+            return pol.keep(0, g.shape, B)
+        tokens = g.inflight * (g.rr.S + 1)
+        finishing = sum(may_finish(g.reqs[b], tokens, sched.eos_ids, sched.max_model_len) for b in g.live)
+        limit = min(sched.max_concurrency, sched.max_reqs)
+        join = bool(sched.waiting or sched.pending) and (
+            finishing > 0 or sched.can_admit() or (not sched.waiting and B < limit))
+        return pol.settled(g.shape, B, g.inflight, finishing, limit if join else None)
 
     def chain(self, prev):
         """The segment's next round (rows of requests finished since retired), or None (no KV, a smaller captured
@@ -258,7 +264,10 @@ class SpecRoundExecutor(RingExecutor):
         g.inflight -= 1
         self.num_overlap_rounds += 1
         c, res = g.rr.S + 1, h.wait()[:len(h.reqs)]
-        return StepResult("verify", 0, [r.rid for r in h.reqs], res[:, c + 1:2 * c + 1], accept_nodes=res[:, :c],
+        live = [i for i, r in enumerate(h.reqs) if r.status != "finished"]     # the rows the host round would run
+        res = res[live] if len(live) < len(h.reqs) else res
+        rids = [h.reqs[i].rid for i in live]
+        return StepResult("verify", 0, rids, res[:, c + 1:2 * c + 1], accept_nodes=res[:, :c],
                           accept_lens=res[:, c], num_draft_tokens=g.rr.n, shape=g.shape, next_shape=g.shape)
 
     def _round(self, g: Segment) -> Step:

@@ -10,7 +10,8 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams, SpecConfig
 from engine.plan import resolve_plan
-from engine.speculative.adaptive import OFF, AdaptivePolicy, AdaptiveTable, Shape
+from engine.requests import Req
+from engine.speculative.adaptive import OFF, AdaptivePolicy, AdaptiveTable, Shape, may_finish
 
 LENS = (4, 14, 9, 12)
 
@@ -65,7 +66,9 @@ def test_policy_keep_and_settled():
     assert pol.dwell == 2
     assert pol.settled(Shape(4, 1, 5), 2, 1)                  # tier b=1-2, no step before the dwell
     assert not pol.settled(Shape(4, 1, 5), 2, 2)              # the second commit could step
-    assert not pol.settled(Shape(2, 1, 3), 3, 1)              # a finish drops b=3 into the other tier
+    assert pol.settled(Shape(2, 1, 3), 3, 1)                  # b=3 (upper tier) and nothing can finish
+    assert not pol.settled(Shape(2, 1, 3), 3, 1, finishing=1)     # a finish drops b=3 into the other tier
+    assert pol.settled(Shape(2, 1, 3), 5, 1, finishing=2)         # b=3..5: all in the upper tier
     assert not pol.settled(Shape(2, 1, 3), 1, 1)              # not the tier's shape
     pol.since[0] = 1
     assert not pol.settled(Shape(4, 1, 5), 1, 1)
@@ -73,6 +76,51 @@ def test_policy_keep_and_settled():
     assert not pol.keep(0, Shape(2, 1, 3), 1) and 0 not in pol.slot_shape
     assert pol.keep(0, Shape(2, 1, 3), 4) and pol.slot_shape[0] == (Shape(2, 1, 3), 1)
     assert AdaptivePolicy(AdaptiveTable.parse({1: ["off"]})).keep(1, OFF, 1)        # the executor runs no off round
+
+
+def test_settled_in_every_tier():
+    """The round after those in flight keeps the tier and shape: every batch size the commits can leave is in one
+    tier (finishes down to ``batch_size - finishing``; a possible join: 1 to ``most``), at the tier's shape; with
+    the EMA no join and no step before the dwell."""
+    t = AdaptiveTable.parse({1: ["4x1x5"], 4: ["off"], 16: ["4x1x5", "off"]})
+    pol = AdaptivePolicy(t)
+    s = Shape(4, 1, 5)
+    assert pol.settled(s, 32, 1) and pol.settled(s, 16, 1)          # tier 16, nothing finishes, no join
+    assert pol.settled(s, 32, 1, finishing=16)                      # b=16..32
+    assert not pol.settled(s, 32, 1, finishing=17)                  # b=15 is in tier 4 (off)
+    assert not pol.settled(s, 16, 1, finishing=1)
+    assert not pol.settled(s, 32, 1, most=32)                       # a join: the later rounds' batches in doubt
+    assert pol.settled(s, 2, 1, finishing=2) and pol.settled(s, 2, 1, most=3)     # tier 1 covers b=1..3
+    assert not pol.settled(s, 2, 1, most=4)
+    assert not pol.settled(Shape(3, 1, 4), 32, 1) and not pol.settled(OFF, 32, 1)  # not the tier's shape
+    pol.pos[2] = 1
+    assert not pol.settled(s, 32, 1) and pol.settled(OFF, 32, 1, finishing=16)   # the tier stepped to off
+    ema = AdaptivePolicy(AdaptiveTable.parse({1: ["4x1x5"], 16: ["4x1x5", "off"], "ema": {"alpha": 0.25}}))
+    assert ema.dwell == 4
+    assert ema.settled(s, 32, 1, finishing=3) and ema.settled(s, 32, 3)
+    assert not ema.settled(s, 32, 4)                                # the fourth commit could step
+    ema.since[1] = 3
+    assert not ema.settled(s, 32, 1) and ema.settled(s, 8, 1)      # tier 16 at its dwell; tier 1 not
+    assert not ema.settled(s, 8, 1, most=15)                       # a join regroups the commits the EMA averages
+    assert not AdaptivePolicy(AdaptiveTable.parse({1: ["4x1x5"], "ema": {"alpha": 0.25}})).settled(s, 8, 1, most=9)
+
+
+def test_may_finish():
+    """A request finishes within ``tokens`` more only by length (max_new_tokens, the context) unless a token can
+    stop it: EOS (not ignored, the model has one), a stop token id, a stop string."""
+    def req(out, **p):
+        r = Req(rid=0, prompt_ids=[1] * 10, params=SamplingParams(**p))
+        r.output_ids = [2] * out
+        return r
+    eos = {7}
+    assert not may_finish(req(10, max_new_tokens=16, ignore_eos=True), 5, eos, 100)     # 15 < 16
+    assert may_finish(req(11, max_new_tokens=16, ignore_eos=True), 5, eos, 100)         # 16 = max_new_tokens
+    assert not may_finish(req(10, max_new_tokens=64, ignore_eos=True), 5, eos, 26)      # 10 + 15 < 26
+    assert may_finish(req(11, max_new_tokens=64, ignore_eos=True), 5, eos, 26)          # the context
+    assert may_finish(req(0, max_new_tokens=64), 5, eos, 100)                           # EOS enabled
+    assert not may_finish(req(0, max_new_tokens=64), 5, set(), 100)                     # no EOS id
+    assert may_finish(req(0, max_new_tokens=64, ignore_eos=True, stop_token_ids=[9]), 5, eos, 100)
+    assert may_finish(req(0, max_new_tokens=64, ignore_eos=True, stop=["\n\n"]), 5, eos, 100)
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -76,15 +76,21 @@ class AdaptivePolicy:
         self.slot_shape[slot] = (shape, t)
         return True
 
-    def settled(self, shape: Shape, batch_size: int, pending: int) -> bool:
+    def settled(self, shape: Shape, batch_size: int, pending: int, finishing: int = 0, most: int | None = None) -> bool:
         """Whether the next verify round runs at ``shape`` in the same tier whatever the ``pending`` rounds in flight
-        commit, ``batch_size`` being the most requests they can leave running (finishes and joins): every batch size
-        from 1 to ``batch_size`` is in one tier, at ``shape``, and without the EMA or with no step possible before
-        the tier's dwell ends (``since + pending < dwell``)."""
-        t = self.table.tier(batch_size)
-        if self.table.tier(1) != t or self.table.tiers[t][1][self.pos[t]] != shape:
+        commit (rounds launched before those are read back). ``batch_size``: the requests running now; ``finishing``:
+        how many of them may finish in those rounds (:func:`may_finish`); ``most``: None when no waiting request can
+        be admitted before the next round, else the most requests that can run (the concurrency limit). The next
+        round's batch is then any size from ``batch_size - finishing`` (at least 1) to ``batch_size``; with a
+        possible join any size from 1 to ``most`` (the join is prefilled after the round launched ahead but before
+        it without the overlap, so every later round's batch is in doubt). True when every such size is in one tier
+        whose shape is ``shape`` and, with the EMA, no join is possible (it would regroup the commits the EMA
+        averages) and no step is possible before the tier's dwell ends (``since + pending < dwell``)."""
+        lo, hi = (1, max(most, batch_size)) if most is not None else (max(1, batch_size - finishing), batch_size)
+        t = self.table.tier(hi)
+        if self.table.tier(lo) != t or self.table.tiers[t][1][self.pos[t]] != shape:
             return False
-        return self.ema is None or self.since[t] + pending < self.dwell
+        return self.ema is None or (most is None and self.since[t] + pending < self.dwell)
 
     def choose(self, batch_size: int) -> Shape:
         """The shape of a running batch of ``batch_size`` requests (no state change)."""
@@ -117,6 +123,18 @@ class AdaptivePolicy:
 def active(reqs) -> int:
     """The running batch size: requests prefilling or running (admitted, not finished)."""
     return sum(r.status in ("prefilling", "running") for r in reqs)
+
+
+def may_finish(r, tokens: int, eos_ids, max_model_len: int) -> bool:
+    """Whether request ``r`` can finish (``engine.requests.finish_reason``) while emitting at most ``tokens`` more
+    tokens (a verify round emits at most num_steps + 1): always when a token can stop it (EOS with ``eos_ids`` and
+    not ``ignore_eos``, ``stop_token_ids``, stop strings), else when those tokens reach ``max_new_tokens`` or the
+    context of ``max_model_len``."""
+    p = r.params
+    if (eos_ids and not p.ignore_eos) or p.stop_token_ids or p.stop:
+        return True
+    n = len(r.output_ids) + tokens
+    return n >= p.max_new_tokens or len(r.prompt_ids) + n >= max_model_len
 
 
 def fit_tree(tree, have: Shape, want: Shape):
