@@ -204,3 +204,61 @@ def test_tier_rounds_with_kv_limited_joins(tiny_model_dir, tiny_draft_dir, tiny_
     b = host[1].round_tiers
     assert b[:4] == [1] * 4 and b[4] == 3, b           # B: with A in the lower tier, then with C and D in the upper
     assert rounds > 0 and ahead > 0, (rounds, ahead)
+
+
+UPPER = {1: ["off"], 2: ["2x1x3"], 4: ["3x1x4"]}       # the bench's table shape: drafted, off, drafted tiers
+
+
+def test_rounds_launch_ahead_in_an_upper_tier(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Four requests in the top tier with ignore_eos: until one is within a round (S+1 tokens) of its length no
+    commit can move the batch, so the rounds launch ahead there (at least every such round of the top tier, counted
+    from the host round's accept lengths); once one can finish (b=3 is the tier below) they wait for the commit.
+    Tokens, accept lengths, shapes and tiers equal the host round's and PP2's. With EOS possible any request may
+    finish in any round, the batch could fall to the off tier: no round launches ahead."""
+    prompts = tiny_prompts[:4]
+    lens = (24, 30, 20, 28)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    kw = dict(adaptive=UPPER, max_running_requests=4)
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=False, **kw)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=True, **kw)
+    pp2, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=True, pp=2, **kw)
+    same(dev, host)
+    same(pp2, host)
+    top = min(o.round_tiers.count(4) for o in host)          # rounds all four ran together in the top tier
+    assert all(o.round_tiers[:top] == [4] * top for o in host) and top >= 4, [o.round_tiers for o in host]
+    # round j >= 1 launches while round j-1 is in flight; nothing can finish in it: each has > S+1 = 4 tokens left
+    # after the prefill token and rounds 0..j-2
+    sure = sum(all(n - 1 - sum(o.accept_lengths[:j - 1]) > 4 for o, n in zip(host, lens)) for j in range(1, top))
+    assert sure >= 3 and ahead >= sure, (rounds, ahead, sure)
+    _, _, (eos_rounds, eos_ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts,
+                                        [SamplingParams(max_new_tokens=8) for _ in prompts], spec_overlap=True, **kw)
+    assert eos_rounds > 0 and eos_ahead == 0, (eos_rounds, eos_ahead)
+
+
+@pytest.mark.parametrize("table", [{1: ["2x1x3"], 3: ["3x1x4"]}, {1: ["2x1x3"], 3: ["2x2x4"]}],
+                         ids=["chain", "tree"])
+def test_upper_tier_rounds_with_finishes_and_joins(tiny_model_dir, tiny_draft_dir, tiny_prompts, table):
+    """Six requests, four at a time: finishes within the top tier (b=4 -> 3) keep the rounds launched ahead, a
+    waiting request that a finish would admit stops them; the device round equals the host round."""
+    prompts = tiny_prompts[:6]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 26, 40, 16, 22)]
+    kw = dict(adaptive=table, max_running_requests=4)
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=False, **kw)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, spec_overlap=True, **kw)
+    same(dev, host)
+    tiers = {t for o in host for t in o.round_tiers}
+    assert tiers == {1, 3} and rounds > 0 and ahead > 0, (tiers, rounds, ahead)
+
+
+def test_ema_counts_only_unfinished_rows(tiny_model_dir, tiny_draft_dir, tiny_prompts):
+    """Seven requests (captured size 8) finishing one by one: a round launched ahead of a commit that finishes a
+    request, and the rounds after, carry its row; the EMA averages only the unfinished requests' accept lengths,
+    as the host round's batch, so the steps equal the host round's."""
+    prompts = tiny_prompts[:7]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 14, 18, 22, 26, 30, 34)]
+    table = {1: ["4x1x5", "2x1x3"], "ema": {"alpha": 0.5, "down": 0.45, "up": 0.55}}
+    host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, spec_overlap=False)
+    dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table,
+                                  spec_overlap=True)
+    same(dev, host)
+    assert len({s for o in host for s in o.round_shapes}) == 2 and ahead > 0, (rounds, ahead)
