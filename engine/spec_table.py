@@ -174,7 +174,7 @@ class AdaptiveTable:
     def graph_lines(self, graphs, round_: str | None) -> list[str]:
         """``ppspec plan``'s lines on what runs per tier under a plan whose captured graph kinds are ``graphs`` and
         whose spec round is ``round_`` (``host``, ``device`` or ``stage``): the verify widths and draft shapes
-        captured, then which round each drafted shape takes."""
+        captured, then which round each shape takes."""
         drafted = [str(s) for s in self.shapes if not s.off] or ["none"]
         out = []
         if "verify" in graphs:
@@ -183,8 +183,9 @@ class AdaptiveTable:
         if round_ in ("device", "stage"):
             kind = "spec_rounds" if round_ == "device" else "stage_rounds"
             how = "one graph per shape and batch size, one pool" if kind in graphs else "eager"
-            out.append(f"  rounds: {round_} round per drafted shape ({', '.join(drafted)}; {how}) where a round "
-                       "verifies and drafts one shape; shape changes and off: host round")
+            every = ", ".join(map(str, self.shapes))
+            out.append(f"  rounds: {round_} round per shape ({every}; {how}) where a round verifies and drafts "
+                       "one shape; shape changes: host round")
         else:
             out.append("  rounds: host")
         return out

@@ -1,6 +1,6 @@
 """Adaptive speculation on the device round and the stage round (engine.speculative.tier_rounds): one round runner per
 drafted table shape; a round verified and drafted at one shape runs it, a shape change or an off round the host
-round. On CPU the rounds run eagerly (the torch reference attention over a device layout), fp32 on the tiny random
+round (``off`` too: S = 0, no tail draft). On CPU the rounds run eagerly (the torch reference attention over a device layout), fp32 on the tiny random
 models: tokens, accept lengths and round shapes must equal the host round's exactly (chain and tree tables, EAGLE-2
 and EAGLE-3, PP1 and PP2, joins and finishes moving the batch across tiers, the EMA stepping), and a one-tier table
 must equal its fixed shape on the same round."""
@@ -54,8 +54,8 @@ def test_plan_takes_the_rounds_under_a_table(tiny_model_dir, tiny_draft_dir):
     assert cuda.round == "stage" and "stage_rounds" in cuda.graphs
     lines = AdaptiveTable.parse({1: ["4x1x5", "2x2x4"], 8: ["off"]}).graph_lines(cuda.graphs, cuda.round)
     assert lines == ["  graphs per tier: verify widths n=5, 4, 1; draft 4x1x5, 2x2x4",
-                     "  rounds: stage round per drafted shape (4x1x5, 2x2x4; one graph per shape and batch size, one "
-                     "pool) where a round verifies and drafts one shape; shape changes and off: host round"]
+                     "  rounds: stage round per shape (4x1x5, 2x2x4, off; one graph per shape and batch size, one "
+                     "pool) where a round verifies and drafts one shape; shape changes: host round"]
     host = resolve_plan(EngineConfig(model=tiny_model_dir, spec=spec, spec_overlap=False))
     assert host.round == "host" and AdaptiveTable.parse({1: ["off"]}).graph_lines((), "host") == ["  rounds: host"]
 
@@ -262,3 +262,41 @@ def test_ema_counts_only_unfinished_rows(tiny_model_dir, tiny_draft_dir, tiny_pr
                                   spec_overlap=True)
     same(dev, host)
     assert len({s for o in host for s in o.round_shapes}) == 2 and ahead > 0, (rounds, ahead)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_one_tier_off_equals_plain_decoding_and_takes_the_device_round(tiny_model_dir, tiny_draft_dir, e3_dir,
+                                                                       tiny_prompts, algorithm, monkeypatch):
+    """A one-tier ``off`` table on the device round: every round is an off device round (S = 0, n = 1: verify of
+    the root, commit, draft extend, no tail draft), none enters the host round (``EagleWorker.verify``), rounds
+    launch ahead, and the tokens equal plain decoding's bit for bit (fp32, CPU), as do the host round's."""
+    from engine.speculative.eagle_worker import EagleWorker
+    draft = e3_dir if algorithm == "eagle3" else tiny_draft_dir
+    prompts = tiny_prompts[:4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LENS]
+    with LLM(EngineConfig(model=tiny_model_dir, max_running_requests=4)) as llm:
+        plain = llm.generate(prompts, params)
+    host, _, _ = gen(tiny_model_dir, draft, prompts, params, algorithm=algorithm, adaptive={1: ["off"]},
+                     spec_overlap=False, max_running_requests=4)
+    calls = []
+    verify = EagleWorker.verify
+    monkeypatch.setattr(EagleWorker, "verify", lambda self, batch, *a, **k: calls.append(batch.shape) or
+                        verify(self, batch, *a, **k))
+    dev, plan, (rounds, ahead) = gen(tiny_model_dir, draft, prompts, params, algorithm=algorithm,
+                                     adaptive={1: ["off"]}, spec_overlap=True, max_running_requests=4)
+    assert plan.round == "device"
+    assert [o.token_ids for o in dev] == [o.token_ids for o in plain] == [o.token_ids for o in host]
+    same(dev, host)
+    assert all(set(o.round_shapes) == {"off"} and set(o.accept_lengths) == {1} for o in dev)
+    assert calls == []                                               # no off round took the host round
+    assert rounds >= max(len(o.accept_lengths) for o in dev) and ahead > 0, (rounds, ahead)
+
+
+def test_off_round_state_has_no_draft():
+    """The off spec's round state: a verify of width 1, a result row of 2(S+1)+2 = 4 columns, no parents."""
+    from engine.speculative.round_steps import OFF_SPEC, RoundState
+    from engine.speculative.tier_rounds import shape_spec
+    assert shape_spec(None, OFF) is OFF_SPEC
+    st = RoundState(3, 16, OFF_SPEC.num_draft_tokens, 0, OFF_SPEC.num_steps, "cpu", chain=True, spec=OFF_SPEC)
+    assert st.tokens.shape == (3, 1) and st.parents.shape == (3, 0) and st.tsi.shape == (3, 0)
+    assert st.out.shape == (3, 4) and st.causal.shape == (3, 1, 1)

@@ -6,6 +6,8 @@ shared by :class:`engine.speculative.device_round.SpecRoundRunner` and :mod:`eng
   round (:func:`spec_round`): build the tree and verify over ``rt[b, L:L+n]``; greedy walk; commit
     (``commit_order_device``, ``seq_lens += accept_length``); draft extend over W = min(S+1, n) rows and tail
     draft; write [accept_nodes (S+1) | accept_length | emitted (S+1) | bonus] to ``out``. No host sync.
+  off (:data:`OFF_SPEC`, S = 0, n = 1): the verify of the root alone (a plain decode step), the commit and the
+    draft extend over the emitted token; no tail draft (the next tree is the bonus alone).
 """
 from __future__ import annotations
 
@@ -15,6 +17,19 @@ from ..attention.backend import ForwardContext, set_context
 from ..attention.device import DeviceLayout
 from .eagle_worker import draft_beam_search
 from .tree_kernels import build_tree_any, commit_order_device, verify_tree_greedy_any
+
+
+class OffSpec:
+    """The adaptive ``off`` shape as a round's spec: num_steps 0, topk 1, num_draft_tokens 1 (a chain of the root
+    alone). Not a SpecConfig, which requires num_steps >= 1."""
+
+    num_steps, topk, num_draft_tokens, is_chain = 0, 1, 1, True
+
+    def __repr__(self) -> str:
+        return "OffSpec(0x1x1)"
+
+
+OFF_SPEC = OffSpec()
 
 
 class RoundState:
@@ -89,7 +104,7 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
 def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
                draft_feature: torch.Tensor | None = None) -> None:
     """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit,
-    draft extend, tail draft into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row into ``st.out``.
+    draft extend, tail draft (none when S = 0) into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row into ``st.out``.
     ``draft_feature`` [bs*n, F]: the draft extend's input (default ``feature``; EAGLE-3: F = 3H). No host sync."""
     spec, model = st.spec or runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
@@ -112,8 +127,19 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
                            "extend", device_layout=lay_e)
     dfeat = feature if draft_feature is None else draft_feature
     hid = runner.eagle.draft_forward(ids, dfeat[fidx], pos, ctx_e, planned=True)
-    last_h = hid[ar[:B] * W + alen - 1]
-    # tail draft: lane (b, j) at step s attends to rt[b, :L_new] + its s ancestry slots (scratch)
+    st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
+    st.tokens[:, 0].copy_(res.bonus)
+    if S > 0:                                          # off (S = 0): the next tree is the bonus alone
+        tail_draft(runner, st, splits, hid[ar[:B] * W + alen - 1], L_new)
+    st.seq_lens.copy_(L_new)
+
+
+def tail_draft(runner, st: RoundState, splits: tuple[int, int], last_h: torch.Tensor, L_new: torch.Tensor) -> None:
+    """Step 5 of the round: draft the next trees from ``last_h`` [bs, H] (the draft extend's output at each
+    request's last accepted row) into ``st.tokens[:, 1:]`` / ``st.parents`` / ``st.tsi``; lane (b, j) at step s
+    attends to ``rt[b, :L_new]`` plus its s ancestry slots (the scratch after the committed tokens). No host sync."""
+    spec = st.spec or runner.spec
+    S, k, B, ar = spec.num_steps, spec.topk, st.bs, st.ar
     w = k * (S - 1)
     scratch = st.rt.gather(1, L_new.view(B, 1) + ar[:w]).view(B, S - 1, k).transpose(1, 2)
     lane_rows = st.rows.view(B, 1).expand(B, k).reshape(-1)         # lane b*k + j (no repeat_interleave scan)
@@ -127,10 +153,7 @@ def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: t
         return lane_L + (s - 1), c, True
 
     drafts, parent_list, tsi = draft_beam_search(runner.eagle, last_h, scratch.contiguous(), step_inputs, spec)
-    st.out.copy_(torch.cat([res.accept_nodes, alen.view(B, 1), res.emitted, res.bonus.view(B, 1)], 1))
-    st.tokens[:, 0].copy_(res.bonus)
     st.tokens[:, 1:].copy_(drafts)
     if not st.chain:                  # a chain's parent_list / top_scores_index never change (chain_constants)
         st.parents.copy_(parent_list)
         st.tsi.copy_(tsi)
-    st.seq_lens.copy_(L_new)

@@ -1,17 +1,18 @@
-"""The device round and the stage round of every drafted shape of an adaptive table (``spec.adaptive``).
+"""The device round and the stage round of every shape of an adaptive table (``spec.adaptive``), ``off`` included.
 
 The plan's round ``device`` (pp = 1, tp = 1: :class:`engine.speculative.device_round.SpecRoundRunner`, the whole
 round in one graph, rounds launched ahead) or ``stage`` (pp > 1 or tp > 1:
 :class:`engine.speculative.stage_round.StageRoundRunner`, each stage's verify round in one graph) runs at one shape
-(S, k, n). Under a table, :class:`TierRounds` holds one such runner per drafted shape (``off`` has none), each with
+(S, k, n). Under a table, :class:`TierRounds` holds one such runner per shape (``off``: S = 0, n = 1, the verify of
+the root and the draft extend over the emitted token, no tail draft; :data:`round_steps.OFF_SPEC`), each with
 its own states per captured batch size and, on CUDA with graphs, its own graphs, captured at start into one
 memory pool (largest KV reserve first, as the draft graph sets).
 
 A verify round takes its shape's runner when the shape it verifies (``ScheduledBatch.shape``) and the shape it
-drafts next (``Scheduler.predict_shape`` on the last stage) are the same drafted shape; a round that changes shape
-and an ``off`` round take the host round (``EagleWorker.verify``), which drafts at the next shape. Trees drafted at
+drafts next (``Scheduler.predict_shape`` on the last stage) are the same shape; a round that changes shape takes
+the host round (``EagleWorker.verify``), which drafts at the next shape. Trees drafted at
 another shape are fitted on the host when the scheduler assigns the round (``fit_tree``), before either path
-reads them. A stage before the last drafts nothing: it takes the stage round whenever the verified shape is drafted.
+reads them. A stage before the last drafts nothing: it takes the stage round of the verified shape.
 """
 from __future__ import annotations
 
@@ -22,20 +23,24 @@ from ..messages import StepResult
 
 
 def shape_spec(spec, shape):
-    """The SpecConfig ``spec`` at the adaptive ``shape`` (num_steps, topk, num_draft_tokens replaced; no table)."""
+    """The SpecConfig ``spec`` at the adaptive ``shape`` (num_steps, topk, num_draft_tokens replaced; no table);
+    ``off``: :data:`engine.speculative.round_steps.OFF_SPEC`."""
+    if shape.off:
+        from .round_steps import OFF_SPEC
+        return OFF_SPEC
     return dataclasses.replace(spec, num_steps=shape.num_steps, topk=shape.topk,
                                num_draft_tokens=shape.num_draft_tokens, adaptive=None)
 
 
 class TierRounds:
     """One round runner (``cls``: SpecRoundRunner or StageRoundRunner, built with ``max_bs``, ``use_graphs`` and
-    ``kw``) per drafted shape of ``runner.spec.table``, in ``runners`` by :class:`engine.spec_table.Shape`.
+    ``kw``) per shape of ``runner.spec.table`` (off included), in ``runners`` by :class:`engine.spec_table.Shape`.
     ``predict(slot)``: the next trees' shape of a verify batch of ``slot`` (the stage round on the last stage)."""
 
     def __init__(self, runner, cls, max_bs: int, use_graphs: bool, predict=None, **kw):
         table = runner.spec.table
-        drafted = sorted((s for s in table.shapes if not s.off), key=lambda s: (-s.reserve, s))
-        self.runners = {s: cls(runner, max_bs, use_graphs, spec=shape_spec(runner.spec, s), **kw) for s in drafted}
+        shapes = sorted(table.shapes, key=lambda s: (-s.reserve, s))
+        self.runners = {s: cls(runner, max_bs, use_graphs, spec=shape_spec(runner.spec, s), **kw) for s in shapes}
         self.use_graphs = any(rr.use_graphs for rr in self.runners.values())
         self.max_bs = max_bs
         self.predict = predict
@@ -51,9 +56,9 @@ class TierRounds:
 
     def for_batch(self, batch, next_shape):
         """The runner of a verify ``batch`` whose next trees are drafted at ``next_shape``: its shape's when the two
-        are the same drafted shape, else None (the host round)."""
+        are the same shape (``off`` included), else None (the host round)."""
         s = getattr(batch, "shape", None)
-        if s is None or s.off or s != next_shape:
+        if s is None or s != next_shape:
             return None
         return self.runners.get(s)
 

@@ -135,7 +135,7 @@ def build_tree_any(verified_id: Tensor, parent_list: Tensor, top_scores_index: T
                    draft_tokens: Tensor, seq_lens: Tensor, topk: int) -> TreeInfo:
     """``build_tree`` (same arguments, shapes and result) as one Triton launch when
     :func:`triton_enabled`; the torch reference otherwise. All inputs on one device."""
-    if not triton_enabled(top_scores_index):
+    if not triton_enabled(top_scores_index) or top_scores_index.shape[1] == 0:     # n = 1 (off): the root alone
         return build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_lens, topk)
     B, n1 = top_scores_index.shape
     n, P, dev = n1 + 1, parent_list.shape[1], top_scores_index.device
@@ -154,7 +154,8 @@ def build_tree_any(verified_id: Tensor, parent_list: Tensor, top_scores_index: T
 def verify_tree_greedy_any(tree: TreeInfo, target_predict: Tensor, num_steps: int) -> VerifyResult:
     """``verify_tree_greedy`` (same arguments and result) as one Triton launch when
     :func:`triton_enabled`; the torch reference otherwise."""
-    if not triton_enabled(target_predict) or target_predict.shape[1] != tree.candidates.shape[1]:
+    if (not triton_enabled(target_predict) or target_predict.shape[1] != tree.candidates.shape[1]
+            or num_steps == 0):
         return verify_tree_greedy(tree, target_predict, num_steps)
     B, n = tree.candidates.shape
     S, dev = num_steps, target_predict.device
