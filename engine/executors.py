@@ -179,9 +179,10 @@ class SpecRoundExecutor(RingExecutor):
     segment whose rounds run on the device. A finished request stays as a padding row until a smaller captured size
     would do; then, or when a waiting request could be admitted, the segment closes. Other batches run eagerly.
     Adaptive speculation (``runner.round_runner`` a :class:`engine.speculative.tier_rounds.TierRounds`): a batch
-    whose shape is verified and drafted next takes that shape's runner; a round is launched ahead only where no
-    commit in flight can change the shape or its tier (``AdaptivePolicy.settled``), else after the commit, and the
-    segment closes when the policy picks another shape (its next round fits the trees and runs as the host would)."""
+    whose shape is verified and drafted next takes that shape's runner (``off`` too); a round is launched ahead
+    only where no commit in flight can change the shape or its tier (``AdaptivePolicy.settled``), else after the
+    commit, and the segment closes when the policy picks another shape (its next round fits the trees and runs as
+    the host would)."""
 
     name, depth = "spec_rounds", 2
 

@@ -4,7 +4,7 @@ round.
 Under an adaptive table each stage captures a verify graph per table width (num_draft_tokens; ``off``: 1) and the
 last stage a draft graph set (beam search, draft extend + beam search) per drafted shape
 (engine.speculative.adaptive.VerifyGraphSet, engine.speculative.draft_graphs.DraftGraphRunner), and the device round
-(pp=1) or stage round (pp=2) of every drafted shape is captured per batch size (engine.speculative.tier_rounds). The
+(pp=1) or stage round (pp=2) of every shape, off included, is captured per batch size (engine.speculative.tier_rounds). The
 tier rounds replayed must give the eager tier rounds' tokens, accept lengths and round shapes exactly, and the host
 round's (``spec_overlap=false``, graphs) up to bf16 near-ties, at pp=1 and pp=2 (two ranks on this GPU), for a chain
 <-> tree table and a tree <-> off table, while the running batch crosses tiers (two running of four requests with
