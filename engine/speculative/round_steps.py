@@ -104,7 +104,8 @@ def verify_forward(runner, st: RoundState, splits: int, hidden=None, residual=No
 def round_tail(runner, st: RoundState, splits: tuple[int, int], tree, feature: torch.Tensor,
                draft_feature: torch.Tensor | None = None) -> None:
     """Steps 2-5 of the round on the last stage: greedy walk of ``tree`` against ``feature`` [bs*n, H], commit,
-    draft extend, tail draft (none when S = 0) into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row into ``st.out``.
+    draft extend, tail draft (none when S = 0) into ``st.tokens`` / ``st.parents`` / ``st.tsi``, the result row
+    into ``st.out``.
     ``draft_feature`` [bs*n, F]: the draft extend's input (default ``feature``; EAGLE-3: F = 3H). No host sync."""
     spec, model = st.spec or runner.spec, runner.model
     S, k, n = spec.num_steps, spec.topk, spec.num_draft_tokens
