@@ -1,9 +1,9 @@
 """Adaptive speculation on the device round and the stage round (engine.speculative.tier_rounds): one round runner per
 table shape (``off`` too: S = 0, no tail draft); a round verified and drafted at one shape runs it, a shape change
-the host round. On CPU the rounds run eagerly (the torch reference attention over a device layout), fp32 on the
-tiny random models: tokens, accept lengths and round shapes must equal the host round's exactly (chain and tree tables, EAGLE-2
-and EAGLE-3, PP1 and PP2, joins and finishes moving the batch across tiers, the EMA stepping), and a one-tier table
-must equal its fixed shape on the same round."""
+the host round. On CPU the rounds run eagerly (the torch reference attention over a device layout), fp32 on the tiny
+random models: tokens, accept lengths and round shapes must equal the host round's exactly (chain and tree tables,
+EAGLE-2 and EAGLE-3, PP1 and PP2, joins and finishes moving the batch across tiers, the EMA stepping), and a one-tier
+table must equal its fixed shape on the same round."""
 from __future__ import annotations
 
 import pytest
