@@ -369,6 +369,20 @@ def divergences(name, prompts, ref, got, logits, near_best: bool = False):
     return rows
 
 
+def near_tie_kind(name, model_dir, prompts, ref, got) -> str | None:
+    """None when the token lists ``ref`` and ``got`` diverge only at bf16 near-ties (:func:`divergences`,
+    ``near_best``, against ``model_dir``'s float32 / bfloat16 logits on CUDA), else the reason they do not. Leaves the
+    attention backend at the torch reference (what :func:`reference_logits` needs and the CPU tests expect)."""
+    from engine.attention.backend import TorchBackend, set_backend
+    try:
+        divergences(name, prompts, ref, got, reference_logits(model_dir), near_best=True)
+        return None
+    except AssertionError as e:
+        return f"token divergences beyond bf16 near-ties ({e})"
+    finally:
+        set_backend(TorchBackend())
+
+
 def lm_eval_scores(task_yaml, response: str, target: str) -> dict:
     """lm-eval's own filter ensembles and exact_match for ``task_yaml`` (its filter_list and metric_list)."""
     from lm_eval.api.instance import Instance

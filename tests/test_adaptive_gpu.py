@@ -71,17 +71,12 @@ def _same_or_near_ties(what: str, setup, a, b, ties_ok: bool = False) -> None:
     near_best), and fail naming the kind otherwise."""
     if a[:2] == b[:2]:
         return
-    from helpers import divergences, reference_logits
+    from helpers import near_tie_kind
     model, _, prompts = setup
-    try:
-        divergences(what, prompts, a[0], b[0], reference_logits(model), near_best=True)
-        kind = "bf16 near-ties only"
-        if ties_ok:
-            return
-    except AssertionError as e:
-        kind = f"beyond bf16 near-ties ({e})"
-    finally:
-        set_backend(TorchBackend())
+    kind = near_tie_kind(what, model, prompts, a[0], b[0])
+    if kind is None and ties_ok:
+        return
+    kind = kind or "bf16 near-ties only"
     pytest.fail(f"{what}: tokens equal {a[0] == b[0]}, accept lengths equal {a[1] == b[1]}; {kind}")
 
 
