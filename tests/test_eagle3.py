@@ -540,7 +540,8 @@ def test_train_eagle3_init_from(tiny_model_dir, tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
     assert cfg["ppspec_training"]["init_from"] == str(tmp_path / "a")
     assert cfg["ppspec_training"]["init_from_training"]["steps"] > 0
-    missing = tmp_path / "none.jsonl"                 # never read: every refusal comes first
+    missing = tmp_path / "unread.jsonl"               # never read: every refusal comes first (read, it would fail)
+    missing.write_text("{not json\n")
     for bad, msg in ((dict(aux_layers=[0, 1, 3]), "aux_layers"), (dict(draft_vocab_size=256), "draft_vocab_size"),
                      (dict(init_from=tmp_path / "nothing"), "train.init_from .*nothing holds no trained head"), (dict(algorithm="eagle"), "eagle3")):
         args = {**kw, "init_from": tmp_path / "a", **bad}
