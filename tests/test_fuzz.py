@@ -48,7 +48,8 @@ def test_adaptive_draws_leave_the_ci_cases_and_cover_tiers(tiny_model_dir):
     cases = [draw_case(s, mc, tok) for s in range(300)]
     ad = [c for c in cases if c.adaptive is not None]
     assert all(draw_case(s, mc, tok).adaptive is None for s in CI_CASES if s not in (156, 228))
-    assert all(c.spec is not None and c.rounds == "host" and 1 in c.adaptive for c in ad)
+    assert all(c.spec is not None and 1 in c.adaptive for c in ad)
+    assert {c.rounds for c in ad} > {"host"}            # adaptive cases keep their drawn rounds (tier device rounds)
     assert any("ema" in c.adaptive for c in ad) and any("off" in v for c in ad for v in c.adaptive.values())
     assert any(lockstep(c) and c.pp > 1 and "ema" not in c.adaptive for c in ad)
     assert all(draw_case(s, mc, tok).adaptive is not None and lockstep(draw_case(s, mc, tok)) for s in (156, 228))
