@@ -98,7 +98,9 @@ def test_adaptive_graphs_per_tier_equal_eager(setup, table, pp):
     assert _device_rounds(graph, pp) > 0 and _device_rounds(eager, pp) > 0
     _same_or_near_ties(f"adaptive {table} pp={pp}: {rk} round graph replay vs eager", setup, eager, graph)
     _same_or_near_ties(f"adaptive {table} pp={pp}: {rk} round vs host round", setup, host, graph, ties_ok=True)
-    assert eager[2] == graph[2] == host[2], "round shapes differ between graph replay, eager and the host round"
+    assert eager[2] == graph[2], "round shapes differ between graph replay and eager"
+    if host[:2] == graph[:2]:       # after a near-tie the sequences, and so the rounds, differ
+        assert host[2] == graph[2], "round shapes differ between the host round and the round graphs"
 
 
 @pytest.mark.parametrize("pp", [1, 2])

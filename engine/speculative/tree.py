@@ -114,7 +114,7 @@ def build_tree(verified_id: Tensor, parent_list: Tensor, top_scores_index: Tenso
     valid[:, 0] = True
     mask = torch.zeros(B, n, n, dtype=torch.bool, device=dev)
     mask[:, :, 0] = True
-    mask[:, ar, ar] = True
+    mask |= torch.eye(n, dtype=torch.bool, device=dev)   # no host scalar: capture-safe
     for r in range(1, n):
         c = sel[:, r - 1]
         slot = torch.where(c >= 0, torch.div(c, topk, rounding_mode="floor"), -1)
