@@ -8,6 +8,9 @@ For each shape (``off``: plain decoding, no draft) one engine is started from th
 ``sweep.json`` (per shape, prompt set and batch size: tok/s of each run, accept length, TPOT), ``sweep.md`` (tok/s
 and the ratio to plain per cell) and ``proposed_table.yaml`` (:func:`propose`) with the measurements it came from.
 ``--budget-s``: shapes not started within that many seconds of the start are skipped (named in sweep.json).
+Before the first shape is measured its engine runs one throw-away pass (the first prompt set, every batch size, one
+run, no warm-up) that pays the process's one-off costs (kernel JIT for shapes first seen, lazy CUDA / cuBLAS init,
+clocks) outside the rows; sweep.json records its wall seconds as ``warmup_s``. ``--no-process-warmup`` skips it.
 
 ``--mode bench`` runs whole configurations instead of shapes (``--configs "NAME=SETS;NAME=SETS"``, each SETS a
 ``|``-separated list of KEY=VALUE overrides, e.g. ``adaptive=spec.adaptive={1: [8x1x9], 8: [3x1x4]}``), for the
@@ -79,8 +82,11 @@ def _mean(xs):
 
 
 def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], prompt_sets: list[str], sets: dict,
-        out: Path, budget_s: float, log=print) -> dict:
-    """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict."""
+        out: Path, budget_s: float, log=print, process_warmup: bool = True) -> dict:
+    """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict.
+
+    With ``process_warmup`` the first entry's engine first runs ``prompt_sets[0]`` x ``batch_sizes`` once
+    (``bench.runs=1``, ``bench.warmup=0``) and drops the result; its wall seconds go to ``warmup_s``."""
     from engine import LLM
     from harness.bench.run import run_bench
     from harness.core.resolve import merge, resolve
@@ -101,6 +107,14 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
         row = res["rows"].setdefault(name, {})
         with LLM(first.engine) as llm:
             start = time.perf_counter() - t1
+            if process_warmup and "warmup_s" not in res:
+                t2 = time.perf_counter()
+                run_bench(resolve(config, merge(base, {"bench": {"prompts": prompt_sets[0], "batch_sizes": batch_sizes,
+                                                                 "floors": False, "peer": False, "runs": 1,
+                                                                 "warmup": 0}})), llm=llm)
+                res["warmup_s"] = round(time.perf_counter() - t2, 1)
+                log(f"{name} {prompt_sets[0]}: process warm-up, b={','.join(map(str, batch_sizes))} x 1 run, "
+                    f"not measured ({res['warmup_s']:.1f} s)")
             for p, cfg in cfgs.items():
                 summary, _ = run_bench(cfg, llm=llm)
                 row[p] = {str(c["batch_size"]): {
@@ -155,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE override (repeatable)")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--no-process-warmup", dest="process_warmup", action="store_false",
+                    help="skip the throw-away pass of the first configuration before the first measurement")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from harness.cli.common import parse_sets
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             name, _, kv = item.partition("=")
             entries.append((name.strip(), parse_sets([x for x in kv.split("|") if x]) if kv else {}))
     log = lambda m: print(m, flush=True)       # noqa: E731
-    res = run(a.config, entries, bs, prompts, sets, out, a.budget_s, log)
+    res = run(a.config, entries, bs, prompts, sets, out, a.budget_s, log, a.process_warmup)
     (out / "sweep.json").write_text(json.dumps(res, indent=1))
     base = entries[0][0]
     (out / "sweep.md").write_text(render(res, base))

@@ -1,0 +1,48 @@
+"""``tools.adaptive_sweep``'s process warm-up: before the first configuration is measured its engine runs the first
+prompt set once over every batch size (one run, no warm-up), logged and kept out of the rows (``warmup_s`` in
+sweep.json); ``--no-process-warmup`` turns it off. Real engine, tiny model, CPU."""
+from __future__ import annotations
+
+import json
+
+import harness.bench.run as bench_run
+from tools.adaptive_sweep import main
+
+
+def _sweep(tiny_model_dir, out, monkeypatch, capsys, *extra):
+    calls = []
+    real = bench_run.run_bench
+
+    def spy(cfg, llm=None, progress=None):
+        summary, records = real(cfg, llm=llm, progress=progress)
+        calls.append((cfg.bench.prompts, tuple(cfg.bench.batch_sizes), cfg.bench.runs, cfg.bench.warmup, id(llm),
+                      [len(c["pooled"]["output_throughput_runs"]) for c in summary["cells"]]))
+        return summary, records
+
+    monkeypatch.setattr(bench_run, "run_bench", spy)
+    assert main(["--config", "tiny_cpu", "--mode", "bench", "--configs", "a=spec.algorithm=null;b=spec.algorithm=null",
+                 "--batch-sizes", "1,2", "--prompts", "specbench", "--set", f"model={tiny_model_dir}",
+                 "--set", "bench.input_lens=[512]", "--set", "bench.output_len=3", "--set", "bench.runs=2",
+                 "--out", str(out), *extra]) == 0
+    return calls, json.loads((out / "sweep.json").read_text()), capsys.readouterr().out
+
+
+def test_process_warmup_runs_once_before_the_first_configuration_and_stays_out_of_the_rows(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    calls, res, log = _sweep(tiny_model_dir, tmp_path / "w", monkeypatch, capsys)
+    assert len(calls) == 3                                   # warm-up, a, b
+    warm, first, second = calls
+    assert warm[:4] == ("specbench", (1, 2), 1, 0) and warm[5] == [1, 1]
+    assert warm[4] == first[4] != second[4]                  # the first configuration's own engine
+    for c in (first, second):
+        assert c[:4] == ("specbench", (1, 2), 2, 1) and c[5] == [2, 2]
+    assert isinstance(res["warmup_s"], float) and res["warmup_s"] >= 0
+    assert [x for x in log.splitlines() if "process warm-up" in x] == [
+        f"a specbench: process warm-up, b=1,2 x 1 run, not measured ({res['warmup_s']:.1f} s)"]
+    for name in ("a", "b"):
+        assert [len(res["rows"][name]["specbench"][b]["tok_s_runs"]) for b in ("1", "2")] == [2, 2]
+
+
+def test_no_process_warmup_measures_only(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    calls, res, log = _sweep(tiny_model_dir, tmp_path / "n", monkeypatch, capsys, "--no-process-warmup")
+    assert [c[2:4] for c in calls] == [(2, 1), (2, 1)] and "warmup_s" not in res and "process warm-up" not in log
