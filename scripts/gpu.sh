@@ -98,7 +98,8 @@
 #                        b=8 of results/README.md "Draft depth against speed"; each drafted shape on its own device
 #                        round), S4 n5 and the table on the host round (spec_overlap=false), then the table with the
 #                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. TABLE
-#                        defaults to the table adaptive-sweep proposed on this machine; CELLS: a subset of "plain s4n5
+#                        defaults to the table adaptive-sweep proposed on this machine, and is parsed by
+#                        engine/spec_table.py before the machine's wheels are checked; CELLS: a subset of "plain s4n5
 #                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
@@ -348,15 +349,26 @@ adaptive-sweep)
     && mkdir -p /tmp/adaptive && cp "$RUNS"/sweep/proposed_table.yaml /tmp/adaptive/ \
     && say "proposed table kept in /tmp/adaptive/proposed_table.yaml (adaptive-bench's default TABLE on this machine)" ;;
 adaptive-bench)
-  need gguf
   [ -z "${TABLE:-}" ] && [ -f /tmp/adaptive/proposed_table.yaml ] && TABLE=/tmp/adaptive/proposed_table.yaml
-  if [ -n "${TABLE:-}" ]; then
+  if [ -n "${TABLE:-}" ]; then   # checked before the machine's wheels, and parsed by the engine's own parser
     [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
-    T=$(python3 -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); print(yaml.safe_dump(d['adaptive'] if 'adaptive' in d else d['spec']['adaptive'], default_flow_style=True, width=10000).strip())" "$TABLE") \
-        || die "TABLE=$TABLE has no adaptive: (or spec.adaptive:) table"
+    T=$(python3 -c "
+import sys, yaml
+from engine.spec_table import AdaptiveTable
+try:
+    d = yaml.safe_load(open(sys.argv[1]))
+    t = d['adaptive'] if 'adaptive' in d else d['spec']['adaptive']
+except Exception:
+    sys.exit('has no adaptive: (or spec.adaptive:) table')
+try:
+    AdaptiveTable.parse(t)
+except ValueError as e:
+    sys.exit(str(e))
+print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$TABLE" 2>&1) || die "TABLE=$TABLE: $T"
   else
     T="{1: [8x1x9], 8: [3x1x4]}"
   fi
+  need gguf
   TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items()}; t['ema'] = {'alpha': 0.25, 'down': 0.3, 'up': 0.6, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"

@@ -94,3 +94,22 @@ def test_gpu_scripts_parse():
     for name in ("gpu.sh", "gpu_lib.sh"):
         p = subprocess.run(["bash", "-n", str(SCRIPT.parent / name)], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and p.stderr == "", (name, p.stderr)
+
+
+def test_adaptive_bench_checks_table_before_the_machines_wheels(tmp_path):
+    """adaptive-bench refuses a missing TABLE, one without an ``adaptive:`` table, and a table the engine's parser
+    (engine/spec_table.py) rejects, each in one line (exit 2), on a machine without the GPU wheels; it used to say
+    "no wheels on this machine" first, so a bad TABLE showed only on a GPU machine."""
+    import os
+    bad, none = tmp_path / "bad.yaml", tmp_path / "none.yaml"
+    bad.write_text("spec:\n  adaptive: {0: [3x1x4]}\n")
+    none.write_text("foo: 1\n")
+    for table, want in (("/nonexistent", "TABLE=/nonexistent: no such file"),
+                        (bad, f"TABLE={bad}: spec.adaptive: batch size 0 must be an integer >= 1"),
+                        (none, f"TABLE={none}: has no adaptive: (or spec.adaptive:) table")):
+        p = subprocess.run(["bash", str(SCRIPT), "adaptive-bench", str(tmp_path / "x")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "TABLE": str(table)})
+        assert p.returncode == 2, (p.stdout, p.stderr)
+        lines = p.stdout.splitlines()
+        assert len(lines) == 2 and lines[1] == f"gpu.sh adaptive-bench: {want}", (p.stdout, p.stderr)
+        assert lines[0].startswith("gpu.sh adaptive-bench: ") and p.stderr == ""   # the run's header line, then it
