@@ -157,8 +157,9 @@ class AdaptiveTable:
 
     def lines(self) -> list[str]:
         """The table for ``ppspec plan``: one line per tier (its batch-size range and shapes, first = start), then the
-        EMA's line."""
-        out = []
+        EMA's line. When the smallest key is above 1, a first line says that smaller batches run that tier."""
+        first = self.tiers[0][0]
+        out = [f"  {f'b<{first}':<9} tier {first}'s shapes (the smallest tier)"] if first > 1 else []
         for i, (bs, ss) in enumerate(self.tiers):
             hi = self.tiers[i + 1][0] - 1 if i + 1 < len(self.tiers) else None
             rng = f"b={bs}" if hi == bs else f"b={bs}-{hi}" if hi is not None else f"b>={bs}"

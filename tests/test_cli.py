@@ -1086,6 +1086,27 @@ def test_plan_takes_the_topology_flags():
     assert r.exit_code == 0 and "draft tree -; spec round -;" in r.output
 
 
+def test_plan_says_what_an_adaptive_table_does_below_its_smallest_key_and_when_spec_is_off():
+    """Regression: ``ppspec plan`` listed a table whose smallest key is 4 from b=4 on, without a word on b=1-3 (the
+    smallest tier runs there), and ``--no-spec`` dropped the table without a word; the first gets a ``b<4`` line,
+    the second one warning line (and spec off)."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.adaptive={4: [3x1x4], 16: [off]}"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    i = lines.index("adaptive shapes (SxKxN) by running batch size:")
+    assert lines[i + 1:i + 4] == ["  b<4       tier 4's shapes (the smallest tier)", "  b=4-15    3x1x4",
+                                  "  b>=16     off"] and "ignored" not in r.output
+    for extra in ([], ["--json"]):
+        r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec", "--set", "spec.adaptive={4: [3x1x4]}",
+                                *extra])
+        assert r.exit_code == 0, r.output
+        warn = [x for x in r.output.splitlines() if "ignored" in x]
+        assert warn == ["warning: spec.adaptive {4: ['3x1x4']} ignored: speculation is off"], r.output
+        assert "tier 4" not in r.output and "3x1x4" not in r.output.replace(warn[0], "")
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec"])
+    assert r.exit_code == 0 and "ignored" not in r.output, r.output
+
+
 def test_plan_warns_when_the_tp_pads_the_heads():
     """Regression: ``ppspec plan --set tp=5`` on SmolLM2 (9 query / 3 KV heads) printed the plan without a word about
     the zero heads the engine pads in (it logs one warning line at start-up); plan prints that line on stderr,

@@ -85,7 +85,9 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
         from harness.report.results import suite_plan
         cfg, p = suite_plan(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         mc = check_topology(cfg)                     # the engine's start-up refusal, before a plan it would not run
-        for n in [*cfg.notes, head_padding_warning(cfg, mc)]:
+        ignored = (f"warning: spec.adaptive {cfg.engine.spec.adaptive} ignored: speculation is off"
+                   if cfg.engine.spec.algorithm is None and cfg.engine.spec.adaptive is not None else None)
+        for n in [*cfg.notes, head_padding_warning(cfg, mc), ignored]:
             if n:
                 err.print(n, markup=False, highlight=False)
         sp = cfg.engine.spec
