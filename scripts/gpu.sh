@@ -100,7 +100,8 @@
 #                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. TABLE
 #                        defaults to the table adaptive-sweep proposed on this machine, and is parsed by
 #                        engine/spec_table.py before the machine's wheels are checked; CELLS: a subset of "plain s4n5
-#                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s).
+#                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s);
+#                        REPEAT: the cells in rotation that many times, each on a fresh engine (1; tok/s the mean).
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -381,7 +382,7 @@ print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$TABLE"
   BS=${BENCH_S:-420}
   run bench $((BS + 100)) python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s "$BS" --batch-sizes 1,8,32 \
       --configs "$C" --prompts gsm8k-test,specbench --set bench.input_lens=[1024] --set bench.output_len=128 \
-      --set bench.runs=2 --set bench.warmup=1 --out "$RUNS/bench"
+      --set bench.runs=2 --set bench.warmup=1 --repeat "${REPEAT:-1}" --out "$RUNS/bench"
   cp "$RUNS"/bench/sweep.json "$RUNS"/bench/sweep.md "$out/" 2>/dev/null ;;
 llama8b-shape)
   need

@@ -46,3 +46,28 @@ def test_process_warmup_runs_once_before_the_first_configuration_and_stays_out_o
 def test_no_process_warmup_measures_only(tiny_model_dir, tmp_path, monkeypatch, capsys):
     calls, res, log = _sweep(tiny_model_dir, tmp_path / "n", monkeypatch, capsys, "--no-process-warmup")
     assert [c[2:4] for c in calls] == [(2, 1), (2, 1)] and "warmup_s" not in res and "process warm-up" not in log
+
+
+def test_repeat_rotates_the_configurations_on_fresh_engines_and_pools_their_means(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    calls, res, log = _sweep(tiny_model_dir, tmp_path / "r", monkeypatch, capsys, "--no-process-warmup",
+                             "--repeat", "2")
+    assert len(calls) == 4                                           # a b a b, an engine each
+    assert res["repeat"] == 2 and res["skipped"] == []
+    assert [x.split(":")[0] for x in log.splitlines() if " tok/s" in x and x.startswith(("a", "b"))] == [
+        "a#1 specbench", "b#1 specbench", "a#2 specbench", "b#2 specbench"]
+    for name in ("a", "b"):
+        for b in ("1", "2"):
+            c = res["rows"][name]["specbench"][b]
+            assert len(c["tok_s_reps"]) == 2 and len(c["tok_s_runs"]) == 4
+            assert abs(c["tok_s"] - sum(c["tok_s_reps"]) / 2) < 1e-6
+    md = (tmp_path / "r" / "sweep.md").read_text()
+    lo, hi = sorted(res["rows"]["b"]["specbench"]["1"]["tok_s_reps"])
+    assert f"[{lo:,.0f}-{hi:,.0f}]" in md
+
+
+def test_repeat_below_one_is_refused_in_one_line(tmp_path, capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(["--mode", "bench", "--configs", "a=", "--repeat", "0", "--out", str(tmp_path / "z")])
+    assert e.value.code == 2 and "--repeat must be >= 1 (got 0)" in capsys.readouterr().err

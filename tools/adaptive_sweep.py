@@ -8,6 +8,9 @@ For each shape (``off``: plain decoding, no draft) one engine is started from th
 ``sweep.json`` (per shape, prompt set and batch size: tok/s of each run, accept length, TPOT), ``sweep.md`` (tok/s
 and the ratio to plain per cell) and ``proposed_table.yaml`` (:func:`propose`) with the measurements it came from.
 ``--budget-s``: shapes not started within that many seconds of the start are skipped (named in sweep.json).
+``--repeat R``: the shapes (or configurations) run in rotation R times, each on a fresh engine; a cell's tok/s is
+the mean over the repeats and sweep.md gives their range, so drift and the spread between engines fall on every
+configuration alike.
 Before the first shape is measured its engine runs one throw-away pass (the first prompt set, every batch size, one
 run, no warm-up) that pays the process's one-off costs (kernel JIT for shapes first seen, lazy CUDA / cuBLAS init,
 clocks) outside the rows; sweep.json records its wall seconds as ``warmup_s``. ``--no-process-warmup`` skips it.
@@ -81,59 +84,100 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _cells(summary: dict) -> dict:
+    """One prompt set's cells of a ``run_bench`` summary: per batch size tok/s (mean run), its runs, accept length,
+    TPOT (ms) and the adaptive tier histogram when there is one."""
+    return {str(c["batch_size"]): {
+        "tok_s": _mean(c["pooled"]["output_throughput_runs"]),
+        "tok_s_runs": c["pooled"]["output_throughput_runs"],
+        "accept_length": c["pooled"]["accept_length"]["mean"],
+        "tpot_ms": None if c["pooled"]["tpot"]["mean"] is None else c["pooled"]["tpot"]["mean"] * 1e3,
+        **({"adaptive": c["pooled"]["adaptive"]} if c["pooled"].get("adaptive") else {})}
+        for c in summary["cells"]}
+
+
+def _pool(reps: list[dict]) -> dict:
+    """The row of one configuration over its repeats (``reps``: one {prompt set: cells} per process): per cell
+    ``tok_s`` = the mean of the repeats' mean runs (``tok_s_reps``), every run in ``tok_s_runs``, the mean accept
+    length and TPOT, the last repeat's tier histogram."""
+    row: dict = {}
+    for p in reps[0]:
+        row[p] = {}
+        for b in reps[0][p]:
+            cs = [r[p][b] for r in reps if p in r and b in r[p]]
+            row[p][b] = {"tok_s": _mean([c["tok_s"] for c in cs]), "tok_s_reps": [c["tok_s"] for c in cs],
+                         "tok_s_runs": [x for c in cs for x in c["tok_s_runs"]],
+                         "accept_length": _mean([c["accept_length"] for c in cs]),
+                         "tpot_ms": _mean([c["tpot_ms"] for c in cs]),
+                         **({"adaptive": cs[-1]["adaptive"]} if cs[-1].get("adaptive") else {})}
+    return row
+
+
 def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], prompt_sets: list[str], sets: dict,
-        out: Path, budget_s: float, log=print, process_warmup: bool = True) -> dict:
+        out: Path, budget_s: float, log=print, process_warmup: bool = True, repeat: int = 1) -> dict:
     """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict.
 
     With ``process_warmup`` the first entry's engine first runs ``prompt_sets[0]`` x ``batch_sizes`` once
-    (``bench.runs=1``, ``bench.warmup=0``) and drops the result; its wall seconds go to ``warmup_s``."""
+    (``bench.runs=1``, ``bench.warmup=0``) and drops the result; its wall seconds go to ``warmup_s``.
+    ``repeat`` R > 1 runs the entries in rotation R times (A B C A B C ...), each time on a fresh engine, so drift
+    and the spread between engines fall on every entry alike; a row's ``tok_s`` is then the mean over its repeats
+    (:func:`_pool`). An entry not started within ``budget_s`` is skipped for that repeat (``skipped``: NAME, or
+    NAME#K for repeat K when R > 1).
+
+    Raises:
+        ValueError: ``repeat`` < 1.
+    """
     from engine import LLM
     from harness.bench.run import run_bench
     from harness.core.resolve import merge, resolve
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1 (got {repeat})")
     t0 = time.perf_counter()
     res = {"config": config, "batch_sizes": batch_sizes, "prompt_sets": prompt_sets, "overrides": sets,
-           "rows": {}, "skipped": []}
-    for name, ov in entries:
-        if time.perf_counter() - t0 > budget_s:
-            res["skipped"].append(name)
-            log(f"{name}: skipped (budget {budget_s:.0f} s spent)")
-            continue
-        base = merge(sets, ov)
-        cfgs = {p: resolve(config, merge(base, {"bench": {"prompts": p, "batch_sizes": batch_sizes, "floors": False,
-                                                          "peer": False}}))
-                for p in prompt_sets}
-        first = cfgs[prompt_sets[0]]
-        t1 = time.perf_counter()
-        row = res["rows"].setdefault(name, {})
-        with LLM(first.engine) as llm:
-            start = time.perf_counter() - t1
-            if process_warmup and "warmup_s" not in res:
-                t2 = time.perf_counter()
-                run_bench(resolve(config, merge(base, {"bench": {"prompts": prompt_sets[0], "batch_sizes": batch_sizes,
-                                                                 "floors": False, "peer": False, "runs": 1,
-                                                                 "warmup": 0}})), llm=llm)
-                res["warmup_s"] = round(time.perf_counter() - t2, 1)
-                log(f"{name} {prompt_sets[0]}: process warm-up, b={','.join(map(str, batch_sizes))} x 1 run, "
-                    f"not measured ({res['warmup_s']:.1f} s)")
-            for p, cfg in cfgs.items():
-                summary, _ = run_bench(cfg, llm=llm)
-                row[p] = {str(c["batch_size"]): {
-                    "tok_s": _mean(c["pooled"]["output_throughput_runs"]),
-                    "tok_s_runs": c["pooled"]["output_throughput_runs"],
-                    "accept_length": c["pooled"]["accept_length"]["mean"],
-                    "tpot_ms": None if c["pooled"]["tpot"]["mean"] is None else c["pooled"]["tpot"]["mean"] * 1e3,
-                    **({"adaptive": c["pooled"]["adaptive"]} if c["pooled"].get("adaptive") else {})}
-                    for c in summary["cells"]}
-                log(f"{name} {p}: " + ", ".join(f"b={b} {v['tok_s']:.0f} tok/s" for b, v in row[p].items()
-                                                if v["tok_s"] is not None))
-        row["_start_s"] = round(start, 1)
-        (out / "sweep.json").write_text(json.dumps(res, indent=1))
+           "repeat": repeat, "rows": {}, "skipped": []}
+    per: dict[str, list[dict]] = {}
+    starts: dict[str, list[float]] = {}
+    for k in range(repeat):
+        for name, ov in entries:
+            tag = name if repeat == 1 else f"{name}#{k + 1}"
+            if time.perf_counter() - t0 > budget_s:
+                res["skipped"].append(tag)
+                log(f"{tag}: skipped (budget {budget_s:.0f} s spent)")
+                continue
+            base = merge(sets, ov)
+            cfgs = {p: resolve(config, merge(base, {"bench": {"prompts": p, "batch_sizes": batch_sizes,
+                                                              "floors": False, "peer": False}}))
+                    for p in prompt_sets}
+            first = cfgs[prompt_sets[0]]
+            t1 = time.perf_counter()
+            got: dict = {}
+            with LLM(first.engine) as llm:
+                start = time.perf_counter() - t1
+                if process_warmup and "warmup_s" not in res:
+                    t2 = time.perf_counter()
+                    run_bench(resolve(config, merge(base, {"bench": {"prompts": prompt_sets[0],
+                                                                     "batch_sizes": batch_sizes, "floors": False,
+                                                                     "peer": False, "runs": 1, "warmup": 0}})),
+                              llm=llm)
+                    res["warmup_s"] = round(time.perf_counter() - t2, 1)
+                    log(f"{name} {prompt_sets[0]}: process warm-up, b={','.join(map(str, batch_sizes))} x 1 run, "
+                        f"not measured ({res['warmup_s']:.1f} s)")
+                for p, cfg in cfgs.items():
+                    summary, _ = run_bench(cfg, llm=llm)
+                    got[p] = _cells(summary)
+                    log(f"{tag} {p}: " + ", ".join(f"b={b} {v['tok_s']:.0f} tok/s" for b, v in got[p].items()
+                                                   if v["tok_s"] is not None))
+            per.setdefault(name, []).append(got)
+            starts.setdefault(name, []).append(round(start, 1))
+            res["rows"][name] = {**_pool(per[name]), "_start_s": starts[name][0]}
+            (out / "sweep.json").write_text(json.dumps(res, indent=1))
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
 def render(res: dict, base: str) -> str:
-    """sweep.md: per prompt set a table of tok/s (x ``base``) and accept length, a column per batch size."""
+    """sweep.md: per prompt set a table of tok/s (x ``base``) and accept length, a column per batch size; with
+    repeats, tok/s is the mean over repeats and [min-max] the range of the repeats' means."""
     lines = [f"# {res['config']}: tok/s (x {base}), accept length; overrides {res['overrides']}", ""]
     bs = [str(b) for b in res["batch_sizes"]]
     for p in res["prompt_sets"]:
@@ -149,7 +193,9 @@ def render(res: dict, base: str) -> str:
                     continue
                 r = ref.get(b, {}).get("tok_s")
                 acc = c["accept_length"]
-                cells.append(f"{c['tok_s']:,.0f}" + (f" ({c['tok_s'] / r:.2f}x)" if r else "")
+                reps = [x for x in c.get("tok_s_reps", []) if x is not None]
+                spread = f" [{min(reps):,.0f}-{max(reps):,.0f}]" if len(reps) > 1 else ""
+                cells.append(f"{c['tok_s']:,.0f}{spread}" + (f" ({c['tok_s'] / r:.2f}x)" if r else "")
                              + (f", {acc:.2f}" if acc and name != "off" else ""))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -171,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--no-process-warmup", dest="process_warmup", action="store_false",
                     help="skip the throw-away pass of the first configuration before the first measurement")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the configurations in rotation this many times, each on a fresh engine")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1 (got {a.repeat})")
     from harness.cli.common import parse_sets
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -187,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             name, _, kv = item.partition("=")
             entries.append((name.strip(), parse_sets([x for x in kv.split("|") if x]) if kv else {}))
     log = lambda m: print(m, flush=True)       # noqa: E731
-    res = run(a.config, entries, bs, prompts, sets, out, a.budget_s, log, a.process_warmup)
+    res = run(a.config, entries, bs, prompts, sets, out, a.budget_s, log, a.process_warmup, a.repeat)
     (out / "sweep.json").write_text(json.dumps(res, indent=1))
     base = entries[0][0]
     (out / "sweep.md").write_text(render(res, base))
