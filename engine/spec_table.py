@@ -75,15 +75,59 @@ class Shape:
 OFF = Shape(0, 1, 1)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _text(v) -> str:
+    return "/".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _threshold(value, name: str, keys: list[int]):
+    """``ema.down`` / ``ema.up`` as given: a number (returned as is; :meth:`AdaptiveTable.check` checks its range) or a
+    map {tier key: number} naming exactly the tiers ``keys`` (returned as a tuple in their order).
+
+    Raises:
+        ConfigError: one line: not a number or a map, a key that is no tier, a tier missing, a value not a number.
+    """
+    where = f"spec.adaptive.ema.{name}"
+    if not isinstance(value, dict):
+        if not _is_number(value):
+            raise ConfigError(f"{where} must be a number or a map {{tier: number}}, got {value!r}"[:200])
+        return value
+    got = {}
+    for key, v in value.items():
+        try:
+            bs = int(key)
+        except (TypeError, ValueError):
+            bs = None
+        if bs is None or isinstance(key, bool) or bs not in keys or (isinstance(key, float) and key != bs):
+            raise ConfigError(f"{where}: key {key!r} is no tier (tiers: {', '.join(map(str, keys))})")
+        if bs in got:
+            raise ConfigError(f"{where}: tier {bs} given twice")
+        if not _is_number(v):
+            raise ConfigError(f"{where}[{bs}] must be a number (an accept rate), got {v!r}"[:200])
+        got[bs] = v
+    if missing := [k for k in keys if k not in got]:
+        raise ConfigError(f"{where}: tier {', '.join(map(str, missing))} missing (a map names every tier: "
+                          f"{', '.join(map(str, keys))})")
+    return tuple(got[k] for k in keys)
+
+
 @dataclass(frozen=True)
 class AdaptiveTable:
-    """``tiers``: ((smallest batch size, shapes), ...) by batch size; the EMA (``alpha`` None: none)."""
+    """``tiers``: ((smallest batch size, shapes), ...) by batch size; the EMA (``alpha`` None: none). ``down`` and
+    ``up``: one accept rate for every tier, or a tuple of one per tier in ``tiers``' order (:meth:`band`)."""
 
     tiers: tuple[tuple[int, tuple[Shape, ...]], ...]
     alpha: float | None = None
-    down: float = 0.3
-    up: float = 0.6
+    down: float | tuple[float, ...] = 0.3
+    up: float | tuple[float, ...] = 0.6
     probe: int = 32
+
+    def band(self, t: int) -> tuple[float, float]:
+        """(down, up) of tier index ``t``."""
+        return tuple(v[t] if isinstance(v, tuple) else v for v in (self.down, self.up))
 
     @staticmethod
     def parse(value) -> AdaptiveTable:
@@ -117,6 +161,9 @@ class AdaptiveTable:
             if not isinstance(ema, dict) or not set(ema) <= {"alpha", "down", "up", "probe"} or "alpha" not in ema:
                 raise ConfigError(f"spec.adaptive.ema must be {{alpha, down, up, probe}} (alpha required), got {ema!r}")
             kw = {k: ema[k] for k in ("alpha", "down", "up", "probe") if k in ema}
+            for k in ("down", "up"):
+                if k in kw:
+                    kw[k] = _threshold(kw[k], k, sorted(tiers))
         table = AdaptiveTable(tuple(sorted(tiers.items())), **kw)
         table.check()
         return table
@@ -125,9 +172,16 @@ class AdaptiveTable:
         if self.alpha is not None:
             if not 0 < self.alpha <= 1:
                 raise ConfigError(f"spec.adaptive.ema.alpha must be in (0, 1], got {self.alpha}")
-            if not 0 <= self.down < self.up <= 1:
-                raise ConfigError(f"spec.adaptive.ema: need 0 <= down < up <= 1 (accept rates), got down={self.down} "
-                                  f"up={self.up}")
+            for k in ("down", "up"):
+                v = getattr(self, k)
+                if isinstance(v, tuple) and len(v) != len(self.tiers):
+                    raise ConfigError(f"spec.adaptive.ema.{k}: {len(v)} values for {len(self.tiers)} tiers")
+            for t, (bs, _) in enumerate(self.tiers):
+                down, up = self.band(t)
+                if not all(_is_number(v) for v in (down, up)) or not 0 <= down < up <= 1:
+                    at = f" tier {bs}:" if isinstance(self.down, tuple) or isinstance(self.up, tuple) else ""
+                    raise ConfigError(f"spec.adaptive.ema:{at} need 0 <= down < up <= 1 (accept rates), got "
+                                      f"down={down!r} up={up!r}")
             if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 1:
                 raise ConfigError(f"spec.adaptive.ema.probe must be an integer >= 1 (rounds), got {self.probe!r}")
 
@@ -152,7 +206,9 @@ class AdaptiveTable:
         """The canonical ``spec.adaptive`` value (parse(as_dict()) == self)."""
         out = {bs: [str(s) for s in ss] for bs, ss in self.tiers}
         if self.alpha is not None:
-            out["ema"] = {"alpha": self.alpha, "down": self.down, "up": self.up, "probe": self.probe}
+            keys = [bs for bs, _ in self.tiers]
+            down, up = (dict(zip(keys, v)) if isinstance(v, tuple) else v for v in (self.down, self.up))
+            out["ema"] = {"alpha": self.alpha, "down": down, "up": up, "probe": self.probe}
         return out
 
     def lines(self) -> list[str]:
@@ -161,16 +217,24 @@ class AdaptiveTable:
         first = self.tiers[0][0]
         out = [f"  {f'b<{first}':<9} tier {first}'s shapes (the smallest tier)"] if first > 1 else []
         for i, (bs, ss) in enumerate(self.tiers):
-            hi = self.tiers[i + 1][0] - 1 if i + 1 < len(self.tiers) else None
-            rng = f"b={bs}" if hi == bs else f"b={bs}-{hi}" if hi is not None else f"b>={bs}"
-            out.append(f"  {rng:<9} " + " > ".join(map(str, ss)))
+            out.append(f"  {self._range(i):<9} " + " > ".join(map(str, ss)))
         if self.alpha is not None:
-            out.append(f"  ema: alpha {self.alpha}, step cheaper below {self.down}, richer above {self.up} "
-                       f"(accept rate), at most every {math.ceil(1 / self.alpha)} rounds; "
+            if isinstance(self.down, tuple) or isinstance(self.up, tuple):
+                band = ", ".join("{} {} / {}".format(self._range(t), *self.band(t)) for t in range(len(self.tiers)))
+                band = f"step cheaper below down, richer above up (accept rate) per tier: {band}"
+            else:
+                band = f"step cheaper below {self.down}, richer above {self.up} (accept rate)"
+            out.append(f"  ema: alpha {self.alpha}, {band}, at most every {math.ceil(1 / self.alpha)} rounds; "
                        f"off probes after {self.probe}")
         else:
             out.append("  no ema: each tier runs its first shape")
         return out
+
+    def _range(self, i: int) -> str:
+        """Tier ``i``'s batch sizes: ``b=1``, ``b=2-7`` or ``b>=8``."""
+        bs = self.tiers[i][0]
+        hi = self.tiers[i + 1][0] - 1 if i + 1 < len(self.tiers) else None
+        return f"b={bs}" if hi == bs else f"b={bs}-{hi}" if hi is not None else f"b>={bs}"
 
     def graph_lines(self, graphs, round_: str | None) -> list[str]:
         """``ppspec plan``'s lines on what runs per tier under a plan whose captured graph kinds are ``graphs`` and
@@ -194,5 +258,6 @@ class AdaptiveTable:
     def describe(self) -> str:
         """One line: ``b>=1: 7x1x8 > 3x1x4 | b>=8: 3x1x4 > off`` (+ the EMA)."""
         tiers = " | ".join(f"b>={bs}: " + " > ".join(map(str, ss)) for bs, ss in self.tiers)
-        ema = f"; ema alpha {self.alpha} down {self.down} up {self.up} probe {self.probe}" if self.alpha else ""
+        ema = f"; ema alpha {self.alpha} down {_text(self.down)} up {_text(self.up)} probe {self.probe}" \
+            if self.alpha else ""
         return tiers + ema

@@ -97,7 +97,9 @@
 #                        carried under results/; default {1: [8x1x9], 8: [3x1x4]}, the best EAGLE-3 chains at b=1 and
 #                        b=8 of results/README.md "Draft depth against speed"; each drafted shape on its own device
 #                        round), S4 n5 and the table on the host round (spec_overlap=false), then the table with the
-#                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. TABLE
+#                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. The EMA's
+#                        per-tier down/up: tier 1 0.05/0.12, every other tier 0.25/0.35 (break-even accept rates of
+#                        off against S4 n5 measured on the H200, results/README.md). TABLE
 #                        defaults to the table adaptive-sweep proposed on this machine, and is parsed by
 #                        engine/spec_table.py before the machine's wheels are checked; CELLS: a subset of "plain s4n5
 #                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s);
@@ -370,7 +372,7 @@ print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$TABLE"
     T="{1: [8x1x9], 8: [3x1x4]}"
   fi
   need gguf
-  TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items()}; t['ema'] = {'alpha': 0.25, 'down': 0.3, 'up': 0.6, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
+  TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items() if k != 'ema'}; t['ema'] = {'alpha': 0.25, 'down': {k: 0.05 if k == 1 else 0.25 for k in t}, 'up': {k: 0.12 if k == 1 else 0.35 for k in t}, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
   C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false"

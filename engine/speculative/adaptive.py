@@ -4,6 +4,8 @@ shapes (num_steps S, topk k, num_draft_tokens n) or ``off``, stepped within the 
 ``spec.adaptive`` (YAML / TOML / ``--set``)::
 
     {1: ["7x1x8", "3x1x4"], 8: ["3x1x4", off], 32: [off], ema: {alpha: 0.2, down: 0.3, up: 0.6, probe: 32}}
+    {1: [4x1x5, off], 4: [4x1x5, off], 16: [4x1x5, off],
+     ema: {alpha: 0.25, probe: 32, down: {1: 0.05, 4: 0.25, 16: 0.2}, up: {1: 0.12, 4: 0.35, 16: 0.3}}}
 
 A running batch of B requests (admitted and not finished, every PP micro-batch together) uses the tier with the
 largest key <= B (the smallest tier below it). A shape is ``SxKxN``,
@@ -16,7 +18,11 @@ identically: the scheduled batch size and the accept lengths committed from the 
 runs its first shape. With ``ema`` the accept rate (accept_length - 1) / S of every drafted round feeds
 ``ema = alpha * rate + (1 - alpha) * ema``; below ``down`` the tier steps one shape toward the list's end (cheaper),
 above ``up`` one toward its start, at most once per ``ceil(1 / alpha)`` rounds (hysteresis: ``down < up``); after
-``probe`` rounds off it steps back and the EMA restarts at (down + up) / 2. Peers: SGLang ``--speculative-adaptive``,
+``probe`` rounds off it steps back and the EMA restarts at (down + up) / 2. ``down`` and ``up`` are each one number
+for every tier or a map {tier key: number} naming exactly the table's tiers (the break-even accept rate of a
+cheaper shape depends on the batch size). The EMA stays one value across tiers (acceptance follows the text, not
+the batch); a step of tier t compares it with t's (down, up); a probe of tier t restarts it at t's (down + up) / 2;
+it starts at the first (smallest) tier's (down + up) / 2. Peers: SGLang ``--speculative-adaptive``,
 vLLM per-batch-size num_speculative_tokens, TensorRT-LLM draft_len_schedule.
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ class AdaptivePolicy:
     def __init__(self, table: AdaptiveTable):
         self.table = table
         self.pos = [0] * len(table.tiers)
-        self.ema = None if table.alpha is None else (table.down + table.up) / 2
+        self.ema = None if table.alpha is None else sum(table.band(0)) / 2
         self.dwell = 0 if table.alpha is None else math.ceil(1 / table.alpha)
         self.since = [0] * len(table.tiers)         # rounds since the tier's last step
         self.off_rounds = [0] * len(table.tiers)
@@ -107,14 +113,15 @@ class AdaptivePolicy:
             self.off_rounds[t] += 1
             if self.off_rounds[t] >= tb.probe and self.pos[t] > 0 and shapes[self.pos[t]].off:
                 self.pos[t] -= 1
-                self.off_rounds[t], self.since[t], self.ema = 0, 0, (tb.down + tb.up) / 2
+                self.off_rounds[t], self.since[t], self.ema = 0, 0, sum(tb.band(t)) / 2
             return
         self.off_rounds[t] = 0
         rate = sum(a - 1 for a in accept_lens) / (len(accept_lens) * shape.num_steps)
         self.ema = tb.alpha * rate + (1 - tb.alpha) * self.ema
         if self.since[t] < self.dwell or shapes[self.pos[t]] != shape:
             return
-        step = 1 if self.ema < tb.down else -1 if self.ema > tb.up else 0
+        down, up = tb.band(t)
+        step = 1 if self.ema < down else -1 if self.ema > up else 0
         if step and 0 <= self.pos[t] + step < len(shapes):
             self.pos[t] += step
             self.since[t] = 0
