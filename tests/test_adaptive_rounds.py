@@ -164,13 +164,17 @@ def test_tier_rounds_equal_the_host_round(tiny_model_dir, tiny_draft_dir, e3_dir
     assert (rounds[0] if pp == 1 else min(rounds)) > 0, rounds
 
 
-def test_ema_steps_on_the_device_round(tiny_model_dir, tiny_draft_dir, tiny_prompts):
-    """The EMA steps between shapes at PP1 on the device round: the rounds launched ahead are only those no
-    commit in flight could re-shape (AdaptivePolicy.settled), so the steps, tokens and accept lengths equal the
-    host round's."""
+@pytest.mark.parametrize("table", [
+    {1: ["4x1x5", "2x1x3", "off"], "ema": {"alpha": 0.5, "down": 0.45, "up": 0.55, "probe": 2}},
+    {1: ["4x1x5", "2x1x3", "off"], 2: ["4x1x5", "2x1x3", "off"],
+     "ema": {"alpha": 0.5, "down": {1: 0.05, 2: 0.45}, "up": {1: 0.15, 2: 0.55}, "probe": 2}},
+], ids=["one-band", "per-tier"])
+def test_ema_steps_on_the_device_round(tiny_model_dir, tiny_draft_dir, tiny_prompts, table):
+    """The EMA steps between shapes at PP1 on the device round (one band, or a band per tier): the rounds launched
+    ahead are only those no commit in flight could re-shape (AdaptivePolicy.settled), so the steps, tokens and
+    accept lengths equal the host round's."""
     prompts = tiny_prompts[:3]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 16)]
-    table = {1: ["4x1x5", "2x1x3", "off"], "ema": {"alpha": 0.5, "down": 0.45, "up": 0.55, "probe": 2}}
     host, _, _ = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, spec_overlap=False)
     dev, _, (rounds, ahead) = gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, spec_overlap=True)
     same(dev, host)

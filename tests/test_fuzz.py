@@ -51,6 +51,9 @@ def test_adaptive_draws_leave_the_ci_cases_and_cover_tiers(tiny_model_dir):
     assert all(c.spec is not None and 1 in c.adaptive for c in ad)
     assert {c.rounds for c in ad} > {"host"}            # adaptive cases keep their drawn rounds (tier device rounds)
     assert any("ema" in c.adaptive for c in ad) and any("off" in v for c in ad for v in c.adaptive.values())
+    per_tier = [c for c in ad if "ema" in c.adaptive and isinstance(c.adaptive["ema"]["down"], dict)]
+    assert any(c.pp > 1 for c in per_tier)              # per-tier thresholds under PP
+    assert all(set(c.adaptive["ema"]["down"]) == set(c.adaptive) - {"ema"} for c in per_tier)
     assert any(lockstep(c) and c.pp > 1 and "ema" not in c.adaptive for c in ad)
     assert all(draw_case(s, mc, tok).adaptive is not None and lockstep(draw_case(s, mc, tok)) for s in (156, 228))
 

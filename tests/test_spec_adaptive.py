@@ -40,6 +40,22 @@ def test_table_syntax_yaml_toml_and_canonical_form():
     ({1: ["off"], "ema": {"alpha": 2}}, "alpha must be in (0, 1]"),
     ({1: ["off"], "ema": {"alpha": 0.5, "down": 0.6, "up": 0.4}}, "need 0 <= down < up <= 1"),
     ({1: ["off"], "ema": {"down": 0.1}}, "alpha required"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": {1: 0.1}}},
+     "spec.adaptive.ema.down: tier 4 missing (a map names every tier: 1, 4)"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "up": {1: 0.5, 4: 0.5, 8: 0.5}}},
+     "spec.adaptive.ema.up: key 8 is no tier (tiers: 1, 4)"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "up": {1: 0.5, "x": 0.5}}},
+     "spec.adaptive.ema.up: key 'x' is no tier (tiers: 1, 4)"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": {1: 0.1, 4: "low"}}},
+     "spec.adaptive.ema.down[4] must be a number (an accept rate), got 'low'"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": {1: 0.1, 4: True}}}, "down[4] must be a number"),
+    ({1: ["off"], "ema": {"alpha": 0.5, "up": "high"}}, "spec.adaptive.ema.up must be a number or a map"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": {1: 0.1, 4: 0.4}, "up": {1: 0.2, 4: 0.4}}},
+     "spec.adaptive.ema: tier 4: need 0 <= down < up <= 1 (accept rates), got down=0.4 up=0.4"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": {1: -0.1, 4: 0.1}}},
+     "tier 1: need 0 <= down < up <= 1 (accept rates), got down=-0.1 up=0.6"),
+    ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": 0.2, "up": {1: 0.5, 4: 1.5}}},
+     "tier 4: need 0 <= down < up <= 1 (accept rates), got down=0.2 up=1.5"),
     ([1, 2], "must be a mapping"),
 ])
 def test_table_errors_are_one_line(value, needle):
@@ -55,6 +71,26 @@ def test_plan_lines_name_each_tier_range():
                          "rounds; off probes after 32"]
     assert AdaptiveTable.parse({4: "2x1x3"}).lines() == [
         "  b<4       tier 4's shapes (the smallest tier)", "  b>=4      2x1x3", "  no ema: each tier runs its first shape"]
+    t = AdaptiveTable.parse({1: ["4x1x5", "off"], 4: ["4x1x5", "off"],
+                             "ema": {"alpha": 0.25, "down": {1: 0.05, 4: 0.25}, "up": {1: 0.12, 4: 0.35}}})
+    assert t.lines()[-1] == ("  ema: alpha 0.25, step cheaper below down, richer above up (accept rate) per tier: "
+                             "b=1-3 0.05 / 0.12, b>=4 0.25 / 0.35, at most every 4 rounds; off probes after 32")
+    assert t.describe().endswith("; ema alpha 0.25 down 0.05/0.25 up 0.12/0.35 probe 32")
+
+
+def test_per_tier_thresholds_parse_and_round_trip():
+    y = yaml.safe_load("{1: [4x1x5, off], 4: [4x1x5, off], 16: [4x1x5, off], ema: {alpha: 0.25, probe: 32, "
+                       "down: {1: 0.05, 4: 0.25, 16: 0.2}, up: 0.4}}")
+    t = AdaptiveTable.parse(y)
+    assert t.down == (0.05, 0.25, 0.2) and t.up == 0.4 and [t.band(i) for i in range(3)] == [
+        (0.05, 0.4), (0.25, 0.4), (0.2, 0.4)]
+    assert t.as_dict()["ema"] == {"alpha": 0.25, "down": {1: 0.05, 4: 0.25, 16: 0.2}, "up": 0.4, "probe": 32}
+    assert AdaptiveTable.parse(t.as_dict()) == t
+    import json
+    assert AdaptiveTable.parse(json.loads(json.dumps(t.as_dict()))) == t          # a summary's string keys
+    toml = {"1": ["4x1x5", "off"], "4": ["off"], "ema": {"alpha": 0.5, "down": {"1": 0.1, "4": 0.2}}}
+    assert AdaptiveTable.parse(toml).band(1) == (0.2, 0.6)
+    assert SpecConfig(algorithm="eagle", adaptive=y).table == t
 
 
 def test_summary_histogram_by_tier_and_shape():
@@ -102,6 +138,31 @@ def test_policy_tiers_ema_hysteresis_and_probe():
     assert pol.choose(1) == OFF
     pol.observe(0, OFF, [1])                          # probe: 3 rounds off step back, ema restarts mid-band
     assert pol.choose(1) == Shape(2, 1, 3) and pol.ema == pytest.approx(0.45)
+
+
+def test_policy_per_tier_thresholds_step_one_tier_on_the_same_ema():
+    """One EMA, two bands: 0.154 is below tier 4's down (0.25) and above tier 1's up (0.12): tier 4 steps to off,
+    tier 1 stays; a probe of tier 4 restarts the EMA at tier 4's midpoint; 0.075 (inside tier 1's band) holds tier 1
+    and 0.0375 steps it."""
+    t = AdaptiveTable.parse({1: ["4x1x5", "off"], 4: ["4x1x5", "off"],
+                             "ema": {"alpha": 0.5, "down": {1: 0.05, 4: 0.25}, "up": {1: 0.12, 4: 0.35}, "probe": 3}})
+    pol, S4 = AdaptivePolicy(t), Shape(4, 1, 5)
+    assert pol.ema == pytest.approx((0.05 + 0.12) / 2) and pol.dwell == 2
+    pol.observe(0, S4, [2, 1])                        # rate 0.125: ema 0.105
+    pol.observe(1, S4, [2, 1])                        # ema 0.115
+    pol.observe(0, S4, [2, 2])                        # rate 0.25: ema 0.1825 > tier 1's up: at its start already
+    assert pol.pos == [0, 0] and pol.ema == pytest.approx(0.1825)
+    pol.observe(1, S4, [2, 1])                        # ema 0.15375 < tier 4's down: tier 4 steps to off
+    assert pol.pos == [0, 1] and pol.ema == pytest.approx(0.15375)
+    assert pol.choose(1) == S4 and pol.choose(3) == S4 and pol.choose(4) == OFF
+    for _ in range(3):                                # probe: tier 4 back to S4, the EMA at tier 4's midpoint
+        pol.observe(1, OFF, [1])
+    assert pol.pos == [0, 0] and pol.ema == pytest.approx(0.3) and pol.choose(8) == S4
+    pol.observe(0, S4, [1, 1])                        # rate 0: 0.15, above tier 1's up
+    pol.observe(0, S4, [1, 1])                        # 0.075: inside tier 1's band (below tier 4's down)
+    assert pol.pos == [0, 0] and pol.ema == pytest.approx(0.075)
+    pol.observe(0, S4, [1, 1])                        # 0.0375 < tier 1's down: tier 1 steps to off
+    assert pol.pos == [1, 0] and pol.choose(1) == OFF and pol.choose(4) == S4
 
 
 def test_commit_checks_the_relayed_shape():
@@ -247,6 +308,30 @@ def test_ema_under_pp_is_lossless_and_steps(tiny_model_dir, tiny_draft_dir, tiny
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(1 + sum(o.accept_lengths) == len(o.token_ids) for o in outs)
     assert len({s for o in outs for s in o.round_shapes}) >= 2
+
+
+def test_per_tier_thresholds_step_one_tier_lossless_and_pp2_equals_pp1(tiny_model_dir, tiny_draft_dir, two):
+    """Both tiers list [4x1x5, off] under one EMA (alpha 1, dwell 1); tier 2's band (0, 0.05) never steps cheaper,
+    tier 1's (0.95, 1) steps to off after any round short of full acceptance and probes back after 2 off rounds. The
+    two requests share tier 2 (always 4x1x5), then the long one runs alone in tier 1 (4x1x5 and off): tokens equal
+    plain greedy decoding's, and PP2 equals PP1 token for token, shape for shape and round for round."""
+    prompts, params = two
+    with LLM(EngineConfig(model=tiny_model_dir)) as llm:
+        plain = llm.generate(prompts, params)
+    table = {1: ["4x1x5", "off"], 2: ["4x1x5", "off"],
+             "ema": {"alpha": 1.0, "down": {1: 0.95, 2: 0.0}, "up": {1: 1.0, 2: 0.05}, "probe": 2}}
+    ref = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, shape=(4, 1, 5))
+    assert [o.token_ids for o in ref] == [o.token_ids for o in plain]
+    by_tier = {}
+    for o in ref:
+        for tier, shape in zip(o.round_tiers, o.round_shapes):
+            by_tier.setdefault(tier, set()).add(shape)
+    assert by_tier == {2: {"4x1x5"}, 1: {"4x1x5", "off"}}
+    outs = _gen(tiny_model_dir, tiny_draft_dir, prompts, params, adaptive=table, shape=(4, 1, 5), pp=2,
+                debug_hash_rebuild=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.round_shapes for o in outs] == [o.round_shapes for o in ref]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
 
 
 # ------------------------------------------------------------------------------ the sweep's proposal

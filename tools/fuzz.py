@@ -197,7 +197,7 @@ def _shape_str(rng: random.Random, spec: dict) -> str:
 def draw_adaptive(case: Case, rng: random.Random, reserve: int) -> None:
     """Give ``case`` an adaptive table: tier 1 and 1-2 larger tiers up to 6 (so a running batch of 1-8 requests
     crosses them), each 1-2 shapes from the case's own, other chains and trees, and ``off``; half the time an EMA
-    that steps often. The pool grows by the table's extra reserve; the case keeps its drawn rounds. Half the PP cases
+    that steps often, half of those with per-tier thresholds. The pool grows by the table's extra reserve; the case keeps its drawn rounds. Half the PP cases
     without the EMA are made :func:`lockstep` (every request running, one prefill batch, a large pool)."""
     keys = [1] + sorted(rng.sample(range(2, 7), rng.randint(1, 2)))
     table = {}
@@ -206,6 +206,9 @@ def draw_adaptive(case: Case, rng: random.Random, reserve: int) -> None:
         table[k] = list(dict.fromkeys(shapes))
     if rng.random() < 0.5:
         table["ema"] = {"alpha": rng.choice([0.25, 0.5, 1.0]), "down": 0.3, "up": 0.6, "probe": rng.randint(2, 8)}
+        if rng.random() < 0.5:                      # per-tier thresholds: a band per tier key
+            down = {k: rng.choice([0.05, 0.2, 0.3, 0.45]) for k in keys}
+            table["ema"].update(down=down, up={k: round(d + rng.choice([0.1, 0.3]), 2) for k, d in down.items()})
     from engine.speculative.adaptive import AdaptiveTable
     extra = AdaptiveTable.parse(table).reserve - reserve
     if extra > 0 and case.max_num_tokens < 16384:
