@@ -226,3 +226,32 @@ def test_docs_gpu_md_is_current():
     """docs/gpu.md holds the table ``python -m engine.knobs --markdown`` prints from the registry."""
     assert knobs.markdown() in (REPO / "docs" / "gpu.md").read_text(), \
         "docs/gpu.md is stale: regenerate its table with python -m engine.knobs --markdown"
+
+
+def test_config_hash_and_metadata_take_an_adaptive_table_with_ema():
+    """Regression: a ``spec.adaptive`` table with ``ema`` mixes int tier keys with the string ``ema``; config_hash's
+    ``json.dumps(sort_keys=True)`` raised TypeError, so bench and gate crashed after their work and gsm8k at start."""
+    from harness.cli.common import parse_sets
+    from harness.core.resolve import resolve
+    from harness.report.results import run_metadata
+    table = "{1: [3x1x4, off], 4: [off], ema: {alpha: 0.25, probe: 8, down: %s, up: {1: 0.12, 4: 0.35}}}"
+    a = resolve("tp1pp2", parse_sets(["spec.adaptive=" + table % "{1: 0.05, 4: 0.25}"]))
+    b = resolve("tp1pp2", parse_sets(["spec.adaptive=" + table % "{1: 0.05, 4: 0.3}"]))
+    ha, hb = a.config_hash(), b.config_hash()
+    assert len(ha) == 12 and int(ha, 16) >= 0 and ha != hb and ha == a.config_hash()
+    assert run_metadata(a, "bench")["config_hash"] == ha
+
+
+def test_set_replaces_a_suites_adaptive_table_whole():
+    """Regression: ``--set spec.adaptive=...`` deep-merged into a suite's table (its tiers survived, so a smaller
+    table or a per-tier EMA naming only the new tiers could not be given); a table is one value. Other sections
+    still merge key by key."""
+    from harness.cli.common import parse_sets
+    from harness.core.resolve import merge, resolve
+    c = resolve("h200_adaptive", parse_sets(["device=cpu", "spec.adaptive={4: [3x1x4], 16: [off]}"]))
+    assert c.engine.spec.adaptive == {4: ["3x1x4"], 16: ["off"]}
+    assert resolve("h200_adaptive", parse_sets(["device=cpu"])).engine.spec.adaptive == {
+        1: ["4x1x5", "off"], 4: ["off"], 16: ["4x1x5", "off"]}
+    m = merge({"spec": {"adaptive": {1: ["3x1x4"]}, "num_steps": 3}, "bench": {"runs": 2, "warmup": 1}},
+              {"spec": {"adaptive": {8: ["off"]}}, "bench": {"runs": 3}})
+    assert m == {"spec": {"adaptive": {8: ["off"]}, "num_steps": 3}, "bench": {"runs": 3, "warmup": 1}}

@@ -171,7 +171,17 @@ class RunConfig:
         d.pop("sources"), d.pop("notes")
         d["plan"] = resolve_plan(self.engine).as_dict()
         d["plan"].pop("threads", None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(_str_keys(d), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _str_keys(obj):
+    """``obj`` with every mapping key as a string (a ``spec.adaptive`` table mixes int tier keys with ``ema``, which
+    json's ``sort_keys`` cannot order)."""
+    if isinstance(obj, dict):
+        return {str(k): _str_keys(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_str_keys(v) for v in obj]
+    return obj
 
 
 SECTIONS = {"spec": SpecConfig, "gsm8k": GSM8KConfig, "bench": BenchConfig, "gate": GateConfig,

@@ -38,11 +38,18 @@ def layers_device(layers: list[dict]) -> str:
     return resolve_device(dev)
 
 
-def merge(base: dict, over: dict) -> dict:
-    """Deep merge: ``over`` wins; nested dicts merge key by key."""
+ATOMIC = frozenset({"spec.adaptive"})   # values a later layer replaces whole: a tier table is one value
+
+
+def merge(base: dict, over: dict, _path: str = "") -> dict:
+    """Deep merge: ``over`` wins; nested dicts merge key by key, except at the dotted paths of :data:`ATOMIC`
+    (relative to the top), where ``over``'s value replaces ``base``'s whole (``--set spec.adaptive=...`` replaces a
+    suite's table rather than adding tiers to it)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        p = f"{_path}.{k}" if _path else str(k)
+        deep = isinstance(v, dict) and isinstance(out.get(k), dict) and p not in ATOMIC
+        out[k] = merge(out[k], v, p) if deep else v
     return out
 
 
