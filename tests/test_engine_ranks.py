@@ -201,8 +201,9 @@ def test_signal_to_the_cli_stops_and_reaps_the_ranks(tiny_model_dir, tmp_path, s
 
 def test_keyboard_interrupt_in_with_block_reaps_the_ranks(tiny_model_dir, tmp_path):
     """KeyboardInterrupt during a PP2 generate inside ``with LLM(...)`` (one request finished, one still decoding):
-    leaving the block terminates the busy ranks at once and reaps them, so both are gone (no zombie) within 1.5 s,
-    by the time the exception reaches the caller, who is still alive."""
+    leaving the block terminates the busy ranks at once and reaps them, so both are gone (no zombie) by the time the
+    exception reaches the caller, who is still alive, and well before the ranks' 120 s collective timeout would have
+    freed them (the bound, half that timeout, leaves room for an oversubscribed machine)."""
     import signal
     import subprocess
     import sys
@@ -211,7 +212,7 @@ def test_keyboard_interrupt_in_with_block_reaps_the_ranks(tiny_model_dir, tmp_pa
     script.write_text(
         "import time\nfrom engine import LLM, EngineConfig, SamplingParams\nif __name__ == '__main__':\n"
         "    try:\n"
-        f"        with LLM(EngineConfig(model={str(tiny_model_dir)!r}, pp=2, dist_timeout_s=30)) as llm:\n"
+        f"        with LLM(EngineConfig(model={str(tiny_model_dir)!r}, pp=2, dist_timeout_s=120)) as llm:\n"
         "            def show(done, total):\n"
         "                if done == 1:\n"
         "                    print(*[p.pid for p in llm._procs], flush=True)\n"
@@ -229,7 +230,7 @@ def test_keyboard_interrupt_in_with_block_reaps_the_ranks(tiny_model_dir, tmp_pa
         os.kill(p.pid, signal.SIGINT)
         assert p.stdout.readline().strip() == "interrupted"
         assert [_alive(r) for r in ranks] == [False, False] and p.poll() is None
-        assert time.monotonic() - t0 < 1.5             # terminated at once: a busy rank reads no stop message
+        assert time.monotonic() - t0 < 60              # terminated at once: a busy rank reads no stop message
     finally:
         p.kill()
         p.wait()
