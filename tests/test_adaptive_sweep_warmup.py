@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import harness.bench.run as bench_run
 from tools.adaptive_sweep import main
 
@@ -67,7 +69,47 @@ def test_repeat_rotates_the_configurations_on_fresh_engines_and_pools_their_mean
 
 
 def test_repeat_below_one_is_refused_in_one_line(tmp_path, capsys):
-    import pytest
     with pytest.raises(SystemExit) as e:
         main(["--mode", "bench", "--configs", "a=", "--repeat", "0", "--out", str(tmp_path / "z")])
-    assert e.value.code == 2 and "--repeat must be >= 1 (got 0)" in capsys.readouterr().err
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == ["Error: --repeat must be >= 1 (got 0)"]
+    assert not (tmp_path / "z").exists()
+
+
+def _no_cuda() -> bool:
+    import torch
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--config", "nosuch"], "Error: config 'nosuch' not found (looked for nosuch, "),
+    (["--config", "tiny_cpu", "--set", "device=cuda"], "Error: device=cuda but this torch build sees no CUDA device"),
+    (["--config", "tiny_cpu", "--shapes", "off,3x1"], "Error: --shapes: shape '3x1' is not 'SxKxN' "),
+    (["--config", "tiny_cpu", "--set", "tp=0"], "Error: "),
+    (["--batch-sizes", "1,x"], "Error: argument --batch-sizes: expected comma-separated integers, got '1,x'"),
+    (["--mode", "bench"], "Error: --mode bench needs --configs NAME=KEY=VALUE|...;NAME=..."),
+])
+def test_config_errors_are_one_line_and_exit_2(args, line, tmp_path, capsys):
+    """Regression: a missing config or ``device=cuda`` on a CPU machine ended the sweep with a raw traceback (exit 1);
+    a user error is the ``ppspec`` CLI's one line ``Error: ...`` on stderr, exit 2, and no result directory."""
+    if "device=cuda" in args and not _no_cuda():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_speculation_turned_off_is_warned_and_recorded(tiny_model_dir, tmp_path, capsys):
+    """Regression: the resolution warning that turns speculative decoding off (here the project's default draft is a
+    head for hidden size 576, not the tiny model's 64) was dropped, so the configuration ran as plain silently. It
+    goes to stderr once per configuration, before any engine starts, and to sweep.json's ``notes``."""
+    assert main(["--config", "tiny_cpu", "--mode", "bench", "--configs", "dflt=;plain=spec.algorithm=null",
+                 "--batch-sizes", "1", "--prompts", "specbench", "--set", f"model={tiny_model_dir}",
+                 "--set", "bench.input_lens=[512]", "--set", "bench.output_len=3", "--set", "bench.runs=1",
+                 "--no-process-warmup", "--out", str(tmp_path / "s")]) == 0
+    want = (f"warning: draft 'drafts/smollm2-eagle' is a head for hidden size 576, not for {tiny_model_dir} (64): "
+            "give --draft DIR for a head of it; speculative decoding off")
+    assert capsys.readouterr().err.splitlines() == [f"dflt: {want}"]
+    res = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert res["notes"] == {"dflt": [want]} and set(res["rows"]) == {"dflt", "plain"}

@@ -7,6 +7,9 @@ For each shape (``off``: plain decoding, no draft) one engine is started from th
 ``harness.bench.run.run_bench`` runs every batch size on every prompt set with it (floors and peer off). DIR gets
 ``sweep.json`` (per shape, prompt set and batch size: tok/s of each run, accept length, TPOT), ``sweep.md`` (tok/s
 and the ratio to plain per cell) and ``proposed_table.yaml`` (:func:`propose`) with the measurements it came from.
+Every configuration is resolved before the first engine starts; its resolution warnings (a default draft that does
+not fit the model turns speculative decoding off) go to stderr as ``NAME: warning: ...`` and to sweep.json's
+``notes``. A bad flag or configuration is one stderr line ``Error: ...``, exit 2, as in the ``ppspec`` CLI.
 ``--budget-s``: shapes not started within that many seconds of the start are skipped (named in sweep.json).
 ``--repeat R``: the shapes (or configurations) run in rotation R times, each on a fresh engine; a cell's tok/s is
 the mean over the repeats and sweep.md gives their range, so drift and the spread between engines fall on every
@@ -113,9 +116,18 @@ def _pool(reps: list[dict]) -> dict:
     return row
 
 
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], prompt_sets: list[str], sets: dict,
-        out: Path, budget_s: float, log=print, process_warmup: bool = True, repeat: int = 1) -> dict:
+        out: Path, budget_s: float, log=print, process_warmup: bool = True, repeat: int = 1, warn=_warn) -> dict:
     """Run each (name, overrides) entry's engine over ``prompt_sets`` x ``batch_sizes``; returns sweep.json's dict.
+
+    Every entry's configuration is resolved before the first engine starts, so a bad entry fails the sweep before
+    anything is measured. The resolution warnings of an entry (e.g. ``warning: draft ... ; speculative decoding
+    off``: it then runs as plain decoding) go to ``warn`` once each as ``NAME: <warning>`` and to sweep.json's
+    ``notes`` (``{name: [warning, ...]}``).
 
     With ``process_warmup`` the first entry's engine first runs ``prompt_sets[0]`` x ``batch_sizes`` once
     (``bench.runs=1``, ``bench.warmup=0``) and drops the result; its wall seconds go to ``warmup_s``.
@@ -126,6 +138,7 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
 
     Raises:
         ValueError: ``repeat`` < 1.
+        HarnessConfigError, ConfigError, FileNotFoundError: an entry's configuration is invalid (one line).
     """
     from engine import LLM
     from harness.bench.run import run_bench
@@ -134,20 +147,30 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
         raise ValueError(f"--repeat must be >= 1 (got {repeat})")
     t0 = time.perf_counter()
     res = {"config": config, "batch_sizes": batch_sizes, "prompt_sets": prompt_sets, "overrides": sets,
-           "repeat": repeat, "rows": {}, "skipped": []}
+           "repeat": repeat, "rows": {}, "skipped": [], "notes": {}}
+    plans: dict[str, tuple[dict, dict]] = {}
+    for name, ov in entries:
+        base = merge(sets, ov)
+        cfgs = {p: resolve(config, merge(base, {"bench": {"prompts": p, "batch_sizes": batch_sizes,
+                                                          "floors": False, "peer": False}}))
+                for p in prompt_sets}
+        plans[name] = (base, cfgs)
+        notes = list(dict.fromkeys(n for c in cfgs.values() for n in c.notes))
+        if notes:
+            res["notes"][name] = notes
+        for n in notes:
+            warn(f"{name}: {n}")
+    out.mkdir(parents=True, exist_ok=True)
     per: dict[str, list[dict]] = {}
     starts: dict[str, list[float]] = {}
     for k in range(repeat):
-        for name, ov in entries:
+        for name, _ in entries:
             tag = name if repeat == 1 else f"{name}#{k + 1}"
             if time.perf_counter() - t0 > budget_s:
                 res["skipped"].append(tag)
                 log(f"{tag}: skipped (budget {budget_s:.0f} s spent)")
                 continue
-            base = merge(sets, ov)
-            cfgs = {p: resolve(config, merge(base, {"bench": {"prompts": p, "batch_sizes": batch_sizes,
-                                                              "floors": False, "peer": False}}))
-                    for p in prompt_sets}
+            base, cfgs = plans[name]
             first = cfgs[prompt_sets[0]]
             t1 = time.perf_counter()
             got: dict = {}
@@ -204,13 +227,35 @@ def render(res: dict, base: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the ``ppspec`` CLI's way of refusing input: one stderr line
+    (:func:`harness.cli.common.error_line`), exit 2, no usage block."""
+
+    def error(self, message: str):
+        from harness.cli.common import error_line
+        _warn(error_line(message))
+        raise SystemExit(2)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return xs
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.adaptive_sweep", description=__doc__.split("\n\n")[0])
+    """Run the sweep; returns 0. A bad flag or configuration (a missing config, ``device=cuda`` without a GPU, a bad
+    shape or ``--set``) is one stderr line ``Error: <message>`` and ``SystemExit(2)``, as in the ``ppspec`` CLI."""
+    ap = _Parser(prog="python -m tools.adaptive_sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="h200")
     ap.add_argument("--mode", choices=["sweep", "bench"], default="sweep")
     ap.add_argument("--shapes", default="off,2x1x3,3x1x4,4x1x5,6x1x7,8x1x9")
     ap.add_argument("--configs", default="", help="--mode bench: NAME=KEY=VALUE|KEY=VALUE;NAME=...")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--prompts", default="gsm8k-test,specbench")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE override (repeatable)")
     ap.add_argument("--budget-s", type=float, default=1e9)
@@ -223,10 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error(f"--repeat must be >= 1 (got {a.repeat})")
+    if a.mode == "bench" and not any(x.strip() for x in a.configs.split(";")):
+        ap.error("--mode bench needs --configs NAME=KEY=VALUE|...;NAME=...")
+    from harness.cli.common import USER_ERRORS, error_line
+    try:
+        return _main(a)
+    except USER_ERRORS as e:
+        _warn(error_line(e))
+        raise SystemExit(2) from None
+
+
+def _main(a: argparse.Namespace) -> int:
     from harness.cli.common import parse_sets
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bs = [int(x) for x in a.batch_sizes.split(",")]
+    bs = a.batch_sizes
     prompts = a.prompts.split(",")
     sets = parse_sets(a.sets)
     if a.mode == "sweep":

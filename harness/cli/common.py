@@ -40,13 +40,21 @@ OutOpt = Annotated[Optional[Path], typer.Option(help="Result directory (default:
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 
+USER_ERRORS = (HarnessConfigError, ConfigError, FileNotFoundError)   # a bad config, flag or path: exit 2
+
+
+def error_line(e: BaseException | str) -> str:
+    """The one stderr line a user error is reported as: ``Error: <message>``."""
+    return f"Error: {e}"
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn user errors into ``Error: <one line>`` + exit 2, engine failures into exit 1."""
+    """Turn user errors (:data:`USER_ERRORS`) into :func:`error_line` + exit 2, engine failures into exit 1."""
     try:
         yield
-    except (HarnessConfigError, ConfigError, FileNotFoundError) as e:
-        err.print(f"Error: {e}", markup=False, highlight=False)
+    except USER_ERRORS as e:
+        err.print(error_line(e), markup=False, highlight=False)
         raise typer.Exit(2) from None
     except Exception as e:  # noqa: BLE001
         if type(e).__name__ == "EngineError":
