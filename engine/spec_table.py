@@ -211,6 +211,20 @@ class AdaptiveTable:
             out["ema"] = {"alpha": self.alpha, "down": down, "up": up, "probe": self.probe}
         return out
 
+    def __str__(self) -> str:
+        """The table in ``spec.adaptive``'s own flow notation, e.g. ``{1: [4x1x5, off], 8: [3x1x4]}`` (+ ``ema: {alpha:
+        0.1, down: 0.3, up: 0.6, probe: 32}``, a per-tier band as ``{1: 0.05, 8: 0.25}``): what a user types in
+        ``--set spec.adaptive=...``; YAML reads it back to this table."""
+        def band(v) -> str:
+            if not isinstance(v, tuple):
+                return str(v)
+            return "{" + ", ".join(f"{bs}: {x}" for (bs, _), x in zip(self.tiers, v)) + "}"
+        parts = [f"{bs}: [" + ", ".join(map(str, ss)) + "]" for bs, ss in self.tiers]
+        if self.alpha is not None:
+            parts.append(f"ema: {{alpha: {self.alpha}, down: {band(self.down)}, up: {band(self.up)}, "
+                         f"probe: {self.probe}}}")
+        return "{" + ", ".join(parts) + "}"
+
     def lines(self) -> list[str]:
         """The table for ``ppspec plan``: one line per tier (its batch-size range and shapes, first = start), then the
         EMA's line. When the smallest key is above 1, a first line says that smaller batches run that tier."""

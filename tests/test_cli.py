@@ -1101,8 +1101,12 @@ def test_plan_says_what_an_adaptive_table_does_below_its_smallest_key_and_when_s
                                 *extra])
         assert r.exit_code == 0, r.output
         warn = [x for x in r.output.splitlines() if "ignored" in x]
-        assert warn == ["warning: spec.adaptive {4: ['3x1x4']} ignored: speculation is off"], r.output
+        assert warn == ["warning: spec.adaptive {4: [3x1x4]} ignored: speculation is off"], r.output
         assert "tier 4" not in r.output and "3x1x4" not in r.output.replace(warn[0], "")
+    # the table's own notation: YAML's off (False) printed as off, not ['4x1x5', False]
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec", "--set", "spec.adaptive={1: [4x1x5, off]}"])
+    assert r.exit_code == 0 and [x for x in r.output.splitlines() if "ignored" in x] == [
+        "warning: spec.adaptive {1: [4x1x5, off]} ignored: speculation is off"], r.output
     r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec"])
     assert r.exit_code == 0 and "ignored" not in r.output, r.output
 

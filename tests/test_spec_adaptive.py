@@ -91,6 +91,10 @@ def test_per_tier_thresholds_parse_and_round_trip():
     toml = {"1": ["4x1x5", "off"], "4": ["off"], "ema": {"alpha": 0.5, "down": {"1": 0.1, "4": 0.2}}}
     assert AdaptiveTable.parse(toml).band(1) == (0.2, 0.6)
     assert SpecConfig(algorithm="eagle", adaptive=y).table == t
+    assert str(t) == ("{1: [4x1x5, off], 4: [4x1x5, off], 16: [4x1x5, off], ema: {alpha: 0.25, "
+                      "down: {1: 0.05, 4: 0.25, 16: 0.2}, up: 0.4, probe: 32}}")
+    assert AdaptiveTable.parse(yaml.safe_load(str(t))) == t                      # the notation reads back
+    assert str(AdaptiveTable.parse({1: ["4x1x5", False], 8: "3x1x4"})) == "{1: [4x1x5, off], 8: [3x1x4]}"
 
 
 def test_summary_histogram_by_tier_and_shape():

@@ -73,6 +73,17 @@ def compare(dirs: Annotated[list[str], typer.Argument(help="Result directories (
         err.print(f"results: {d}", markup=False, highlight=False)
 
 
+def adaptive_text(value) -> str:
+    """A ``spec.adaptive`` value in the table's own notation (``{1: [4x1x5, off]}``: str of
+    :class:`engine.spec_table.AdaptiveTable`), or ``repr(value)`` when it is not a valid table."""
+    from engine.config import ConfigError
+    from engine.spec_table import AdaptiveTable
+    try:
+        return str(AdaptiveTable.parse(value))
+    except ConfigError:
+        return repr(value)
+
+
 def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = None, tp: TpOpt = None,
          pp: PpOpt = None, dtype: DtypeOpt = None, device: DeviceOpt = None, spec: SpecOpt = None,
          pp_spec: PpSpecOpt = None, set_: SetOpt = None,
@@ -85,7 +96,7 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
         from harness.report.results import suite_plan
         cfg, p = suite_plan(config, overrides(model, draft, tp, pp, dtype, device, spec, pp_spec, set_))
         mc = check_topology(cfg)                     # the engine's start-up refusal, before a plan it would not run
-        ignored = (f"warning: spec.adaptive {cfg.engine.spec.adaptive} ignored: speculation is off"
+        ignored = (f"warning: spec.adaptive {adaptive_text(cfg.engine.spec.adaptive)} ignored: speculation is off"
                    if cfg.engine.spec.algorithm is None and cfg.engine.spec.adaptive is not None else None)
         for n in [*cfg.notes, head_padding_warning(cfg, mc), ignored]:
             if n:
