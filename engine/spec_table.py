@@ -154,6 +154,9 @@ class AdaptiveTable:
             if not items:
                 raise ConfigError(f"spec.adaptive: tier {bs} lists no shape")
             tiers[bs] = tuple(Shape.parse(s, f"spec.adaptive[{bs}]") for s in items)
+            if dup := next((s for i, s in enumerate(tiers[bs]) if s in tiers[bs][:i]), None):
+                raise ConfigError(f"spec.adaptive: tier {bs} lists shape {dup} twice (a tier's shapes are distinct: "
+                                  "the first starts, the EMA steps through the rest)")
         if not tiers:
             raise ConfigError("spec.adaptive: no tier (keys are batch sizes)")
         kw = {}
