@@ -171,3 +171,27 @@ def test_single_run_reports_no_run_to_run_agreement():
     assert "agreement" not in md and "scorer cross-check mismatches: 0" in md
     _, md = comparison_table([{"name": "a", "dir": "a", "gsm8k": summary}])
     assert [line for line in md.splitlines() if line.startswith("| run agreement")] == ["| run agreement | n/a (1 run) |  |"]
+
+
+def test_bf16_disagreement_with_prefix_cache_hits_is_explained():
+    """A bf16 gsm8k run 2 served from the prefix cache can differ from run 1 under greedy decoding (other prefill
+    chunks, other rounding): the notes say why and how to get identical runs when agreement < 100 %, and say
+    nothing of it in float32, at full agreement or without cache hits."""
+    import copy
+    summary, _ = gsm8k.run_gsm8k(resolve(None, {"gsm8k": {"limit": 2, "runs": 2}}), llm=AnswerLLM())
+    s = copy.deepcopy(summary)
+    s["engine_info"] = {**(s.get("engine_info") or {}), "dtype": "bfloat16"}
+    s["overall"]["agreement"] = 0.5
+    s["runs"][0]["cached_prompt_tokens"], s["runs"][1]["cached_prompt_tokens"] = 0, 10
+    s["runs"][0]["prompt_tokens"] = s["runs"][1]["prompt_tokens"] = 20
+    _, md = gsm8k_table.render(s)
+    assert "in bfloat16 a run that reads prompts from the prefix cache" in md and "--dtype float32" in md
+    for change in ({"dtype": "float32"}, {"agreement": 1.0}, {"hits": 0}):
+        t = copy.deepcopy(s)
+        if "dtype" in change:
+            t["engine_info"]["dtype"] = change["dtype"]
+        if "agreement" in change:
+            t["overall"]["agreement"] = change["agreement"]
+        if "hits" in change:
+            t["runs"][1]["cached_prompt_tokens"] = 0
+        assert "prefix cache computes" not in gsm8k_table.render(t)[1], change
