@@ -72,6 +72,7 @@
 #                        h200 b=1/8 plain vs spec on PROMPTS (default gsm8k-test); CELLS: a subset of "speceval pp1_spec
 #                        pp2_spec nospec bench" (bench_plain / bench_spec: one half of bench). The head may be carried
 #                        as results/raw/qwen05b-eagle3 (config.json + pieces, over several calls: setup gathers them).
+#                        QSHAPE="S K N": the spec cells' draft shape (default "3 1 4", the chain S3 n4).
 #   selfgen-data         the data of suites/train_smollm2_eagle3_mixed.yaml (tools.selfgen_data, bf16, 256 requests
 #                        batched): up to the recipe's 16384 user turns SmolLM2 writes from its chat template's user
 #                        prefix in 120 s (what fits is final), filtered and deduplicated, then answered (300 s budget,
@@ -533,7 +534,9 @@ qwen-record)
   H=$(qwen_head)
   [ -n "$H" ] && [ -f "$H/model.safetensors" ] || die "no head: run train-qwen-eagle3 on this machine first, carry results/raw/qwen05b-eagle3 (its config.json and pieces) or HEAD=DIR"
   say "head: $H; format: $F"
-  S="--draft $H --set spec.algorithm=eagle3 --set spec.token_map=null $(shape 3 1 4)"
+  set -- ${QSHAPE:-3 1 4}
+  [ $# = 3 ] || die "QSHAPE='${QSHAPE:-}' is not three numbers S K N (e.g. QSHAPE=\"4 1 5\")"
+  S="--draft $H --set spec.algorithm=eagle3 --set spec.token_map=null $(shape "$1" "$2" "$3")"
   G="python3 -m harness gsm8k --model $Q --format $F --runs 2 --limit 200 --dtype ${DTYPE:-float32} --no-progress"
   for cell in ${CELLS:-speceval pp1_spec pp2_spec nospec bench}; do
     case $cell in
