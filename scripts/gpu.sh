@@ -221,8 +221,9 @@ bench() {  # NAME TIMEOUT ARGS...: ppspec bench with ARGS into RUNS/NAME
   local name=$1 t=$2; shift 2
   run "$name" "$t" python3 -m harness bench --no-progress --out "$RUNS/$name" "$@"
 }
-install_carried() {   # the carried wheel folders, once per machine; the carried GGUF chunks
+install_carried() {   # the carried wheel folders, once per machine (a GPU machine's: cp312 x86_64), the carried GGUF chunks
   local d
+  command -v nvidia-smi > /dev/null || return 0    # off the GPU machine (a checkout with .gpu/ filled by prep)
   for d in wheels wheels-lmeval; do
     if [ -d ".gpu/$d" ] && [ ! -f "/tmp/site/.$d" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
