@@ -323,7 +323,7 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
         if not sent and any("spawn_main" in str(a) for a in args):
             sent.append(pid)
             go.set()
-            done.wait(10)                                # the handler runs before the start-up data is written
+            done.wait(60)                                # the handler runs before the start-up data is written
         return pid
     threading.Thread(target=kill_from_another_thread, daemon=True).start()
     monkeypatch.setattr(mpu, "spawnv_passfds", spawn_then_interrupt)
