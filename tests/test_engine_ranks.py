@@ -325,12 +325,18 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
             go.set()
             done.wait(60)                                # the handler runs before the start-up data is written
         return pid
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set()), "SIGINT blocked before the test"
+    handler = signal.getsignal(signal.SIGINT)
     threading.Thread(target=kill_from_another_thread, daemon=True).start()
     monkeypatch.setattr(mpu, "spawnv_passfds", spawn_then_interrupt)
     capfd.readouterr()
     try:
         with pytest.raises(KeyboardInterrupt):
             LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
+    except pytest.fail.Exception as e:               # the state the interrupt met, for an intermittent miss
+        raise AssertionError(f"{e}: spawned {sent}, signalled {go.is_set()}, handler done {done.is_set()}, SIGINT "
+                             f"handler before {handler!r} now {signal.getsignal(signal.SIGINT)!r}, main thread "
+                             f"blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, set()))}") from e
     finally:
         go.set()
     assert sent
