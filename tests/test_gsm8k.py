@@ -186,6 +186,9 @@ def test_bf16_disagreement_with_prefix_cache_hits_is_explained():
     s["runs"][0]["prompt_tokens"] = s["runs"][1]["prompt_tokens"] = 20
     _, md = gsm8k_table.render(s)
     assert "in bfloat16 a run that reads prompts from the prefix cache" in md and "--dtype float32" in md
+    s["overall"]["agreement"] = 0.0                  # no question alike: the note still applies
+    assert "in bfloat16 a run that reads prompts from the prefix cache" in gsm8k_table.render(s)[1]
+    s["overall"]["agreement"] = 0.5
     for change in ({"dtype": "float32"}, {"agreement": 1.0}, {"hits": 0}):
         t = copy.deepcopy(s)
         if "dtype" in change:

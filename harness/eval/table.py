@@ -63,7 +63,7 @@ def render(summary: dict, title: str = "GSM8K") -> tuple[list, str]:
         notes += "; prompt tokens served by the prefix cache per run: " + ", ".join(
             fmt(c / p, "pct") for c, p in cached)
     dtype = (summary.get("engine_info") or {}).get("dtype")
-    if (o["runs"] > 1 and (o.get("agreement") or 1.0) < 1.0 and dtype not in (None, "float32")
+    if (o["runs"] > 1 and o.get("agreement") is not None and o["agreement"] < 1.0 and dtype not in (None, "float32")
             and any(c for c, _ in cached[1:])):
         notes += (f"; in {dtype} a run that reads prompts from the prefix cache computes them in other chunks than "
                   "the run that filled it, so greedy outputs can differ near ties: --dtype float32 gives identical "
