@@ -162,7 +162,7 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
             warn(f"{name}: {n}")
     out.mkdir(parents=True, exist_ok=True)
     per: dict[str, list[dict]] = {}
-    starts: dict[str, list[float]] = {}
+    first_start: dict[str, float] = {}             # each entry's first engine start (s)
     for k in range(repeat):
         for name, _ in entries:
             tag = name if repeat == 1 else f"{name}#{k + 1}"
@@ -191,8 +191,8 @@ def run(config: str, entries: list[tuple[str, dict]], batch_sizes: list[int], pr
                     log(f"{tag} {p}: " + ", ".join(f"b={b} {v['tok_s']:.0f} tok/s" for b, v in got[p].items()
                                                    if v["tok_s"] is not None))
             per.setdefault(name, []).append(got)
-            starts.setdefault(name, []).append(round(start, 1))
-            res["rows"][name] = {**_pool(per[name]), "_start_s": starts[name][0]}
+            first_start.setdefault(name, round(start, 1))
+            res["rows"][name] = {**_pool(per[name]), "_start_s": first_start[name]}
             (out / "sweep.json").write_text(json.dumps(res, indent=1))
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     return res
