@@ -1096,6 +1096,10 @@ def test_plan_says_what_an_adaptive_table_does_below_its_smallest_key_and_when_s
     i = lines.index("adaptive shapes (SxKxN) by running batch size:")
     assert lines[i + 1:i + 4] == ["  b<4       tier 4's shapes (the smallest tier)", "  b=4-15    3x1x4",
                                   "  b>=16     off"] and "ignored" not in r.output
+    # the header names no fixed shape: the suite's S/k/n does not run under a table
+    assert lines[i - 1].endswith(": adaptive (the tiers below)") and " S=" not in lines[i - 1], lines[i - 1]
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1"])
+    assert r.exit_code == 0 and any(": S=" in x for x in r.output.splitlines() if x.startswith("spec ")), r.output
     for extra in ([], ["--json"]):
         r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--no-spec", "--set", "spec.adaptive={4: [3x1x4]}",
                                 *extra])

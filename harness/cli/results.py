@@ -107,7 +107,8 @@ def plan(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = Non
             typer.echo(json.dumps({"spec": spec_d, **p.as_dict()}, indent=2))
         else:
             typer.echo("spec off" if spec_d is None else
-                       f"spec {sp.algorithm} {sp.draft}: S={sp.num_steps} k={sp.topk} n={sp.num_draft_tokens}"
+                       f"spec {sp.algorithm} {sp.draft}: " + ("adaptive (the tiers below)" if sp.table is not None
+                                                                else f"S={sp.num_steps} k={sp.topk} n={sp.num_draft_tokens}")
                        + (f", token map {sp.token_map}" if sp.token_map else ""))
             if sp.table is not None:
                 typer.echo("adaptive shapes (SxKxN) by running batch size:")
