@@ -221,6 +221,13 @@ def _interrupt_generate(model: str, delay_s: float, *, after_entry: bool, extra:
     return p.returncode, out, err, _still_running(seen.values(), ORPHAN_GRACE_S)
 
 
+def _empty_or_streamed(stdout: str) -> bool:
+    """What an interrupted ``generate`` may leave on stdout: nothing (the signal came during start-up), or the tokens
+    it had streamed, closed by one newline (a fast machine loads the tiny model before the signal). Never a
+    traceback or the closing summary line, which goes to stderr."""
+    return stdout == "" or (stdout.endswith("\n") and "Traceback" not in stdout)
+
+
 ORPHAN_GRACE_S = 10.0   # how long a descendant seen during start-up may take to finish exiting after the front end
 
 
@@ -264,7 +271,7 @@ def test_sigint_at_any_point_of_start_up_exits_130_with_one_line(tiny_model_dir,
                                               extra=("--no-spec", "--pp", "2"))
     assert rc == 130, (rc, out, err[-2000:])
     assert err.startswith("ppspec: interrupted (SIGINT)") and err.count("\n") == 1, err[-2000:]
-    assert out == "" and not alive, (out, alive)
+    assert _empty_or_streamed(out) and not alive, (out, alive)
 
 
 @pytest.mark.parametrize("at_s", ["1", "3.5"])
@@ -278,8 +285,9 @@ def test_timeout_sigint_in_the_first_seconds(tiny_model_dir, at_s):
                         "generate", "hello", "--model", str(tiny_model_dir), "--device", "cpu", "--no-spec",
                         "--max-new-tokens", "2000", "--set", "max_model_len=4096"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stdout, p.stderr[-2000:])
+    assert p.returncode == 130, (p.returncode, p.stdout, p.stderr[-2000:])
     assert p.stderr.startswith("ppspec: interrupted (SIGINT)") and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert _empty_or_streamed(p.stdout), p.stdout[-2000:]
 
 
 def test_max_new_tokens_past_the_context_is_capped_with_a_notice_up_front(tiny_model_dir):
