@@ -311,12 +311,13 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
     import threading
 
     real = mpu.spawnv_passfds
-    sent, go, done = [], threading.Event(), threading.Event()
+    sent, go, done, at_kill = [], threading.Event(), threading.Event(), []
 
-    def kill_from_another_thread():                      # started before the engine blocks SIGINT on its thread,
-        if go.wait(60):                                  # so the kernel delivers the signal to this one and
-            os.kill(os.getpid(), signal.SIGINT)          # Python runs the handler on the main thread at once
-        done.set()
+    def kill_from_another_thread():                      # started before the engine blocks SIGINT on its thread;
+        if go.wait(60):                                  # the signal is directed at this thread (a process-directed
+            at_kill.append(signal.getsignal(signal.SIGINT))   # one goes to whichever thread the kernel picks, which
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # may run its C handler only later), so
+        done.set()                                       # it is pending for the main thread once this is set
 
     def spawn_then_interrupt(path, args, passfds):
         pid = real(path, args, passfds)
@@ -335,7 +336,7 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
             LLM(EngineConfig(model=tiny_model_dir, pp=2, dist_timeout_s=30))
     except pytest.fail.Exception as e:               # the state the interrupt met, for an intermittent miss
         raise AssertionError(f"{e}: spawned {sent}, signalled {go.is_set()}, handler done {done.is_set()}, SIGINT "
-                             f"handler before {handler!r} now {signal.getsignal(signal.SIGINT)!r}, main thread "
+                             f"handler before {handler!r} at the kill {at_kill!r} now {signal.getsignal(signal.SIGINT)!r}, main thread "
                              f"blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, set()))}") from e
     finally:
         go.set()
