@@ -125,6 +125,14 @@ class SpecConfig:
         return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
 
     @property
+    def max_depth(self) -> int:
+        """The deepest draft a round can carry (its accept length is at most this + 1): ``num_steps``, or under an
+        adaptive table the largest S of its shapes (0 when every shape is ``off``); the fixed shape does not run
+        under a table."""
+        t = self.table
+        return max(s.num_steps for s in t.shapes) if t is not None else self.num_steps
+
+    @property
     def reserve_per_req(self) -> int:
         """KV slots reserved past seq_len per request: verify (n) plus tail-draft scratch (k*S); the largest of the
         adaptive table's shapes and this one."""

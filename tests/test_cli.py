@@ -1115,6 +1115,31 @@ def test_plan_says_what_an_adaptive_table_does_below_its_smallest_key_and_when_s
     assert r.exit_code == 0 and "ignored" not in r.output, r.output
 
 
+def test_results_engine_line_and_dry_run_name_the_adaptive_table_not_the_fixed_shape():
+    """Regression: a run under ``spec.adaptive`` wrote ``speculative decoding eagle3 on (S=4 k=1 n=5)`` in its
+    summary.md (and ``bench --dry-run`` said ``S4 k1 n5``): the suite's fixed shape, which does not run under a table.
+    Both name the table in its own notation; the summary's JSON round trip (string keys) reads back the same."""
+    import json
+
+    from harness.cli.common import engine_line
+    table = {1: ["4x1x5", "off"], 4: ["off"], "ema": {"alpha": 0.1, "down": {1: 0.05, 4: 0.25}, "up": 0.6,
+                                                     "probe": 32}}
+    sp = {"algorithm": "eagle3", "num_steps": 4, "topk": 1, "num_draft_tokens": 5, "adaptive": table}
+    info = json.loads(json.dumps({"tp": 1, "pp": 2, "spec": sp}))
+    assert engine_line(info) == ("engine: tp=1 pp=2; speculative decoding eagle3 on (adaptive {1: [4x1x5, off], "
+                                 "4: [off], ema: {alpha: 0.1, down: {1: 0.05, 4: 0.25}, up: 0.6, probe: 32}}, "
+                                 "PP x spec)")
+    info["spec"]["adaptive"] = None
+    assert engine_line(info) == "engine: tp=1 pp=2; speculative decoding eagle3 on (S=4 k=1 n=5, PP x spec)"
+    from harness.core.tables import spec_label          # compare's and the plots' engine label
+    assert spec_label(json.loads(json.dumps(sp))) == "eagle3 adaptive {1: [4x1x5, off], 4: [off]} + ema"
+    assert spec_label({**sp, "adaptive": None}) == "eagle3 S4k1n5" and spec_label(None) == "no spec"
+    r = runner.invoke(app, ["bench", "--config", "tp1pp2", "--dry-run", "--set", "spec.adaptive={1: [3x1x4, off]}"])
+    assert r.exit_code == 0, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert " adaptive {1: [3x1x4, off]} " in last and " S4 " not in last and " S3 " not in last, last
+
+
 def test_plan_warns_when_the_tp_pads_the_heads():
     """Regression: ``ppspec plan --set tp=5`` on SmolLM2 (9 query / 3 KV heads) printed the plan without a word about
     the zero heads the engine pads in (it logs one warning line at start-up); plan prints that line on stderr,

@@ -114,3 +114,22 @@ def test_generate_prints_a_completion_under_pp2(tiny):
                             "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "tokens" in r.output
+
+
+def test_bench_under_a_table_deeper_than_the_fixed_shape_counts_every_draft_position(tiny, tmp_path):
+    """Regression: under ``spec.adaptive`` the summaries cut the per-position acceptance at the fixed
+    ``spec.num_steps`` (2 here), which does not run under a table: a 5x1x6 tier's rounds accepting 4 drafted
+    tokens were lost from ``per_position`` (mean accept length != 1 + its sum). The depth is the table's deepest
+    shape (``SpecConfig.max_depth``), and summary.md names the table, not S=2."""
+    out = tmp_path / "bench"
+    r = runner.invoke(app, ["bench", *_engine_args(tiny), "--spec", "--batch-sizes", "1", "--input-lens", "32",
+                            "--output-len", "24", "--runs", "1", "--warmup", "0", "--set", "spec.num_steps=2",
+                            "--set", "spec.num_draft_tokens=3", "--set", "spec.adaptive={1: [5x1x6]}",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    s = _summary(out)
+    acc = s["cells"][0]["pooled"]["accept_length"]
+    assert len(acc["per_position"]) == 5 and max(map(int, acc["hist"])) <= 6, acc
+    assert acc["mean"] == pytest.approx(1 + sum(acc["per_position"])), acc
+    md = (out / "summary.md").read_text()
+    assert "adaptive {1: [5x1x6]}" in md and "S=2" not in md

@@ -134,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     digest = hashlib.sha256(json.dumps(out.token_ids).encode()).hexdigest()[:12]
     print(f"request: {len(out.token_ids)} tokens (sha256 {digest}), {out.finish_reason}, "
           f"accept length {sum(al) / len(al):.2f}; "
-          f"tp={cfg.engine.tp} pp={cfg.engine.pp} spec steps={cfg.engine.spec.num_steps} "
-          f"topk={cfg.engine.spec.topk} draft tokens={cfg.engine.spec.num_draft_tokens}")
+          f"tp={cfg.engine.tp} pp={cfg.engine.pp} " + (f"spec adaptive {cfg.engine.spec.table}"
+                                                        if cfg.engine.spec.table is not None else
+                                                        f"spec steps={cfg.engine.spec.num_steps} "
+                                                        f"topk={cfg.engine.spec.topk} "
+                                                        f"draft tokens={cfg.engine.spec.num_draft_tokens}"))
     print(f"{'process':<22}{'files':>6}{'functions':>11}")
     fe = named(front.seen)
     per = {r: named(s) for r, s in ranks.items()}

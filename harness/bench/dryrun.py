@@ -28,7 +28,8 @@ def bench_cells(cfg: RunConfig) -> tuple[list[str], int]:
         n = b.num_prompts or B
         lines.append(f"in={L} bs={B}: {n} prompt(s) x {b.runs} run(s) after {b.warmup} warmup, {b.output_len} output "
                      f"tokens each" + (f"  [would fail: {why}]" if why else ""))
-    spec = (f"{e.spec.algorithm} S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}" if e.spec.enabled else "no spec")
+    spec = ("no spec" if not e.spec.enabled else f"{e.spec.algorithm} adaptive {e.spec.table}" if e.spec.table is not None
+            else f"{e.spec.algorithm} S{e.spec.num_steps} k{e.spec.topk} n{e.spec.num_draft_tokens}")
     base = ", plus the same cells without speculation (--baseline nospec)" if b.baseline == "nospec" else ""
     ranks = (f"{e.world_size} rank(s)" + (f", {cpu_threads(e.world_size)['per_rank']} thread(s) each"
                                           if e.device == "cpu" else ""))

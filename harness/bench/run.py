@@ -35,7 +35,7 @@ def _run_cells(cfg: RunConfig, llm, progress, tag: str = "",
     texts = load_texts(cfg.paths.data, prompt_sets.gsm8k_split(b.prompts)) if tok is not None and not natural else []
     params = SamplingParams(temperature=0.0, max_new_tokens=b.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_new_tokens=min(b.output_len, 8), ignore_eos=True)
-    depth = cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
+    depth = cfg.engine.spec.max_depth if cfg.engine.spec.enabled else None
     for L, B in b.cell_list():
         n = b.num_prompts or B
         if natural:
@@ -145,7 +145,7 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
         summary["pp"] = pp_metrics.run_metrics(cells)
     if prompt_sets.gsm8k_split(b.prompts) is None and cfg.engine.spec.enabled:
         summary["accept_by_category"] = prompt_sets.accept_by_category([x for x in records if "category" in x],
-                                                                       cfg.engine.spec.num_steps)
+                                                                       cfg.engine.spec.max_depth)
     if measured is not None:
         from engine.model.loader import load_model_config, resolve_model_path
         from harness.bench.floors import bench_floors, floor_dtype

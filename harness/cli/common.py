@@ -235,8 +235,13 @@ def engine_line(info: dict) -> str:
     parts = [f"engine: tp={info.get('tp', 1)} pp={info.get('pp', 1)}"]
     sp = info.get("spec") or {}
     if sp.get("algorithm"):
-        parts.append(f"speculative decoding {sp['algorithm']} on (S={sp.get('num_steps')} k={sp.get('topk')} "
-                     f"n={sp.get('num_draft_tokens')}" + (", PP x spec" if info.get("pp", 1) > 1 else "") + ")")
+        if sp.get("adaptive") is not None:      # the fixed S/k/n does not run under a table: name the table
+            from engine.spec_table import AdaptiveTable
+            shape = f"adaptive {AdaptiveTable.parse(sp['adaptive'])}"
+        else:
+            shape = f"S={sp.get('num_steps')} k={sp.get('topk')} n={sp.get('num_draft_tokens')}"
+        parts.append(f"speculative decoding {sp['algorithm']} on ({shape}"
+                     + (", PP x spec" if info.get("pp", 1) > 1 else "") + ")")
     else:
         parts.append("speculative decoding off")
     hp = info.get("head_padding")

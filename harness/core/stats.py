@@ -60,7 +60,7 @@ def accept_stats(accept_lengths: Sequence[Sequence[int]], positions: int | None 
         are not independent), ``[lo, hi]`` or None with fewer than 2 requests;
         ``per_position``: acceptance rate per draft position (for a tree, per depth): entry ``j`` is the share
         of rounds that accepted at least ``j + 1`` drafted tokens (``accept_length - 1 > j``), for ``j`` below
-        ``positions`` (the draft depth, ``spec.num_steps``) or, when None, up to the deepest acceptance seen.
+        ``positions`` (the draft depth, ``SpecConfig.max_depth``) or, when None, up to the deepest acceptance seen.
         Mean accept length = 1 + sum(per_position) when no round accepts more than ``positions``.
     """
     per_req = [np.asarray(list(req), dtype=float) for req in accept_lengths]

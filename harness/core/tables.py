@@ -7,6 +7,23 @@ from rich.markup import escape
 from rich.table import Table
 
 
+def spec_label(sp: dict | None) -> str:
+    """A short label for a result's ``config.engine.spec`` (a dict, as summary.json holds it): ``eagle3 S4k1n5``,
+    ``eagle3 adaptive {1: [4x1x5, off], 4: [off]}`` (+ ``ema`` when the table steps on one: its thresholds are in
+    the config) or ``no spec``. Under a table the fixed S/k/n does not run, so it is not named."""
+    sp = sp or {}
+    if not sp.get("algorithm"):
+        return "no spec"
+    table = sp.get("adaptive")
+    if table is None:
+        return f"{sp['algorithm']} S{sp.get('num_steps')}k{sp.get('topk')}n{sp.get('num_draft_tokens')}"
+    tiers = {k: v for k, v in table.items() if k != "ema"}
+    def shape(x) -> str:
+        return "off" if x is False or x == "off" else str(x)
+    body = ", ".join(f"{k}: [{', '.join(shape(x) for x in v)}]" for k, v in tiers.items())
+    return f"{sp['algorithm']} adaptive {{{body}}}" + (" + ema" if "ema" in table else "")
+
+
 def fmt(x, kind: str = "num") -> str:
     """Format a cell: ``ms`` (seconds -> milliseconds: one decimal from 10 ms, three significant digits below),
     ``pct`` (0-1 -> %), ``num``, ``int``, ``gib``."""

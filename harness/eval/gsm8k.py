@@ -152,7 +152,7 @@ def _collect_run(r: int, res: dict, lm, walls: list[float], depth: int | None = 
 
 
 def _depth(cfg: RunConfig) -> int | None:
-    return cfg.engine.spec.num_steps if cfg.engine.spec.enabled else None
+    return cfg.engine.spec.max_depth if cfg.engine.spec.enabled else None
 
 
 def _overall(cfg: RunConfig, fmt: PromptFormat, runs: list[dict], records: list[dict], info: dict) -> dict:

@@ -14,7 +14,7 @@ from harness.core.gsm8k_format import differing_keys, label_of, summary_format
 from harness.report.pairing import (WINNER_LEGEND, accept_pairs, gsm8k_pairs, paired_row_winner, paired_tests,
                              request_pairs, single_winner)
 from harness.report.results import load_records, load_summary
-from harness.core.tables import both, fmt
+from harness.core.tables import both, fmt, spec_label
 
 KINDS = ("gsm8k", "bench", "gate")
 
@@ -49,7 +49,7 @@ def _engine_desc(entry: dict) -> str:
     if not e:
         return "-"
     spec = e.get("spec", {})
-    sp = f"{spec.get('algorithm')} S{spec.get('num_steps')}k{spec.get('topk')}n{spec.get('num_draft_tokens')}" if spec.get("algorithm") else "no spec"
+    sp = spec_label(spec)
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(e.get("dtype"), e.get("dtype"))
     plan = s.get("meta", {}).get("plan") or {}
     loop = f" {plan['loop']}" if plan.get("loop") else ""           # e.g. ring vs ring_rounds (rounds launched ahead)

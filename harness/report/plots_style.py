@@ -53,9 +53,9 @@ def save(fig, path: Path) -> Path:
 
 
 def topology(summary: dict) -> str:
-    """``TP1xPP2 eagle S3k1n4`` / ``TP1xPP1 no spec`` from a summary's config ('?' parts when absent)."""
+    """``TP1xPP2 eagle S3k1n4`` / ``TP1xPP1 no spec`` (:func:`harness.core.tables.spec_label`) from a summary's config ('?' parts when absent)."""
     e = (summary.get("config") or {}).get("engine") or {}
     sp = e.get("spec") or {}
-    spec = (f"{sp.get('algorithm')} S{sp.get('num_steps')}k{sp.get('topk')}n{sp.get('num_draft_tokens')}" if sp.get("algorithm")
-            else "no spec")
+    from harness.core.tables import spec_label
+    spec = spec_label(sp)
     return f"TP{e.get('tp', '?')}xPP{e.get('pp', '?')} {spec}"
