@@ -105,6 +105,11 @@
 #                        engine/spec_table.py before the machine's wheels are checked; CELLS: a subset of "plain s4n5
 #                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s);
 #                        REPEAT: the cells in rotation that many times, each on a fresh engine (1; tok/s the mean).
+#                        PP=2: every cell at pp=2 with PP x spec (two ranks time-sharing the one GPU).
+#   gsm8k-e2e            GSM8K test requests end to end at b=1 (tools.speceval --max-concurrency 1, bf16, first 200
+#                        test questions in lm-eval 8-shot contexts, prefill included): plain, EAGLE-3 chains S3 n4 and
+#                        S4 n5, and the adaptive TABLE (default: suites/h200_adaptive.yaml's); the bundled SmolLM2 and
+#                        its EAGLE-3 head. OUTDIR gets gsm8k_e2e.json.
 # Calls, chained (a machine goes back 30 s after a call; a fresh one starts over at 1):
 #   1. carry .gpu/wheels:                                        scripts/gpu.sh setup $OUT   (then: tests, llama8b-shape)
 #   2. carry .gpu/gguf/manifest.txt .gpu/gguf/part-K-of-N, K = 1..N, one call each: scripts/gpu.sh setup $OUT
@@ -118,7 +123,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 qwen-record selfgen-data train-eagle3-mixed adaptive-sweep adaptive-bench"
+MODES="prep setup tests pp-table spec-vs-plain llama8b-shape gsm8k gsm8k-e2e gsm8k-formats figures-of-record round-profile train-eagle3 eval-eagle3 train-qwen-eagle3 eval-qwen-eagle3 qwen-record selfgen-data train-eagle3-mixed adaptive-sweep adaptive-bench"
 if [ $# -lt 2 ]; then echo "usage: scripts/gpu.sh MODE OUTDIR [ARGS]; modes: $MODES (see the head of this script)" >&2; exit 2; fi
 mode=$1 out=$2
 shift 2
@@ -216,6 +221,22 @@ run() {    # NAME TIMEOUT CMD...: CMD under its timeout, within the mode's budge
   say "== $name: exit $rc after $(($(date +%s) - s)) s"
   pack
   return "$rc"
+}
+table_flow() {   # FILE: the adaptive: (or spec.adaptive:) table of a YAML file, checked by the engine's parser, in flow notation
+  python3 -c "
+import sys, yaml
+from engine.spec_table import AdaptiveTable
+try:
+    d = yaml.safe_load(open(sys.argv[1]))
+    t = d['adaptive'] if 'adaptive' in d else d['spec']['adaptive']
+    assert t is not None
+except Exception:
+    sys.exit('has no adaptive: (or spec.adaptive:) table')
+try:
+    AdaptiveTable.parse(t)
+except ValueError as e:
+    sys.exit(str(e))
+print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$1" 2>&1
 }
 bench() {  # NAME TIMEOUT ARGS...: ppspec bench with ARGS into RUNS/NAME
   local name=$1 t=$2; shift 2
@@ -357,22 +378,12 @@ adaptive-bench)
   [ -z "${TABLE:-}" ] && [ -f /tmp/adaptive/proposed_table.yaml ] && TABLE=/tmp/adaptive/proposed_table.yaml
   if [ -n "${TABLE:-}" ]; then   # checked before the machine's wheels, and parsed by the engine's own parser
     [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
-    T=$(python3 -c "
-import sys, yaml
-from engine.spec_table import AdaptiveTable
-try:
-    d = yaml.safe_load(open(sys.argv[1]))
-    t = d['adaptive'] if 'adaptive' in d else d['spec']['adaptive']
-except Exception:
-    sys.exit('has no adaptive: (or spec.adaptive:) table')
-try:
-    AdaptiveTable.parse(t)
-except ValueError as e:
-    sys.exit(str(e))
-print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$TABLE" 2>&1) || die "TABLE=$TABLE: $T"
+    T=$(table_flow "$TABLE") || die "TABLE=$TABLE: $T"
   else
     T="{1: [8x1x9], 8: [3x1x4]}"
   fi
+  PPS=()
+  case "${PP:-1}" in 1) ;; [2-9]) PPS=(--set "pp=$PP" --set spec.pp_spec=true);; *) die "PP=$PP: a stage count 1-9";; esac
   need gguf
   TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items() if k != 'ema'}; t['ema'] = {'alpha': 0.25, 'down': {k: 0.05 if k == 1 else 0.25 for k in t}, 'up': {k: 0.12 if k == 1 else 0.35 for k in t}, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
@@ -386,8 +397,25 @@ print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$TABLE"
   BS=${BENCH_S:-420}
   run bench $((BS + 100)) python3 -m tools.adaptive_sweep --mode bench --config h200 --budget-s "$BS" --batch-sizes 1,8,32 \
       --configs "$C" --prompts gsm8k-test,specbench --set bench.input_lens=[1024] --set bench.output_len=128 \
-      --set bench.runs=2 --set bench.warmup=1 --repeat "${REPEAT:-1}" --out "$RUNS/bench"
+      --set bench.runs=2 --set bench.warmup=1 "${PPS[@]}" --repeat "${REPEAT:-1}" --out "$RUNS/bench"
   cp "$RUNS"/bench/sweep.json "$RUNS"/bench/sweep.md "$out/" 2>/dev/null ;;
+gsm8k-e2e)
+  TABLE=${TABLE:-suites/h200_adaptive.yaml}
+  [ -f "$TABLE" ] || die "TABLE=$TABLE: no such file"
+  T=$(table_flow "$TABLE") || die "TABLE=$TABLE: $T"
+  need gguf
+  run gsm8k_e2e 420 python3 -m tools.speceval --device cuda --dtype bfloat16 --max-concurrency 1 --algorithm eagle3 \
+      --draft drafts/smollm2-eagle3 --prompts harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz --shape 3,1,4 \
+      --shape 4,1,5 --adaptive "$T" --out "$RUNS/gsm8k_e2e.json"
+  python3 - "$RUNS/gsm8k_e2e.json" <<'PY' | tee -a "$LOG"
+import json, sys
+r = json.load(open(sys.argv[1]))
+base = r["plain"]["tokens_per_s"]
+for k, v in r.items():
+    print(f"{k}: {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / base:.2f}x plain), accept {v['accept_length']:.3f}, "
+          f"flexible {v['flexible_extract']}, {v['output_tokens']} tokens in {v['wall_s']:.1f} s")
+PY
+  cp "$RUNS/gsm8k_e2e.json" "$out/" ;;
 llama8b-shape)
   need
   NP=$([ "$PEER" = 1 ] || echo --no-peer)

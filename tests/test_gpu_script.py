@@ -113,3 +113,25 @@ def test_adaptive_bench_checks_table_before_the_machines_wheels(tmp_path):
         lines = p.stdout.splitlines()
         assert len(lines) == 2 and lines[1] == f"gpu.sh adaptive-bench: {want}", (p.stdout, p.stderr)
         assert lines[0].startswith("gpu.sh adaptive-bench: ") and p.stderr == ""   # the run's header line, then it
+
+
+def test_gsm8k_e2e_and_pp_check_their_arguments_before_the_machines_wheels(tmp_path):
+    """gsm8k-e2e reads its table with the same check as adaptive-bench (a bad TABLE is one line, exit 2, before the
+    machine's wheels), and adaptive-bench refuses a PP that is not a stage count the same way."""
+    import os
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("adaptive: {1: [4x1x9]}\n")
+    for mode, env, want in (
+            ("gsm8k-e2e", {"TABLE": "/nonexistent"}, "TABLE=/nonexistent: no such file"),
+            ("gsm8k-e2e", {"TABLE": str(bad)}, f"TABLE={bad}: spec.adaptive[1]: shape 4x1x9: num_draft_tokens-1=8 "
+                                                "exceeds the candidate count topk+(num_steps-1)*topk^2=4"),
+            ("adaptive-bench", {"PP": "x"}, "PP=x: a stage count 1-9")):
+        p = subprocess.run(["bash", str(SCRIPT), mode, str(tmp_path / "x")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+        assert p.returncode == 2, (p.stdout, p.stderr)
+        lines = p.stdout.splitlines()
+        assert len(lines) == 2 and lines[1] == f"gpu.sh {mode}: {want}", (p.stdout, p.stderr)
+    # the default table (the suite's) passes the check and the mode goes on to the machine's wheels
+    p = subprocess.run(["bash", str(SCRIPT), "gsm8k-e2e", str(tmp_path / "y")], capture_output=True, text=True,
+                       timeout=120)
+    assert "TABLE" not in p.stdout, p.stdout

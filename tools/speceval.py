@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+import yaml
 from pathlib import Path
 
 from harness.core.config import spec_shape
@@ -20,11 +22,12 @@ from harness.eval.prompts import read_contexts
 def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tuple[int, int, int]],
              device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 256, backend: str = "auto",
              plain: bool = True, max_concurrency: int | None = None, token_map: str | None = None,
-             algorithm: str = "eagle", spec_overlap: bool | None = None) -> dict:
+             algorithm: str = "eagle", spec_overlap: bool | None = None, tables: list[dict] = ()) -> dict:
     """Run plain decoding (unless ``plain`` is False) and each EAGLE ``shapes`` entry (S, k, n) on ``prompts``;
     ``token_map``: an FR-Spec draft vocabulary for the EAGLE runs; ``algorithm``: "eagle" (EAGLE-1/2 head) or
     "eagle3" (EAGLE-3 head; its config names are "eagle3 S=.. k=.. n=.."); ``spec_overlap``: ``EngineConfig.spec_overlap``
-    (None: the plan's default; True: the device spec rounds, EAGLE-3's opt-in on CUDA). Returns {config name: accept length, histogram,
+    (None: the plan's default; True: the device spec rounds, EAGLE-3's opt-in on CUDA); ``tables``: ``spec.adaptive``
+    tables run after the shapes (named "ALGORITHM adaptive {table}"). Returns {config name: accept length, histogram,
     GSM8K strict/flexible scores, output tokens, wall seconds (generate), tokens/s, prompts, config seconds (engine
     start, warm-up and generate), output token ids}."""
     from engine import LLM, EngineConfig, SamplingParams, SpecConfig
@@ -34,6 +37,9 @@ def evaluate(model: str, draft: str | None, prompts: list[dict], shapes: list[tu
     configs = ([("plain", SpecConfig())] if plain else []) + [
         (f"{algorithm} S={S} k={k} n={n}" + (f" map={Path(token_map).name}" if token_map else ""),
          SpecConfig(algorithm, draft, S, k, n, token_map=token_map)) for S, k, n in shapes]
+    for t in tables:
+        spec = SpecConfig(algorithm, draft, token_map=token_map, adaptive=t)
+        configs.append((f"{algorithm} adaptive {spec.table}", spec))
     results = {}
     for name, spec in configs:
         t_cfg = time.perf_counter()
@@ -86,13 +92,23 @@ def main() -> None:
     ap.add_argument("--algorithm", default="eagle", choices=("eagle", "eagle3"), help="kind of the --draft head")
     ap.add_argument("--spec-overlap", choices=("auto", "on", "off"), default="auto",
                     help="EAGLE rounds on the device (on), on the host (off), or the plan's default (auto)")
+    ap.add_argument("--adaptive", action="append", default=[], metavar="TABLE",
+                    help="a spec.adaptive table in its flow notation, e.g. '{1: [4x1x5, off], 8: [off]}' (repeatable; "
+                         "run after the --shape configs)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    tables = []
+    for text in a.adaptive:
+        from engine.spec_table import AdaptiveTable
+        try:
+            tables.append(AdaptiveTable.parse(yaml.safe_load(text)).as_dict())
+        except (ValueError, yaml.YAMLError) as e:
+            ap.error(f"--adaptive {text!r}: {str(e).splitlines()[0]}")
     prompts = read_contexts(a.prompts)[a.offset:]
     prompts = prompts[:a.limit]
     res = evaluate(a.model, a.draft, prompts, a.shape, a.device, a.dtype, a.max_new_tokens, a.backend, not a.no_plain,
                    a.max_concurrency, a.token_map, a.algorithm,
-                   {"auto": None, "on": True, "off": False}[a.spec_overlap])
+                   {"auto": None, "on": True, "off": False}[a.spec_overlap], tables)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res))
 

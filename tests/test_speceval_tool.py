@@ -1,0 +1,29 @@
+"""tools.speceval on the tiny model: a one-tier ``--adaptive`` table equals its fixed ``--shape``; bad tables are one
+line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_one_tier_table_equals_the_fixed_shape(tiny_model_dir, tiny_draft_dir, tmp_path):
+    from tools.speceval import evaluate
+    prompts = [{"prompt": "Question: Tom has 3 apples and buys 5 more. How many now?\nAnswer:", "target": "8",
+                "until": ["Question:"]},
+               {"prompt": "Question: 2 + 2 = ?\nAnswer:", "until": ["Question:"]}]
+    res = evaluate(str(tiny_model_dir), str(tiny_draft_dir), prompts, [(3, 1, 4)], max_new_tokens=16, plain=False,
+                   max_concurrency=1, tables=[{1: ["3x1x4"]}])
+    fixed, table = res["eagle S=3 k=1 n=4"], res["eagle adaptive {1: [3x1x4]}"]
+    assert table["outputs"] == fixed["outputs"] and table["accept_hist"] == fixed["accept_hist"]
+    assert table["output_tokens"] == 32 and table["accept_length"] > 1
+
+
+def test_a_bad_table_is_one_line():
+    p = subprocess.run([sys.executable, "-m", "tools.speceval", "--prompts", "x.jsonl", "--adaptive", "{1: [4x1x9]}",
+                        "--out", "unused.json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
+        "speceval.py: error: --adaptive '{1: [4x1x9]}': spec.adaptive[1]: shape 4x1x9:"), p.stderr
