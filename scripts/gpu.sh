@@ -100,7 +100,8 @@
 #                        round), S4 n5 and the table on the host round (spec_overlap=false), then the table with the
 #                        EMA and off appended to each tier; sweep.md compares every row to plain per cell. The EMA's
 #                        per-tier down/up: tier 1 0.05/0.12, every other tier 0.25/0.35 (break-even accept rates of
-#                        off against S4 n5 measured on the H200, results/README.md). TABLE
+#                        off against S4 n5 measured on the H200, results/README.md); a TABLE with its own ema: is
+#                        run as it is in both cells (e.g. suites/h200_adaptive_ema.yaml). TABLE
 #                        defaults to the table adaptive-sweep proposed on this machine, and is parsed by
 #                        engine/spec_table.py before the machine's wheels are checked; CELLS: a subset of "plain s4n5
 #                        s3n4 s8n9 adaptive s4n5_host adaptive_host adaptive_ema"; BENCH_S: the bench's budget (420 s);
@@ -385,7 +386,7 @@ adaptive-bench)
   PPS=()
   case "${PP:-1}" in 1) ;; [2-9]) PPS=(--set "pp=$PP" --set spec.pp_spec=true);; *) die "PP=$PP: a stage count 1-9";; esac
   need gguf
-  TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items() if k != 'ema'}; t['ema'] = {'alpha': 0.25, 'down': {k: 0.05 if k == 1 else 0.25 for k in t}, 'up': {k: 0.12 if k == 1 else 0.35 for k in t}, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
+  TE=$(python3 -c "import sys, yaml; t = yaml.safe_load(sys.argv[1]); 'ema' in t and sys.exit(print(sys.argv[1])); t = {k: (v if isinstance(v, list) else [v]) + ([] if 'off' in v else ['off']) for k, v in t.items() if k != 'ema'}; t['ema'] = {'alpha': 0.25, 'down': {k: 0.05 if k == 1 else 0.25 for k in t}, 'up': {k: 0.12 if k == 1 else 0.35 for k in t}, 'probe': 32}; print(yaml.safe_dump(t, default_flow_style=True, width=10000).strip())" "$T")
   say "adaptive table: $T; with the EMA: $TE"
   C="plain=spec.algorithm=null;s4n5=;s3n4=$(shape 3 1 4 | sed 's/--set //g; s/ /|/g');s8n9=$(shape 8 1 9 | sed 's/--set //g; s/ /|/g')"
   C="$C;adaptive=spec.adaptive=$T;s4n5_host=spec_overlap=false|spec_device_tree=false"
