@@ -133,3 +133,43 @@ def test_bench_under_a_table_deeper_than_the_fixed_shape_counts_every_draft_posi
     assert acc["mean"] == pytest.approx(1 + sum(acc["per_position"])), acc
     md = (out / "summary.md").read_text()
     assert "adaptive {1: [5x1x6]}" in md and "S=2" not in md
+
+
+def test_an_interrupted_bench_writes_the_cells_that_finished(tiny, tmp_path, monkeypatch):
+    """Regression: an interrupt (Ctrl-C, SIGTERM) during ``ppspec bench`` lost every finished cell: --out did not
+    exist afterwards. The cells that finished are written (summary.json with ``interrupted: {cells_done,
+    cells_total}``, their records only, summary.md titled "interrupted after 1 of 2 cells"), one line names the
+    directory, and the interrupt still ends the command."""
+    from engine import LLM
+    real, calls = LLM.generate, []
+
+    def generate(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:                       # warm-up + timed run of the first cell, then the second's warm-up
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(LLM, "generate", generate)
+    out = tmp_path / "bench"
+    r = runner.invoke(app, ["bench", *_engine_args(tiny), "--no-spec", "--cells", "32x1,32x2", "--output-len", "4",
+                            "--runs", "1", "--warmup", "1", "--out", str(out)])
+    assert r.exit_code != 0 and isinstance(r.exception, (KeyboardInterrupt, SystemExit)), r.output
+    assert f"partial results (1 of 2 cells): {out}" in r.output, r.output
+    s = _summary(out)
+    assert s["interrupted"] == {"cells_done": 1, "cells_total": 2}
+    assert [(c["input_len"], c["batch_size"]) for c in s["cells"]] == [(32, 1)]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [(x["input_len"], x["batch_size"]) for x in records] == [(32, 1)]
+    assert "(interrupted after 1 of 2 cells)" in (out / "summary.md").read_text()
+
+
+def test_a_bench_interrupted_before_its_first_cell_finished_writes_nothing(tiny, tmp_path, monkeypatch):
+    """No finished cell: nothing is written (no empty run directory)."""
+    from engine import LLM
+
+    def generate(self, *a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(LLM, "generate", generate)
+    out = tmp_path / "bench"
+    r = runner.invoke(app, ["bench", *_engine_args(tiny), "--no-spec", "--cells", "32x1", "--output-len", "4",
+                            "--runs", "1", "--warmup", "0", "--out", str(out)])
+    assert r.exit_code != 0 and "partial results" not in r.output and not out.exists(), r.output

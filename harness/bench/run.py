@@ -19,15 +19,17 @@ from harness.core import stats
 from harness.bench.cells import RANDOM_WEIGHTS, build_prompts, check_cells_fit, check_prompt_set, cold, load_texts
 from harness.core.config import HarnessConfigError, RunConfig
 
-def _run_cells(cfg: RunConfig, llm, progress, tag: str = "",
-               failed_cells: list | None = None) -> tuple[list[dict], list[dict], list[dict], object]:
+def _run_cells(cfg: RunConfig, llm, progress, tag: str = "", failed_cells: list | None = None,
+               done: tuple[list, list] | None = None) -> tuple[list[dict], list[dict], list[dict], object]:
     """Every cell of ``cfg.bench`` on ``llm``: (cells, per-request records, peer inputs, tokenizer or None).
     ``tag`` prefixes the progress label (the no-spec baseline's cells). A run in which the engine failed a request
     (finish_reason "error") leaves its cell unmeasured: with ``failed_cells`` the cell is appended there
-    ({input_len, batch_size, error}) and the next cells run; without, EngineError is raised."""
+    ({input_len, batch_size, error}) and the next cells run; without, EngineError is raised. ``done``: the (cells,
+    records) lists to fill, which hold the finished cells (and only their records) when an exception stops the run."""
     from engine import SamplingParams
     b = cfg.bench
-    cells, records, peer_cells = [], [], []
+    cells, records = done if done is not None else ([], [])
+    peer_cells = []
     tok = getattr(llm, "tokenizer", None)
     natural = prompt_sets.gsm8k_split(b.prompts) is None
     if natural:
@@ -122,16 +124,26 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
         from engine import LLM
         llm = LLM(cold(cfg.engine))
     failed_cells: list[dict] = []
+    done: tuple[list, list] = ([], [])
     try:
-        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress, failed_cells=failed_cells)
+        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress, failed_cells=failed_cells, done=done)
         model_config = getattr(llm, "model_config", None)
         info = dict(llm.info)
+    except BaseException as e:
+        if not isinstance(e, Exception) and done[0]:       # an interrupt: the finished cells travel with it
+            e.partial_bench = _partial(cfg, dict(llm.info), done, failed_cells, getattr(llm, "tokenizer", None))
+        raise
     finally:
         if own:
             llm.shutdown()
     baseline = None
     if b.baseline == "nospec" and cfg.engine.spec.enabled:
-        baseline = _run_baseline(cfg, progress, cells)
+        try:
+            baseline = _run_baseline(cfg, progress, cells)
+        except BaseException as e:                          # interrupted in the baseline: the spec cells are kept
+            if not isinstance(e, Exception):
+                e.partial_bench = _partial(cfg, info, done, failed_cells, tok)
+            raise
     random_weights = cfg.engine.load_format == "dummy"
     source = prompt_sets.source(b.prompts) if tok is not None else "random-ids"
     summary = {"kind": "bench", "engine_info": info, "prompt_source": source,
@@ -161,6 +173,26 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
                 import torch
                 torch.cuda.empty_cache()
         summary["peer"] = _run_peer(cfg, peer_cells, progress, random_weights)
+    return summary, records
+
+
+def _partial(cfg: RunConfig, info: dict, done: tuple[list, list], failed_cells: list, tok) -> tuple[dict, list[dict]]:
+    """(summary, records) of the cells that finished before an interrupt (``info``: the engine's ``LLM.info``): the
+    summary run_bench would write for them alone (no baseline, floors or peer), with ``interrupted: {cells_done,
+    cells_total}``; the records of a cell cut short are dropped."""
+    cells, records = done
+    finished = {(c["input_len"], c["batch_size"]) for c in cells}
+    records = [x for x in records if (x["input_len"], x["batch_size"]) in finished]
+    b = cfg.bench
+    summary = {"kind": "bench", "engine_info": info, "prompt_source":
+               prompt_sets.source(b.prompts) if tok is not None else "random-ids",
+               "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": list(cells),
+               "interrupted": {"cells_done": len(cells), "cells_total": len(b.cell_list())}}
+    if failed_cells:
+        summary["failed_cells"] = list(failed_cells)
+    if any(c.get("pp") for c in cells):
+        summary["pp"] = pp_metrics.run_metrics(cells)
     return summary, records
 
 

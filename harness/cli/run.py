@@ -123,7 +123,8 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
           set_: SetOpt = None, out: OutOpt = None, progress: ProgressOpt = True) -> None:
     """TTFT, TPOT, ITL, E2E and output tok/s per batch size x input length (GSM8K test-text prompts by default, or a natural
     prompt set with [cyan]--prompts[/cyan]); [cyan]--dry-run[/cyan] lists the cells and runs nothing.
-    With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate."""
+    With [cyan]--request-rate[/cyan] (open loop): Poisson arrivals, latency percentiles, req/s and goodput per rate.
+    Interrupted (Ctrl-C, SIGTERM), it writes the cells that finished, marked as interrupted, before it exits."""
     from harness.bench.run import run_bench
     from harness.bench.table import render
     from harness.bench.openloop import parse_rate, parse_slo
@@ -157,9 +158,20 @@ def bench(config: ConfigOpt = None, model: ModelOpt = None, draft: DraftOpt = No
         check_model(cfg.engine.model)
         d = run_dir(cfg, "bench", out)
         from harness.bench.progress import bench_total, job_progress
-        with job_progress(progress, bench_total(cfg), err) as cb:
-            summary, records = run_bench(cfg, progress=cb)
-        rend, md = render(summary, f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else ""))
+        title = f"bench {cfg.name}" + (f" [{cfg.label}]" if cfg.label else "")
+        try:
+            with job_progress(progress, bench_total(cfg), err) as cb:
+                summary, records = run_bench(cfg, progress=cb)
+        except BaseException as e:      # an interrupt: the cells that finished are written, then it goes on
+            partial = getattr(e, "partial_bench", None)
+            if partial is not None:
+                cut = partial[0]["interrupted"]
+                save(cfg, "bench", *partial, render(partial[0], f"{title} (interrupted after {cut['cells_done']} of "
+                                                              f"{cut['cells_total']} cells)")[1], d)
+                err.print(f"partial results ({cut['cells_done']} of {cut['cells_total']} cells): {d}", markup=False,
+                          highlight=False)
+            raise
+        rend, md = render(summary, title)
         save(cfg, "bench", summary, records, md, d)        # written before the tables: a closed stdout loses nothing
         write_run_plots("bench", summary, d)
         show(rend)
