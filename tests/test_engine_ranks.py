@@ -327,7 +327,9 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
             done.wait(60)                                # the handler runs before the start-up data is written
         return pid
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set()), "SIGINT blocked before the test"
-    handler = signal.getsignal(signal.SIGINT)
+    # Python's own handler, whatever an earlier test's code left installed (a full-suite run once had SIG_IGN here:
+    # held_signals then re-delivered the held signal to SIG_IGN and nothing was raised)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=kill_from_another_thread, daemon=True).start()
     monkeypatch.setattr(mpu, "spawnv_passfds", spawn_then_interrupt)
     capfd.readouterr()
@@ -340,6 +342,7 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
                              f"blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, set()))}") from e
     finally:
         go.set()
+        signal.signal(signal.SIGINT, handler)
     assert sent
     import time
     time.sleep(1.0)                                      # a half-started rank would print its traceback by now
