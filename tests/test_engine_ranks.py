@@ -327,8 +327,9 @@ def test_an_interrupt_while_a_rank_starts_is_held_until_it_has_started(tiny_mode
             done.wait(60)                                # the handler runs before the start-up data is written
         return pid
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set()), "SIGINT blocked before the test"
-    # Python's own handler, whatever an earlier test's code left installed (a full-suite run once had SIG_IGN here:
-    # held_signals then re-delivered the held signal to SIG_IGN and nothing was raised)
+    # Python's own handler, whatever the process started with: a suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored (POSIX), Python then installs no handler, and held_signals
+    # re-delivered the held signal to SIG_IGN, so nothing was raised
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=kill_from_another_thread, daemon=True).start()
     monkeypatch.setattr(mpu, "spawnv_passfds", spawn_then_interrupt)
