@@ -115,6 +115,8 @@ class Req:
     prefilled: int = 0
     tree: DraftTree | None = None         # next verify tree (one row: tokens [n], col 0 = root)
     tree_shape: object | None = None      # adaptive speculation: the Shape ``tree`` was drafted at
+    drafted_steps: int | None = None      # adaptive: steps of the next verify round's tree that were drafted (fitted
+                                          # from another shape, engine.speculative.adaptive.drafted_steps); None: all
     accept_lengths: list[int] = field(default_factory=list)
     round_shapes: list[str] = field(default_factory=list)   # adaptive: each verify round's shape ("3x1x4", "off")
     round_tiers: list[int] = field(default_factory=list)    # adaptive: each verify round's tier (its smallest batch size)

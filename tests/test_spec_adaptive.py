@@ -181,6 +181,60 @@ def test_commit_checks_the_relayed_shape():
         pol.commit(res)
 
 
+def test_a_round_on_undrafted_trees_is_no_ema_sample():
+    """Regression: the first drafted round after ``off`` runs on trees fitted from the off round (which drafts no
+    next tree: root + token-0 padding) and accepts 1 by construction; the EMA counted it as rate 0, so every probe
+    began with a 0 sample and a tier fell back to off after the dwell (a fresh user's bench: accept 1.48 against
+    2.07 at the fixed shape). Rows weigh by their drafted steps (``drafted_steps``); a round with none drafted
+    is no sample and no round toward the dwell, and ``commit`` resets the requests' ``drafted_steps``."""
+    from types import SimpleNamespace
+
+    from engine.speculative.adaptive import drafted_steps
+    S3, S5 = Shape(3, 1, 4), Shape(5, 1, 6)
+    assert drafted_steps(OFF, S3) == 0 and drafted_steps(S3, S5) == 3 and drafted_steps(S5, S3) == 3
+    assert drafted_steps(Shape(2, 1, 3), S5) == 2
+    assert drafted_steps(S3, S3) is None and drafted_steps(None, S3) is None
+    assert drafted_steps(Shape(3, 2, 6), S3) == 0 and drafted_steps(S3, Shape(3, 2, 6)) == 0
+    pol = AdaptivePolicy(AdaptiveTable.parse({1: ["3x1x4", "off"],
+                                              "ema": {"alpha": 0.5, "down": 0.2, "up": 0.4, "probe": 2}}))
+    pol.observe(0, S3, [1], drafted=[0])                 # undrafted: no sample
+    assert pol.ema == pytest.approx(0.3) and pol.since == [0] and pol.pos == [0]
+    pol.observe(0, S3, [3, 2], drafted=[2, 3])           # min(2, 2) + min(1, 3) accepted of 5 drafted steps
+    assert pol.ema == pytest.approx(0.5 * 0.6 + 0.5 * 0.3) and pol.since == [1]
+    # through commit: the requests' drafted_steps (set by assign) weigh the rows, then are reset
+    pol.slot_shape[0] = (S3, 0)
+    reqs = [SimpleNamespace(drafted_steps=0), SimpleNamespace(drafted_steps=0)]
+    res = StepResult("verify", 0, [1, 2], torch.zeros(2, 4, dtype=torch.int64), accept_lens=torch.tensor([1, 1]),
+                     shape=S3)
+    ema = pol.ema
+    pol.commit(res, reqs)
+    assert pol.ema == ema and pol.since == [1] and [r.drafted_steps for r in reqs] == [None, None]
+    pol.commit(res, reqs)                                # the next round's trees were drafted at 3x1x4: rate 0
+    assert pol.ema == pytest.approx(0.5 * ema) and pol.since == [2]
+
+
+def test_the_engine_passes_the_undrafted_round_to_the_ema_as_such(tiny_model_dir, tiny_draft_dir, monkeypatch):
+    """End to end (fp32 CPU, pp=1): a tier started at ``off`` probes 3x1x4 after 2 rounds; the policy is told that
+    the probe's first round had no drafted step (its trees came from the off round) and that the rounds after it
+    had all 3, and that first round accepts 1."""
+    seen = []
+    real = AdaptivePolicy.observe
+
+    def observe(self, t, shape, accept_lens, drafted=None):
+        seen.append((str(shape), list(accept_lens), drafted))
+        return real(self, t, shape, accept_lens, drafted)
+    monkeypatch.setattr(AdaptivePolicy, "observe", observe)
+    spec = SpecConfig(algorithm="eagle", draft=str(tiny_draft_dir), num_steps=3, topk=1, num_draft_tokens=4,
+                      adaptive={1: ["3x1x4", "off"], "ema": {"alpha": 0.5, "down": 0.01, "up": 0.02, "probe": 2}})
+    with LLM(EngineConfig(model=str(tiny_model_dir), spec=spec)) as llm:
+        llm._worker.sched.policy.pos[0] = 1               # start off: the first drafted round is a probe's
+        out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert out.round_shapes[:3] == ["off", "off", "3x1x4"] and out.accept_lengths[2] == 1, out.round_shapes
+    assert [x[0] for x in seen[:3]] == ["off", "off", "3x1x4"] and seen[2][2] == [0], seen[:4]
+    after = [(prev[0], cur) for prev, cur in zip(seen[2:], seen[3:]) if cur[0] == "3x1x4"]
+    assert after and all(cur[2] == ([0] if prev == "off" else [3]) for prev, cur in after), seen
+
+
 def test_fit_tree_keeps_a_chain_prefix_and_falls_back_for_trees():
     chain = DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]))
     short = fit_tree(chain, Shape(3, 1, 4), Shape(2, 1, 3))

@@ -16,7 +16,9 @@ and the draft extends over the emitted token, so its KV and features stay curren
 The policy (:class:`AdaptivePolicy`) is replicated on every PP stage and reads only what every stage sees
 identically: the scheduled batch size and the accept lengths committed from the relay. Without ``ema`` each tier
 runs its first shape. With ``ema`` the accept rate (accept_length - 1) / S of every drafted round feeds
-``ema = alpha * rate + (1 - alpha) * ema``; below ``down`` the tier steps one shape toward the list's end (cheaper),
+``ema = alpha * rate + (1 - alpha) * ema``; a tree fitted from another shape counts only its drafted steps
+(:func:`drafted_steps`), and a round none of whose trees was drafted (the first round after ``off``: an off round
+drafts no next tree) is no sample; below ``down`` the tier steps one shape toward the list's end (cheaper),
 above ``up`` one toward its start, at most once per ``ceil(1 / alpha)`` rounds (hysteresis: ``down < up``); after
 ``probe`` rounds off it steps back and the EMA restarts at (down + up) / 2. ``down`` and ``up`` are each one number
 for every tier or a map {tier key: number} naming exactly the table's tiers (the break-even accept rate of a
@@ -55,6 +57,7 @@ class AdaptivePolicy:
         batch.shape = self.table.tiers[t][1][self.pos[t]]
         self.slot_shape[batch.slot] = (batch.shape, t)
         for r in batch.reqs:
+            r.drafted_steps = drafted_steps(r.tree_shape, batch.shape)
             r.tree, r.tree_shape = fit_tree(r.tree, r.tree_shape, batch.shape), batch.shape
 
     def predict(self, reqs) -> Shape:
@@ -62,15 +65,22 @@ class AdaptivePolicy:
         a later change makes the guess miss)."""
         return self.choose(active(reqs))
 
-    def commit(self, out) -> int:
+    def commit(self, out, reqs=None) -> int:
         """Apply a relayed verify result (a ``StepResult``): its shape checked against the one scheduled for its
-        slot (RelayError otherwise), then the EMA step (:meth:`observe`) of that batch's tier. Returns the tier's
-        key (its smallest batch size)."""
+        slot (RelayError otherwise), then the EMA step (:meth:`observe`) of that batch's tier. ``reqs``: the
+        result's requests in its row order; their ``drafted_steps`` (set by :meth:`assign`) weigh the rows and are
+        reset (the rounds after this one run on trees drafted at the shape). Returns the tier's key (its smallest
+        batch size)."""
         want, t = self.slot_shape.get(out.slot, (None, 0))
         if out.shape != want:
             from ..messages import RelayError
             raise RelayError(f"slot {out.slot}: verify result of shape {out.shape}, scheduled {want}")
-        self.observe(t, out.shape, out.accept_lens.tolist())
+        drafted = None
+        if reqs is not None:
+            drafted = [out.shape.num_steps if r.drafted_steps is None else r.drafted_steps for r in reqs]
+            for r in reqs:
+                r.drafted_steps = None
+        self.observe(t, out.shape, out.accept_lens.tolist(), drafted)
         return self.table.tiers[t][0]
 
     def keep(self, slot: int, shape: Shape, batch_size: int) -> bool:
@@ -103,20 +113,28 @@ class AdaptivePolicy:
         t = self.table.tier(batch_size)
         return self.table.tiers[t][1][self.pos[t]]
 
-    def observe(self, t: int, shape: Shape, accept_lens: list[int]) -> None:
-        """One committed verify round of tier ``t`` at ``shape`` with these accept lengths (module doc)."""
+    def observe(self, t: int, shape: Shape, accept_lens: list[int], drafted: list[int] | None = None) -> None:
+        """One committed verify round of tier ``t`` at ``shape`` with these accept lengths (module doc).
+        ``drafted``: per row, how many of the shape's steps its tree had drafted (None: all); the rate is the
+        accepted drafted tokens over the drafted steps, and a round with none drafted is no sample (no EMA
+        update, no round toward the dwell)."""
         if self.ema is None or not accept_lens:
             return
         shapes, tb = self.table.tiers[t][1], self.table
-        self.since[t] += 1
         if shape.off:
+            self.since[t] += 1
             self.off_rounds[t] += 1
             if self.off_rounds[t] >= tb.probe and self.pos[t] > 0 and shapes[self.pos[t]].off:
                 self.pos[t] -= 1
                 self.off_rounds[t], self.since[t], self.ema = 0, 0, sum(tb.band(t)) / 2
             return
         self.off_rounds[t] = 0
-        rate = sum(a - 1 for a in accept_lens) / (len(accept_lens) * shape.num_steps)
+        d = [shape.num_steps] * len(accept_lens) if drafted is None else drafted
+        steps = sum(d)
+        if not steps:
+            return
+        self.since[t] += 1
+        rate = sum(min(a - 1, x) for a, x in zip(accept_lens, d)) / steps
         self.ema = tb.alpha * rate + (1 - tb.alpha) * self.ema
         if self.since[t] < self.dwell or shapes[self.pos[t]] != shape:
             return
@@ -142,6 +160,17 @@ def may_finish(r, tokens: int, eos_ids, max_model_len: int) -> bool:
         return True
     n = len(r.output_ids) + tokens
     return n >= p.max_new_tokens or len(r.prompt_ids) + n >= max_model_len
+
+
+def drafted_steps(have: Shape | None, want: Shape) -> int | None:
+    """How many of ``want``'s draft steps a tree drafted at ``have`` still carries after :func:`fit_tree`: None
+    when nothing is fitted (``have`` is ``want`` or unknown), the common chain prefix's drafted tokens for two
+    chains (0 from ``off``, which drafts no next tree), 0 for any other pair (the root-only fallback)."""
+    if have is None or have == want:
+        return None
+    if have.is_chain and want.is_chain:
+        return min(have.num_draft_tokens, want.num_draft_tokens) - 1
+    return 0
 
 
 def fit_tree(tree, have: Shape, want: Shape):
