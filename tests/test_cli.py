@@ -1134,6 +1134,19 @@ def test_results_engine_line_and_dry_run_name_the_adaptive_table_not_the_fixed_s
     from harness.core.tables import spec_label          # compare's and the plots' engine label
     assert spec_label(json.loads(json.dumps(sp))) == "eagle3 adaptive {1: [4x1x5, off], 4: [off]} + ema"
     assert spec_label({**sp, "adaptive": None}) == "eagle3 S4k1n5" and spec_label(None) == "no spec"
+    # summaries written before tables were a mapping hold adaptive: false (compare crashed on 45 committed ones)
+    assert spec_label({**sp, "adaptive": False}) == "eagle3 S4k1n5"
+    assert engine_line({"spec": {**sp, "adaptive": False}}).endswith("(S=4 k=1 n=5)")
+    # the terminal table prints a table's [off] (it was read as rich markup and vanished)
+    from rich.console import Console
+
+    from harness.core.tables import fit_table, rich_table
+    con = Console(record=True, width=200)
+    t = rich_table("t [x]", ["engine [a]", "b"], [[spec_label(json.loads(json.dumps(sp))), "[off]"]])
+    for part in [t, *fit_table(t, 40)]:
+        con.print(part)
+    text = con.export_text()
+    assert "[off]" in text and "4: [off]" in text and "engine [a]" in text and "t [x]" in text, text
     r = runner.invoke(app, ["bench", "--config", "tp1pp2", "--dry-run", "--set", "spec.adaptive={1: [3x1x4, off]}"])
     assert r.exit_code == 0, r.output
     last = r.output.strip().splitlines()[-1]

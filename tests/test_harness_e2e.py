@@ -160,6 +160,14 @@ def test_an_interrupted_bench_writes_the_cells_that_finished(tiny, tmp_path, mon
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [(x["input_len"], x["batch_size"]) for x in records] == [(32, 1)]
     assert "(interrupted after 1 of 2 cells)" in (out / "summary.md").read_text()
+    # compare says so: a cut run's missing cells are not mistaken for a complete run's
+    import shutil
+    shutil.copytree(out, tmp_path / "again")
+    r = runner.invoke(app, ["compare", str(out), str(tmp_path / "again"), "--out", str(tmp_path / "cmp")])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert md.count("was interrupted: 1 of 2 cells measured") == 2, md
+    assert len(json.loads((tmp_path / "cmp" / "compare.json").read_text())["interrupted"]) == 2
 
 
 def test_a_bench_interrupted_before_its_first_cell_finished_writes_nothing(tiny, tmp_path, monkeypatch):

@@ -235,7 +235,7 @@ def engine_line(info: dict) -> str:
     parts = [f"engine: tp={info.get('tp', 1)} pp={info.get('pp', 1)}"]
     sp = info.get("spec") or {}
     if sp.get("algorithm"):
-        if sp.get("adaptive") is not None:      # the fixed S/k/n does not run under a table: name the table
+        if sp.get("adaptive"):                  # the fixed S/k/n does not run under a table: name the table
             from engine.spec_table import AdaptiveTable
             shape = f"adaptive {AdaptiveTable.parse(sp['adaptive'])}"
         else:

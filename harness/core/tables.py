@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 def spec_label(sp: dict | None) -> str:
@@ -15,7 +16,7 @@ def spec_label(sp: dict | None) -> str:
     if not sp.get("algorithm"):
         return "no spec"
     table = sp.get("adaptive")
-    if table is None:
+    if not table:                   # None, or false in summaries written before tables were a mapping
         return f"{sp['algorithm']} S{sp.get('num_steps')}k{sp.get('topk')}n{sp.get('num_draft_tokens')}"
     tiers = {k: v for k, v in table.items() if k != "ema"}
     def shape(x) -> str:
@@ -46,12 +47,13 @@ def fmt(x, kind: str = "num") -> str:
 
 
 def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
-    """A rich Table (first column left-aligned, the rest right-aligned); the title is not rich markup."""
+    """A rich Table (first column left-aligned, the rest right-aligned); neither the title nor a header or cell is
+    rich markup (a cell such as ``{2: [off]}`` prints as it is)."""
     t = Table(title=escape(title), title_justify="left", header_style="bold")
     for i, h in enumerate(headers):
-        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        t.add_column(Text(str(h)), justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
-        t.add_row(*[str(c) for c in r])
+        t.add_row(*[Text(str(c)) for c in r])
     return t
 
 
@@ -143,7 +145,7 @@ def fit_table(table: Table, width: int = 80) -> list[Table]:
             t.add_column(src.header, justify=src.justify, width=widths[i], overflow="fold",
                          no_wrap=widths[i] >= natural[i])
         for r in range(len(cells[0]) if cells else 0):
-            t.add_row(*[cells[i][r] for i in idx])
+            t.add_row(*[Text(cells[i][r]) for i in idx])
         out.append(t)
     return out
 

@@ -210,13 +210,19 @@ def compare_entries(entries: list[dict], out_dir: Path | None, plots: bool = Tru
     tests, (t2, md2) = paired_tests_table(entries)
     from harness.report.plots import compare_plots
     pngs = compare_plots(entries, out_dir) if plots and out_dir is not None else []
-    md = md1 + ("\n" + md2 if tests else "") + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
+    cut = {e["name"]: s["interrupted"] for e in entries for k in KINDS if k in e
+           for s in [e[k]] if isinstance(s, dict) and s.get("interrupted")}
+    notes = [f"Note: {name} was interrupted: {c['cells_done']} of {c['cells_total']} cells measured; the others "
+             "are missing, not failed" for name, c in cut.items()]
+    md = (md1 + "".join(f"\n{n}\n" for n in notes) + ("\n" + md2 if tests else "")
+          + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs))
     forms = [summary_format(e["gsm8k"]) for e in entries if "gsm8k" in e]
     summary = {"kind": "compare", "dirs": [e["dir"] for e in entries], "names": [e["name"] for e in entries],
                "paired_tests": tests, "plots": [str(p) for p in pngs],
-               "gsm8k_format_differs": differing_keys(forms)}     # [] when every GSM8K result ran one format
+               "gsm8k_format_differs": differing_keys(forms),     # [] when every GSM8K result ran one format
+               "interrupted": cut}                                # {name: {cells_done, cells_total}} of cut runs
     from rich.text import Text
-    return summary, [t1, Text(WINNER_LEGEND)] + ([t2] if tests else []), md
+    return summary, [t1, Text(WINNER_LEGEND), *map(Text, notes)] + ([t2] if tests else []), md
 
 
 def check_dirs(dirs: list[str]) -> None:
