@@ -1153,6 +1153,25 @@ def test_results_engine_line_and_dry_run_name_the_adaptive_table_not_the_fixed_s
     assert " adaptive {1: [3x1x4, off]} " in last and " S4 " not in last and " S3 " not in last, last
 
 
+def test_a_key_given_twice_is_refused_in_set_values_and_suite_files(tmp_path):
+    """Regression: YAML keeps the last of two equal keys silently, so ``--set 'spec.adaptive={1: [3x1x4], 1:
+    [off]}'`` ran a one-tier ``off`` table and a suite with ``spec:`` twice lost its first section. Both are one
+    line, exit 2."""
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.adaptive={1: [3x1x4], 1: [off]}"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "Error: --set spec.adaptive: '{1: [3x1x4], 1: [off]}' is not a valid YAML value (duplicate key 1)"], r.output
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("name: dup\nspec:\n  num_steps: 3\nspec:\n  num_steps: 4\n")
+    r = runner.invoke(app, ["plan", "--config", str(dup)])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        f"Error: {dup}: line 4, column 1 invalid YAML: duplicate key 'spec'"], r.output
+    r = runner.invoke(app, ["plan", "--config", "tp1pp1", "--set", "spec.adaptive={1: [3x1x4], 8: [off]}"])
+    assert r.exit_code == 0, r.output                 # distinct keys, and every shipped suite, still load
+    for suite in sorted((Path(__file__).resolve().parents[1] / "suites").glob("*.yaml")):
+        from harness.core.suites import load_yaml
+        load_yaml(suite)
+
+
 def test_plan_warns_when_the_tp_pads_the_heads():
     """Regression: ``ppspec plan --set tp=5`` on SmolLM2 (9 query / 3 KV heads) printed the plan without a word about
     the zero heads the engine pads in (it logs one warning line at start-up); plan prints that line on stderr,

@@ -2,10 +2,11 @@
 line."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,8 +23,19 @@ def test_a_one_tier_table_equals_the_fixed_shape(tiny_model_dir, tiny_draft_dir,
     assert table["output_tokens"] == 32 and table["accept_length"] > 1
 
 
-def test_a_bad_table_is_one_line():
-    p = subprocess.run([sys.executable, "-m", "tools.speceval", "--prompts", "x.jsonl", "--adaptive", "{1: [4x1x9]}",
-                        "--out", "unused.json"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
-        "speceval.py: error: --adaptive '{1: [4x1x9]}': spec.adaptive[1]: shape 4x1x9:"), p.stderr
+P = "harness/data/gsm8k/test200_lmeval_8shot.jsonl.gz"
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--prompts", P, "--adaptive", "{1: [4x1x9]}"], "--adaptive '{1: [4x1x9]}': spec.adaptive[1]: shape 4x1x9:"),
+    (["--prompts", P, "--adaptive", "{1: [3x1x4], 1: [off]}"], "--adaptive '{1: [3x1x4], 1: [off]}':"),
+    (["--prompts", P, "--no-plain"], "--no-plain leaves nothing to run: give a --shape or an --adaptive table"),
+    (["--prompts", P, "--limit", "-1"], "--limit must be >= 1 (got -1)"),
+    (["--prompts", P, "--offset", "-3"], "--offset must be >= 0 (got -3)"),
+    (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file"),
+])
+def test_bad_arguments_are_one_line(args, want):
+    p = subprocess.run([sys.executable, "-m", "tools.speceval", *args, "--out", "unused.json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"speceval.py: error: {want}"), p.stderr

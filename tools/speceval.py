@@ -75,19 +75,21 @@ def _mean(x):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--draft")
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--limit", type=int)
+    ap = argparse.ArgumentParser(prog="speceval.py", description="Accept length, GSM8K score and tokens/s of plain "
+                                 "decoding and of EAGLE shapes on exported GSM8K contexts (greedy).")
+    ap.add_argument("--model", default="smollm2", help="target model: a registry name, a GGUF or a directory")
+    ap.add_argument("--draft", help="draft head directory (EAGLE-1/2 or, with --algorithm eagle3, EAGLE-3)")
+    ap.add_argument("--prompts", required=True, help="contexts file (.jsonl, may be .gz): prompt, until, target")
+    ap.add_argument("--limit", type=int, help="the first N prompts (after --offset)")
     ap.add_argument("--offset", type=int, default=0, help="skip the first N prompts")
-    ap.add_argument("--max-concurrency", type=int)
-    ap.add_argument("--shape", action="append", default=[], type=spec_shape)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--no-plain", action="store_true")
+    ap.add_argument("--max-concurrency", type=int, help="requests running at once (1: batch 1, prefill included)")
+    ap.add_argument("--shape", action="append", default=[], type=spec_shape, metavar="S,K,N",
+                    help="an EAGLE shape num_steps,topk,num_draft_tokens (repeatable)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ap.add_argument("--backend", default="auto", help="attention backend: auto, ragged, torch or flashinfer")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="per request (default 256)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-decoding configuration")
     ap.add_argument("--token-map", help="FR-Spec draft vocabulary (.json / .pt) for the EAGLE runs")
     ap.add_argument("--algorithm", default="eagle", choices=("eagle", "eagle3"), help="kind of the --draft head")
     ap.add_argument("--spec-overlap", choices=("auto", "on", "off"), default="auto",
@@ -95,13 +97,22 @@ def main() -> None:
     ap.add_argument("--adaptive", action="append", default=[], metavar="TABLE",
                     help="a spec.adaptive table in its flow notation, e.g. '{1: [4x1x5, off], 8: [off]}' (repeatable; "
                          "run after the --shape configs)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="results JSON: per configuration accept length, scores, tok/s")
     a = ap.parse_args()
+    if a.no_plain and not a.shape and not a.adaptive:
+        ap.error("--no-plain leaves nothing to run: give a --shape or an --adaptive table")
+    if a.limit is not None and a.limit < 1:
+        ap.error(f"--limit must be >= 1 (got {a.limit})")
+    if a.offset < 0:
+        ap.error(f"--offset must be >= 0 (got {a.offset})")
+    if not Path(a.prompts).is_file():
+        ap.error(f"--prompts {a.prompts}: no such file")
     tables = []
     for text in a.adaptive:
         from engine.spec_table import AdaptiveTable
+        from harness.core.suites import UniqueKeyLoader
         try:
-            tables.append(AdaptiveTable.parse(yaml.safe_load(text)).as_dict())
+            tables.append(AdaptiveTable.parse(yaml.load(text, Loader=UniqueKeyLoader)).as_dict())
         except (ValueError, yaml.YAMLError) as e:
             ap.error(f"--adaptive {text!r}: {str(e).splitlines()[0]}")
     prompts = read_contexts(a.prompts)[a.offset:]

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engine.config import ConfigError
 from harness.core.config import HarnessConfigError, RunConfig
 from harness.core.resolve import merge, resolve
+from harness.core.suites import UniqueKeyLoader
 from harness.sweep import dotted
 
 console = Console()
@@ -63,9 +64,10 @@ def user_errors() -> Iterator[None]:
         raise
 
 
-class SetValueLoader(yaml.SafeLoader):
+class SetValueLoader(UniqueKeyLoader):
     """YAML's safe loader that also reads the numbers a shell user types as floats: ``nan``, ``inf``, ``-inf``,
-    ``infinity`` (any case) and exponent forms without a dot (``1e-3``), which YAML 1.1 reads as strings."""
+    ``infinity`` (any case) and exponent forms without a dot (``1e-3``), which YAML 1.1 reads as strings; a key
+    given twice in one mapping is refused (:class:`harness.core.suites.UniqueKeyLoader`)."""
 
 
 SetValueLoader.add_implicit_resolver(

@@ -35,11 +35,32 @@ def read_text(path: Path, kind: str) -> str:
                                  f"{e.start})") from None
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a mapping naming one key twice (plain YAML keeps the last silently: a table
+    ``{1: [3x1x4], 1: [off]}`` lost its first tier, a suite with ``spec:`` twice its first section)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:                 # an unhashable key: the base class reports it
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}",
+                        key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: Path) -> Any:
     """Parse a YAML file; a syntax error, or bytes that are not UTF-8, become one line (with the position)."""
     text = read_text(path, "YAML")
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         pos = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
