@@ -135,3 +135,12 @@ def test_gsm8k_e2e_and_pp_check_their_arguments_before_the_machines_wheels(tmp_p
     p = subprocess.run(["bash", str(SCRIPT), "gsm8k-e2e", str(tmp_path / "y")], capture_output=True, text=True,
                        timeout=120)
     assert "TABLE" not in p.stdout, p.stdout
+
+
+def test_the_readme_names_every_mode():
+    """Regression: the README's list of gpu.sh modes lacked gsm8k-e2e, gsm8k-formats, eval-qwen-eagle3 and
+    qwen-record."""
+    import re
+    modes = re.search(r'MODES="([^"]*)"', SCRIPT.read_text()).group(1).split()
+    readme = (SCRIPT.parents[1] / "README.md").read_text()
+    assert len(modes) > 10 and [m for m in modes if f"`{m}`" not in readme] == []
