@@ -134,7 +134,10 @@ class AdaptiveTable:
         """The table of ``spec.adaptive`` (module doc). Raises ConfigError (one line) on any malformed part."""
         if isinstance(value, AdaptiveTable):
             return value
-        if not isinstance(value, dict) or not value:
+        if isinstance(value, dict) and not value:
+            raise ConfigError("spec.adaptive is an empty table: give at least one tier {batch size: [shapes]}, or "
+                              "null for one fixed shape")
+        if not isinstance(value, dict):
             raise ConfigError(f"spec.adaptive must be a mapping {{batch size: [shapes]}}, got {value!r}"[:200])
         tiers, ema = {}, None
         for key, shapes in value.items():

@@ -60,6 +60,7 @@ def test_table_syntax_yaml_toml_and_canonical_form():
     ({1: ["off"], 4: ["off"], "ema": {"alpha": 0.5, "down": 0.2, "up": {1: 0.5, 4: 1.5}}},
      "tier 4: need 0 <= down < up <= 1 (accept rates), got down=0.2 up=1.5"),
     ([1, 2], "must be a mapping"),
+    ({}, "spec.adaptive is an empty table: give at least one tier"),
 ])
 def test_table_errors_are_one_line(value, needle):
     with pytest.raises(ConfigError) as e:
