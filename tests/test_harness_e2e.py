@@ -160,6 +160,9 @@ def test_an_interrupted_bench_writes_the_cells_that_finished(tiny, tmp_path, mon
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [(x["input_len"], x["batch_size"]) for x in records] == [(32, 1)]
     assert "(interrupted after 1 of 2 cells)" in (out / "summary.md").read_text()
+    # plain decoding records 1 token a step: its accept column is "-", not 1.00
+    row = next(x for x in (out / "summary.md").read_text().splitlines() if x.startswith("| 32 | 1 |"))
+    assert row.endswith("| - |"), row
     # compare says so: a cut run's missing cells are not mistaken for a complete run's
     import shutil
     shutil.copytree(out, tmp_path / "again")

@@ -53,6 +53,7 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
     headers = ["input", "batch", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "TPOT mean ms", "TPOT p50 ms",
                "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E mean s", "tok/s", "accept len"]
     rows = []
+    spec_on = bool(((summary.get("engine_info") or {}).get("spec") or {}).get("algorithm"))
     for c in summary["cells"]:
         p = c["pooled"]
         tps = p["output_throughput_runs"]
@@ -69,7 +70,7 @@ def render(summary: dict, title: str = "bench") -> tuple[list, str]:
                      ttft_mean, fmt(p["ttft"]["median"], "ms"), fmt(p["ttft"]["p99"], "ms"),
                      tpot_mean, tpot_p50, fmt(p["tpot"]["p99"], "ms"),
                      fmt(p["itl"]["median"], "ms"), fmt(p["itl"]["p99"], "ms"), fmt(p["e2e"]["mean"]),
-                     tok, fmt(p["accept_length"]["mean"])])
+                     tok, fmt(p["accept_length"]["mean"]) if spec_on else "-"])   # plain decoding: 1 a step
     info = summary.get("engine_info", {})
     notes = [f"output {summary['bench']['output_len']} tokens, ignore_eos, "
              f"{summary['bench']['runs']} run(s) after {summary['bench']['warmup']} warmup; "
