@@ -243,8 +243,7 @@ class Scheduler:
         toks = out.tokens.tolist()
         if kind == "verify":
             n = out.tree_width if out.shape is None else out.shape.num_draft_tokens
-            tier = (self.policy.commit(out, [self.reqs[rid] for rid in out.rids]) if self.policy is not None
-                    else None)
+            tier = self.policy and self.policy.commit(out, [self.reqs[x] for x in out.rids])   # None: no table
             perm = commit_order(out.accept_nodes, out.accept_lens, n)     # all rows at once (numpy)
             alens = out.accept_lens.tolist()
             rt = self._rt_np
