@@ -184,3 +184,23 @@ def test_a_bench_interrupted_before_its_first_cell_finished_writes_nothing(tiny,
     r = runner.invoke(app, ["bench", *_engine_args(tiny), "--no-spec", "--cells", "32x1", "--output-len", "4",
                             "--runs", "1", "--warmup", "0", "--out", str(out)])
     assert r.exit_code != 0 and "partial results" not in r.output and not out.exists(), r.output
+
+
+def test_a_bench_interrupted_in_its_baseline_keeps_the_spec_cells(tiny, tmp_path, monkeypatch):
+    """An interrupt while ``--baseline nospec`` runs (a second engine) still writes the spec cells that finished."""
+    from engine import LLM
+    real, calls = LLM.generate, []
+
+    def generate(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:                       # the spec cell's warm-up and timed run, then the baseline's warm-up
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(LLM, "generate", generate)
+    out = tmp_path / "bench"
+    r = runner.invoke(app, ["bench", *_engine_args(tiny), "--spec", "--baseline", "nospec", "--cells", "32x1",
+                            "--output-len", "4", "--runs", "1", "--warmup", "1", "--out", str(out)])
+    assert r.exit_code != 0 and f"partial results (1 of 1 cells): {out}" in r.output, r.output
+    s = _summary(out)
+    assert s["interrupted"] == {"cells_done": 1, "cells_total": 1} and "baseline" not in s
+    assert [(c["input_len"], c["batch_size"]) for c in s["cells"]] == [(32, 1)]

@@ -126,35 +126,23 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     failed_cells: list[dict] = []
     done: tuple[list, list] = ([], [])
     try:
-        cells, records, peer_cells, tok = _run_cells(cfg, llm, progress, failed_cells=failed_cells, done=done)
-        model_config = getattr(llm, "model_config", None)
-        info = dict(llm.info)
+        try:
+            cells, records, peer_cells, tok = _run_cells(cfg, llm, progress, failed_cells=failed_cells, done=done)
+            model_config = getattr(llm, "model_config", None)
+            info = dict(llm.info)
+        finally:
+            if own:
+                llm.shutdown()
+        baseline = (_run_baseline(cfg, progress, cells) if b.baseline == "nospec" and cfg.engine.spec.enabled
+                    else None)
     except BaseException as e:
         if not isinstance(e, Exception) and done[0]:       # an interrupt: the finished cells travel with it
             e.partial_bench = _partial(cfg, dict(llm.info), done, failed_cells, getattr(llm, "tokenizer", None))
         raise
-    finally:
-        if own:
-            llm.shutdown()
-    baseline = None
-    if b.baseline == "nospec" and cfg.engine.spec.enabled:
-        try:
-            baseline = _run_baseline(cfg, progress, cells)
-        except BaseException as e:                          # interrupted in the baseline: the spec cells are kept
-            if not isinstance(e, Exception):
-                e.partial_bench = _partial(cfg, info, done, failed_cells, tok)
-            raise
     random_weights = cfg.engine.load_format == "dummy"
-    source = prompt_sets.source(b.prompts) if tok is not None else "random-ids"
-    summary = {"kind": "bench", "engine_info": info, "prompt_source": source,
-               "weights": RANDOM_WEIGHTS if random_weights else "checkpoint",
-               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
-    if failed_cells:
-        summary["failed_cells"] = failed_cells
+    summary = _summary(cfg, info, cells, failed_cells, tok)
     if baseline is not None:
         summary["baseline"] = baseline
-    if any(c.get("pp") for c in cells):
-        summary["pp"] = pp_metrics.run_metrics(cells)
     if prompt_sets.gsm8k_split(b.prompts) is None and cfg.engine.spec.enabled:
         summary["accept_by_category"] = prompt_sets.accept_by_category([x for x in records if "category" in x],
                                                                        cfg.engine.spec.max_depth)
@@ -176,24 +164,30 @@ def run_bench(cfg: RunConfig, llm=None, progress: Callable[[str, int, int], None
     return summary, records
 
 
-def _partial(cfg: RunConfig, info: dict, done: tuple[list, list], failed_cells: list, tok) -> tuple[dict, list[dict]]:
-    """(summary, records) of the cells that finished before an interrupt (``info``: the engine's ``LLM.info``): the
-    summary run_bench would write for them alone (no baseline, floors or peer), with ``interrupted: {cells_done,
-    cells_total}``; the records of a cell cut short are dropped."""
-    cells, records = done
-    finished = {(c["input_len"], c["batch_size"]) for c in cells}
-    records = [x for x in records if (x["input_len"], x["batch_size"]) in finished]
+def _summary(cfg: RunConfig, info: dict, cells: list[dict], failed_cells: list[dict], tok) -> dict:
+    """The summary of measured ``cells`` (``info``: the engine's ``LLM.info``; ``tok``: its tokenizer or None): the
+    part run_bench writes before the baseline, the floors and the peer."""
     b = cfg.bench
-    summary = {"kind": "bench", "engine_info": info, "prompt_source":
-               prompt_sets.source(b.prompts) if tok is not None else "random-ids",
+    summary = {"kind": "bench", "engine_info": info,
+               "prompt_source": prompt_sets.source(b.prompts) if tok is not None else "random-ids",
                "weights": RANDOM_WEIGHTS if cfg.engine.load_format == "dummy" else "checkpoint",
-               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": list(cells),
-               "interrupted": {"cells_done": len(cells), "cells_total": len(b.cell_list())}}
+               "bench": {"output_len": b.output_len, "runs": b.runs, "warmup": b.warmup}, "cells": cells}
     if failed_cells:
-        summary["failed_cells"] = list(failed_cells)
+        summary["failed_cells"] = failed_cells
     if any(c.get("pp") for c in cells):
         summary["pp"] = pp_metrics.run_metrics(cells)
-    return summary, records
+    return summary
+
+
+def _partial(cfg: RunConfig, info: dict, done: tuple[list, list], failed_cells: list, tok) -> tuple[dict, list[dict]]:
+    """(summary, records) of the cells that finished before an interrupt (:func:`_summary` of them alone: no
+    baseline, floors or peer), with ``interrupted: {cells_done, cells_total}``; the records of a cell cut short are
+    dropped."""
+    cells, records = done
+    finished = {(c["input_len"], c["batch_size"]) for c in cells}
+    summary = _summary(cfg, info, list(cells), list(failed_cells), tok)
+    summary["interrupted"] = {"cells_done": len(cells), "cells_total": len(cfg.bench.cell_list())}
+    return summary, [x for x in records if (x["input_len"], x["batch_size"]) in finished]
 
 
 def _ratio_ci(num, den, rng, n_boot: int = 2000) -> list[float] | None:

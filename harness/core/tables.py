@@ -18,11 +18,9 @@ def spec_label(sp: dict | None) -> str:
     table = sp.get("adaptive")
     if not table:                   # None, or false in summaries written before tables were a mapping
         return f"{sp['algorithm']} S{sp.get('num_steps')}k{sp.get('topk')}n{sp.get('num_draft_tokens')}"
-    tiers = {k: v for k, v in table.items() if k != "ema"}
-    def shape(x) -> str:
-        return "off" if x is False or x == "off" else str(x)
-    body = ", ".join(f"{k}: [{', '.join(shape(x) for x in v)}]" for k, v in tiers.items())
-    return f"{sp['algorithm']} adaptive {{{body}}}" + (" + ema" if "ema" in table else "")
+    from engine.spec_table import AdaptiveTable        # the table's own notation, its thresholds left out
+    tiers = AdaptiveTable.parse({k: v for k, v in table.items() if k != "ema"})
+    return f"{sp['algorithm']} adaptive {tiers}" + (" + ema" if "ema" in table else "")
 
 
 def fmt(x, kind: str = "num") -> str:
